@@ -1,0 +1,34 @@
+"""Shared helpers for the kernels package: Triton availability and the ref/Triton dispatch rule."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: the CPU path (and macOS) runs on the plain-torch references alone.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when `t` lives on a CUDA device, Triton imports and GYRFALCON_KERNELS != "ref".
+
+    The env var is read on every call (it is cheap) so tests and benchmarks can flip it at run time.
+    """
+    return HAS_TRITON and t.is_cuda and os.environ.get("GYRFALCON_KERNELS") != "ref"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1); Triton block shapes must be powers of two."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,130 @@
+"""RMSNorm, optionally fused with the residual add; also used for per-head q/k norm.
+
+x: [..., hidden] (e.g. [num_tokens, hidden] or [num_tokens, num_heads, head_dim]); the norm runs over
+the last dim. weight: [hidden] (or None for no affine; weight_offset is then ignored). Math is fp32; results come back in x.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+):
+    """Plain-torch RMSNorm.
+
+    Without residual: returns x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), shape of x.
+    With residual [same shape as x]: returns (normed, new_residual) with new_residual = x + residual
+    added in x.dtype (as Hugging Face does in the model dtype) and normed = rms_norm(new_residual).
+    weight_offset=1.0 gives the zero-centred `* (1 + w)` norm of Qwen3-Next.
+    """
+    new_residual = None
+    if residual is not None:
+        x = x + residual
+        new_residual = x
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * (weight.float() + weight_offset)
+    out = out.to(x.dtype)
+    return out if residual is None else (out, new_residual)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        n_inner, stride_x0, stride_x1, stride_r0, stride_r1,
+        N, eps, w_offset,
+        HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # One program per row. Rows are indexed as (row // n_inner, row % n_inner) so a strided
+        # [T, H, D] view (e.g. q sliced out of a fused qkv output) needs no copy.
+        row = tl.program_id(0)
+        r0 = row // n_inner
+        r1 = row % n_inner
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + r0 * stride_x0 + r1 * stride_x1 + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + r0 * stride_r0 + r1 * stride_r1 + cols, mask=mask, other=0.0)
+            # Round the sum to the model dtype before normalizing, exactly as the reference does.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + row * N + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / N
+        y = xf * tl.math.rsqrt(var + eps)
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * (w + w_offset)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(t: torch.Tensor):
+    """Describe t as rows of its last dim: (n_rows, n_inner, stride0, stride1), last dim contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t, 1, 1, 0, 0
+    if t.dim() == 2:
+        return t, t.shape[0], 1, t.stride(0), 0
+    if t.dim() == 3:
+        return t, t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
+    try:
+        t2 = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        t2 = t.reshape(-1, t.shape[-1])
+    return t2, t2.shape[0], 1, t2.stride(0), 0
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+):
+    """Triton RMSNorm; same contract as rms_norm_ref. Outputs are fresh contiguous tensors."""
+    shape = x.shape
+    N = shape[-1]
+    xv, n_rows, n_inner, sx0, sx1 = _rows_view(x)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        rv, _, _, sr0, sr1 = _rows_view(residual)
+        res_out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        rv, sr0, sr1, res_out = xv, 0, 0, out
+    if n_rows == 0:
+        return out if residual is None else (out, res_out)
+    w = weight.contiguous() if weight is not None else xv
+    BLOCK = max(16, next_pow2(N))
+    num_warps = min(16, max(1, BLOCK // 512))
+    _rms_norm_kernel[(n_rows,)](
+        xv, rv, w, out, res_out,
+        n_inner, sx0, sx1, sr0, sr1,
+        N, float(eps), float(weight_offset),
+        HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK=BLOCK,
+        num_warps=num_warps,
+    )
+    return out if residual is None else (out, res_out)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+):
+    """RMSNorm (+ fused residual add). Triton on CUDA, reference elsewhere; see rms_norm_ref."""
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual, weight_offset=weight_offset)
+    return rms_norm_ref(x, weight, eps, residual, weight_offset=weight_offset)

@@ -1,0 +1,106 @@
+"""Write this step's K/V into the paged cache.
+
+k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim]; slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset_in_block, and a slot
+< 0 means "skip" (padding tokens of a CUDA-graph batch). Writes in place, casting to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch cache write (the CPU path; boolean masking syncs on CUDA, which is fine here)."""
+    slots = slot_mapping.reshape(-1).long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Index (block, offset) rather than flattening so non-contiguous cache views work too.
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        n_heads, block_size,
+        s_kt, s_kh, s_vt, s_vh,
+        s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
+        HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # Grid: (num_tokens, head blocks). Masked stores instead of an early return keep the
+        # kernel branch-free; a skipped slot (< 0) costs one scalar load.
+        tok = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        slot = tl.load(slot_ptr + tok)
+        valid = slot >= 0
+        slot = tl.maximum(slot, 0)
+        blk = slot // block_size
+        off = slot % block_size
+        hmask = (heads < n_heads) & valid
+        dk = tl.arange(0, BLOCK_DK)
+        mk = hmask[:, None] & (dk[None, :] < HEAD_DIM_K)
+        kx = tl.load(k_ptr + tok * s_kt + heads[:, None] * s_kh + dk[None, :], mask=mk)
+        tl.store(kc_ptr + blk * s_kcb + off * s_kco + heads[:, None] * s_kch + dk[None, :],
+                 kx.to(kc_ptr.dtype.element_ty), mask=mk)
+        dv = tl.arange(0, BLOCK_DV)
+        mv = hmask[:, None] & (dv[None, :] < HEAD_DIM_V)
+        vx = tl.load(v_ptr + tok * s_vt + heads[:, None] * s_vh + dv[None, :], mask=mv)
+        tl.store(vc_ptr + blk * s_vcb + off * s_vco + heads[:, None] * s_vch + dv[None, :],
+                 vx.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton cache write; same contract as store_kv_ref. No host syncs (CUDA-graph safe)."""
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    num_tokens, n_heads, dk = k.shape
+    dv = v.shape[-1]
+    if num_tokens == 0:
+        return
+    BLOCK_DK, BLOCK_DV = next_pow2(dk), next_pow2(dv)
+    BLOCK_H = max(1, min(next_pow2(n_heads), max(1, 4096 // max(BLOCK_DK, BLOCK_DV))))
+    grid = (num_tokens, triton.cdiv(n_heads, BLOCK_H))
+    _store_kv_kernel[grid](
+        k, v, k_cache, v_cache, slot_mapping,
+        n_heads, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM_K=dk, HEAD_DIM_V=dv, BLOCK_H=BLOCK_H, BLOCK_DK=BLOCK_DK, BLOCK_DV=BLOCK_DV,
+        num_warps=4,
+    )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k/v into the paged caches at slot_mapping (skipping slots < 0), in place."""
+    if use_triton(k):
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
