@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, use_triton
+from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+_LOG2E = 1.4426950408889634
 
 # Bound on the fp32 score tensor the reference materializes at once (bytes); queries are chunked
 # so a 10k-token prompt on the CPU path does not allocate heads * 10k * 10k floats.
@@ -78,6 +80,114 @@ def paged_attention_ref(
     return out
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+        # Sequence i owns global q blocks [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): an
+        # upper bound of cdiv(q_len, BLOCK_Q) blocks per sequence that needs no host sync to size
+        # the grid. Binary search for the last i whose first block is <= q_block.
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            if first <= q_block:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+        scale_log2, num_seqs, block_size,
+        s_qt, s_qh, s_ot, s_oh,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
+        GROUP: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query
+        # tokens of one sequence times the GROUP query heads of one kv head (rows = token-major,
+        # head-minor), so every K/V tile read from the paged cache serves the whole GQA group.
+        q_block = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        local = q_block - (q_start // BLOCK_Q + seq)
+        if local * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len
+
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = local * BLOCK_Q + rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        q_pos = ctx + q_idx
+
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            q_ptr + (q_start + q_idx)[:, None] * s_qt + head[:, None] * s_qh + dk[None, :],
+            mask=row_ok[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        # Keys 0 .. (last query position of this tile) are all this tile can see.
+        kv_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
+        bt_row = bt_ptr + seq.to(tl.int64) * s_bt
+        for start in range(0, kv_end, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            kmask = kpos < kv_end
+            # Per-key block lookup: BLOCK_N is independent of the cache's block_size.
+            phys = tl.load(bt_row + kpos // block_size, mask=kmask, other=0).to(tl.int64)
+            off = kpos % block_size
+            k = tl.load(
+                kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
+                mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+            visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with nothing visible yet keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            o_ptr + (q_start + q_idx)[:, None] * s_ot + head[:, None] * s_oh + dv[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (dv[None, :] < HEAD_DV),
+        )
+
+
+def _prefill_config(head_dim: int, group: int):
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages), chosen from shapes only (no autotune:
+    autotuning would benchmark inside CUDA-graph capture and differ between runs)."""
+    if head_dim <= 64:
+        return 128, 64, 4, 2
+    if head_dim <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 8, 2
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -88,9 +198,47 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    # Placeholder until the Triton prefill kernel lands: same results, reference speed.
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    """Triton flash-attention over the paged cache; same contract as paged_attention_ref.
+
+    The grid is sized from shapes alone (num_tokens // BLOCK_Q + num_seqs q blocks), so no host sync
+    happens and max_query_len / max_seq_len are accepted but not needed. block_m / block_n override
+    the tile sizes (tests use small ones to cover many tiles cheaply).
+    """
+    assert q.dim() == 3 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    num_tokens, n_heads, dk = q.shape
+    n_kv = k_cache.shape[2]
+    dv = v_cache.shape[-1]
+    assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"
+    group = n_heads // n_kv
+    num_seqs = seq_lens.shape[0]
+    o = torch.empty(num_tokens, n_heads, dv, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return o
+    bm, bn, num_warps, num_stages = _prefill_config(max(dk, dv), group)
+    bm, bn = block_m or bm, block_n or bn
+    group_p2 = next_pow2(group)
+    # BLOCK_Q tokens x GROUP heads per program; at least 16 rows for tl.dot.
+    block_q = max(1, bm // group_p2)
+    block_m_rows = max(16, next_pow2(block_q * group))
+    grid = (num_tokens // block_q + num_seqs, n_kv)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, o, block_tables, seq_lens, query_start_loc,
+        float(scale) * _LOG2E, num_seqs, k_cache.shape[1],
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DK=dk, HEAD_DV=dv,
+        BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=max(16, next_pow2(dv)),
+        BLOCK_Q=block_q, BLOCK_M=block_m_rows, BLOCK_N=max(16, bn),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o
 
 
 def paged_attention(

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, use_triton
+from gyrfalcon.kernels._common import HAS_TRITON, cdiv, next_pow2, tl, triton, use_triton
+
+_LOG2E = 1.4426950408889634
 
 
 def paged_decode_attention_ref(
@@ -48,6 +50,136 @@ def paged_decode_attention_ref(
     return o.to(q.dtype)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr,
+        scale_log2, num_splits, block_size,
+        s_qb, s_qh, s_ob, s_oh,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):
+        # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
+        # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
+        # covers context tokens [s * part, (s + 1) * part) of its sequence, part sized on the device
+        # from seq_len (flash-decoding without a host sync; splits past the end are empty).
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + b)
+        part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * part
+        end = tl.minimum(start + part, seq_len)
+
+        g = tl.arange(0, BLOCK_G)
+        head = kvh * GROUP + g
+        gmask = g < GROUP
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            q_ptr + b * s_qb + head[:, None] * s_qh + dk[None, :],
+            mask=gmask[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * s_bt
+        for kstart in range(start, end, BLOCK_N):
+            kpos = kstart + tl.arange(0, BLOCK_N)
+            kmask = kpos < end
+            phys = tl.load(bt_row + kpos // block_size, mask=kmask, other=0).to(tl.int64)
+            off = kpos % block_size
+            k = tl.load(
+                kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
+                mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+            s = tl.where(kmask[None, :], s, float("-inf"))
+            # Every tile holds >= 1 valid key (kstart < end), so m_new is finite here.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        if DIRECT:
+            # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(
+                o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :],
+                (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+                mask=gmask[:, None] & (dv[None, :] < HEAD_DV),
+            )
+        else:
+            # Partials: acc [B, H, S, BLOCK_DV] unnormalized, (m, l) [B, H, S, 2]; fp32.
+            row = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split
+            tl.store(pacc_ptr + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=gmask[:, None])
+            tl.store(pml_ptr + row * 2, m_i, mask=gmask)
+            tl.store(pml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        pacc_ptr, pml_ptr, o_ptr, num_splits, n_heads, s_ob, s_oh,
+        HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        # Grid: (num_seqs, num_heads). Log-sum-exp merge of the splits' partial softmaxes.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        smask = sp < num_splits
+        row = (b * n_heads + h) * num_splits + sp
+        m = tl.load(pml_ptr + row * 2, mask=smask, other=float("-inf"))
+        l = tl.load(pml_ptr + row * 2 + 1, mask=smask, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty sequence: all splits empty
+        w = tl.math.exp2(m - m_max)
+        w = tl.where(smask, w, 0.0)
+        l_tot = tl.sum(w * l, axis=0)
+        dv = tl.arange(0, BLOCK_DV)
+        acc = tl.load(pacc_ptr + row[:, None] * BLOCK_DV + dv[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0)
+        out = out / tl.where(l_tot == 0.0, 1.0, l_tot)
+        tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < HEAD_DV)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill the GPU about
+    twice over, but at least ~256 context tokens per split, rounded to a power of two to bound the
+    number of compiled variants. max_context is an upper bound (e.g. block-table width * block_size)."""
+    want = cdiv(2 * _sm_count(device), max(1, num_seqs * num_kv_heads))
+    want = min(want, cdiv(max(1, max_context), 256), 64)
+    return min(64, next_pow2(max(1, want)))
+
+
+def _decode_config(head_dim: int):
+    """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs)."""
+    if head_dim <= 128:
+        return 64, 4, 3
+    return 32, 4, 3
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -56,9 +188,54 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    # Placeholder until the Triton split-KV kernel lands: same results, reference speed.
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
+
+    No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
+    picks default_num_splits from the batch shape and the block-table width.
+    """
+    assert q.dim() == 3 and q.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    n_seqs, n_heads, dk = q.shape
+    n_kv = k_cache.shape[2]
+    dv = v_cache.shape[-1]
+    assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"
+    group = n_heads // n_kv
+    o = torch.empty(n_seqs, n_heads, dv, dtype=q.dtype, device=q.device)
+    if n_seqs == 0:
+        return o
+    block_size = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device)
+    num_splits = max(1, int(num_splits))
+    bn, num_warps, num_stages = _decode_config(max(dk, dv))
+    bn = max(16, block_n or bn)
+    block_dv = max(16, next_pow2(dv))
+    direct = num_splits == 1
+    if direct:
+        pacc = pml = o  # unused
+    else:
+        pacc = torch.empty(n_seqs * n_heads * num_splits, block_dv, dtype=torch.float32, device=q.device)
+        pml = torch.empty(n_seqs * n_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(n_seqs, n_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml,
+        float(scale) * _LOG2E, num_splits, block_size,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
+        DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _decode_reduce_kernel[(n_seqs, n_heads)](
+            pacc, pml, o, num_splits, n_heads, o.stride(0), o.stride(1),
+            HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), num_warps=4,
+        )
+    return o
 
 
 def paged_decode_attention(
