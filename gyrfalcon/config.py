@@ -1,0 +1,194 @@
+"""EngineConfig and its parts: the one home of every engine setting.
+
+The names follow vLLM's engine arguments (max_model_len, max_num_seqs, ...), so CLI flags and
+`LLM(...)` keyword arguments carry the same meaning as there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+_DTYPES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+def default_model_path() -> Optional[str]:
+    """The small code model shipped inside the package, if present."""
+    p = Path(__file__).parent / "assets" / "demo-model"
+    return str(p) if (p / "config.json").exists() else None
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
+    max_model_len: Optional[int] = None  # None: from the checkpoint's config
+    seed: int = 0
+    served_model_name: Optional[str] = None
+    tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    # Filled by resolve(): the transformers config and derived facts.
+    hf_config: Any = field(default=None, repr=False)
+    generation_config: dict = field(default_factory=dict, repr=False)
+
+    def resolve(self, device: str) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"Model directory {self.model!r} does not exist. gyrfalcon loads local Hugging Face "
+                "checkpoints (config.json + *.safetensors + tokenizer files).")
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint.")
+        if not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code)
+        gen = path / "generation_config.json"
+        self.generation_config = json.loads(gen.read_text()) if gen.exists() else {}
+        derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = int(derived)
+        elif self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({derived}).")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if device == "cuda" else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {self.dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'.")
+        self.dtype = _DTYPES[self.dtype]
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def eos_token_ids(self, tokenizer_eos: Optional[int]) -> List[int]:
+        """All ids that end generation: generation_config's eos list, else config / tokenizer eos."""
+        ids: List[int] = []
+        for src in (self.generation_config.get("eos_token_id"),
+                    getattr(self.hf_config, "eos_token_id", None), tokenizer_eos):
+            if src is None:
+                continue
+            for i in (src if isinstance(src, (list, tuple)) else [src]):
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+            if ids:
+                break
+        return ids
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # The number of KV blocks; None: derived from memory (GPU) or cpu_kv_cache_gb (CPU).
+    num_gpu_blocks: Optional[int] = None
+    cpu_kv_cache_gb: float = 1.0
+
+    def verify(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # None: max(8192, max_model_len) capped sensibly
+    enable_chunked_prefill: bool = True
+
+    def resolve(self, max_model_len: int) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len}).")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def verify(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def create(cls, model: Optional[str] = None, *, dtype: str = "auto",
+               max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+               max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+               enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
+               enforce_eager: bool = False, tensor_parallel_size: int = 1,
+               num_gpu_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
+               served_model_name: Optional[str] = None, tokenizer: Optional[str] = None,
+               device: str = "auto", cpu_kv_cache_gb: float = 1.0,
+               trust_remote_code: bool = False) -> "EngineConfig":
+        if model is None:
+            model = default_model_path()
+            if model is None:
+                raise ValueError("No model given and the demo model is not installed.")
+            served_model_name = served_model_name or "gyrfalcon-demo"
+        cfg = cls(
+            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
+                                     seed=seed, served_model_name=served_model_name,
+                                     tokenizer=tokenizer, trust_remote_code=trust_remote_code),
+            cache_config=CacheConfig(block_size=block_size,
+                                     gpu_memory_utilization=gpu_memory_utilization,
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             enable_chunked_prefill=enable_chunked_prefill),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=device, enforce_eager=enforce_eager)
+        cfg.resolve()
+        return cfg
+
+    def resolve(self) -> None:
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}.")
+        self.model_config.resolve(self.device)
+        self.cache_config.verify()
+        self.parallel_config.verify()
+        self.scheduler_config.resolve(self.model_config.max_model_len)
+        if os.environ.get("GYRFALCON_ENFORCE_EAGER") == "1":
+            self.enforce_eager = True

@@ -1,0 +1,1 @@
+"""CPU-side bookkeeping, no CUDA: Engine.step(), Request, Scheduler, BlockManager."""

@@ -1,0 +1,81 @@
+"""Engine: the scheduler and the model runner, stepped together.
+
+Token ids in, token ids out: text is the front end's business (LLM, or the HTTP server).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from gyrfalcon.engine.block_manager import BlockManager
+from gyrfalcon.engine.request import Request, RequestStatus
+from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
+from gyrfalcon.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config, eos_token_ids: List[int], runner=None) -> None:
+        """`runner` defaults to a ModelRunner on config.device (imported here, so engine/ itself
+        stays free of CUDA code and its tests can pass a fake runner)."""
+        self.config = config
+        if runner is None:
+            from gyrfalcon.runner.model_runner import ModelRunner
+            runner = ModelRunner(config)
+        self.runner = runner
+        self.eos_token_ids = list(eos_token_ids)
+        cc, sc = config.cache_config, config.scheduler_config
+        self.max_model_len = config.model_config.max_model_len
+        self.block_manager = BlockManager(runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        max_len_blocks = self.block_manager.blocks_needed(self.max_model_len)
+        if max_len_blocks > runner.num_blocks:
+            raise ValueError(
+                f"The KV cache holds {runner.num_blocks} blocks of {cc.block_size} tokens "
+                f"({runner.num_blocks * cc.block_size} tokens), fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs; lower max_model_len or give the cache more memory.")
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   sc.enable_chunked_prefill)
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    def validate_prompt(self, prompt_token_ids: List[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("The prompt is empty: at least one token is needed.")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {n} tokens long, which does not fit max_model_len={self.max_model_len} "
+                f"(the prompt must be shorter than {self.max_model_len} tokens to leave room for output).")
+        vocab = getattr(self.config.model_config.hf_config, "vocab_size", None)
+        if vocab is not None:
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"Token id {bad[0]} is out of range for a vocabulary of {vocab}.")
+
+    def add_request(self, request_id: str, prompt_token_ids: List[int],
+                    sampling_params: SamplingParams, arrival_time: Optional[float] = None) -> Request:
+        self.validate_prompt(prompt_token_ids)
+        req = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
+                      self.max_model_len, arrival_time)
+        self.scheduler.add_request(req)
+        self.num_prompt_tokens_total += len(prompt_token_ids)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def finish_request(self, request_id: str) -> bool:
+        """End a request that the front end saw stop (a stop string)."""
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> List[RequestUpdate]:
+        batch = self.scheduler.schedule()
+        out = self.runner.execute(batch)
+        updates = self.scheduler.update(batch, out.sampled, out.logprobs)
+        self.num_generation_tokens_total += len(updates)
+        return updates

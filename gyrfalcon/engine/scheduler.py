@@ -1,0 +1,204 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+There is no prefill phase and decode phase: every request has tokens it still has to run
+(`num_tokens - num_computed_tokens`): a whole prompt, a chunk of one, or the one token sampled
+last step. Each step hands out a token budget (max_num_batched_tokens): running requests first, in
+arrival order, then waiting ones, so new requests join a running batch and prefill chunks share a
+step with decode tokens. When blocks run out, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed from
+its prompt and the outputs it already has (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Set
+
+from gyrfalcon.engine.block_manager import BlockManager
+from gyrfalcon.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Whether this step ends on the request's last known token, so it yields a sampled token
+    # (False for a prefill chunk that leaves part of the prompt for later).
+    sample: bool
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler decided for one step; the runner turns it into a ForwardBatch."""
+
+    reqs: List[ScheduledRequest] = field(default_factory=list)
+    # Requests that ended since the last step: the runner drops its per-request state.
+    finished_request_ids: Set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.reqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request; the front end turns it into text."""
+
+    request_id: str
+    new_token_ids: List[int]
+    new_logprobs: List[tuple]  # per new token: (logprob, [(token, logprob), ...]) if asked
+    finished: bool
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []
+        self.requests: Dict[str, Request] = {}
+        self._finished_since_step: Set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- admission / removal ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str,
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Optional[Request]:
+        """Stop a request (abort, or a stop string seen by the front end) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self.block_manager.free(request)
+        self._finished_since_step.add(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(finished_request_ids=self._finished_since_step)
+        self._finished_since_step = set()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        scheduled: Set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
+                break
+            preempted_self = False
+            while not bm.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break
+            batch.reqs.append(ScheduledRequest(
+                req, num_new, req.num_computed_tokens + num_new == req.num_tokens))
+            scheduled.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests only when nothing was preempted: freed blocks go to the
+        # preempted (older) requests first, or they would starve.
+        if batch.num_preempted == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits = bm.get_computed_blocks(req)
+                num_cached = len(hits) * bm.block_size
+                remaining = req.num_tokens - num_cached
+                num_new = min(remaining, budget)
+                if not self.enable_chunked_prefill and num_new < remaining:
+                    break
+                if not bm.allocate_slots(req, num_new, hits):
+                    break
+                if bm.enable_prefix_caching:
+                    bm.record_prefix_query(req.num_tokens, num_cached)
+                self.waiting.popleft()
+                req.num_computed_tokens = num_cached
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                batch.reqs.append(ScheduledRequest(req, num_new, num_cached + num_new == req.num_tokens))
+                budget -= num_new
+        self.num_preemptions_total += batch.num_preempted
+        return batch
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, batch: ScheduledBatch, sampled: List[Optional[int]],
+               logprobs: Optional[List[Optional[tuple]]] = None) -> List[RequestUpdate]:
+        """Apply one step's results: advance computed counts, append tokens, finish requests.
+
+        sampled[i] is the token sampled for batch.reqs[i] (None where it did not sample).
+        """
+        updates: List[RequestUpdate] = []
+        for i, sr in enumerate(batch.reqs):
+            req = sr.request
+            if req.is_finished or req.request_id not in self.requests:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += sr.num_new_tokens
+            if not sr.sample:
+                continue
+            lp = logprobs[i] if logprobs is not None else None
+            req.append_output(sampled[i], lp)
+            finished = req.check_stop()
+            if finished:
+                self.running.remove(req)
+                self.requests.pop(req.request_id, None)
+                self.block_manager.free(req)
+                self._finished_since_step.add(req.request_id)
+            updates.append(RequestUpdate(
+                request_id=req.request_id, new_token_ids=[sampled[i]],
+                new_logprobs=[lp] if lp is not None else [], finished=finished,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+        return updates

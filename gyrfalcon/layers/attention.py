@@ -1,0 +1,39 @@
+"""Attention over the paged KV cache.
+
+The layer stores this step's K/V into the cache first, then attends from the cache, so chunked
+prefill (queries that see a cached prefix), prefix-cache hits and decode are one code path. The
+batch's metadata and this layer's cache tensors come from the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gyrfalcon.kernels import paged_attention, paged_decode_attention, store_kv
+from gyrfalcon.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]"""
+        ctx = get_forward_context()
+        fb = ctx.batch
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        store_kv(k, v, k_cache, v_cache, fb.slot_mapping)
+        if fb.is_decode:
+            o = paged_decode_attention(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, self.scale,
+                                       num_splits=fb.decode_num_splits)
+        else:
+            o = paged_attention(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc,
+                                self.scale, max_query_len=fb.max_query_len, max_seq_len=fb.max_seq_len)
+        return o.reshape(o.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,71 @@
+"""Linear layers, including the fused projections filled from separate checkpoint tensors.
+
+A checkpoint stores q_proj, k_proj and v_proj (and gate_proj, up_proj) apart; gyrfalcon keeps each
+group in one weight so one GEMM does the work. `weight_loader(param, tensor, shard_id)` copies a
+checkpoint tensor into its rows of the fused weight.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b). W: [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, in_features] -> [num_tokens, out_features]"""
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                             f"{tuple(loaded.shape)}.")
+        param.data.copy_(loaded)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (gate_up, qkv).
+
+    `shards` maps a shard id to (row offset, rows) in the fused weight.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Dict[object, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shards: Dict[object, Tuple[int, int]] = {}
+        off = 0
+        for sid, size in shard_sizes.items():
+            self.shards[sid] = (off, size)
+            off += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        off, size = self.shards[shard_id]
+        dst = param.data.narrow(0, off, size)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"Shape mismatch for shard {shard_id!r}: {tuple(dst.shape)} vs "
+                             f"checkpoint {tuple(loaded.shape)}.")
+        dst.copy_(loaded)
+
+    def split_sizes(self) -> List[int]:
+        return [size for _, size in self.shards.values()]
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections in one GEMM: rows [q heads | k heads | v heads]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                       "v": num_kv_heads * head_dim}, bias)

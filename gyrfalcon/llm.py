@@ -1,0 +1,123 @@
+"""LLM: the offline API. Drives an in-process Engine; names and shapes follow vLLM's `LLM`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from gyrfalcon.config import EngineConfig
+from gyrfalcon.engine.engine import Engine
+from gyrfalcon.output_processor import OutputProcessor
+from gyrfalcon.outputs import RequestOutput
+from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.tokenizer import encode, load_tokenizer, render_chat
+
+PromptType = Union[str, List[int], Dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None,
+                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
+                 enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
+                 device: str = "auto", trust_remote_code: bool = False, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
+        self.config = EngineConfig.create(
+            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, block_size=block_size,
+            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
+            tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code)
+        mc = self.config.model_config
+        self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
+        self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _to_token_ids(self, prompt: PromptType):
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            return prompt, encode(self.tokenizer, prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"Unsupported prompt type {type(prompt).__name__}: use a string, a list of "
+                        "token ids, or a dict with 'prompt' / 'prompt_token_ids'.")
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
+        """One RequestOutput per prompt, in the order given."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
+        # Validate everything first so a bad prompt leaves nothing half-submitted.
+        encoded = [self._to_token_ids(p) for p in prompts]
+        for _, ids in encoded:
+            self.engine.validate_prompt(ids)
+        return self._run([(text, ids, p) for (text, ids), p in zip(encoded, params)], use_tqdm)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt)
+            prompts.append({"prompt_token_ids": encode(self.tokenizer, text, add_special_tokens=False)})
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for o, p in zip(outs, prompts):
+            o.prompt = self.tokenizer.decode(p["prompt_token_ids"])
+        return outs
+
+    def _run(self, items, use_tqdm: bool) -> List[RequestOutput]:
+        processor = OutputProcessor(self.tokenizer)
+        order: List[str] = []
+        submitted: List[str] = []
+        try:
+            for text, ids, params in items:
+                rid = str(next(self._counter))
+                order.append(rid)
+                for eid, child in processor.add_request(rid, text, ids, params):
+                    self.engine.add_request(eid, ids, child)
+                    submitted.append(eid)
+            results: Dict[str, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
+            while self.engine.has_unfinished_requests():
+                touched, to_finish = processor.process(self.engine.step())
+                for eid in to_finish:
+                    self.engine.finish_request(eid)
+                for st in touched:
+                    if st.finished:
+                        results[st.request_id] = st.request_output()
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+            return [results[rid] for rid in order]
+        except BaseException:
+            # Interrupted (or failed): nothing may keep holding KV blocks.
+            for eid in submitted:
+                self.engine.abort_request(eid)
+            raise

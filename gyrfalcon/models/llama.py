@@ -1,0 +1,191 @@
+"""Llama family (Llama 2/3/3.1, and the base that Qwen3 extends), on gyrfalcon's own layers.
+
+Checkpoint layout is Hugging Face's: q/k/v and gate/up are separate tensors there and fused here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from gyrfalcon.layers.activation import SiluAndMul
+from gyrfalcon.layers.attention import Attention
+from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
+from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
+
+# checkpoint name piece -> (fused parameter name piece, shard id)
+STACKED_PARAMS = (
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0),
+    (".up_proj", ".gate_up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    use_qk_norm = False
+
+    def __init__(self, config, layer_idx: int, max_position: int) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, self.hidden_size,
+                             bias=bool(getattr(config, "o_proj_bias", False)) and bias)
+        params = rope_parameters_of(config)
+        partial = float(params.get("partial_rotary_factor",
+                                   getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, int(self.head_dim * partial), max_position, params,
+                                          config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              layer_idx)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T]; x: [T, hidden] -> [T, hidden]"""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_idx: int, max_position: int) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported hidden_act {act!r}: gyrfalcon's Llama MLP is SwiGLU (silu).")
+        self.self_attn = self.attention_cls(config, layer_idx, max_position)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, max_position)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+
+    def __init__(self, config, max_position: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = self.model_cls(config, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]"""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]"""
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self) -> Dict[str, int]:
+        attn = self.model.layers[0].self_attn
+        return {"num_layers": len(self.model.layers), "num_kv_heads": attn.num_kv_heads,
+                "head_dim": attn.head_dim}
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: Set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt, fused, sid in STACKED_PARAMS:
+                if ckpt in name:
+                    name, shard = name.replace(ckpt, fused), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None and name.endswith(("weight", "bias")) and isinstance(owner, Linear):
+                loader(param, tensor, shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"Shape mismatch for {name}: {tuple(param.shape)} vs "
+                                     f"checkpoint {tuple(tensor.shape)}.")
+                param.data.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> Set[str]:
+        """Names load_weights must report for a complete checkpoint."""
+        out: Set[str] = set()
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                if full == "lm_head.weight" and self.tie_word_embeddings:
+                    continue
+                if isinstance(module, MergedLinear) and pname == "weight" or (
+                        isinstance(module, MergedLinear) and pname == "bias"):
+                    out.update(f"{full}#{sid}" for sid in module.shards)
+                else:
+                    out.add(full)
+        return out

@@ -1,0 +1,28 @@
+"""Hugging Face architecture name -> gyrfalcon model class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Type
+
+from torch import nn
+
+_MODELS = {
+    "LlamaForCausalLM": ("gyrfalcon.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("gyrfalcon.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures():
+    return sorted(_MODELS)
+
+
+def resolve_model_class(hf_config) -> Type[nn.Module]:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(
+        f"Unsupported architecture {archs[0] if len(archs) == 1 else archs or '(none in config.json)'}; "
+        f"gyrfalcon supports: {', '.join(supported_architectures())}.")

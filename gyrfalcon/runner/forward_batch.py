@@ -1,0 +1,90 @@
+"""ForwardBatch: the device tensors of one step, built from the scheduler's ScheduledBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """All tensors on the runner's device. T = tokens this step, B = sequences, S = sampled rows.
+
+    input_ids: [T] int64, positions: [T] int64, slot_mapping: [T] int64 (-1: write nothing),
+    query_start_loc: [B + 1] int32, seq_lens: [B] int32 (context incl. this step's tokens),
+    block_tables: [B, max_blocks] int32, logits_indices: [S] int64 (rows of the hidden states
+    whose next token is sampled; the others are prefill chunks that stop mid-prompt).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    is_decode: bool  # every sequence runs exactly one token
+    max_query_len: int
+    max_seq_len: int
+    num_seqs: int
+    decode_num_splits: Optional[int] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
+                        pad_block_table_to: Optional[int] = None) -> ForwardBatch:
+    """Host-side preparation: one pass over the scheduled requests, one copy per tensor."""
+    B = len(sched_reqs)
+    q_lens = np.fromiter((sr.num_new_tokens for sr in sched_reqs), dtype=np.int64, count=B)
+    starts = np.fromiter((sr.request.num_computed_tokens for sr in sched_reqs), dtype=np.int64, count=B)
+    seq_lens = starts + q_lens
+    qsl = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    T = int(qsl[-1])
+    input_ids = np.empty(T, dtype=np.int64)
+    positions = np.empty(T, dtype=np.int64)
+    max_blocks = max(-(-int(seq_lens.max()) // block_size), 1) if B else 1
+    if pad_block_table_to is not None:
+        max_blocks = max(max_blocks, pad_block_table_to)
+    block_tables = np.zeros((B, max_blocks), dtype=np.int32)
+    sample_rows: List[int] = []
+    for i, sr in enumerate(sched_reqs):
+        req = sr.request
+        s, e = int(qsl[i]), int(qsl[i + 1])
+        start = int(starts[i])
+        n_prompt = req.num_prompt_tokens
+        # The tokens to run: the rest of the prompt and/or outputs (recompute after preemption).
+        if start + (e - s) <= n_prompt:
+            input_ids[s:e] = req.prompt_token_ids[start:start + (e - s)]
+        else:
+            input_ids[s:e] = req.all_token_ids[start:start + (e - s)]
+        positions[s:e] = np.arange(start, start + (e - s))
+        nb = len(req.block_ids)
+        block_tables[i, :nb] = req.block_ids
+        if sr.sample:
+            sample_rows.append(e - 1)
+    # slot = block_id * block_size + offset, looked up per token from its sequence's table.
+    seq_of_token = np.repeat(np.arange(B), q_lens)
+    slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+
+    def to(a: np.ndarray, dtype) -> torch.Tensor:
+        t = torch.from_numpy(a).to(dtype)
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t
+
+    return ForwardBatch(
+        input_ids=to(input_ids, torch.int64), positions=to(positions, torch.int64),
+        slot_mapping=to(slot_mapping, torch.int64), query_start_loc=to(qsl, torch.int32),
+        seq_lens=to(seq_lens, torch.int32), block_tables=to(block_tables, torch.int32),
+        logits_indices=to(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+        is_decode=bool(B > 0 and (q_lens == 1).all()),
+        max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
+        num_seqs=B)

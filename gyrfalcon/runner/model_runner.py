@@ -1,0 +1,183 @@
+"""ModelRunner: loads the model, allocates the paged KV cache, executes one scheduled batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from gyrfalcon.forward_context import forward_context
+from gyrfalcon.models.loader import load_model
+from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch
+from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    """Aligned with ScheduledBatch.reqs: the sampled token (None for a mid-prompt chunk) and,
+    when the request asked for logprobs, (logprob, rank, [(token_id, logprob), ...top-N])."""
+
+    sampled: List[Optional[int]]
+    logprobs: List[Optional[tuple]]
+
+
+class ModelRunner:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache_config.block_size
+        self.dtype = config.model_config.torch_dtype
+        t0 = time.perf_counter()
+        self.model = load_model(config.model_config, config.device)
+        self.load_seconds = time.perf_counter() - t0
+        spec = self.model.kv_cache_spec()
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+        self.num_blocks = self._determine_num_blocks()
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.num_layers)]
+        self.global_generator = torch.Generator(device=self.device)
+        self.global_generator.manual_seed(config.model_config.seed)
+        self.sampler = Sampler(self.global_generator)
+        self.generators: Dict[str, torch.Generator] = {}
+
+    # ---- memory ---------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks is not None:
+            return cc.num_gpu_blocks
+        if self.device.type == "cpu":
+            return max(1, int(cc.cpu_kv_cache_gb * (1 << 30)) // self.bytes_per_block)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_activation_peak()
+        budget = total * cc.gpu_memory_utilization - (total - free) - peak
+        if budget < self.bytes_per_block:
+            raise RuntimeError(
+                f"No memory left for the KV cache: {total / 2**30:.1f} GiB on the GPU, "
+                f"{(total - free) / 2**30:.1f} GiB in use, {peak / 2**30:.1f} GiB of activations; "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens.")
+        return int(budget // self.bytes_per_block)
+
+    def _profile_activation_peak(self) -> int:
+        """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens."""
+        sc = self.config.scheduler_config
+        n = min(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
+        blocks = -(-n // self.block_size)
+        shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+                  for _ in range(self.num_layers)]
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        dev = self.device
+        fb = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            positions=torch.arange(n, device=dev), slot_mapping=torch.arange(n, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            logits_indices=torch.arange(min(n, sc.max_num_seqs), device=dev),
+            is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1)
+        with torch.inference_mode(), forward_context(fb, caches):
+            hidden = self.model(fb.input_ids, fb.positions)
+            self.model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    @torch.inference_mode()
+    def execute(self, batch) -> RunnerOutput:
+        self.release(batch.finished_request_ids)
+        if batch.is_empty:
+            return RunnerOutput([], [])
+        fb = build_forward_batch(batch.reqs, self.block_size, self.device)
+        with forward_context(fb, self.kv_caches):
+            hidden = self.model(fb.input_ids, fb.positions)
+        sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
+        sampled: List[Optional[int]] = [None] * len(batch.reqs)
+        logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
+        if not sample_reqs:
+            return RunnerOutput(sampled, logprobs)
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        out = self.sampler(logits, self._sampling_metadata(sample_reqs))
+        tokens = out.sampled.tolist()
+        lp = rank = top_ids = top_lps = None
+        if out.sampled_logprob is not None:
+            lp, rank = out.sampled_logprob.tolist(), out.sampled_rank.tolist()
+            if out.top_ids is not None:
+                top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        row = 0
+        for i, sr in enumerate(batch.reqs):
+            if not sr.sample:
+                continue
+            sampled[i] = tokens[row]
+            n = sr.request.sampling_params.logprobs
+            if n is not None and lp is not None:
+                top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n > 0 else []
+                logprobs[i] = (lp[row], rank[row], top)
+            row += 1
+        return RunnerOutput(sampled, logprobs)
+
+    def _generator_for(self, req) -> Optional[torch.Generator]:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        g = self.generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self.generators[req.request_id] = g
+        return g
+
+    def _sampling_metadata(self, reqs) -> SamplingMetadata:
+        dev = self.device
+        params = [r.sampling_params for r in reqs]
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        all_greedy = all(t == 0.0 for t in temps)
+        md = SamplingMetadata(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            all_greedy=all_greedy, all_random=all(t > 0.0 for t in temps),
+            need_top_p=any(p.top_p < 1.0 for p in params),
+            need_top_k=any(p.top_k > 0 for p in params),
+            need_min_p=any(p.min_p > 0.0 for p in params),
+            generators=[None if p.greedy else self._generator_for(r) for r, p in zip(reqs, params)])
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+            md.output_token_ids = [r.output_token_ids for r in reqs]
+            md.prompt_token_ids = [r.prompt_token_ids for r in reqs]
+            md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        masks = []
+        for r, p in zip(reqs, params):
+            ids: List[int] = []
+            if r.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            masks.append(ids)
+        if any(masks):
+            md.min_tokens_mask = masks
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if asked:
+            md.max_num_logprobs = max(asked)
+        return md

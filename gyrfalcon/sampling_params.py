@@ -1,0 +1,103 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Names, defaults and meanings follow vLLM's `SamplingParams`, so code written for vLLM runs by
+changing the import.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled in by the engine from the tokenizer / generation config, not by users.
+    _eos_token_id: Optional[int] = field(default=None, repr=False)
+    _all_stop_token_ids: frozenset = field(default_factory=frozenset, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
+            # Greedy: the other sampling knobs cannot change an argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n}.")
+        if self.temperature < 0.0:
+            bad(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int):
+            bad(f"top_k must be an integer, got {self.top_k!r}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs is not supported yet.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if any(not s for s in self.stop):
+            bad("stop strings must not be empty.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def child(self, index: int) -> "SamplingParams":
+        """The params of the index-th of n parallel samples: n=1, and a distinct seed if seeded."""
+        p = self.clone()
+        p.n = 1
+        if p.seed is not None:
+            p.seed = p.seed + index
+        return p

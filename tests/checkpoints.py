@@ -1,0 +1,84 @@
+"""Tiny random checkpoints built with transformers' own classes (the oracle), saved to disk.
+
+Every parameter is randomized, norm weights included (ones would hide a missing norm), and the
+tokenizer is a byte-level BPE trained here on local text with a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus():
+    import inspect
+    import json as j
+    import textwrap
+    # Local text: a few standard-library modules' source plus some Unicode, so that multi-byte
+    # characters exist in the vocabulary as several byte tokens.
+    text = [inspect.getsource(j), inspect.getsource(textwrap), inspect.getsource(os.path)]
+    text.append("café naïve Grüße 東京 日本語のテキスト 😀 emoji ✓ — “quotes” ") 
+    return text
+
+
+def make_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL), special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / max(p.shape[-1], 1) ** 0.5 * 2))
+
+
+def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random `arch` ('qwen3' | 'llama') checkpoint plus tokenizer under `path`."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  eos_token_id=eos, bos_token_id=None, pad_token_id=eos, tie_word_embeddings=False)
+    if arch == "qwen3":
+        cfg = Qwen3Config(**{**common, "head_dim": 32, "rope_theta": 1e6, **overrides})
+        model = Qwen3ForCausalLM(cfg)
+    elif arch == "llama":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+        cfg = LlamaConfig(**{**common, "head_dim": 16, "rope_scaling": rope, **overrides})
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    randomize_(model, seed)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path
