@@ -25,6 +25,12 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda and os.environ.get("GYRFALCON_KERNELS") != "ref"
 
 
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tests). The interpreter's tl.dot mishandles bf16 operands
+    (it stores bf16 as uint16), so attention kernels upcast dot operands to fp32 there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1); Triton block shapes must be powers of two."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -107,7 +107,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):
         # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query
         # tokens of one sequence times the GROUP query heads of one kv head (rows = token-major,
@@ -136,6 +136,8 @@ if HAS_TRITON:
             mask=row_ok[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
         )
 
+        if UPCAST:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -153,6 +155,8 @@ if HAS_TRITON:
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
             )
+            if UPCAST:
+                k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
             visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -166,7 +170,11 @@ if HAS_TRITON:
                 vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
                 mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            p = p.to(v.dtype)
+            if UPCAST:
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
             m_i = m_new
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -235,7 +243,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DK=dk, HEAD_DV=dv,
         BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=max(16, next_pow2(dv)),
         BLOCK_Q=block_q, BLOCK_M=block_m_rows, BLOCK_N=max(16, bn),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return o

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, cdiv, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels._common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -61,7 +61,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -85,6 +85,8 @@ if HAS_TRITON:
             mask=gmask[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
         )
 
+        if UPCAST:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -98,6 +100,8 @@ if HAS_TRITON:
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
             )
+            if UPCAST:
+                k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
             s = tl.where(kmask[None, :], s, float("-inf"))
             # Every tile holds >= 1 valid key (kstart < end), so m_new is finite here.
@@ -109,7 +113,11 @@ if HAS_TRITON:
                 vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
                 mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            p = p.to(v.dtype)
+            if UPCAST:
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
             m_i = m_new
 
         if DIRECT:
@@ -227,7 +235,7 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
-        DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

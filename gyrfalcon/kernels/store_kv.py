@@ -47,11 +47,13 @@ if HAS_TRITON:
         tok = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(slot_ptr + tok)
-        valid = slot >= 0
+        # A skipped slot masks every head (folding the scalar test into the bound keeps the mask a
+        # plain block-shaped comparison).
+        n_valid = tl.where(slot >= 0, n_heads, 0)
         slot = tl.maximum(slot, 0)
         blk = slot // block_size
         off = slot % block_size
-        hmask = (heads < n_heads) & valid
+        hmask = heads < n_valid
         dk = tl.arange(0, BLOCK_DK)
         mk = hmask[:, None] & (dk[None, :] < HEAD_DIM_K)
         kx = tl.load(k_ptr + tok * s_kt + heads[:, None] * s_kh + dk[None, :], mask=mk)

@@ -1,0 +1,55 @@
+import ast
+import pathlib
+
+import torch
+
+import gyrfalcon.kernels as K
+from gyrfalcon.kernels import _common
+
+KERNELS_DIR = pathlib.Path(K.__file__).parent
+
+
+def test_package_reexports_dispatchers():
+    for name in ["rms_norm", "apply_rotary", "store_kv", "paged_attention", "paged_decode_attention",
+                 "silu_and_mul"]:
+        assert callable(getattr(K, name))
+
+
+def test_cpu_tensors_use_reference(monkeypatch):
+    x = torch.randn(3, 16)
+    assert not _common.use_triton(x)
+    monkeypatch.setenv("GYRFALCON_KERNELS", "ref")
+    assert not _common.use_triton(x)
+    torch.testing.assert_close(K.silu_and_mul(torch.randn(2, 8)).shape, torch.Size([2, 4]))
+    out, res = K.rms_norm(x, torch.ones(16), 1e-6, residual=x)
+    assert out.shape == res.shape == x.shape
+
+
+def test_env_var_forces_reference(monkeypatch):
+    class FakeCuda:
+        is_cuda = True
+
+    monkeypatch.setattr(_common, "HAS_TRITON", True)
+    assert _common.use_triton(FakeCuda())
+    monkeypatch.setenv("GYRFALCON_KERNELS", "ref")
+    assert not _common.use_triton(FakeCuda())
+
+
+def test_kernels_import_nothing_but_kernels_and_no_modules():
+    # kernels/ is the bottom of the import graph: no nn.Module, nothing else from gyrfalcon.
+    for path in KERNELS_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+                names = []
+            else:
+                continue
+            for m in mods:
+                if m.startswith("gyrfalcon"):
+                    assert m.startswith("gyrfalcon.kernels"), f"{path.name} imports {m}"
+                assert m not in ("torch.nn",) or not set(names) & {"Module"}, f"{path.name} imports nn.Module"
+        assert "nn.Module" not in path.read_text(), path.name

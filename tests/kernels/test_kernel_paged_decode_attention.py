@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from gyrfalcon.kernels.paged_attention import paged_attention_ref
+from gyrfalcon.kernels.paged_decode_attention import (
+    default_num_splits,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+)
+from kernels_testutil import ATTN_TOL, DEVICE, DTYPES, make_paged_kv, naive_causal_attention, requires_triton
+
+# Contexts: partly filled blocks, a single token, CUDA-graph padding rows (seq_len 0), a longer one.
+SEQ_LENS = [5, 0, 1, 33, 16, 0]
+
+
+def _batch(seq_lens, n_heads, n_kv, head_dim, block_size, dtype, fill=0, head_dim_v=None):
+    kc, vc, bt, dk, dv = make_paged_kv(seq_lens, n_kv, head_dim, block_size, dtype, fill=fill,
+                                       head_dim_v=head_dim_v)
+    q = torch.randn(len(seq_lens), n_heads, head_dim, device=DEVICE).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, kc, vc, bt, sl, dk, dv
+
+
+@pytest.mark.parametrize("n_heads,n_kv", [(2, 2), (4, 1), (8, 2)])
+def test_ref_matches_dense_attention(n_heads, n_kv):
+    q, kc, vc, bt, sl, dk, dv = _batch(SEQ_LENS, n_heads, n_kv, 16, 4, torch.float32, fill=10**6)
+    out = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.3)
+    for i, s in enumerate(SEQ_LENS):
+        if s == 0:
+            assert torch.count_nonzero(out[i]) == 0
+        else:
+            want = naive_causal_attention(q[i : i + 1], dk[i], dv[i], 0.3)[0]
+            torch.testing.assert_close(out[i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_ref_matches_paged_attention_ref():
+    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, 4, 2, 16, 4, torch.float32)
+    out = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.3)
+    qsl = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.3))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,n_kv", [(2, 2), (4, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_matches_ref(dtype, n_heads, n_kv, num_splits):
+    # Huge ids in unused block-table entries: the kernel must not dereference them.
+    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, n_heads, n_kv, 32, 4, dtype, fill=10**8)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[5]) == 0
+
+
+@requires_triton
+@pytest.mark.parametrize("head_dim,block_size", [(16, 16), (64, 8), (128, 16), (256, 4), (80, 8)])
+def test_triton_head_dims_default_splits(head_dim, block_size):
+    dtype = torch.bfloat16
+    q, kc, vc, bt, sl, _, _ = _batch([20, 0, 47], 4, 2, head_dim, block_size, dtype)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, head_dim ** -0.5)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+
+
+@requires_triton
+def test_triton_many_splits_non_pow2_group_and_v_dim():
+    # More splits than tiles (empty splits), 6 heads per kv head, V dim != K dim.
+    q, kc, vc, bt, sl, _, _ = _batch([3, 40, 0], 12, 2, 32, 8, torch.float32, head_dim_v=24)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=8, block_n=16)
+    assert got.shape == (3, 12, 24)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
+def test_default_num_splits_depends_on_shapes_only():
+    dev = torch.device("cpu")
+    assert default_num_splits(64, 8, 8192, dev) == 1
+    many = default_num_splits(1, 8, 8192, dev)
+    assert many > 1 and many & (many - 1) == 0
+    assert default_num_splits(1, 8, 256, dev) == 1  # short contexts are not split
