@@ -49,7 +49,7 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     T = int(qsl[-1])
     input_ids = np.empty(T, dtype=np.int64)
     positions = np.empty(T, dtype=np.int64)
-    max_blocks = max(-(-int(seq_lens.max()) // block_size), 1) if B else 1
+    max_blocks = max((len(sr.request.block_ids) for sr in sched_reqs), default=1) or 1
     if pad_block_table_to is not None:
         max_blocks = max(max_blocks, pad_block_table_to)
     block_tables = np.zeros((B, max_blocks), dtype=np.int32)

@@ -1,0 +1,121 @@
+"""The `gyrfalcon` command: serve | generate | bench.
+
+Flags keep vLLM's names where the meaning is the same. Each subcommand's heavy imports happen
+inside its handler so `gyrfalcon --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Engine flags shared by serve, generate and the benchmarks (vLLM's names)."""
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None,
+                       help="checkpoint directory (default: the bundled demo model)")
+    else:
+        p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--served-model-name", default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
+                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from gyrfalcon.config import default_model_path
+    from gyrfalcon.llm import LLM
+    from gyrfalcon.sampling_params import SamplingParams
+
+    model = args.model
+    if model is None:
+        model = default_model_path()
+        if model is None:
+            print("error: no --model given and the bundled demo model is not installed.", file=sys.stderr)
+            return 2
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
+                            min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
+    kw = engine_kwargs(args)
+    llm = LLM(model, **kw)
+    prompts = args.prompt or ["def fib(n):"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            if args.echo:
+                print(out.prompt + c.text)
+            else:
+                print(c.text)
+            print(f"[finish_reason={c.finish_reason} tokens={len(c.token_ids)}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gyrfalcon", description="LLM inference and serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts offline and print the text")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable; default 'def fib(n):')")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    g.set_defaults(func=_cmd_generate)
+
+    # Subcommands that live with their feature; each module's import is argparse-only.
+    import importlib
+    import importlib.util
+    for module, fn in (("gyrfalcon.server.cli", "add_serve_parser"), ("gyrfalcon.bench.cli", "add_bench_parser")):
+        if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
+            getattr(importlib.import_module(module), fn)(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

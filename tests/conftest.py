@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+# Tests must be reproducible and fast on 2 cores; transformers must not reach for a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def tiny_ckpt(request, qwen3_ckpt, llama_ckpt) -> Path:
+    return qwen3_ckpt if request.param == "qwen3" else llama_ckpt

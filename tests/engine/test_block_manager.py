@@ -1,0 +1,85 @@
+"""BlockManager: allocation, reference counts, chained-hash prefix caching, LRU eviction."""
+
+from __future__ import annotations
+
+from gyrfalcon.engine.block_manager import BlockManager, hash_block
+from gyrfalcon.engine.request import Request
+from gyrfalcon.sampling_params import SamplingParams
+
+
+def req(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=8))
+
+
+def test_hash_is_chained():
+    a = hash_block(None, [1, 2, 3, 4])
+    assert a == hash_block(None, [1, 2, 3, 4])
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(10, 4, enable_prefix_caching=False)
+    r = req("a", list(range(9)))
+    assert bm.allocate_slots(r, 9)
+    assert len(r.block_ids) == 3 and bm.num_free_blocks == 7
+    r.num_computed_tokens = 9
+    assert bm.allocate_slots(r, 3)  # 12 tokens: still 3 blocks
+    assert len(r.block_ids) == 3
+    assert bm.allocate_slots(r, 4)  # 13..16 tokens -> 4 blocks
+    assert len(r.block_ids) == 4
+    bm.free(r)
+    assert bm.num_free_blocks == 10 and r.block_ids == []
+
+
+def test_allocation_fails_cleanly_when_short():
+    bm = BlockManager(3, 4, enable_prefix_caching=False)
+    r = req("a", list(range(20)))
+    assert not bm.allocate_slots(r, 20)
+    assert r.block_ids == [] and bm.num_free_blocks == 3
+
+
+def test_prefix_hits_share_blocks_and_keep_last_token_uncached():
+    bm = BlockManager(16, 4)
+    a = req("a", list(range(10)))
+    assert bm.get_computed_blocks(a) == []
+    assert bm.allocate_slots(a, 10)
+    b = req("b", list(range(10)) + [77, 78])
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_ids[:2]  # two full blocks of 4; the third is partial in a
+    assert bm.allocate_slots(b, 12 - 8, hits)
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert all(bm.ref_cnt[x] == 2 for x in hits)
+    # A prompt that is exactly two full blocks: only one can be a hit (one token must run).
+    c = req("c", list(range(8)))
+    assert len(bm.get_computed_blocks(c)) == 1
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_freed_cached_blocks_are_reused_until_evicted():
+    bm = BlockManager(4, 4)
+    a = req("a", list(range(8)) + [1])
+    assert bm.allocate_slots(a, 9)
+    cached = a.block_ids[:2]
+    bm.free(a)
+    assert bm.usage == 0.0
+    b = req("b", list(range(8)) + [2])
+    assert bm.get_computed_blocks(b) == cached  # still there after free
+    # Filling the cache with other content evicts them (LRU): the unhashed block goes first,
+    # then the tail block, then the head.
+    other = req("o", [100 + i for i in range(16)])
+    assert bm.allocate_slots(other, 16)
+    assert bm.get_computed_blocks(b) == []
+    bm.free(other)
+
+
+def test_same_content_twice_keeps_one_cache_entry():
+    bm = BlockManager(8, 4)
+    a, b = req("a", [1, 2, 3, 4, 5]), req("b", [1, 2, 3, 4, 6])
+    assert bm.allocate_slots(a, 5)
+    assert bm.allocate_slots(b, 5)  # no lookup: computes its own copy of block [1,2,3,4]
+    assert len(bm.cached) == 1
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8

@@ -1,0 +1,107 @@
+"""Scheduler: continuous batching, token budget, chunked prefill, preemption, aborts; with a fake
+runner so it runs without a model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gyrfalcon.engine.block_manager import BlockManager
+from gyrfalcon.engine.request import Request, RequestStatus
+from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.sampling_params import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, caching=True):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return Scheduler(bm, max_seqs, budget), bm
+
+
+def run_step(s):
+    """One step with a fake model: the next token is a function of the request and its position."""
+    batch = s.schedule()
+    sampled = [(hash(sr.request.request_id) + sr.request.num_tokens) % 1000 if sr.sample else None
+               for sr in batch.reqs]
+    return batch, s.update(batch, sampled)
+
+
+def req(rid, n, max_tokens=5):
+    return Request(rid, [(7 * i) % 100 for i in range(n)], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_budget_and_chunked_prefill_and_joining_batch():
+    s, bm = make(budget=10)
+    s.add_request(req("a", 23))
+    b1, _ = run_step(s)
+    assert [(r.request.request_id, r.num_new_tokens, r.sample) for r in b1.reqs] == [("a", 10, False)]
+    s.add_request(req("b", 3))
+    b2, _ = run_step(s)
+    assert [(r.request.request_id, r.num_new_tokens) for r in b2.reqs] == [("a", 10), ]
+    b3, ups = run_step(s)
+    # a finishes its prompt (3 tokens) and samples; b joins the same step with its whole prompt.
+    assert [(r.request.request_id, r.num_new_tokens, r.sample) for r in b3.reqs] == [("a", 3, True), ("b", 3, True)]
+    assert {u.request_id for u in ups} == {"a", "b"}
+    b4, _ = run_step(s)
+    assert [(r.request.request_id, r.num_new_tokens) for r in b4.reqs] == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_caps_running():
+    s, _ = make(max_seqs=2, budget=100)
+    for i in range(4):
+        s.add_request(req(str(i), 3))
+    b, _ = run_step(s)
+    assert len(b.reqs) == 2 and s.num_waiting == 2
+
+
+def test_all_blocks_return_after_finish_abort_and_preemption():
+    rng = random.Random(0)
+    s, bm = make(num_blocks=12, block_size=4, max_seqs=6, budget=16)
+    for i in range(10):
+        s.add_request(req(str(i), rng.randint(1, 20), max_tokens=rng.randint(1, 12)))
+    finished, steps, aborted = set(), 0, False
+    while s.has_unfinished_requests():
+        _, ups = run_step(s)
+        finished |= {u.request_id for u in ups if u.finished}
+        steps += 1
+        if steps == 5 and not aborted:
+            victim = s.running[0].request_id if s.running else s.waiting[0].request_id
+            assert s.finish_request(victim) is not None
+            finished.add(victim)
+            aborted = True
+        assert steps < 500
+    assert s.num_preemptions_total > 0
+    assert finished == {str(i) for i in range(10)}
+    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_cnt)
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    s, bm = make(num_blocks=5, block_size=4, max_seqs=4, budget=64, caching=False)
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    outs = {"a": [], "b": []}
+    while s.has_unfinished_requests():
+        _, ups = run_step(s)
+        for u in ups:
+            outs[u.request_id] += u.new_token_ids
+    assert b.num_preemptions > 0
+    # The fake model's tokens depend only on (request, length): preemption changed nothing.
+    for r in (a, b):
+        assert outs[r.request_id] == [(hash(r.request_id) + 8 + i) % 1000 for i in range(8)]
+        assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_abort_waiting_and_unknown():
+    s, bm = make()
+    s.add_request(req("a", 5))
+    assert s.finish_request("a") is not None
+    assert s.finish_request("a") is None
+    assert not s.has_unfinished_requests()
+
+
+def test_duplicate_id_rejected():
+    s, _ = make()
+    s.add_request(req("a", 5))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("a", 5))

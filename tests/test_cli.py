@@ -1,0 +1,35 @@
+"""`gyrfalcon generate` as a user runs it: a subprocess on a checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gyrfalcon import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "gyrfalcon.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_generate_prints_the_offline_greedy_text(qwen3_ckpt):
+    p = run_cli("generate", "--model", str(qwen3_ckpt), "--prompt", "def add(a, b):", "--max-tokens", "12",
+                "--ignore-eos")
+    assert p.returncode == 0, p.stderr
+    llm = LLM(str(qwen3_ckpt))
+    want = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert p.stdout == want + "\n"
+    assert "finish_reason=length tokens=12" in p.stderr
+
+
+def test_generate_reports_a_bad_model_dir():
+    p = run_cli("generate", "--model", "/nonexistent", "--prompt", "x")
+    assert p.returncode == 2
+    assert "does not exist" in p.stderr
