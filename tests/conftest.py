@@ -8,6 +8,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Tests must be reproducible and fast on 2 cores; transformers must not reach for a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in the interpreter. This must be set before anything imports
+# triton, and the root conftest loads before any test module.
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoints import make_checkpoint  # noqa: E402
 
