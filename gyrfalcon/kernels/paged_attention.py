@@ -101,10 +101,10 @@ if HAS_TRITON:
     @triton.jit
     def _paged_prefill_kernel(
         q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-        scale_log2, num_seqs, block_size,
+        scale_log2, num_seqs,
         s_qt, s_qh, s_ot, s_oh,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
-        GROUP: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -149,8 +149,8 @@ if HAS_TRITON:
             kpos = start + tl.arange(0, BLOCK_N)
             kmask = kpos < kv_end
             # Per-key block lookup: BLOCK_N is independent of the cache's block_size.
-            phys = tl.load(bt_row + kpos // block_size, mask=kmask, other=0).to(tl.int64)
-            off = kpos % block_size
+            phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            off = kpos % BLOCK_SIZE
             k = tl.load(
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
@@ -209,12 +209,15 @@ def paged_attention_triton(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton flash-attention over the paged cache; same contract as paged_attention_ref.
 
     The grid is sized from shapes alone (num_tokens // BLOCK_Q + num_seqs q blocks), so no host sync
     happens and max_query_len / max_seq_len are accepted but not needed. block_m / block_n override
-    the tile sizes (tests use small ones to cover many tiles cheaply).
+    the tile sizes (tests use small ones to cover many tiles cheaply); num_warps / num_stages
+    likewise override the launch config (benchmarks sweep them).
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -227,8 +230,8 @@ def paged_attention_triton(
     o = torch.empty(num_tokens, n_heads, dv, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return o
-    bm, bn, num_warps, num_stages = _prefill_config(max(dk, dv), group)
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn, nw, ns = _prefill_config(max(dk, dv), group)
+    bm, bn, nw, ns = block_m or bm, block_n or bn, num_warps or nw, num_stages or ns
     group_p2 = next_pow2(group)
     # BLOCK_Q tokens x GROUP heads per program; at least 16 rows for tl.dot.
     block_q = max(1, bm // group_p2)
@@ -236,15 +239,15 @@ def paged_attention_triton(
     grid = (num_tokens // block_q + num_seqs, n_kv)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, o, block_tables, seq_lens, query_start_loc,
-        float(scale) * _LOG2E, num_seqs, k_cache.shape[1],
+        float(scale) * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DK=dk, HEAD_DV=dv,
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DK=dk, HEAD_DV=dv,
         BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=max(16, next_pow2(dv)),
         BLOCK_Q=block_q, BLOCK_M=block_m_rows, BLOCK_N=max(16, bn),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=nw, num_stages=ns,
     )
     return o
 

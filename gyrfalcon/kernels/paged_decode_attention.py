@@ -55,10 +55,10 @@ if HAS_TRITON:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr,
-        scale_log2, num_splits, block_size,
+        scale_log2, num_splits,
         s_qb, s_qh, s_ob, s_oh,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -94,8 +94,8 @@ if HAS_TRITON:
         for kstart in range(start, end, BLOCK_N):
             kpos = kstart + tl.arange(0, BLOCK_N)
             kmask = kpos < end
-            phys = tl.load(bt_row + kpos // block_size, mask=kmask, other=0).to(tl.int64)
-            off = kpos % block_size
+            phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            off = kpos % BLOCK_SIZE
             k = tl.load(
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
@@ -198,11 +198,14 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     *,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
     No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
-    picks default_num_splits from the batch shape and the block-table width.
+    picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
+    num_stages override the launch config (tests and benchmark sweeps).
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -218,8 +221,8 @@ def paged_decode_attention_triton(
     if num_splits is None:
         num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device)
     num_splits = max(1, int(num_splits))
-    bn, num_warps, num_stages = _decode_config(max(dk, dv))
-    bn = max(16, block_n or bn)
+    bn, nw, ns = _decode_config(max(dk, dv))
+    bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1
     if direct:
@@ -229,14 +232,14 @@ def paged_decode_attention_triton(
         pml = torch.empty(n_seqs * n_heads * num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml,
-        float(scale) * _LOG2E, num_splits, block_size,
+        float(scale) * _LOG2E, num_splits,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=nw, num_stages=ns,
     )
     if not direct:
         _decode_reduce_kernel[(n_seqs, n_heads)](
