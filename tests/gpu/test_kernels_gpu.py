@@ -1,0 +1,239 @@
+"""Triton kernels vs their references on a GPU, bf16, at real model shapes (Llama-3-8B-like:
+32 heads / 8 kv heads, head_dim 128, contexts up to 8k, batches up to 64), plus CUDA-graph capture
+of the decode path. Run through scripts/gpu_check.sh or `pytest tests/gpu/test_kernels_gpu.py`."""
+
+import pytest
+import torch
+
+# Skip before importing the kernels: on a CPU-only run, importing triton here (before tests/kernels'
+# conftest turns the interpreter on) would leave the interpreted CPU kernel tests unable to run.
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from gyrfalcon.kernels import (  # noqa: E402
+    apply_rotary,
+    paged_attention,
+    paged_decode_attention,
+    rms_norm,
+    silu_and_mul,
+    store_kv,
+)
+from gyrfalcon.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from gyrfalcon.kernels.paged_attention import paged_attention_ref, paged_attention_triton  # noqa: E402
+from gyrfalcon.kernels.paged_decode_attention import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+)
+from gyrfalcon.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from gyrfalcon.kernels.rotary import apply_rotary_ref, apply_rotary_triton  # noqa: E402
+from gyrfalcon.kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+TOL = dict(atol=2e-2, rtol=2e-2)
+H, HKV, D = 32, 8, 128
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _rope_cache(max_pos, rotary_dim, base=500000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=DEV, dtype=torch.float32) / rotary_dim)
+    ang = torch.arange(max_pos, device=DEV, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((ang.cos(), ang.sin()), dim=-1)
+
+
+def _paged(seq_lens, n_kv, head_dim, block_size, dtype=BF16, width=None):
+    """Random cache with shuffled blocks; unused table entries 0. -> (k_cache, v_cache, block_tables)."""
+    nbs = [-(-s // block_size) for s in seq_lens]
+    total = sum(nbs) + 8
+    kc = torch.randn(total, block_size, n_kv, head_dim, device=DEV, dtype=dtype)
+    vc = torch.randn(total, block_size, n_kv, head_dim, device=DEV, dtype=dtype)
+    perm = torch.randperm(total, device=DEV)
+    width = width or max(max(nbs), 1)
+    bt = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=DEV)
+    off = 0
+    for i, n in enumerate(nbs):
+        bt[i, :n] = perm[off : off + n].int()
+        off += n
+    return kc, vc, bt
+
+
+# ---------------------------------------------------------------- elementwise / norm kernels
+
+
+@pytest.mark.parametrize("hidden", [4096, 5120, 8192])
+def test_rms_norm(hidden):
+    x = torch.randn(3000, hidden, device=DEV, dtype=BF16)
+    r = torch.randn_like(x)
+    w = torch.randn(hidden, device=DEV, dtype=BF16)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **TOL)
+    got, got_res = rms_norm_triton(x, w, 1e-5, r)
+    want, want_res = rms_norm_ref(x, w, 1e-5, r)
+    assert torch.equal(got_res, want_res)  # the bf16 add rounds identically on the GPU
+    torch.testing.assert_close(got, want, **TOL)
+    got = rms_norm_triton(x, w, 1e-5, weight_offset=1.0)
+    torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-5, weight_offset=1.0), **TOL)
+
+
+def test_rms_norm_per_head_and_dispatch():
+    qkv = torch.randn(2048, (H + 2 * HKV) * D, device=DEV, dtype=BF16)
+    q = qkv[:, : H * D].view(-1, H, D)
+    w = torch.randn(D, device=DEV, dtype=BF16)
+    torch.testing.assert_close(rms_norm_triton(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), **TOL)
+    assert torch.equal(rms_norm(q, w, 1e-6), rms_norm_triton(q, w, 1e-6))  # dispatcher -> Triton
+
+
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 128), (False, 128), (True, 64)])
+def test_rotary(is_neox, rotary_dim):
+    T = 4096
+    cs = _rope_cache(8192, rotary_dim)
+    q = torch.randn(T, H, D, device=DEV, dtype=BF16)
+    k = torch.randn(T, HKV, D, device=DEV, dtype=BF16)
+    pos = torch.randint(0, 8192, (T,), device=DEV)
+    want_q, want_k = apply_rotary_ref(q, k, pos, cs, rotary_dim, is_neox)
+    got_q, got_k = apply_rotary_triton(q.clone(), k.clone(), pos, cs, rotary_dim, is_neox)
+    torch.testing.assert_close(got_q, want_q, **TOL)
+    torch.testing.assert_close(got_k, want_k, **TOL)
+    q2, k2 = apply_rotary(q.clone(), k.clone(), pos, cs, rotary_dim, is_neox)
+    torch.testing.assert_close(q2, want_q, **TOL)
+
+
+def test_store_kv():
+    T, nb, bs = 3000, 512, 16
+    k = torch.randn(T, HKV, D, device=DEV, dtype=BF16)
+    v = torch.randn(T, HKV, D, device=DEV, dtype=BF16)
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[::7] = -1
+    kc = torch.randn(nb, bs, HKV, D, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    store_kv_ref(k, v, kc, vc, slots)
+    store_kv_triton(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    kc3, vc3 = kc.clone(), vc.clone()
+    store_kv(k, v, kc3, vc3, slots)
+    assert torch.equal(kc, kc3)
+
+
+def test_silu_and_mul():
+    x = torch.randn(4096, 2 * 14336, device=DEV, dtype=BF16)
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)
+    assert torch.equal(silu_and_mul(x), silu_and_mul_triton(x))
+
+
+# ---------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (128, 32, 32), (64, 16, 4), (256, 16, 2)])
+def test_paged_attention_ragged(head_dim, n_heads, n_kv):
+    # Fresh prefill, chunked prefill over a cached prefix, decode rows and speculative verify rows.
+    q_lens = [1500, 1024, 1, 1, 4, 700]
+    seq_lens = [1500, 6000, 8192, 37, 900, 700]
+    kc, vc, bt = _paged(seq_lens, n_kv, head_dim, 16)
+    q = torch.randn(sum(q_lens), n_heads, head_dim, device=DEV, dtype=BF16)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    scale = head_dim ** -0.5
+    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale)
+    got = paged_attention_triton(q, kc, vc, bt, sl, qsl, scale)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(paged_attention(q, kc, vc, bt, sl, qsl, scale, 1500, 8192), want, **TOL)
+
+
+def test_paged_attention_matches_sdpa_fresh_prefill():
+    # Independent check against PyTorch's own causal attention on dense K/V.
+    T = 4096
+    kc, vc, bt = _paged([T], HKV, D, 16)
+    q = torch.randn(T, H, D, device=DEV, dtype=BF16)
+    nb = -(-T // 16)
+    k = kc[bt[0, :nb].long()].flatten(0, 1)[:T]
+    v = vc[bt[0, :nb].long()].flatten(0, 1)[:T]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(H // HKV, 1).transpose(0, 1),
+        v.repeat_interleave(H // HKV, 1).transpose(0, 1), is_causal=True, scale=D ** -0.5,
+    ).transpose(0, 1)
+    qsl = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([T], dtype=torch.int32, device=DEV)
+    got = paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 8192), (64, 4096)])
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_paged_decode(batch, max_ctx, num_splits):
+    seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    seq_lens[0] = max_ctx
+    if batch > 1:
+        seq_lens[-1] = 0  # CUDA-graph padding row
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
+    q = torch.randn(batch, H, D, device=DEV, dtype=BF16)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, D ** -0.5)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5, num_splits=num_splits)
+    torch.testing.assert_close(got, want, **TOL)
+    if batch > 1:
+        assert torch.count_nonzero(got[-1]) == 0
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 4), (256, 16, 2), (128, 64, 8)])
+def test_paged_decode_head_dims(head_dim, n_heads, n_kv):
+    seq_lens = [3000, 1, 17, 0, 5000]
+    kc, vc, bt = _paged(seq_lens, n_kv, head_dim, 16)
+    q = torch.randn(len(seq_lens), n_heads, head_dim, device=DEV, dtype=BF16)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, head_dim ** -0.5)
+    torch.testing.assert_close(paged_decode_attention(q, kc, vc, bt, sl, head_dim ** -0.5), want, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_other_dtypes(dtype):
+    seq_lens, q_lens = [300, 1000], [300, 8]
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, dtype=dtype)
+    q = torch.randn(sum(q_lens), H, D, device=DEV, dtype=dtype)
+    qsl = torch.tensor([0, 300, 308], dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    tol = dict(atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.08),
+                               paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.08), **tol)
+    qd = q[:2].contiguous()
+    torch.testing.assert_close(paged_decode_attention_triton(qd, kc, vc, bt, sl, 0.08, num_splits=4),
+                               paged_decode_attention_ref(qd, kc, vc, bt, sl, 0.08), **tol)
+
+
+def test_decode_cuda_graph_capture():
+    # Capture once with static buffers, replay with new contexts: no host syncs, no data-dependent
+    # allocation inside the kernels' launchers.
+    B, max_ctx = 8, 2048
+    kc, vc, _ = _paged([max_ctx] * B, HKV, D, 16)
+    bt = torch.arange(B * (max_ctx // 16), device=DEV, dtype=torch.int32).view(B, -1)
+    q = torch.randn(B, H, D, device=DEV, dtype=BF16)
+    sl = torch.full((B,), 100, dtype=torch.int32, device=DEV)
+    k_new = torch.randn(B, HKV, D, device=DEV, dtype=BF16)
+    slots = torch.zeros(B, dtype=torch.long, device=DEV)
+
+    def step():
+        store_kv(k_new, k_new, kc, vc, slots)
+        return paged_decode_attention(q, kc, vc, bt, sl, D ** -0.5)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up (compile) outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for lens in ([2048, 1, 0, 77, 1500, 16, 17, 999], [5] * B):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        slots.copy_((bt[:, 0].long() * 16 + (torch.tensor(lens, device=DEV) - 1).clamp(min=0)) *
+                    (torch.tensor(lens, device=DEV) > 0) - (torch.tensor(lens, device=DEV) == 0).long())
+        q.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        want = paged_decode_attention_ref(q, kc, vc, bt, sl, D ** -0.5)
+        torch.testing.assert_close(out, want, **TOL)
