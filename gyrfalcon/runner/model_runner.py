@@ -11,6 +11,7 @@ import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.models.loader import load_model
+from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
@@ -47,6 +48,17 @@ class ModelRunner:
         self.global_generator.manual_seed(config.model_config.seed)
         self.sampler = Sampler(self.global_generator)
         self.generators: Dict[str, torch.Generator] = {}
+        self.graph_runner: Optional[CudaGraphRunner] = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
+                config.model_config.max_model_len, self.block_size, self.device)
+            self.graph_runner.capture()
+        logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); "
+                    "CUDA graphs: %s", self.load_seconds, self.num_blocks, self.block_size,
+                    self.num_blocks * self.bytes_per_block / 2**30, self.num_blocks * self.block_size,
+                    f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
+                    if self.graph_runner else "off")
 
     # ---- memory ---------------------------------------------------------------------------------
     @property
@@ -109,15 +121,28 @@ class ModelRunner:
         self.release(batch.finished_request_ids)
         if batch.is_empty:
             return RunnerOutput([], [])
-        fb = build_forward_batch(batch.reqs, self.block_size, self.device)
-        with forward_context(fb, self.kv_caches):
-            hidden = self.model(fb.input_ids, fb.positions)
         sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
+        if self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
+            hidden = self.graph_runner.run(batch.reqs)  # every row of a decode batch samples
+        else:
+            fb = build_forward_batch(batch.reqs, self.block_size, self.device)
+            with forward_context(fb, self.kv_caches):
+                hidden = self.model(fb.input_ids, fb.positions)
+            hidden = hidden[fb.logits_indices] if sample_reqs else None
         sampled: List[Optional[int]] = [None] * len(batch.reqs)
         logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
         if not sample_reqs:
             return RunnerOutput(sampled, logprobs)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        logits = self.model.compute_logits(hidden)
+        if self._plain_greedy(sample_reqs):
+            # The common case gets one kernel and no per-step metadata tensors.
+            tokens = logits.argmax(dim=-1).tolist()
+            row = 0
+            for i, sr in enumerate(batch.reqs):
+                if sr.sample:
+                    sampled[i] = tokens[row]
+                    row += 1
+            return RunnerOutput(sampled, logprobs)
         out = self.sampler(logits, self._sampling_metadata(sample_reqs))
         tokens = out.sampled.tolist()
         lp = rank = top_ids = top_lps = None
@@ -136,6 +161,15 @@ class ModelRunner:
                 logprobs[i] = (lp[row], rank[row], top)
             row += 1
         return RunnerOutput(sampled, logprobs)
+
+    @staticmethod
+    def _plain_greedy(reqs) -> bool:
+        for r in reqs:
+            p = r.sampling_params
+            if not p.greedy or p.logprobs is not None or p.presence_penalty or p.frequency_penalty \
+                    or p.repetition_penalty != 1.0 or r.num_output_tokens < p.min_tokens:
+                return False
+        return True
 
     def _generator_for(self, req) -> Optional[torch.Generator]:
         seed = req.sampling_params.seed

@@ -126,9 +126,12 @@ class Sampler:
             temp = md.temperature.clamp(min=1e-5).unsqueeze(1)
             scaled = apply_top_k_top_p_min_p(logits / temp, md)
             probs = scaled.softmax(dim=-1)
-            q = torch.empty_like(probs)
+            # One draw for all rows from the shared generator, then seeded rows redraw from their
+            # own generator (one small launch per seeded row).
+            q = torch.empty_like(probs).exponential_(generator=self.global_generator)
             for i, g in enumerate(md.generators):
-                q[i].exponential_(generator=g if g is not None else self.global_generator)
+                if g is not None:
+                    q[i].exponential_(generator=g)
             random = probs.div(q).argmax(dim=-1)
             sampled = random if md.all_random else torch.where(md.temperature < 1e-5, greedy, random)
         out = SamplerOutput(sampled=sampled)

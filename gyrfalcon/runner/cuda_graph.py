@@ -1,0 +1,142 @@
+"""CUDA graphs for decode steps: the whole model forward (attention included) replayed as one graph.
+
+The GPU host is slow (~24 us per eager launch), and a decode step of a small model launches
+hundreds of kernels; replaying a captured graph costs one launch. Graphs are captured once per
+batch size of a ladder (1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a batch of n sequences
+replays the smallest captured size >= n, the extra rows padded so they do nothing: slot -1 (the
+KV store skips it) and seq_len 0 (decode attention writes zeros without reading the cache).
+
+Every graph reads its inputs from one set of static device buffers. The host fills a pinned
+staging copy of them and sends each in one copy, so preparing a step costs a handful of launches
+whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from gyrfalcon.forward_context import forward_context
+from gyrfalcon.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> List[int]:
+    """The batch-size ladder: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (rounded up)."""
+    sizes = []
+    for s in (1, 2, 4):
+        sizes.append(s)
+        if s >= max_num_seqs:
+            return sizes
+    top = -(-max_num_seqs // 8) * 8
+    return sizes + list(range(8, top + 1, 8))
+
+
+def padded_size(sizes: List[int], n: int) -> int:
+    """The smallest captured size that holds n sequences (n must be <= sizes[-1])."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"batch of {n} exceeds the largest captured size {sizes[-1]}")
+    return sizes[i]
+
+
+class DecodeInputs:
+    """Static buffers of a decode step for up to B sequences, plus their pinned host staging.
+
+    int64 buffer: [input_ids B | positions B | slot_mapping B]
+    int32 buffer: [seq_lens B | query_start_loc B+1 | block_tables B*W]   (W = max blocks per seq)
+    """
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        B, W = max_batch, max_blocks_per_seq
+        self.B, self.W = B, W
+        self.i64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self.h64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
+        self.h32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, pin_memory=pin)
+        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
+        self.n32[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
+
+    def views(self, b: int) -> ForwardBatch:
+        """A ForwardBatch over the first b rows of the device buffers (what a graph captures)."""
+        B, W = self.B, self.W
+        return ForwardBatch(
+            input_ids=self.i64[:b], positions=self.i64[B:B + b], slot_mapping=self.i64[2 * B:2 * B + b],
+            seq_lens=self.i32[:b], query_start_loc=self.i32[B:B + b + 1],
+            block_tables=self.i32[2 * B + 1:].view(B, W)[:b],
+            logits_indices=torch.arange(b, device=self.i64.device), is_decode=True,
+            max_query_len=1, max_seq_len=W, num_seqs=b)
+
+    def fill(self, sched_reqs, b: int, block_size: int) -> int:
+        """Write the decode inputs of `sched_reqs` (padded to b rows) and send them; returns n."""
+        B, W = self.B, self.W
+        n = len(sched_reqs)
+        n64, n32 = self.n64, self.n32
+        bt = n32[2 * B + 1:].reshape(B, W)
+        for i, sr in enumerate(sched_reqs):
+            req = sr.request
+            pos = req.num_computed_tokens
+            n64[i] = req.token_id_at(pos)
+            n64[B + i] = pos
+            blocks = req.block_ids
+            n64[2 * B + i] = blocks[pos // block_size] * block_size + pos % block_size
+            n32[i] = pos + 1
+            bt[i, :len(blocks)] = blocks
+        n64[n:b] = 0
+        n64[B + n:B + b] = 0
+        n64[2 * B + n:2 * B + b] = -1
+        n32[n:b] = 0
+        self.i64.copy_(self.h64, non_blocking=True)
+        k = 2 * B + 1 + b * W  # the block-table rows past b are never read
+        self.i32[:k].copy_(self.h32[:k], non_blocking=True)
+        return n
+
+
+class CudaGraphRunner:
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks_per_seq, device)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        # Largest first: smaller graphs then fit in the memory pool the largest one reserved.
+        for b in reversed(self.sizes):
+            fb = self.inputs.views(b)
+            with forward_context(fb, self.kv_caches):
+                self.model(fb.input_ids, fb.positions)  # warm-up: autotune, lazy init
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self.model(fb.input_ids, fb.positions)
+            pool = g.pool()
+            self.graphs[b], self.outputs[b] = g, out
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def can_run(self, sched_reqs) -> bool:
+        return (len(sched_reqs) <= self.sizes[-1]
+                and all(sr.num_new_tokens == 1 for sr in sched_reqs))
+
+    def run(self, sched_reqs) -> torch.Tensor:
+        """Replay the decode step of `sched_reqs`; returns hidden states [n, hidden] (a view)."""
+        n = len(sched_reqs)
+        b = padded_size(self.sizes, n)
+        self.inputs.fill(sched_reqs, b, self.block_size)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]

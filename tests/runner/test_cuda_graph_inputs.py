@@ -1,0 +1,71 @@
+"""The CUDA-graph code paths that run without a GPU: the size ladder, padding, and the static
+decode inputs, which must describe the same step as the eager ForwardBatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.engine.request import Request
+from gyrfalcon.engine.scheduler import ScheduledRequest
+from gyrfalcon.runner.cuda_graph import DecodeInputs, capture_sizes, padded_size
+from gyrfalcon.runner.forward_batch import build_forward_batch
+from gyrfalcon.sampling_params import SamplingParams
+
+
+def test_capture_sizes_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert capture_sizes(256)[-1] == 256 and capture_sizes(256)[:5] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("n,want", [(1, 1), (3, 4), (5, 8), (9, 16), (17, 24), (24, 24)])
+def test_padded_size(n, want):
+    assert padded_size(capture_sizes(24), n) == want
+
+
+def test_padded_size_overflow():
+    with pytest.raises(ValueError, match="exceeds"):
+        padded_size([1, 2, 4], 5)
+
+
+def _decode_reqs(block_size):
+    reqs = []
+    for i, (n_prompt, n_out) in enumerate([(5, 3), (17, 1), (2, 9)]):
+        r = Request(str(i), list(range(10 + i, 10 + i + n_prompt)), SamplingParams(max_tokens=50))
+        r.output_token_ids = [100 + i * 10 + j for j in range(n_out)]
+        r.num_computed_tokens = r.num_tokens - 1
+        nb = -(-r.num_tokens // block_size)
+        r.block_ids = [7 * i + j + 1 for j in range(nb)]
+        reqs.append(ScheduledRequest(r, 1, True))
+    return reqs
+
+
+def test_decode_inputs_match_eager_forward_batch():
+    bs = 4
+    sched = _decode_reqs(bs)
+    eager = build_forward_batch(sched, bs, torch.device("cpu"))
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    n = inputs.fill(sched, 4, bs)
+    fb = inputs.views(4)
+    assert n == 3 and eager.is_decode and fb.is_decode
+    assert fb.input_ids[:n].tolist() == eager.input_ids.tolist()
+    assert fb.positions[:n].tolist() == eager.positions.tolist()
+    assert fb.slot_mapping[:n].tolist() == eager.slot_mapping.tolist()
+    assert fb.seq_lens[:n].tolist() == eager.seq_lens.tolist()
+    assert fb.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    for i in range(n):
+        w = len(sched[i].request.block_ids)
+        assert fb.block_tables[i, :w].tolist() == eager.block_tables[i, :w].tolist()
+    # The padding row does nothing: no KV write, no context.
+    assert fb.slot_mapping[3].item() == -1 and fb.seq_lens[3].item() == 0
+
+
+def test_decode_inputs_reuse_clears_old_rows():
+    bs = 4
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    inputs.fill(_decode_reqs(bs), 4, bs)
+    inputs.fill(_decode_reqs(bs)[:1], 2, bs)
+    fb = inputs.views(2)
+    assert fb.seq_lens.tolist()[1] == 0 and fb.slot_mapping.tolist()[1] == -1
