@@ -100,6 +100,29 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    def dump(rows, sweeps, final=False):
+        """Write the JSON now (also mid-run, so a run cut short by a time limit still leaves numbers)."""
+        out = dict(
+            benchmark="kernels",
+            gpu=torch.cuda.get_device_name(),
+            commit=_commit(),
+            command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            hbm_read_bytes_per_s=HBM_BW,
+            dtype="bfloat16",
+            model_shape=dict(heads=H, kv_heads=HKV, head_dim=D, hidden=HIDDEN, intermediate=INTER, block_size=16),
+            results=rows,
+            complete=final,
+            sweeps=sweeps,
+        )
+        if args.output_json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+            with open(args.output_json, "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"wrote {args.output_json}", flush=True)
+
     el = 2  # bytes per bf16 element
 
     # ---- rms_norm (+ residual), silu_and_mul, rotary, store_kv
@@ -147,9 +170,9 @@ def main() -> None:
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
         sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
         nb = -(-ctx // 16)
-        kd = kc_p[bt[0, :nb].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        vd = vc_p[bt[0, :nb].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-        qd = qp.transpose(0, 1).unsqueeze(0)
+        kd = kc_p[bt[0, :nb].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()  # [1,Hkv,S,D]
+        vd = vc_p[bt[0, :nb].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+        qd = qp.transpose(0, 1).unsqueeze(0).contiguous()
         pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2  # (query, key) pairs attended
         flops = 4 * H * D * pairs
         if q_len == ctx:
@@ -176,8 +199,8 @@ def main() -> None:
         ref_us = _bench(lambda: paged_decode_attention_ref(qd, kc_d, vc_d, bt, sl, D ** -0.5), 2, 5) \
             if B * ctx <= 64 * 8192 else None
         # Dense SDPA over pre-gathered contiguous K/V: what an un-paged torch decode would cost.
-        kd = kc_d[bt.long()].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-        vd = vc_d[bt.long()].flatten(1, 2).transpose(1, 2)
+        kd = kc_d[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, S, D]
+        vd = vc_d[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
         qq = qd.unsqueeze(2)
         base_us = _bench(lambda: sdpa(qq, kd, vd, enable_gqa=True))
         del kd, vd
@@ -185,6 +208,7 @@ def main() -> None:
                baseline="torch sdpa dense (contiguous K/V)", baseline_us=base_us, num_splits=ns)
 
     sweeps: dict = {}
+    dump(rows, sweeps)
     if not args.quick:
         # Decode launch configs (BLOCK_N, num_warps, num_stages) and split counts.
         for B, ctx in [(1, 8192), (64, 8192)]:
@@ -239,25 +263,7 @@ def main() -> None:
               f"{r.get('gbps', float('nan')):>8.1f} {100 * r.get('frac_hbm', float('nan')):>6.1f} "
               f"{r.get('tflops', float('nan')):>8.1f}")
 
-    out = dict(
-        benchmark="kernels",
-        gpu=torch.cuda.get_device_name(),
-        commit=_commit(),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        hbm_read_bytes_per_s=HBM_BW,
-        dtype="bfloat16",
-        model_shape=dict(heads=H, kv_heads=HKV, head_dim=D, hidden=HIDDEN, intermediate=INTER, block_size=16),
-        results=rows,
-        sweeps=sweeps,
-    )
-    if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.output_json}")
+    dump(rows, sweeps, final=True)
 
 
 if __name__ == "__main__":
