@@ -1,0 +1,197 @@
+"""Latency of one batch: TTFT, ms per decode step, output tok/s and the fraction of the HBM roofline.
+
+The roofline of a decode step is the bytes it must read (every weight once, as GPU.md counts it,
+plus the KV cache of every sequence) divided by the HBM bandwidth. --profile counts CUDA kernel
+launches per decode step and per decoder layer with torch.profiler. --baseline hf runs Hugging Face
+transformers (static cache + torch.compile) on the same checkpoint in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, print_table, random_prompts,
+                                    run_info, write_json)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    from gyrfalcon.cli import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="count CUDA kernel launches per decode step")
+    add_common_args(p)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(runner) -> int:
+    return runner.bytes_per_block // runner.block_size
+
+
+def count_launches(llm, prompts, steps: int = 8) -> dict:
+    """CUDA kernels per decode step (and per layer), from a profiled run of `steps` decode steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from gyrfalcon.sampling_params import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof-{i}", p, sp)
+    engine.step()  # prefill
+    engine.step()  # first decode (lazy init outside the profile)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    per_step = len(kernels) / steps
+    layers = llm.config.model_config.hf_config.num_hidden_layers
+    names = {}
+    for e in kernels:
+        names[e.name] = names.get(e.name, 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    return {"kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
+            "top_kernels": [[n[:80], c / steps] for n, c in top]}
+
+
+def run_gyrfalcon(args) -> dict:
+    import torch
+
+    from gyrfalcon.cli import engine_kwargs
+    from gyrfalcon.llm import LLM
+    from gyrfalcon.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    startup = time.perf_counter() - t0
+    runner = llm.engine.runner
+    vocab = llm.config.model_config.hf_config.vocab_size
+    prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    cuda = runner.device.type == "cuda"
+
+    def timed(max_tokens: int) -> float:
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(inputs, sp, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return time.perf_counter() - t
+
+    for _ in range(args.num_iters_warmup):
+        timed(args.output_len)
+    # Prefix caching would turn the repeated prompt into a cache hit; TTFT must be a real prefill.
+    llm.engine.block_manager.reset_prefix_cache()
+    ttfts, totals = [], []
+    for _ in range(args.num_iters):
+        llm.engine.block_manager.reset_prefix_cache()
+        ttfts.append(timed(1))
+        llm.engine.block_manager.reset_prefix_cache()
+        totals.append(timed(args.output_len))
+    ttft = sorted(ttfts)[len(ttfts) // 2]
+    total = sorted(totals)[len(totals) // 2]
+    step_s = (total - ttft) / max(args.output_len - 1, 1)
+    wbytes = weight_bytes(runner.model)
+    avg_ctx = args.input_len + args.output_len / 2
+    kvbytes = int(args.batch_size * avg_ctx * kv_bytes_per_token(runner))
+    roof_step = (wbytes + kvbytes) / HBM_BYTES_PER_S
+    res = {
+        "engine": "gyrfalcon", "startup_s": startup, "load_s": runner.load_seconds,
+        "graph_capture_s": runner.graph_runner.capture_seconds if runner.graph_runner else 0.0,
+        "ttft_ms": ttft * 1e3, "decode_step_ms": step_s * 1e3, "e2e_s": total,
+        "output_tok_s": args.batch_size * args.output_len / total,
+        "decode_tok_s": args.batch_size / step_s,
+        "weight_bytes": wbytes, "kv_bytes_per_step": kvbytes,
+        "roofline_step_ms": roof_step * 1e3, "roofline_fraction": roof_step / step_s,
+        "num_kv_blocks": runner.num_blocks,
+    }
+    if args.profile and cuda:
+        res["profile"] = count_launches(llm, prompts[: args.batch_size])
+    return res
+
+
+def run_hf_baseline(args) -> dict:
+    """transformers generate with a static cache and torch.compile: its best latency setting."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    vocab = model.config.vocab_size
+    ids = torch.tensor(random_prompts(args.batch_size, args.input_len, vocab, args.seed), device="cuda")
+    attn = torch.ones_like(ids)
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+        torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t
+
+    for _ in range(max(args.num_iters_warmup, 2)):  # compile happens here
+        timed(args.output_len)
+    ttft = sorted(timed(1) for _ in range(args.num_iters))[args.num_iters // 2]
+    total = sorted(timed(args.output_len) for _ in range(args.num_iters))[args.num_iters // 2]
+    step_s = (total - ttft) / max(args.output_len - 1, 1)
+    return {"engine": "hf-static-compile", "ttft_ms": ttft * 1e3, "decode_step_ms": step_s * 1e3,
+            "e2e_s": total, "output_tok_s": args.batch_size * args.output_len / total,
+            "decode_tok_s": args.batch_size / step_s}
+
+
+def main(args: argparse.Namespace) -> int:
+    results = {"gyrfalcon": run_gyrfalcon(args)}
+    if args.baseline == "hf":
+        import gc
+
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache()
+        results["baseline"] = run_hf_baseline(args)
+    g = results["gyrfalcon"]
+    rows = [["", "TTFT ms", "ms/step", "out tok/s", "decode tok/s", "roofline"],
+            ["gyrfalcon", f"{g['ttft_ms']:.2f}", f"{g['decode_step_ms']:.3f}", f"{g['output_tok_s']:.1f}",
+             f"{g['decode_tok_s']:.1f}", f"{g['roofline_fraction']:.1%}"]]
+    if "baseline" in results:
+        b = results["baseline"]
+        rows.append(["hf static+compile", f"{b['ttft_ms']:.2f}", f"{b['decode_step_ms']:.3f}",
+                     f"{b['output_tok_s']:.1f}", f"{b['decode_tok_s']:.1f}",
+                     f"{g['roofline_step_ms'] / b['decode_step_ms']:.1%}"])
+        results["ratio_output_tok_s"] = g["output_tok_s"] / b["output_tok_s"]
+        rows.append(["ratio", "", "", f"{results['ratio_output_tok_s']:.2f}x", "", ""])
+    print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len}; "
+          f"startup {g['startup_s']:.1f} s (load {g['load_s']:.1f} s, graphs {g['graph_capture_s']:.1f} s); "
+          f"weights {g['weight_bytes'] / 1e9:.2f} GB, KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
+    print_table(rows)
+    if "profile" in g:
+        pr = g["profile"]
+        print(f"CUDA kernels per decode step: {pr['kernels_per_step']:.1f} "
+              f"({pr['kernels_per_layer']:.2f} per layer)")
+    write_json(args, {"bench": "latency", **run_info(args), "results": results})
+    return 0

@@ -1,0 +1,146 @@
+"""Write a random-weight checkpoint of a real model's shape, so benchmarks run on any machine.
+
+The directory is a real Hugging Face checkpoint: config.json (the real model's dimensions, layer
+count optionally cut), safetensors shards with an index, a byte-level BPE tokenizer trained here on
+local Python sources (its vocabulary is smaller than the model's; ids beyond it decode to nothing),
+generation_config.json. Parameter names and shapes come from transformers' own model class built on
+the meta device, so the files are exactly what that class would save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+PRESETS = {
+    "llama-3.1-8b": dict(
+        arch="LlamaForCausalLM", model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_theta": 500000.0}),
+    "qwen3-0.6b": dict(
+        arch="Qwen3ForCausalLM", model_type="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3-8b": dict(
+        arch="Qwen3ForCausalLM", model_type="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--num-layers", type=int, default=None, help="cut the layer count (tests)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=0.02, help="std of the random linear weights")
+    p.add_argument("--lm-head-std", type=float, default=None,
+                   help="std of the LM head (larger gives peakier logits, stabler greedy tests)")
+    p.add_argument("--tokenizer-vocab", type=int, default=4096)
+
+
+def build_config(preset: str, num_layers=None):
+    from transformers import AutoConfig
+
+    spec = dict(PRESETS[preset])
+    arch, model_type = spec.pop("arch"), spec.pop("model_type")
+    if num_layers is not None:
+        spec["num_hidden_layers"] = num_layers
+    cfg = AutoConfig.for_model(model_type, **spec)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE with ChatML special tokens, trained on Python sources of this machine."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:200]
+    texts = (f.read_text(errors="ignore") for f in files)
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return fast
+
+
+def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat16", seed: int = 0,
+                    std: float = 0.02, lm_head_std=None, tokenizer_vocab: int = 4096,
+                    shard_bytes: int = 4 << 30) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(preset, num_layers)
+    tok = train_tokenizer(tokenizer_vocab)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg.eos_token_id = eos
+    cfg.bos_token_id = None
+    cfg.dtype = dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    tdtype = getattr(torch, dtype)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shards, cur, cur_bytes, index = [], {}, 0, {}
+    state = model.state_dict()
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    for name, meta in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            t = 1.0 + 0.1 * torch.randn(meta.shape, generator=g, device=dev)
+        elif name == "lm_head.weight" and lm_head_std is not None:
+            t = lm_head_std * torch.randn(meta.shape, generator=g, device=dev)
+        elif name.endswith("embed_tokens.weight") and tied and lm_head_std is not None:
+            t = lm_head_std * torch.randn(meta.shape, generator=g, device=dev)
+        else:
+            t = std * torch.randn(meta.shape, generator=g, device=dev)
+        t = t.to(tdtype).cpu()
+        nbytes = t.numel() * t.element_size()
+        if cur and cur_bytes + nbytes > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+        cur[name] = t
+        cur_bytes += nbytes
+    if cur:
+        shards.append(cur)
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        for k, v in shard.items():
+            index[k] = fname
+            total += v.numel() * v.element_size()
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    cfg.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    path = make_checkpoint(args.preset, args.out, args.num_layers, args.dtype, args.seed, args.std,
+                           args.lm_head_std, args.tokenizer_vocab)
+    print(f"wrote {args.preset} ({args.num_layers or 'all'} layers) to {path} in {time.perf_counter() - t0:.1f} s")
+    return 0

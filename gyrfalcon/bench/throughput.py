@@ -1,0 +1,93 @@
+"""Offline throughput: many random prompts at once through LLM.generate (ignore_eos, fixed lengths).
+
+Reports requests/s, output tok/s and total tok/s, as `vllm bench throughput` does. --baseline hf
+runs transformers' eager generate over the same prompts in batches of --hf-batch-size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from gyrfalcon.bench.common import add_common_args, print_table, random_prompts, run_info, write_json
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    from gyrfalcon.cli import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    add_common_args(p)
+
+
+def run_gyrfalcon(args) -> dict:
+    import torch
+
+    from gyrfalcon.cli import engine_kwargs
+    from gyrfalcon.llm import LLM
+    from gyrfalcon.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    startup = time.perf_counter() - t0
+    vocab = llm.config.model_config.hf_config.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, vocab, args.seed)]
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()
+    cuda = llm.engine.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    return {"engine": "gyrfalcon", "startup_s": startup, "elapsed_s": elapsed,
+            "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
+            "num_kv_blocks": llm.engine.runner.num_blocks}
+
+
+def run_hf_baseline(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
+    vocab = model.config.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n_out = 0
+    for i in range(0, len(prompts), args.hf_batch_size):
+        ids = torch.tensor(prompts[i:i + args.hf_batch_size], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
+                             min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+        n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    return {"engine": "hf-eager", "elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
+            "output_tok_s": n_out / elapsed, "total_tok_s": (n_out + len(prompts) * args.input_len) / elapsed}
+
+
+def main(args: argparse.Namespace) -> int:
+    results = {"gyrfalcon": run_gyrfalcon(args)}
+    if args.baseline == "hf":
+        results["baseline"] = run_hf_baseline(args)
+    rows = [["", "req/s", "output tok/s", "total tok/s", "elapsed s"]]
+    for key, r in results.items():
+        rows.append([r["engine"], f"{r['requests_per_s']:.2f}", f"{r['output_tok_s']:.1f}",
+                     f"{r['total_tok_s']:.1f}", f"{r['elapsed_s']:.1f}"])
+    if "baseline" in results:
+        results["ratio_output_tok_s"] = results["gyrfalcon"]["output_tok_s"] / results["baseline"]["output_tok_s"]
+        rows.append(["ratio", "", f"{results['ratio_output_tok_s']:.2f}x", "", ""])
+    print(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}")
+    print_table(rows)
+    write_json(args, {"bench": "throughput", **run_info(args), "results": results})
+    return 0
