@@ -74,4 +74,7 @@ def test_prefill_logits_close(ckpt):
     for i, (_, _, ref) in enumerate(refs):
         got = logits[qsl[i]:qsl[i + 1]]
         err = (got - ref).abs()
-        assert err.max().item() < 0.25 and err.mean().item() < 0.03, (err.max().item(), err.mean().item())
+        scale = ref.abs().max().item()
+        # bf16 keeps ~3 significant digits; two implementations round differently.
+        assert err.max().item() < 0.03 * scale and err.mean().item() < 0.005 * scale, \
+            (err.max().item(), err.mean().item(), scale)
