@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmarks of issue 4, results under $OUT.
+# Usage (on the GPU machine, from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [quick]
+# Each step has its own time limit and a failure does not stop the later steps.
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/gyrfalcon-out}
+R=$OUT/results
+mkdir -p "$R"
+START=$(date +%s)
+G="python3 -m gyrfalcon.cli"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(( $(date +%s) - START )) s elapsed)"
+  timeout "$secs" "$@" 2>&1 | tee "$R/$name.log" | grep -vE "^\s*$|Warning|warn\(" | tail -n 25
+  echo "=== $name exit ${PIPESTATUS[0]}"
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+step gpu_tests 240 python3 -m pytest -q -x tests/gpu -p no:cacheprovider
+step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
+  --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
+if [ "${1:-}" != quick ]; then
+  step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 1 16 64; do
+    step lat_l8_b$B 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
+      --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
+  done
+  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024.json"
+fi
+(cd "$OUT" && tar cf results.tar results && rm -rf results)
+echo "=== done in $(( $(date +%s) - START )) s"
