@@ -30,7 +30,13 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int, final: bool = False) -> str:
         """Append one token; return the text it completes ("" while a character is unfinished).
         final=True flushes whatever is pending (the request ended)."""
-        self.tokens.append(token_id)
+        return self.add_tokens([token_id], final)
+
+    def add_tokens(self, token_ids: List[int], final: bool = False) -> str:
+        """Append several tokens with one pair of decodes (same text as adding them one by one)."""
+        if not token_ids:
+            return ""
+        self.tokens.extend(token_ids)
         prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.tokens[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):

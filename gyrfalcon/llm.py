@@ -89,7 +89,7 @@ class LLM:
         return outs
 
     def _run(self, items, use_tqdm: bool) -> List[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, defer_text=True)
         order: List[str] = []
         submitted: List[str] = []
         try:

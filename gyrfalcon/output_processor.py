@@ -20,7 +20,7 @@ class SampleState:
     """One of a request's n samples."""
 
     def __init__(self, engine_id: str, index: int, params: SamplingParams, prompt_token_ids: List[int],
-                 tokenizer) -> None:
+                 tokenizer, defer_text: bool = False) -> None:
         self.engine_id = engine_id
         self.index = index
         self.params = params
@@ -33,6 +33,9 @@ class SampleState:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        # Nobody reads the text before the end (offline, no stop strings): decode once at the end.
+        self.defer_text = defer_text and not params.stop
+        self._pending: List[int] = []
         # What a streaming consumer has already been given.
         self.sent_text = 0
         self.sent_tokens = 0
@@ -65,6 +68,15 @@ class SampleState:
             # An eos / stop token ends the sample without adding its text (vLLM's rule).
             stop_token = last and finish_reason == "stop" and not self.params.include_stop_str_in_output
             prev_len = len(self.detok.output_text)
+            if self.defer_text:
+                if not stop_token:
+                    self._pending.append(tid)
+                if last and finish_reason is not None:
+                    self.detok.add_tokens(self._pending)
+                    self.detok.flush()
+                    self._pending = []
+                self.text = self.detok.output_text
+                continue
             if not stop_token:
                 self.detok.add_token(tid)
             if last and finish_reason is not None:
@@ -118,7 +130,7 @@ class SampleState:
 
 class RequestState:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
-                 params: SamplingParams, tokenizer, arrival_time: float) -> None:
+                 params: SamplingParams, tokenizer, arrival_time: float, defer_text: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -127,10 +139,10 @@ class RequestState:
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
         if params.n == 1:
-            self.samples = [SampleState(request_id, 0, params, prompt_token_ids, tokenizer)]
+            self.samples = [SampleState(request_id, 0, params, prompt_token_ids, tokenizer, defer_text)]
         else:
-            self.samples = [SampleState(f"{i}_{request_id}", i, params.child(i), prompt_token_ids, tokenizer)
-                            for i in range(params.n)]
+            self.samples = [SampleState(f"{i}_{request_id}", i, params.child(i), prompt_token_ids, tokenizer,
+                                        defer_text) for i in range(params.n)]
 
     @property
     def finished(self) -> bool:
@@ -144,8 +156,11 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, defer_text: bool = False) -> None:
+        """defer_text=True: outputs are read only when finished (offline generate), so text without
+        stop strings is decoded once at the end instead of token by token."""
         self.tokenizer = tokenizer
+        self.defer_text = defer_text
         self.requests: Dict[str, RequestState] = {}
         self._by_engine_id: Dict[str, Tuple[RequestState, SampleState]] = {}
 
@@ -156,7 +171,7 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         st = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
-                          arrival_time if arrival_time is not None else time.monotonic())
+                          arrival_time if arrival_time is not None else time.monotonic(), self.defer_text)
         self.requests[request_id] = st
         for s in st.samples:
             self._by_engine_id[s.engine_id] = (st, s)

@@ -178,3 +178,26 @@ def test_missing_directory():
 def test_unknown_llm_argument(qwen3_ckpt):
     with pytest.raises(TypeError, match="bogus"):
         LLM(str(qwen3_ckpt), bogus=1)
+
+
+def test_deferred_and_incremental_text_agree(llm):
+    """Offline generate decodes once at the end; the server's path decodes token by token."""
+    import random
+
+    from gyrfalcon.engine.scheduler import RequestUpdate
+    from gyrfalcon.output_processor import OutputProcessor
+
+    rng = random.Random(0)
+    tok = llm.tokenizer
+    prompt = tok("naïve 東京", add_special_tokens=False)["input_ids"]
+    outs = tok("😀 café — “x” 日本語 done", add_special_tokens=False)["input_ids"] + [rng.randrange(500) for _ in range(20)]
+    texts = []
+    for defer in (True, False):
+        op = OutputProcessor(tok, defer_text=defer)
+        op.add_request("r", None, prompt, SamplingParams(max_tokens=len(outs)))
+        for i, t in enumerate(outs):
+            last = i == len(outs) - 1
+            touched, _ = op.process([RequestUpdate("r", [t], [], last, "length" if last else None)])
+        texts.append(touched[0].samples[0].text)
+    assert texts[0] == texts[1]
+    assert texts[0].startswith("😀 café")

@@ -133,13 +133,15 @@ class BlockManager:
         """
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         self._ensure_hashes(request, num_full)
-        for i in range(num_full):
+        # Blocks before num_registered_blocks were handled in earlier steps: O(new blocks) per step.
+        for i in range(request.num_registered_blocks, num_full):
             bid = request.block_ids[i]
             if self.block_hash[bid] is not None:
                 continue
             h = request.block_hashes[i]
             self.block_hash[bid] = h
             self.cached.setdefault(h, bid)
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Drop `request`'s references; blocks nobody holds return to the free queue.
@@ -155,6 +157,7 @@ class BlockManager:
                 if self.block_hash[bid] is None:
                     self.free_queue.move_to_end(bid, last=False)
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for bid in list(self.free_queue):

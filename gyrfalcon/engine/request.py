@@ -46,6 +46,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hits at first scheduling
         self.block_ids: List[int] = []
         self.block_hashes: List[bytes] = []  # chained hashes of the full blocks, filled lazily
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
