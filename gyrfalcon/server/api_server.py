@@ -1,0 +1,275 @@
+"""The HTTP process of `gyrfalcon serve`: a FastAPI app on uvicorn, speaking OpenAI's API.
+
+It loads the config and tokenizer, binds the listening socket (so a port conflict fails before any
+model loads), starts the engine core process through AsyncEngineClient in the app's lifespan, and
+stops it there too: uvicorn turns SIGINT / SIGTERM into a lifespan shutdown, which sends the core
+Shutdown and waits for it, so no process outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import time
+from typing import Any, Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gyrfalcon import __version__
+from gyrfalcon.server.engine_client import AsyncEngineClient
+from gyrfalcon.server.metrics import ServerMetrics
+from gyrfalcon.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
+                                       TokenizeRequest)
+from gyrfalcon.server.serving import error_from_exception
+from gyrfalcon.server.serving_chat import OpenAIServingChat
+from gyrfalcon.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("gyrfalcon.server")
+
+# Paths anyone may read, API key or not (probes and scrapers carry no key).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; compares digests in constant time."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        got = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                got = v
+                break
+        if not hmac.compare_digest(hashlib.sha256(got).digest(), self._expected):
+            err = OpenAIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key")
+            return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class ServerState:
+    """Everything the routes need, built once per server."""
+
+    def __init__(self, client: AsyncEngineClient, config, tokenizer, served_model_name: str,
+                 chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0) -> None:
+        self.config = config
+        self.served_model_name = served_model_name
+        self.log_stats_interval = log_stats_interval
+        self.client = client
+        self.metrics = ServerMetrics(served_model_name, lambda: self.client.stats)
+        client.set_tokenizer(tokenizer, self.metrics)
+        self.completion = OpenAIServingCompletion(self.client, tokenizer, config, served_model_name, max_logprobs,
+                                                  chat_template)
+        self.chat = OpenAIServingChat(self.client, tokenizer, config, served_model_name, max_logprobs,
+                                      chat_template)
+        self.created = int(time.time())
+
+
+def _error_response(e: BaseException) -> JSONResponse:
+    err = error_from_exception(e)
+    if err.status >= 500 and err.status != 503:
+        logger.error("Internal error", exc_info=e)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await state.client.start()
+        except BaseException:
+            await state.client.shutdown()
+            raise
+        log_task = None
+        if state.log_stats_interval > 0:
+            log_task = asyncio.create_task(state.metrics.log_loop(state.log_stats_interval))
+        logger.info("Engine core ready (pid %s, %d KV blocks).", state.client.core_pid, state.client.num_blocks)
+        try:
+            yield
+        finally:
+            if log_task is not None:
+                log_task.cancel()
+            logger.info("Shutting down the engine core.")
+            await state.client.shutdown()
+
+    app = FastAPI(title="gyrfalcon", version=__version__, lifespan=lifespan)
+    app.state.gyrfalcon = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        if any(er.get("type") == "json_invalid" for er in errs):
+            return JSONResponse(OpenAIError(400, "The request body is not valid JSON.").body(), status_code=400)
+        # One line per top-level field; a union (prompt) reports every alternative it tried.
+        by_field: Dict[str, list] = {}
+        for er in errs:
+            loc = [str(x) for x in er.get("loc", ()) if x != "body"]
+            by_field.setdefault(loc[0] if loc else "body", []).append(er.get("msg", "invalid"))
+        msg = "; ".join(f"{f}: {' / '.join(dict.fromkeys(ms))}" for f, ms in by_field.items())
+        param = next(iter(by_field), None)
+        return JSONResponse(OpenAIError(400, msg or "Invalid request.", param=None if param == "body" else param
+                                        ).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail), type="invalid_request_error").body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _any_error(request: Request, e: Exception):
+        return _error_response(e)
+
+    @app.get("/health")
+    async def health():
+        if state.client.is_dead:
+            return JSONResponse(OpenAIError(503, f"The engine is not running: {state.client.dead_reason}",
+                                            code="engine_dead").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        mc = state.config.model_config
+        return {"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "gyrfalcon",
+            "root": mc.model, "parent": None, "max_model_len": mc.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw_request: Request):
+        return await state.completion.create_completion(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
+        return await state.chat.create_chat_completion(req, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return state.completion.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return state.completion.detokenize(req)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    return sock
+
+
+def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: a file, or the template itself (as vLLM accepts both)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+
+
+def run_server(args) -> int:
+    from gyrfalcon.cli import engine_kwargs
+    from gyrfalcon.config import default_model_path
+
+    logging.basicConfig(level=os.environ.get("GYRFALCON_LOG_LEVEL", "INFO"),
+                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    model = args.model
+    if model is None:
+        model = default_model_path()
+        if model is None:
+            raise ValueError("No model given and the bundled demo model is not installed.")
+    kw = engine_kwargs(args)
+    kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")
+    kw["served_model_name"] = args.served_model_name
+    if args.model is None and kw["served_model_name"] is None:
+        kw["served_model_name"] = "gyrfalcon-demo"
+    chat_template = _read_chat_template(args.chat_template)
+    sock = _bind(args.host, args.port)  # a taken port fails here, before any model loads
+    # The core loads the model while this process imports its own heavy modules.
+    client = AsyncEngineClient(model, kw)
+    client.launch()
+    try:
+        return _serve(args, client, sock, model, kw, chat_template)
+    finally:
+        client.kill()  # a no-op after a clean shutdown
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a SIGINT / SIGTERM it handled once it has shut down (a KeyboardInterrupt
+        traceback, or death by SIGTERM). Here shutdown already stopped everything in order, so the
+        process exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                if hasattr(self, "_captured_signals"):
+                    self._captured_signals.clear()
+
+    return Server
+
+
+def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any],
+           chat_template: Optional[str]) -> int:
+    import uvicorn
+
+    from gyrfalcon.config import EngineConfig
+    from gyrfalcon.tokenizer import load_tokenizer
+
+    config = EngineConfig.create(model, **kw)
+    mc = config.model_config
+    tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
+    api_key = args.api_key or os.environ.get("GYRFALCON_API_KEY") or None
+    interval = 0.0 if args.disable_log_stats else float(os.environ.get("GYRFALCON_LOG_STATS_INTERVAL", "10"))
+    state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
+                        interval)
+    app = build_app(state, api_key)
+    host, port = sock.getsockname()[:2]
+    logger.info("gyrfalcon %s serving %r as %r on http://%s:%d%s", __version__, mc.model, mc.served_model_name,
+                host, port, " (API key required)" if api_key else "")
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = _server_class()(uv_config)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1

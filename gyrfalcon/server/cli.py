@@ -1,0 +1,34 @@
+"""`gyrfalcon serve MODEL`: flags only (argparse); the server itself is imported by the handler."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gyrfalcon.server.api_server import run_server
+    return run_server(args)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from gyrfalcon.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $GYRFALCON_API_KEY, else no key)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) instead of the tokenizer's")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs a request may ask for")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / KV-usage log line")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=_cmd_serve)
+    return p

@@ -1,0 +1,222 @@
+"""OpenAIServing: what the completion and chat endpoints share.
+
+The model-name check, prompt validation (the engine's own rules, answered as HTTP 400 before
+anything is submitted), submission of a call's prompts to the engine client, the async iteration
+over their updates (which aborts whatever is unfinished when the caller goes away), usage, SSE
+framing, and the tokenize / detokenize endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from fastapi import Request
+
+from gyrfalcon.engine.engine import Engine
+from gyrfalcon.output_processor import RequestState
+from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
+from gyrfalcon.server.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request
+from gyrfalcon.tokenizer import encode, render_chat
+
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class _PromptChecker:
+    """Engine.validate_prompt (empty, too long, out-of-vocabulary ids) without an Engine."""
+
+    validate_prompt = Engine.validate_prompt
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.max_model_len = config.model_config.max_model_len
+
+
+def clamp_logprob(x: float) -> float:
+    """JSON has no -inf; OpenAI-compatible servers report -9999.0 instead."""
+    return -9999.0 if (x is None or math.isnan(x) or x < -9999.0) else float(x)
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_from_exception(e: BaseException) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, f"The engine is not running: {e}", code="engine_dead")
+    if isinstance(e, RequestRejected):
+        return bad_request(str(e))
+    return OpenAIError(500, f"Internal error: {type(e).__name__}: {e}")
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, tokenizer, config, served_model_name: str,
+                 max_logprobs: int = 20, chat_template: Optional[str] = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config
+        self.served_model_name = served_model_name
+        self.max_model_len = config.model_config.max_model_len
+        self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
+        self._checker = _PromptChecker(config)
+        gen = config.model_config.generation_config or {}
+        # The checkpoint's recommended sampling settings apply where a request names none (as vLLM).
+        self.sampling_defaults = {k: gen[k] for k in _SAMPLING_DEFAULT_KEYS if gen.get(k) is not None}
+
+    # ---- checks -----------------------------------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.served_model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_engine(self) -> None:
+        if self.client.is_dead:
+            raise OpenAIError(503, f"The engine is not running: {self.client.dead_reason}", code="engine_dead")
+
+    def validate_prompt(self, ids: List[int], max_tokens: Optional[int]) -> None:
+        try:
+            self._checker.validate_prompt(ids)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or the completion.", "max_tokens")
+
+    def render_chat(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
+                    kwargs: Optional[Dict[str, Any]] = None) -> str:
+        msgs = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise bad_request("Each message needs a 'role'.", "messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise bad_request("Only text content parts are supported.", "messages")
+                    parts.append(str(part.get("text", "")))
+                content = "\n".join(parts)
+            elif content is not None and not isinstance(content, str):
+                raise bad_request("Message content must be a string or a list of text parts.", "messages")
+            msgs.append({**m, "content": content if content is not None else ""})
+        try:
+            if kwargs:
+                if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("This model's tokenizer has no chat template; start the server with "
+                                     "--chat-template FILE.")
+                return self.tokenizer.apply_chat_template(msgs, tokenize=False, chat_template=self.chat_template,
+                                                          add_generation_prompt=add_generation_prompt, **kwargs)
+            return render_chat(self.tokenizer, msgs, self.chat_template, add_generation_prompt)
+        except Exception as e:  # jinja errors, a missing template
+            raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
+
+    # ---- submission and results -------------------------------------------------------------------
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def submit(self, request_id: str, prompts: Sequence[Tuple[Optional[str], List[int]]],
+               params: SamplingParams, queue: asyncio.Queue) -> List[RequestState]:
+        """Submit each prompt as `{request_id}-{i}`; on failure nothing stays submitted."""
+        self.check_engine()
+        states: List[RequestState] = []
+        arrival = time.monotonic()
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                states.append(self.client.add_request(f"{request_id}-{i}", text, ids, params, queue, arrival))
+        except BaseException:
+            self.abort(states)
+            raise
+        return states
+
+    def abort(self, states: Sequence[RequestState]) -> None:
+        for st in states:
+            self.client.abort(st.request_id)
+
+    @staticmethod
+    async def updates(states: Sequence[RequestState], queue: asyncio.Queue) -> AsyncIterator[RequestState]:
+        """The states as they change, until all have finished; raises what the engine client reports."""
+        pending = {st.request_id for st in states}
+        while pending:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.request_id not in pending:
+                continue
+            if item.finished:
+                pending.discard(item.request_id)
+            yield item
+
+    async def wait_all(self, states: Sequence[RequestState], queue: asyncio.Queue) -> None:
+        async for _ in self.updates(states, queue):
+            pass
+
+    @staticmethod
+    def usage(states: Sequence[RequestState]) -> Dict[str, Any]:
+        p = sum(len(st.prompt_token_ids) for st in states)
+        c = sum(len(s.token_ids) for st in states for s in st.samples)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(st.num_cached_tokens for st in states)}}
+
+    # ---- tokenizer endpoints ----------------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> Dict[str, Any]:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("Give exactly one of 'prompt' and 'messages'.")
+        if req.messages is not None:
+            text = self.render_chat(req.messages, req.add_generation_prompt)
+            ids = encode(self.tokenizer, text, add_special_tokens=False)
+        else:
+            ids = encode(self.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+        out: Dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> Dict[str, Any]:
+        self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is out of range for a vocabulary of {vocab}.", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+async def run_unless_disconnected(raw_request: Request, coro):
+    """Await `coro`, but cancel it (and return None) if the HTTP client goes away first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        watcher.cancel()
+        task.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # the client left: the task's cleanup aborts its requests
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None

@@ -1,0 +1,149 @@
+"""POST /v1/completions: prompts (strings or token ids, one or many) -> text_completion objects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gyrfalcon.server.protocol import CompletionRequest, bad_request
+from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
+                                      run_unless_disconnected, sse)
+from gyrfalcon.tokenizer import encode
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, prompt) -> List[Tuple[Optional[str], List[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, encode(self.tokenizer, prompt))]
+        if not prompt:
+            raise bad_request("prompt must not be empty.", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, encode(self.tokenizer, p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, list(p)) for p in prompt]
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                          "lists of token ids.", "prompt")
+
+    def _prompt_text(self, st) -> str:
+        return st.prompt if st.prompt is not None else self.tokenizer.decode(st.prompt_token_ids)
+
+    def _logprobs(self, token_ids, logprobs, num_top: int, offset: int,
+                  echo_ids: Optional[List[int]] = None) -> Tuple[Dict[str, Any], int]:
+        """OpenAI's completion logprobs {tokens, token_logprobs, top_logprobs, text_offset};
+        returns it and the text offset after it. Echoed prompt tokens carry null logprobs."""
+        tokens: List[str] = []
+        token_lps: List[Optional[float]] = []
+        tops: List[Optional[Dict[str, float]]] = []
+        offsets: List[int] = []
+        for tid in echo_ids or []:
+            s = self.tokenizer.decode([tid])
+            tokens.append(s)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(s)
+        for tid, entry in zip(token_ids, logprobs or []):
+            lp = entry[tid]
+            s = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
+            tokens.append(s)
+            token_lps.append(clamp_logprob(lp.logprob))
+            ranked = sorted(((t, e) for t, e in entry.items() if t == tid or (e.rank or 0) <= num_top),
+                            key=lambda te: te[1].rank or 0)
+            tops.append({e.decoded_token: clamp_logprob(e.logprob) for _, e in ranked})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
+        prompts = self._prompts(req.prompt)
+        for _, ids in prompts:
+            self.validate_prompt(ids, params.max_tokens)
+        self.check_engine()
+        request_id = self.new_id("cmpl")
+        created = int(time.time())
+        model = req.model or self.served_model_name
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, created, model, prompts, params),
+                                     media_type="text/event-stream")
+        queue: asyncio.Queue = asyncio.Queue()
+        states = self.submit(request_id, prompts, params, queue)
+
+        async def run():
+            try:
+                await self.wait_all(states, queue)
+                return True
+            finally:
+                self.abort(states)  # a no-op for finished ones; stops the rest on an error or disconnect
+
+        if await run_unless_disconnected(raw_request, run()) is None:
+            return Response(status_code=499)  # nobody is listening any more
+        choices = []
+        for i, st in enumerate(states):
+            out = st.request_output()
+            prompt_text = self._prompt_text(st) if req.echo else ""
+            for c in out.outputs:
+                lp = None
+                if params.logprobs is not None:
+                    lp, _ = self._logprobs(c.token_ids, c.logprobs, params.logprobs, 0,
+                                           st.prompt_token_ids if req.echo else None)
+                choices.append({"index": i * params.n + c.index, "text": prompt_text + c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": self.usage(states), "system_fingerprint": None})
+
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, model: str, prompts,
+                      params) -> AsyncIterator[str]:
+        states = []
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def chunk(choices, usage=None) -> str:
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            # Submitted here, not before the response starts: a client gone before the first byte
+            # then leaves nothing behind, as this generator never runs.
+            states = self.submit(request_id, prompts, params, queue)
+            index_of = {st.request_id: i for i, st in enumerate(states)}
+            echoed, done = set(), set()
+            offsets: Dict[Tuple[int, int], int] = {}
+            async for st in self.updates(states, queue):
+                i = index_of[st.request_id]
+                for s in st.samples:
+                    key = (i, s.index)
+                    if key in done:
+                        continue
+                    text, toks, lps = s.take_delta()
+                    echo_ids = None
+                    if req.echo and key not in echoed:
+                        echoed.add(key)
+                        text = self._prompt_text(st) + text
+                        echo_ids = st.prompt_token_ids
+                    finish = s.finish_reason if s.finished else None
+                    if not text and finish is None and not (params.logprobs is not None and toks):
+                        continue
+                    lp = None
+                    if params.logprobs is not None:
+                        lp, offsets[key] = self._logprobs(toks, lps, params.logprobs, offsets.get(key, 0), echo_ids)
+                    yield chunk([{"index": i * params.n + s.index, "text": text, "logprobs": lp,
+                                  "finish_reason": finish, "stop_reason": s.stop_reason if finish else None}])
+                    if finish is not None:
+                        done.add(key)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], self.usage(states))
+        except Exception as e:  # an error mid-stream becomes an error event, then [DONE]
+            yield sse(error_from_exception(e).body())
+        finally:
+            self.abort(states)
+        yield SSE_DONE
