@@ -9,8 +9,12 @@ R=$OUT/results
 mkdir -p "$R"
 START=$(date +%s)
 G="python3 -m gyrfalcon.cli"
+BUDGET=${BUDGET:-570}  # seconds for the whole script: later steps get what is left
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) - 15 ))
+  if [ "$left" -lt 20 ]; then echo "=== $name skipped: out of time"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
   echo "=== $name ($(( $(date +%s) - START )) s elapsed)"
   timeout "$secs" "$@" 2>&1 | tee "$R/$name.log" | grep -vE "^\s*$|Warning|warn\(" | tail -n 25
   echo "=== $name exit ${PIPESTATUS[0]}"
@@ -24,7 +28,7 @@ step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-
   --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
 if [ "${1:-}" != quick ]; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 1 16 64; do
+  for B in 1 64 16; do
     step lat_l8_b$B 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
       --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
   done
