@@ -42,30 +42,32 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        n_inner, stride_x0, stride_x1, stride_r0, stride_r1,
+        n_rows, n_inner, stride_x0, stride_x1, stride_r0, stride_r1,
         N, eps, w_offset,
-        HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        # One program per row. Rows are indexed as (row // n_inner, row % n_inner) so a strided
-        # [T, H, D] view (e.g. q sliced out of a fused qkv output) needs no copy.
-        row = tl.program_id(0)
+        # A program normalizes ROWS rows (several short rows per program for per-head q/k norm,
+        # one for a hidden-size row). Rows are indexed as (row // n_inner, row % n_inner) so a
+        # strided [T, H, D] view (e.g. q sliced out of a fused qkv output) needs no copy.
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         r0 = row // n_inner
         r1 = row % n_inner
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x = tl.load(x_ptr + r0 * stride_x0 + r1 * stride_x1 + cols, mask=mask, other=0.0)
+        mask = (row < n_rows)[:, None] & (cols < N)[None, :]
+        x = tl.load(x_ptr + (r0 * stride_x0 + r1 * stride_x1)[:, None] + cols[None, :], mask=mask, other=0.0)
+        out_off = row[:, None].to(tl.int64) * N + cols[None, :]
         if HAS_RES:
-            r = tl.load(res_ptr + r0 * stride_r0 + r1 * stride_r1 + cols, mask=mask, other=0.0)
+            r = tl.load(res_ptr + (r0 * stride_r0 + r1 * stride_r1)[:, None] + cols[None, :], mask=mask, other=0.0)
             # Round the sum to the model dtype before normalizing, exactly as the reference does.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + row * N + cols, x, mask=mask)
+            tl.store(res_out_ptr + out_off, x, mask=mask)
         xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / N
-        y = xf * tl.math.rsqrt(var + eps)
+        var = tl.sum(xf * xf, axis=1) / N
+        y = xf * tl.math.rsqrt(var + eps)[:, None]
         if HAS_W:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y = y * (w + w_offset)
-        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            y = y * (w + w_offset)[None, :]
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows_view(t: torch.Tensor):
@@ -106,12 +108,14 @@ def rms_norm_triton(
         return out if residual is None else (out, res_out)
     w = weight.contiguous() if weight is not None else xv
     BLOCK = max(16, next_pow2(N))
-    num_warps = min(16, max(1, BLOCK // 512))
-    _rms_norm_kernel[(n_rows,)](
+    # ~2K+ elements per program: short rows (per-head norms) are batched, long rows go one each.
+    ROWS = max(1, min(16, 2048 // BLOCK))
+    num_warps = min(16, max(1, ROWS * BLOCK // 512))
+    _rms_norm_kernel[(triton.cdiv(n_rows, ROWS),)](
         xv, rv, w, out, res_out,
-        n_inner, sx0, sx1, sr0, sr1,
+        n_rows, n_inner, sx0, sx1, sr0, sr1,
         N, float(eps), float(weight_offset),
-        HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK=BLOCK,
+        HAS_RES=residual is not None, HAS_W=weight is not None, ROWS=ROWS, BLOCK=BLOCK,
         num_warps=num_warps,
     )
     return out if residual is None else (out, res_out)

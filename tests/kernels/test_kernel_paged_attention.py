@@ -15,8 +15,9 @@ def _batch(q_lens, seq_lens, n_heads, n_kv, head_dim, block_size, dtype, head_di
 
 
 # Ragged: fresh prefill (q_len == seq_len), chunked prefill over a cached prefix, decode (q_len 1),
-# blocks partly filled, and an empty sequence (q_len 0) in the middle.
-RAGGED = ([7, 3, 1, 0, 12], [7, 11, 9, 4, 12])
+# blocks partly filled, an empty sequence (q_len 0) in the middle, and a long cached prefix whose
+# key tiles lie wholly below the causal diagonal (the kernel's unmasked phase).
+RAGGED = ([7, 3, 1, 0, 12, 6], [7, 11, 9, 4, 12, 53])
 
 
 @pytest.mark.parametrize("n_heads,n_kv", [(2, 2), (4, 2), (4, 1)])
@@ -59,10 +60,10 @@ def test_triton_matches_ref_ragged(dtype, n_heads, n_kv):
 @pytest.mark.parametrize("head_dim,block_size", [(16, 16), (64, 8), (128, 16), (256, 4), (80, 8)])
 def test_triton_head_dims(head_dim, block_size):
     dtype = torch.bfloat16
-    q_lens, seq_lens = [5, 1, 3], [5, 20, 17]
+    q_lens, seq_lens = [5, 1, 3], [5, 20, 150]
     q, kc, vc, bt, sl, qsl, _, _ = _batch(q_lens, seq_lens, 4, 2, head_dim, block_size, dtype)
     want = paged_attention_ref(q, kc, vc, bt, sl, qsl, head_dim ** -0.5)
-    got = paged_attention_triton(q, kc, vc, bt, sl, qsl, head_dim ** -0.5, max_query_len=5, max_seq_len=20)
+    got = paged_attention_triton(q, kc, vc, bt, sl, qsl, head_dim ** -0.5, max_query_len=5, max_seq_len=150)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
 
 

@@ -36,7 +36,7 @@ def test_ref_per_head_and_no_weight():
 
 @requires_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 64), (3, 100), (2, 3, 48)])
+@pytest.mark.parametrize("shape", [(7, 64), (3, 100), (2, 3, 48), (40, 32)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_triton_matches_ref(dtype, shape, residual, offset):
