@@ -36,10 +36,12 @@ def ckpt(request, tmp_path_factory):
     refs = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
-        out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
         with torch.no_grad():
             logits = hf(ids).logits[0].float()
-        refs.append((p, out[0, len(p):].tolist(), logits))
+        step_logits = torch.stack(out.logits, 0)[:, 0].float()
+        refs.append((p, out.sequences[0, len(p):].tolist(), logits, step_logits))
     del hf
     torch.cuda.empty_cache()
     return path, refs
@@ -53,8 +55,19 @@ def test_greedy_tokens_match_transformers(ckpt, enforce_eager):
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs], sp, use_tqdm=False)
-    for out, (_, ref_tokens, _) in zip(outs, refs):
-        assert out.outputs[0].token_ids == ref_tokens
+    exact = 0
+    for out, (_, ref_tokens, _, step_logits) in zip(outs, refs):
+        got = out.outputs[0].token_ids
+        if got == ref_tokens:
+            exact += 1
+            continue
+        # Two bf16 implementations may break a near-tie differently; after that the sequences
+        # diverge. Accept a first difference only where transformers itself had (near) a tie.
+        k = next(i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b)
+        row = step_logits[k]
+        gap = (row[ref_tokens[k]] - row[got[k]]).item()
+        assert gap < 0.02 * row.abs().max().item(), (k, gap, got[:k + 1], ref_tokens[:k + 1])
+    assert exact >= len(refs) - 1
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -71,7 +84,7 @@ def test_prefill_logits_close(ckpt):
     with torch.inference_mode(), forward_context(fb, runner.kv_caches):
         logits = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions))
     qsl = fb.query_start_loc.tolist()
-    for i, (_, _, ref) in enumerate(refs):
+    for i, (_, _, ref, _) in enumerate(refs):
         got = logits[qsl[i]:qsl[i + 1]]
         err = (got - ref).abs()
         scale = ref.abs().max().item()
