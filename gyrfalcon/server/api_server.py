@@ -232,13 +232,31 @@ def run_server(args) -> int:
         client.kill()  # a no-op after a clean shutdown
 
 
-def _server_class():
+def _server_class(client: AsyncEngineClient, grace: float):
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn re-raises a SIGINT / SIGTERM it handled once it has shut down (a KeyboardInterrupt
-        traceback, or death by SIGTERM). Here shutdown already stopped everything in order, so the
-        process exits 0 instead."""
+        """Shutdown (SIGINT / SIGTERM): stop accepting, give requests in flight `grace` seconds to
+        finish, then end the rest with a proper 503 / error event (rather than a cut connection);
+        the lifespan then stops the engine core.
+
+        uvicorn re-raises the signal it handled once it has shut down (a KeyboardInterrupt
+        traceback, or death by SIGTERM); everything already stopped in order, so exit 0 instead."""
+
+        async def shutdown(self, sockets=None) -> None:
+            async def end_stragglers() -> None:
+                deadline = time.monotonic() + grace
+                while client.num_in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if client.num_in_flight:
+                    logger.info("Ending %d request(s) still in flight.", client.num_in_flight)
+                    client.fail_all_requests()
+
+            task = asyncio.create_task(end_stragglers())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                task.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -268,8 +286,9 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     host, port = sock.getsockname()[:2]
     logger.info("gyrfalcon %s serving %r as %r on http://%s:%d%s", __version__, mc.model, mc.served_model_name,
                 host, port, " (API key required)" if api_key else "")
+    grace = max(0.0, args.shutdown_timeout)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
-    server = _server_class()(uv_config)
+                               timeout_graceful_shutdown=grace + 3, timeout_keep_alive=5)
+    server = _server_class(client, grace)(uv_config)
     server.run(sockets=[sock])
     return 0 if server.started else 1

@@ -6,8 +6,18 @@ import argparse
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+    import sys
+
     from gyrfalcon.server.api_server import run_server
-    return run_server(args)
+    rc = run_server(args)
+    # Everything is shut down and closed by now; skip the interpreter's final garbage collection of
+    # torch / transformers / FastAPI objects, which takes seconds and can only delay the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,6 +36,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a Jinja chat template file (or the template itself) instead of the tokenizer's")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / top_logprobs a request may ask for")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGINT / SIGTERM, seconds requests in flight get to finish before they are ended")
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / KV-usage log line")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -39,7 +39,11 @@ logger = logging.getLogger("gyrfalcon.server")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is gone; nothing more can be generated."""
+    """The engine core process is gone (or going); nothing more can be generated."""
+
+    def __init__(self, message: str, code: str = "engine_dead") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RequestRejected(ValueError):
@@ -160,7 +164,7 @@ class AsyncEngineClient:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
-        self._fail_all(EngineDeadError("The server is shutting down."))
+        self.fail_all_requests()
         for s in (self._in, self._out):
             if s is not None:
                 s.close(linger=0)
@@ -175,6 +179,18 @@ class AsyncEngineClient:
             if not self._closing:
                 logger.error("%s Generation requests now get HTTP 503; restart the server.", reason)
         self._fail_all(EngineDeadError(reason))
+
+    def fail_all_requests(self, message: str = "The server is shutting down.") -> None:
+        """End every request in flight with a 503 (streams: an error event, then [DONE])."""
+        for rid in list(self._queues):
+            q = self._queues.get(rid)
+            self.abort(rid)
+            if q is not None:
+                q.put_nowait(EngineDeadError(message, code="server_shutting_down"))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
 
     def _fail_all(self, err: Exception) -> None:
         queues, self._queues = self._queues, {}

@@ -53,7 +53,9 @@ def error_from_exception(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, EngineDeadError):
-        return OpenAIError(503, f"The engine is not running: {e}", code="engine_dead")
+        if e.code == "engine_dead":
+            return OpenAIError(503, f"The engine is not running: {e}", code=e.code)
+        return OpenAIError(503, str(e), code=e.code)
     if isinstance(e, RequestRejected):
         return bad_request(str(e))
     return OpenAIError(500, f"Internal error: {type(e).__name__}: {e}")

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MAX_MODEL_LEN, MODEL_NAME
+from server_testutil import MAX_MODEL_LEN, MODEL_NAME
 
 
 def post(server, path, body, headers=None, **kw):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import httpx
 
-from conftest import MODEL_NAME
+from server_testutil import MODEL_NAME
 from gyrfalcon import SamplingParams
 
 WORDS = ("def class return import json self value list dict the quick brown fox lazy dog for while if else "

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from conftest import MODEL_NAME
+from server_testutil import MODEL_NAME
 from gyrfalcon import SamplingParams
 
 PROMPTS = ["def fib(n):", "import json\nclass Encoder:", "The quick brown fox"]

@@ -1,0 +1,74 @@
+"""/metrics parses with prometheus-client's parser, has vLLM's metric names under `gyrfalcon:`, and its
+counters move exactly with the traffic sent."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_testutil import MODEL_NAME
+
+EXPECTED = {
+    "gyrfalcon:num_requests_running": "gauge", "gyrfalcon:num_requests_waiting": "gauge",
+    "gyrfalcon:kv_cache_usage_perc": "gauge", "gyrfalcon:prefix_cache_queries": "counter",
+    "gyrfalcon:prefix_cache_hits": "counter", "gyrfalcon:num_preemptions": "counter",
+    "gyrfalcon:prompt_tokens": "counter", "gyrfalcon:generation_tokens": "counter",
+    "gyrfalcon:request_success": "counter", "gyrfalcon:time_to_first_token_seconds": "histogram",
+    "gyrfalcon:time_per_output_token_seconds": "histogram", "gyrfalcon:e2e_request_latency_seconds": "histogram",
+    "gyrfalcon:request_queue_time_seconds": "histogram",
+}
+
+
+def test_metrics_format(server):
+    r = httpx.get(server.base_url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name, kind in EXPECTED.items():
+        assert name in families, name
+        assert families[name].type == kind, (name, families[name].type)
+        assert all(s.labels.get("model_name") == MODEL_NAME for s in families[name].samples)
+
+
+def test_counters_match_traffic(server):
+    before = server.wait_idle()
+    c = server.client()
+    prompt_tokens = completion_tokens = cached_tokens = 0
+    # 6 completions (2 streamed), 3 chats (1 streamed), all running to max_tokens; the same long prompt
+    # twice in a row, so the second finds its full blocks in the prefix cache.
+    long_prompt = "def f(x):\n    return x * 2\n" * 8
+    jobs = [("cmpl", long_prompt, 5, False), ("cmpl", long_prompt, 5, False), ("cmpl", "abc", 3, False),
+            ("cmpl", "hello world", 7, True), ("cmpl", "x = 1", 1, True), ("cmpl", "for i in", 4, False),
+            ("chat", "hi", 6, False), ("chat", "sort a list", 2, True), ("chat", "bye", 9, False)]
+    for kind, text, max_tokens, stream in jobs:
+        opts = {"include_usage": True} if stream else None
+        if kind == "cmpl":
+            r = c.completions.create(model=MODEL_NAME, prompt=text, max_tokens=max_tokens, stream=stream,
+                                     stream_options=opts, extra_body={"ignore_eos": True})
+        else:
+            r = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}],
+                                          max_tokens=max_tokens, stream=stream, stream_options=opts,
+                                          extra_body={"ignore_eos": True})
+        usage = [ch for ch in r][-1].usage if stream else r.usage
+        assert usage.completion_tokens == max_tokens
+        prompt_tokens += usage.prompt_tokens
+        completion_tokens += usage.completion_tokens
+        cached_tokens += usage.prompt_tokens_details.cached_tokens
+    after = server.wait_idle()
+
+    def delta(key):
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("gyrfalcon:prompt_tokens_total") == prompt_tokens
+    assert delta("gyrfalcon:generation_tokens_total") == completion_tokens
+    assert delta("gyrfalcon:request_success_total{finished_reason=length}") == len(jobs)
+    assert delta("gyrfalcon:request_success_total{finished_reason=stop}") == 0
+    assert delta("gyrfalcon:request_success_total{finished_reason=abort}") == 0
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"gyrfalcon:{h}_count") == len(jobs), h
+        assert delta(f"gyrfalcon:{h}_sum") >= 0
+    # TPOT is per sample with more than one token (the max_tokens=1 job has none).
+    assert delta("gyrfalcon:time_per_output_token_seconds_count") == len(jobs) - 1
+    assert delta("gyrfalcon:prefix_cache_queries_total") == prompt_tokens
+    assert delta("gyrfalcon:prefix_cache_hits_total") == cached_tokens >= 16
+    assert after["gyrfalcon:num_requests_running"] == 0 and after["gyrfalcon:num_requests_waiting"] == 0
+    assert after["gyrfalcon:kv_cache_usage_perc"] == 0.0
