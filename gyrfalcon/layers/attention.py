@@ -7,11 +7,19 @@ batch's metadata and this layer's cache tensors come from the forward context.
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 from torch import nn
 
 from gyrfalcon.kernels import paged_attention, paged_decode_attention, store_kv
 from gyrfalcon.forward_context import get_forward_context
+
+
+def fusion_enabled() -> bool:
+    """Fused kernels are on unless GYRFALCON_DISABLE_FUSION=1 (for fused-vs-unfused benchmarks)."""
+    return os.environ.get("GYRFALCON_DISABLE_FUSION", "0") != "1"
 
 
 class Attention(nn.Module):
@@ -24,12 +32,19 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]"""
+    def kv_cache(self):
+        """This layer's (k_cache, v_cache) in the current forward context."""
+        return get_forward_context().kv_caches[self.layer_idx]
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor] = None,
+                v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim].
+        k and v are None when a fused kernel already wrote them into the cache."""
         ctx = get_forward_context()
         fb = ctx.batch
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        store_kv(k, v, k_cache, v_cache, fb.slot_mapping)
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, fb.slot_mapping)
         if fb.is_decode:
             o = paged_decode_attention(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, self.scale,
                                        num_splits=fb.decode_num_splits)

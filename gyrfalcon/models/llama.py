@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from gyrfalcon.layers.activation import SiluAndMul
-from gyrfalcon.layers.attention import Attention
+from gyrfalcon.forward_context import get_forward_context
+from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
+from gyrfalcon.layers.attention import Attention, fusion_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -50,10 +52,21 @@ class LlamaAttention(nn.Module):
         if self.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fused = fusion_enabled()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [T]; x: [T, hidden] -> [T, hidden]"""
         qkv = self.qkv_proj(x)
+        if self.fused:
+            # One launch: q/k norm + RoPE + K/V written into the paged cache.
+            k_cache, v_cache = self.attn.kv_cache()
+            rot = self.rotary_emb
+            q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,
+                         rot.rotary_dim, rot.is_neox, k_cache, v_cache, get_forward_context().batch.slot_mapping,
+                         self.q_norm.weight if self.use_qk_norm else None,
+                         self.k_norm.weight if self.use_qk_norm else None,
+                         self.q_norm.eps if self.use_qk_norm else 1e-6)
+            return self.o_proj(self.attn(q))
         q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,147 @@
+"""Fused attention-input preparation: per-head q/k RMSNorm + RoPE + KV-cache write, one launch.
+
+Between the qkv projection and attention, an unfused layer launches q-norm, k-norm, rotary and the
+KV store separately (4 kernels for Qwen3, 2 for Llama). Here one program per (token, head) reads its
+head of the fused qkv output once, normalizes it (optional), rotates the first rotary_dim dims,
+and either writes q to the output or writes k and v straight into the paged cache.
+
+qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows [q heads | k heads | v heads];
+positions: int [num_tokens]; cos_sin_cache: fp32 [max_positions, rotary_dim] (cos | sin);
+k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: int [num_tokens]
+(-1: do not write). Returns q: [num_tokens, num_heads, head_dim] (normalized and rotated).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels.rms_norm import rms_norm_ref
+from gyrfalcon.kernels.rotary import apply_rotary_ref
+from gyrfalcon.kernels.store_kv import store_kv_ref
+
+
+def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """The unfused composition of the existing references (the oracle of the fused kernel)."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(T, num_heads, head_dim)
+    k = k.reshape(T, num_kv_heads, head_dim)
+    v = v.reshape(T, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    q, k = apply_rotary_ref(q, k, positions, cos_sin_cache, rotary_dim, is_neox)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q.contiguous()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _qkv_prep_kernel(
+        qkv_ptr, q_out_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
+        stride_qkv_t, stride_qo_t, stride_qo_h, stride_cs,
+        stride_kc_blk, stride_kc_slot, stride_kc_head, stride_vc_blk, stride_vc_slot, stride_vc_head,
+        eps,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        h = tl.program_id(1)  # 0..NUM_HEADS-1: q heads; then kv heads
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        HALF: tl.constexpr = ROT // 2
+        if IS_NEOX:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            cidx = tl.where(d < HALF, d, d - HALF)
+            sign = tl.where(d < HALF, -1.0, 1.0)
+        else:
+            partner = d ^ 1
+            cidx = d // 2
+            sign = tl.where((d % 2) == 0, -1.0, 1.0)
+        rot = d < ROT
+        partner = tl.where(rot, partner, d)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + cidx, mask=rot & dmask, other=1.0)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + cidx, mask=rot & dmask, other=0.0)
+        row = qkv_ptr + tok * stride_qkv_t
+        is_q = h < NUM_HEADS
+        kvh = h - NUM_HEADS
+        col0 = h * HEAD_DIM  # q heads then k heads sit back to back in the row
+        x = tl.load(row + col0 + d, mask=dmask, other=0.0).to(tl.float32)
+        xp = tl.load(row + col0 + partner, mask=dmask, other=0.0).to(tl.float32)
+        if is_q:
+            if HAS_QW:
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+                x = x * rstd * tl.load(qw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+                xp = xp * rstd * tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        else:
+            if HAS_KW:
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+                x = x * rstd * tl.load(kw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+                xp = xp * rstd * tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        y = tl.where(rot, x * cos + sign * xp * sin, x)
+        if is_q:
+            tl.store(q_out_ptr + tok * stride_qo_t + h * stride_qo_h + d,
+                     y.to(q_out_ptr.dtype.element_ty), mask=dmask)
+        else:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                blk = slot // BLOCK_SIZE
+                off = slot % BLOCK_SIZE
+                tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh * stride_kc_head + d,
+                         y.to(kc_ptr.dtype.element_ty), mask=dmask)
+                v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=dmask, other=0.0)
+                tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh * stride_vc_head + d,
+                         v.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                    positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe)."""
+    assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert cos_sin_cache.stride(-1) == 1
+    T = qkv.shape[0]
+    q_out = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q_out
+    dummy = qkv  # a valid pointer for the absent norm weights (never read)
+    _qkv_prep_kernel[(T, num_heads + num_kv_heads)](
+        qkv, q_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q_norm_weight if q_norm_weight is not None else dummy,
+        k_norm_weight if k_norm_weight is not None else dummy,
+        qkv.stride(0), q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(eps),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=rotary_dim,
+        IS_NEOX=bool(is_neox), BLOCK_SIZE=k_cache.shape[1],
+        HAS_QW=q_norm_weight is not None, HAS_KW=k_norm_weight is not None,
+        BLOCK_D=max(16, next_pow2(head_dim)), num_warps=1 if head_dim <= 128 else 2,
+    )
+    return q_out
+
+
+def qkv_prep(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
+             eps: float = 1e-6) -> torch.Tensor:
+    fn = qkv_prep_triton if use_triton(qkv) else qkv_prep_ref
+    return fn(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
+              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+
+
+__all__ = ["qkv_prep", "qkv_prep_ref", "qkv_prep_triton", "interpreting"]

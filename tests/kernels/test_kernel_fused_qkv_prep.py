@@ -1,0 +1,55 @@
+"""Fused q/k-norm + RoPE + KV store vs the composition of the unfused references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref, qkv_prep_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(T, H, KVH, D, rot, dtype, norm, nb=6, bs=4):
+    g = torch.Generator().manual_seed(T * 131 + H + D)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype).to(DEV)
+    positions = torch.randint(0, 64, (T,), generator=g).to(DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    cs = torch.cat([freqs.cos(), freqs.sin()], -1).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    slots[T // 2] = -1  # a padding token writes nothing
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV) if norm else None
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV) if norm else None
+    caches = [torch.zeros(nb, bs, KVH, D, dtype=dtype, device=DEV) for _ in range(4)]
+    return qkv, positions, cs, slots, qw, kw, caches
+
+
+@pytest.mark.parametrize("T,H,KVH,D,rot", [(5, 4, 2, 32, 32), (3, 2, 1, 64, 32), (4, 4, 4, 16, 16),
+                                           (2, 8, 2, 128, 128)])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_unfused(T, H, KVH, D, rot, is_neox, norm, dtype):
+    qkv, pos, cs, slots, qw, kw, (kc1, vc1, kc2, vc2) = _case(T, H, KVH, D, rot, dtype, norm)
+    q_ref = qkv_prep_ref(qkv, H, KVH, D, pos, cs, rot, is_neox, kc1, vc1, slots, qw, kw, 1e-6)
+    q_tri = qkv_prep_triton(qkv, H, KVH, D, pos, cs, rot, is_neox, kc2, vc2, slots, qw, kw, 1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q_tri, q_ref, **tol)
+    torch.testing.assert_close(kc2, kc1, **tol)
+    torch.testing.assert_close(vc2, vc1, rtol=0, atol=0)
+    assert q_tri.shape == (T, H, D)
+
+
+def test_ref_against_naive_math():
+    """The reference itself: q head 0 of token 0 by hand (norm, then rotate_half)."""
+    T, H, KVH, D = 1, 1, 1, 8
+    qkv, pos, cs, slots, qw, kw, (kc, vc, _, _) = _case(T, H, KVH, D, D, torch.float32, True)
+    slots[0] = 5
+    q = qkv_prep_ref(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, qw, kw, 1e-6)
+    x = qkv[0, :D].cpu()
+    xn = x * torch.rsqrt(x.pow(2).mean() + 1e-6) * qw.cpu()
+    c, s = cs[pos[0], :D // 2].cpu(), cs[pos[0], D // 2:].cpu()
+    want = torch.cat([xn[:4] * c - xn[4:] * s, xn[4:] * c + xn[:4] * s])
+    torch.testing.assert_close(q[0, 0].cpu(), want)
+    torch.testing.assert_close(vc[1, 1, 0].cpu(), qkv[0, 2 * D:].cpu())  # slot 5 = block 1, offset 1
