@@ -27,7 +27,7 @@ step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
 step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
   --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
 # The same run with the fused kernels off: the fused-vs-unfused comparison.
-GYRFALCON_DISABLE_FUSION=1 step lat_q06_b1_unfused 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
+step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
   --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
 if [ "${1:-}" = fusion ]; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
