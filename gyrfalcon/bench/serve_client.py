@@ -174,20 +174,23 @@ async def run_benchmark(args) -> int:
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    async with aiohttp.ClientSession() as session:
+        models = await _get_json(session, base + "/v1/models", headers)
+    model = args.model or models["data"][0]["id"]
+    tok_path = args.tokenizer
+    if tok_path is None:
+        roots = [m.get("root") for m in models["data"] if m["id"] == model] + [model]
+        tok_path = next((r for r in roots if r and os.path.isdir(r)), None)
+        if tok_path is None:
+            print("error: cannot find the tokenizer; pass --tokenizer PATH", flush=True)
+            return 2
+    tokenizer = _load_tokenizer(tok_path)
+    reqs = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                           args.random_range_ratio, args.seed, chat)
+    # A fresh session after the (slow) setup: a pooled connection idle past the server's
+    # keep-alive timeout would be closed under the first request.
     conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False)
     async with aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20) as session:
-        models = await _get_json(session, base + "/v1/models", headers)
-        model = args.model or models["data"][0]["id"]
-        tok_path = args.tokenizer
-        if tok_path is None:
-            roots = [m.get("root") for m in models["data"] if m["id"] == model] + [model]
-            tok_path = next((r for r in roots if r and os.path.isdir(r)), None)
-            if tok_path is None:
-                print("error: cannot find the tokenizer; pass --tokenizer PATH", flush=True)
-                return 2
-        tokenizer = _load_tokenizer(tok_path)
-        reqs = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               args.random_range_ratio, args.seed, chat)
 
         def payload(r: BenchRequest) -> Dict[str, Any]:
             body: Dict[str, Any] = {"model": model, "max_tokens": r.output_len, "temperature": args.temperature,

@@ -341,7 +341,10 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
                 eos = mc.eos_token_ids(load_tokenizer(mc.tokenizer_path, mc.trust_remote_code).eos_token_id)
             engine = Engine(config, eos)
         except BaseException as err:  # noqa: BLE001: the front end must hear why
-            logger.error("engine core failed to start:\n%s", traceback.format_exc())
+            if isinstance(err, (ValueError, FileNotFoundError)):  # bad settings: the message says it all
+                logger.error("engine core failed to start: %s", err)
+            else:
+                logger.error("engine core failed to start:\n%s", traceback.format_exc())
             out.send(StartupFailed(f"{type(err).__name__}: {err}").encode())
             return 1
         out.send(Ready(os.getpid(), engine.block_manager.num_blocks, engine.block_manager.block_size,

@@ -222,7 +222,10 @@ def run_server(args) -> int:
     if args.model is None and kw["served_model_name"] is None:
         kw["served_model_name"] = "gyrfalcon-demo"
     chat_template = _read_chat_template(args.chat_template)
-    sock = _bind(args.host, args.port)  # a taken port fails here, before any model loads
+    try:
+        sock = _bind(args.host, args.port)  # a taken port fails here, before any model loads
+    except OSError as e:
+        raise ValueError(f"Cannot listen on {args.host}:{args.port}: {e.strerror or e}.") from None
     # The core loads the model while this process imports its own heavy modules.
     client = AsyncEngineClient(model, kw)
     client.launch()
