@@ -56,7 +56,11 @@ class AsyncEngineClient:
         self.model = model
         self.engine_args = engine_args
         self.metrics = None
+        # Streams read text as it grows; a non-streaming call reads it once at the end, so its text
+        # (without stop strings) is decoded once instead of token by token.
         self.processor: Optional[OutputProcessor] = None
+        self.deferred: Optional[OutputProcessor] = None
+        self._proc_of: Dict[str, OutputProcessor] = {}
         self.proc: Optional[subprocess.Popen] = None
         self.core_pid: Optional[int] = None
         self.num_blocks = 0
@@ -80,6 +84,7 @@ class AsyncEngineClient:
     # ---- lifecycle --------------------------------------------------------------------------------
     def set_tokenizer(self, tokenizer, metrics=None) -> None:
         self.processor = OutputProcessor(tokenizer)
+        self.deferred = OutputProcessor(tokenizer, defer_text=True)
         self.metrics = metrics
 
     @property
@@ -195,8 +200,9 @@ class AsyncEngineClient:
     def _fail_all(self, err: Exception) -> None:
         queues, self._queues = self._queues, {}
         for rid, q in queues.items():
-            self.processor.abort(rid)
+            self._processor(rid).abort(rid)
             q.put_nowait(err)
+        self._proc_of.clear()
         self._stopped.clear()
         self._started.clear()
         self._recorded.clear()
@@ -218,28 +224,33 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason) from None
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
-                    params: SamplingParams, queue: asyncio.Queue,
-                    arrival_time: Optional[float] = None) -> RequestState:
-        """Submit one prompt (its n samples); updates of its RequestState go to `queue`."""
+                    params: SamplingParams, queue: asyncio.Queue, arrival_time: Optional[float] = None,
+                    stream: bool = True) -> RequestState:
+        """Submit one prompt (its n samples); updates of its RequestState go to `queue`.
+        stream=False: the caller reads the text only once the request has finished."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        pairs = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        proc = self.processor if stream else self.deferred
+        pairs = proc.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        self._proc_of[request_id] = proc
         self._queues[request_id] = queue
-        state = self.processor.requests[request_id]
+        state = proc.requests[request_id]
         try:
             for eid, child in pairs:
                 self._send(AddRequest(eid, list(prompt_token_ids), encode_sampling_params(child)))
         except EngineDeadError:
             self._queues.pop(request_id, None)
-            self.processor.abort(request_id)
+            self._proc_of.pop(request_id, None)
+            proc.abort(request_id)
             raise
         return state
 
     def abort(self, request_id: str) -> None:
         """Forget a request and stop it in the engine (a no-op once it finished)."""
         self._queues.pop(request_id, None)
-        state = self.processor.requests.get(request_id)
-        eids = self.processor.abort(request_id)
+        proc = self._processor(request_id)
+        state = proc.requests.get(request_id)
+        eids = proc.abort(request_id)
         if state is not None:
             for s in state.samples:
                 self._record_sample(state, s)
@@ -275,7 +286,7 @@ class AsyncEngineClient:
 
     def _handle_failed(self, msg: RequestFailed) -> None:
         for rid, q in list(self._queues.items()):
-            st = self.processor.requests.get(rid)
+            st = self._processor(rid).requests.get(rid)
             if st is not None and any(s.engine_id == msg.request_id for s in st.samples):
                 self.abort(rid)
                 q.put_nowait(RequestRejected(msg.error))
@@ -293,7 +304,11 @@ class AsyncEngineClient:
             updates.append(RequestUpdate(request_id=eid, new_token_ids=u[1], new_logprobs=u[2],
                                          finished=u[3], finish_reason=u[4], stop_reason=u[5],
                                          num_prompt_tokens=u[6], num_cached_tokens=u[7]))
+        # Each processor skips the engine ids it does not track.
         touched, to_finish = self.processor.process(updates)
+        touched2, to_finish2 = self.deferred.process(updates)
+        touched += touched2
+        to_finish += to_finish2
         if to_finish:
             self._stopped.update(to_finish)
             self._send(FinishRequests(to_finish))
@@ -315,6 +330,9 @@ class AsyncEngineClient:
             if q is not None:
                 q.put_nowait(st)
 
+    def _processor(self, request_id: str) -> OutputProcessor:
+        return self._proc_of.get(request_id, self.processor)
+
     def _record_sample(self, st: RequestState, s) -> None:
         """Count a finished (or aborted) sample in the metrics, once."""
         if s.engine_id not in self._recorded:
@@ -325,6 +343,7 @@ class AsyncEngineClient:
     def _forget(self, st: RequestState) -> None:
         """Drop the per-request bookkeeping of a request that ended."""
         self._queues.pop(st.request_id, None)
+        self._proc_of.pop(st.request_id, None)
         self._started.discard(st.request_id)
         for s in st.samples:
             self._stopped.discard(s.engine_id)

@@ -130,14 +130,16 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def submit(self, request_id: str, prompts: Sequence[Tuple[Optional[str], List[int]]],
-               params: SamplingParams, queue: asyncio.Queue) -> List[RequestState]:
-        """Submit each prompt as `{request_id}-{i}`; on failure nothing stays submitted."""
+               params: SamplingParams, queue: asyncio.Queue, stream: bool = True) -> List[RequestState]:
+        """Submit each prompt as `{request_id}-{i}`; on failure nothing stays submitted.
+        stream=False: the text is read only at the end (decoded once, not token by token)."""
         self.check_engine()
         states: List[RequestState] = []
         arrival = time.monotonic()
         try:
             for i, (text, ids) in enumerate(prompts):
-                states.append(self.client.add_request(f"{request_id}-{i}", text, ids, params, queue, arrival))
+                states.append(self.client.add_request(f"{request_id}-{i}", text, ids, params, queue, arrival,
+                                                      stream))
         except BaseException:
             self.abort(states)
             raise

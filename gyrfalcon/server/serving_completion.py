@@ -74,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self._stream(req, request_id, created, model, prompts, params),
                                      media_type="text/event-stream")
         queue: asyncio.Queue = asyncio.Queue()
-        states = self.submit(request_id, prompts, params, queue)
+        states = self.submit(request_id, prompts, params, queue, stream=False)
 
         async def run():
             try:

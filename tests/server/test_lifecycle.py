@@ -112,8 +112,20 @@ def test_signal_shuts_down_cleanly(fresh_server, sig):
     assert "Shutting down the engine core" in srv.log()
 
 
-def test_killed_server_takes_engine_core_along(fresh_server):
-    srv = fresh_server()
+def test_killed_server_takes_engine_core_along(fresh_server, tmp_path):
+    """(This server also checks --chat-template FILE, to save a server start.)"""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    srv = fresh_server("--chat-template", str(template))
+    msgs = [{"role": "user", "content": "hello"}]
+    toks = httpx.post(srv.base_url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    text = httpx.post(srv.base_url + "/detokenize", json={"tokens": toks}).json()["prompt"]
+    assert text == "[user] hello\n[assistant] "
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": msgs,
+                                                                "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(toks)
+
     core = srv.core_pid
     assert pid_alive(core)
     srv.proc.kill()

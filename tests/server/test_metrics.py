@@ -3,6 +3,8 @@ counters move exactly with the traffic sent."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -72,3 +74,15 @@ def test_counters_match_traffic(server):
     assert delta("gyrfalcon:prefix_cache_hits_total") == cached_tokens >= 16
     assert after["gyrfalcon:num_requests_running"] == 0 and after["gyrfalcon:num_requests_waiting"] == 0
     assert after["gyrfalcon:kv_cache_usage_perc"] == 0.0
+
+
+def test_periodic_stats_log_line(server):
+    """The tests start servers with GYRFALCON_LOG_STATS_INTERVAL=2."""
+    server.client().completions.create(model=MODEL_NAME, prompt="log me", max_tokens=4)
+    deadline = time.monotonic() + 8
+    while "Avg generation throughput" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.2)
+    line = [ln for ln in server.log().splitlines() if "Avg generation throughput" in ln][-1]
+    for part in ("Avg prompt throughput", "Running:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line
