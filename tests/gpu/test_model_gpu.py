@@ -1,5 +1,6 @@
 """gyrfalcon vs transformers on the GPU, bf16, checkpoints of real width with a few layers:
-prefill logits close, greedy tokens identical for 32 steps, CUDA graphs on and off."""
+prefill logits close; greedy tokens identical for 32 steps in fp32 and argmax-consistent in bf16,
+CUDA graphs on and off."""
 
 from __future__ import annotations
 
@@ -23,57 +24,85 @@ from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
 STEPS = 32
 
 
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    """Each engine takes a share of the card; the previous test's must be gone before the next."""
+    yield
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module", params=[("llama-3.1-8b", 2), ("qwen3-0.6b", 4)], ids=lambda p: p[0])
 def ckpt(request, tmp_path_factory):
     preset, layers = request.param
-    # A peaky LM head makes greedy choices robust to bf16 rounding (random logits are near-flat).
     path = make_checkpoint(preset, tmp_path_factory.mktemp(preset), num_layers=layers, lm_head_std=0.1,
                            tokenizer_vocab=1024)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
-    prompts = random_prompts(4, 100, hf.config.vocab_size, 0)
+    prompts = random_prompts(4, 100, 100000, 0)
     prompts[1] = prompts[1][:37]
     prompts[2] = prompts[2][:5]
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-        with torch.no_grad():
-            logits = hf(ids).logits[0].float()
-        step_logits = torch.stack(out.logits, 0)[:, 0].float()
-        refs.append((p, out.sequences[0, len(p):].tolist(), logits, step_logits))
-    del hf
-    torch.cuda.empty_cache()
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
+        rows = []
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            with torch.no_grad():
+                logits = hf(ids).logits[0].float()
+            rows.append((p, out[0, len(p):].tolist(), logits))
+        refs[dtype] = rows
+        del hf
+        torch.cuda.empty_cache()
     return path, refs
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_greedy_tokens_match_transformers(ckpt, enforce_eager):
+def test_greedy_tokens_match_transformers_fp32(ckpt, enforce_eager):
+    """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
+    implementations round differently and random-weight logits have near-ties that flip."""
     path, refs = ckpt
-    llm = LLM(str(path), max_model_len=1024, enforce_eager=enforce_eager, gpu_memory_utilization=0.5,
-              max_num_seqs=8)
+    llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
+              gpu_memory_utilization=0.5, max_num_seqs=8)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs], sp, use_tqdm=False)
-    exact = 0
-    for out, (_, ref_tokens, _, step_logits) in zip(outs, refs):
-        got = out.outputs[0].token_ids
-        if got == ref_tokens:
-            exact += 1
-            continue
-        # Two bf16 implementations may break a near-tie differently; after that the sequences
-        # diverge. Accept a first difference only where transformers itself had (near) a tie.
-        k = next(i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b)
-        row = step_logits[k]
-        gap = (row[ref_tokens[k]] - row[got[k]]).item()
-        assert gap < 0.02 * row.abs().max().item(), (k, gap, got[:k + 1], ref_tokens[:k + 1])
-    assert exact >= len(refs) - 1
+    rows = refs[torch.float32]
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    for out, (_, ref_tokens, _) in zip(outs, rows):
+        assert out.outputs[0].token_ids == ref_tokens
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
+    """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
+    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once."""
+    path, refs = ckpt
+    llm = LLM(str(path), max_model_len=1024, enforce_eager=enforce_eager, gpu_memory_utilization=0.5,
+              max_num_seqs=8)
+    rows = refs[torch.bfloat16]
+    sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    del llm
+    torch.cuda.empty_cache()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+    exact = 0
+    for out, (prompt, ref_tokens, _) in zip(outs, rows):
+        got = out.outputs[0].token_ids
+        exact += got == ref_tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + got], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(got, device="cuda").unsqueeze(1)).squeeze(1)
+        shortfall = logits.max(dim=1).values - chosen
+        scale = logits.abs().max().item()
+        assert shortfall.max().item() <= 0.01 * scale, (shortfall.tolist(), scale)
+    assert exact >= 1  # at least one of the four paths matches token for token
+
+
 def test_prefill_logits_close(ckpt):
     path, refs = ckpt
+    refs = refs[torch.bfloat16]
     llm = LLM(str(path), max_model_len=1024, enforce_eager=True, gpu_memory_utilization=0.5, max_num_seqs=8)
     runner, bm = llm.engine.runner, llm.engine.block_manager
     reqs = [Request(str(i), r[0], SamplingParams(max_tokens=1)) for i, r in enumerate(refs)]
@@ -84,7 +113,7 @@ def test_prefill_logits_close(ckpt):
     with torch.inference_mode(), forward_context(fb, runner.kv_caches):
         logits = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions))
     qsl = fb.query_start_loc.tolist()
-    for i, (_, _, ref, _) in enumerate(refs):
+    for i, (_, _, ref) in enumerate(refs):
         got = logits[qsl[i]:qsl[i + 1]]
         err = (got - ref).abs()
         scale = ref.abs().max().item()
