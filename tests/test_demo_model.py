@@ -1,0 +1,289 @@
+"""The code model shipped in gyrfalcon/assets/demo-model (trained by scripts/train_demo_model.py).
+
+(a) the checkpoint is a well-formed Hugging Face checkpoint that transformers loads, with finite logits
+    and a low loss on held-out code (a trained model, not random weights);
+(b) gyrfalcon's greedy tokens equal transformers' greedy generate (fp32, CPU);
+(c) greedy completions of the held-out function signatures in heldout_prompts.json are valid Python.
+
+All on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import ast
+import codeop
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "gyrfalcon" / "assets" / "demo-model"
+EOS = "<|endoftext|>"
+PARITY_MAX_TOKENS = 32
+PARSE_MAX_TOKENS = 128
+MIN_PARSE_RATE = 0.5  # ast.parse of the cut completion (truncation inside a statement counts as a failure)
+MIN_VALID_RATE = 0.7  # ... or valid-but-truncated (see judge_completion)
+PARITY_PROMPTS = [
+    "def fib(n):",
+    "import os\n\n\ndef read_file(path):",
+    "class Stack:\n    def __init__(self):",
+    "x = [i * i for i in range(10)]\n",
+    "<|im_start|>user\nWrite a function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason="demo model not present")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A 15M-parameter model gains nothing from intra-op threads on CPU, and a busy machine (CI runners,
+    parallel test jobs) makes OpenMP spin-waits cost 10x. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def heldout_prompts():
+    return json.loads((MODEL_DIR / "heldout_prompts.json").read_text())
+
+
+# -- the judging procedure; the same as scripts/train_demo_model.py ---------------------------------------
+
+def cut_completion(prompt: str, completion: str, finished: bool):
+    """prompt + completion, cut where the generated function ends (the first non-blank, non-comment line at
+    column 0 after the signature, or the end of text if generation stopped at eos), or else, when
+    max_tokens truncated it, at the last complete line. Returns (code, ended); code is None when no
+    non-blank line past the signature survives the cut."""
+    text = prompt + completion
+    ended = finished
+    if not finished:
+        nl = text.rfind("\n")
+        text = text[:nl] if nl >= 0 else ""
+    sig_lines = prompt.count("\n") + 1
+    lines = text.split("\n")
+    for i in range(sig_lines, len(lines)):
+        line = lines[i]
+        if line.strip() and not line[0].isspace() and not line.startswith("#"):
+            lines = lines[:i]
+            ended = True
+            break
+    if len(lines) <= sig_lines or not any(line.strip() for line in lines[sig_lines:]):
+        return None, ended
+    return "\n".join(lines).rstrip() + "\n", ended
+
+
+def parses(code) -> bool:
+    if code is None:
+        return False
+    try:
+        ast.parse(code)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def judge_completion(prompt: str, completion: str, finished: bool) -> str:
+    """'parsed': the cut code parses with ast.parse. 'truncated-valid': it does not, only because
+    max_tokens cut it inside a statement: the function had not ended, Python's incomplete-input check
+    (codeop, as the REPL uses) calls it incomplete rather than invalid, and the lines before the unfinished
+    statement parse as a function with at least one body line. 'invalid': anything else."""
+    code, ended = cut_completion(prompt, completion, finished)
+    if code is None:
+        return "invalid"
+    if parses(code):
+        return "parsed"
+    if ended:
+        return "invalid"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if codeop.compile_command(code, "<completion>", "exec") is not None:
+                return "invalid"
+    except (SyntaxError, ValueError, OverflowError):
+        return "invalid"
+    lines = code.rstrip("\n").split("\n")
+    sig_lines = prompt.count("\n") + 1
+    for k in range(len(lines) - 1, sig_lines, -1):
+        if parses("\n".join(lines[:k]) + "\n"):
+            return "truncated-valid"
+    return "invalid"
+
+
+def test_judge_completion():
+    sig = "def f(x):"
+    assert judge_completion(sig, "\n    return x\n\n\ndef g():\n    )))", False) == "parsed"
+    assert judge_completion(sig, "\n    return x\n", True) == "parsed"
+    assert judge_completion(sig, "\n    y = x\n    if y:\n        return {\n            1: 2,\n  ", False) \
+        == "truncated-valid"
+    assert judge_completion(sig, '\n    """Doc\n\n    more', False) == "invalid"  # no body statement yet
+    assert judge_completion(sig, "\n    # only\n    # comments\n  ", False) == "invalid"
+    assert judge_completion(sig, '\n    """Doc."""\n        return x\n  ', False) == "invalid"  # bad indent
+    assert judge_completion(sig, "\n    return x +\n\ndef g(): pass\n", False) == "invalid"  # ended, invalid
+    assert judge_completion(sig, " retur", False) == "invalid"  # nothing past the signature
+
+
+def score(prompts, completions):
+    """completions: [(text, finished)] -> (n_parsed, n_valid, verdicts)."""
+    verdicts = [judge_completion(p["prompt"], c, fin) for p, (c, fin) in zip(prompts, completions)]
+    return verdicts.count("parsed"), sum(v != "invalid" for v in verdicts), verdicts
+
+
+# -- transformers ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    return model, tok
+
+
+def until_eos(ids, eos_id):
+    """Token ids up to and including the first eos (gyrfalcon, like vLLM, reports the eos it stopped at)."""
+    ids = list(ids)
+    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+def hf_greedy(model, tok, prompt: str, max_new_tokens: int):
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return until_eos(out[0, ids["input_ids"].shape[1]:].tolist(), tok.eos_token_id)
+
+
+def test_checkpoint_files():
+    files = {f.name: f.stat().st_size for f in MODEL_DIR.iterdir() if f.is_file()}
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors.index.json", "README.md", "heldout_prompts.json", "metrics.json"):
+        assert name in files, name
+    assert max(files.values()) <= 15 * 2**20, "a file exceeds 15 MiB"
+    assert sum(files.values()) <= 40e6
+    index = json.loads((MODEL_DIR / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and all(s in files for s in shards)
+    from safetensors import safe_open
+
+    n_params = 0
+    for s in shards:
+        with safe_open(str(MODEL_DIR / s), framework="pt") as f:
+            for k in f.keys():
+                t = f.get_slice(k)
+                assert t.get_dtype() == "BF16", k
+                n_params += math.prod(t.get_shape())
+    assert 10e6 <= n_params <= 20e6, n_params
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in index["weight_map"]
+    assert len(heldout_prompts()) >= 20
+
+
+def test_tokenizer(hf):
+    _, tok = hf
+    assert tok.eos_token == EOS and tok.pad_token == EOS
+    assert tok.bos_token is None
+    gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_token_id == tok.convert_tokens_to_ids(EOS)
+    for special in (EOS, "<|im_start|>", "<|im_end|>"):
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+    code = "def add(a, b):\n    return a + b  # 😀\n\tx = 'é'\n"
+    ids = tok(code)["input_ids"]  # no BOS / EOS added
+    assert ids == tok(code, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == code
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                   tokenize=False)
+    assert text.endswith("<|im_start|>assistant\nyo<|im_end|>\n")
+
+
+def test_transformers_logits_finite_and_trained(hf):
+    model, tok = hf
+    refs = [p["reference"] for p in heldout_prompts()]
+    losses = []
+    with torch.no_grad():
+        for ref in refs:
+            ids = tok(ref, return_tensors="pt")["input_ids"][:, :256]
+            out = model(input_ids=ids, labels=ids)
+            assert torch.isfinite(out.logits).all()
+            assert out.logits.shape == (1, ids.shape[1], model.config.vocab_size)
+            losses.append(out.loss.item())
+    mean = sum(losses) / len(losses)
+    print(f"\nmean loss on the held-out reference functions: {mean:.3f} nats/token")
+    assert mean < 2.5  # random weights give ~ln(8192) = 9
+
+
+def hf_greedy_batch(model, tok, prompts, max_new_tokens: int):
+    """One left-padded batched greedy generate: [(completion text, finished)]."""
+    eos = tok.eos_token_id
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(map(len, enc))
+    ids = torch.tensor([[eos] * (width - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+    res = []
+    for row in out[:, width:].tolist():
+        row = until_eos(row, eos)
+        res.append((tok.decode(row, skip_special_tokens=True), eos in row))
+    return res
+
+
+def test_heldout_completions_parse_transformers(hf):
+    model, tok = hf
+    prompts = heldout_prompts()
+    comps = hf_greedy_batch(model, tok, [p["prompt"] for p in prompts], PARSE_MAX_TOKENS)
+    parsed, valid, verdicts = score(prompts, comps)
+    n = len(prompts)
+    print(f"\ntransformers greedy (batched), {PARSE_MAX_TOKENS} tokens: {parsed}/{n} parse ({parsed / n:.0%}); "
+          f"{valid}/{n} parse or are valid-but-truncated ({valid / n:.0%})")
+    print("  " + ", ".join(f"{p['name']}:{v}" for p, v in zip(prompts, verdicts)))
+    assert parsed / n >= MIN_PARSE_RATE
+    assert valid / n >= MIN_VALID_RATE
+
+
+# -- gyrfalcon ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    from gyrfalcon import LLM
+
+    return LLM(model=str(MODEL_DIR), dtype="float32", device="cpu")
+
+
+def test_gyrfalcon_matches_transformers_greedy(hf, llm):
+    from gyrfalcon import SamplingParams
+
+    model, tok = hf
+    prompts = PARITY_PROMPTS + [p["prompt"] for p in heldout_prompts()[:4]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=PARITY_MAX_TOKENS), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        got = list(out.outputs[0].token_ids)
+        want = hf_greedy(model, tok, prompt, PARITY_MAX_TOKENS)
+        assert until_eos(got, tok.eos_token_id) == got, "tokens after eos"
+        assert got == want, f"prompt {prompt!r}:\n gyrfalcon    {got}\n transformers {want}"
+        assert out.outputs[0].text == tok.decode(got, skip_special_tokens=True)
+
+
+def test_heldout_completions_parse_gyrfalcon(llm):
+    from gyrfalcon import SamplingParams
+
+    prompts = heldout_prompts()
+    eos_id = llm.get_tokenizer().eos_token_id
+    outs = llm.generate([p["prompt"] for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=PARSE_MAX_TOKENS), use_tqdm=False)
+    comps = [(o.outputs[0].text, eos_id in o.outputs[0].token_ids) for o in outs]
+    parsed, valid, verdicts = score(prompts, comps)
+    n = len(prompts)
+    print(f"\ngyrfalcon greedy, {PARSE_MAX_TOKENS} tokens: {parsed}/{n} parse ({parsed / n:.0%}); "
+          f"{valid}/{n} parse or are valid-but-truncated ({valid / n:.0%})")
+    print("  " + ", ".join(f"{p['name']}:{v}" for p, v in zip(prompts, verdicts)))
+    assert parsed / n >= MIN_PARSE_RATE
+    assert valid / n >= MIN_VALID_RATE
