@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyrfalcon import __version__
-from gyrfalcon.server.engine_client import AsyncEngineClient
+from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.server.metrics import ServerMetrics
 from gyrfalcon.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                        TokenizeRequest)
@@ -131,6 +131,15 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(OpenAIError(e.status_code, str(e.detail), type="invalid_request_error").body(),
                             status_code=e.status_code)
+
+    # Expected failures: answered here, not re-raised and logged as crashes like other exceptions.
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, e: EngineDeadError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(request: Request, e: RequestRejected):
+        return _error_response(e)
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, e: Exception):

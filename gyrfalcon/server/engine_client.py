@@ -217,8 +217,11 @@ class AsyncEngineClient:
 
     # ---- requests ---------------------------------------------------------------------------------
     def _send(self, msg) -> None:
+        self._send_bytes(msg.encode())
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
-            self._in.send(msg.encode(), flags=zmq.NOBLOCK)
+            self._in.send(data, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # cannot happen with an unbounded queue; be loud if it does
             self._mark_dead(f"Could not reach the engine core: {e}.")
             raise EngineDeadError(self.dead_reason) from None
@@ -236,9 +239,14 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         state = proc.requests[request_id]
         try:
-            for eid, child in pairs:
-                self._send(AddRequest(eid, list(prompt_token_ids), encode_sampling_params(child)))
-        except EngineDeadError:
+            try:
+                msgs = [AddRequest(eid, list(prompt_token_ids), encode_sampling_params(child)).encode()
+                        for eid, child in pairs]
+            except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer past 64 bits
+                raise RequestRejected(f"A request value cannot be encoded: {e}.") from None
+            for data in msgs:
+                self._send_bytes(data)
+        except (EngineDeadError, RequestRejected):
             self._queues.pop(request_id, None)
             self._proc_of.pop(request_id, None)
             proc.abort(request_id)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gyrfalcon.engine.core_process import AbortRequests, AddRequest, FinishRequests, RequestFailed
+from gyrfalcon.engine.core_process import AbortRequests, AddRequest, FinishRequests, RequestFailed, decode_message
 from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.tokenizer import load_tokenizer
@@ -22,7 +22,7 @@ def client(tokenizer):
     c = AsyncEngineClient("unused", {})
     c.set_tokenizer(tokenizer)
     c.sent = []
-    c._send = c.sent.append  # capture instead of a socket
+    c._send_bytes = lambda data: c.sent.append(decode_message(data))  # capture instead of a socket
     return c
 
 
@@ -77,3 +77,9 @@ def test_rejected_request_and_dead_engine(client):
     assert isinstance(err, EngineDeadError) and err.code == "engine_dead"
     with pytest.raises(EngineDeadError):
         client.add_request("r3", None, [1], SamplingParams(), asyncio.Queue())
+
+
+def test_unencodable_request_leaves_nothing_behind(client):
+    with pytest.raises(RequestRejected):
+        client.add_request("big", None, [1], SamplingParams(seed=2 ** 70), asyncio.Queue())
+    assert client.sent == [] and client.num_in_flight == 0 and "big" not in client.processor.requests

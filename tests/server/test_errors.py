@@ -58,6 +58,7 @@ def test_prompt_longer_than_context(server):
     ({"prompt": [99999]}, "99999"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "seed": 2 ** 70}, "encode"),
 ])
 def test_invalid_completion_params(server, body, needle):
     r = post(server, "/v1/completions", {"model": MODEL_NAME, **body})
