@@ -75,6 +75,7 @@ class ServerProcess:
         e = dict(os.environ)
         e["PYTHONPATH"] = str(REPO) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
         e.setdefault("GYRFALCON_LOG_STATS_INTERVAL", "2")
+        e.pop("TRITON_INTERPRET", None)  # the tests' CPU-kernel setting; a server runs as a user's would
         e.update(env or {})
         cmd = [sys.executable, "-m", "gyrfalcon.cli", "serve", str(ckpt), "--port", str(self.port),
                "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
