@@ -125,11 +125,14 @@ def summarize(results: List[RequestResult], duration: float, percentiles: List[f
     total_out = sum(r.output_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itls = [x for r in ok for x in r.itl]
-    times = sorted(t for r in ok for t in r.token_times)
+    # Peak tokens per second over 1 s windows. A chunk may carry several tokens or (an unfinished
+    # character, text held back for a stop string) none: spread each request's tokens over its chunks.
+    times = np.asarray([t for r in ok for t in r.token_times])
+    weights = np.asarray([r.output_tokens / len(r.token_times) for r in ok for _ in r.token_times])
     peak = 0.0
-    if times:
-        buckets = np.floor((np.asarray(times) - times[0])).astype(np.int64)
-        peak = float(np.bincount(buckets).max())
+    if times.size:
+        buckets = np.floor(times - times.min()).astype(np.int64)
+        peak = float(np.bincount(buckets, weights=weights).max())
     m: Dict[str, Any] = {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
