@@ -159,6 +159,14 @@ class OpenAIServing:
                 raise item
             if item.request_id not in pending:
                 continue
+            if any(s.finish_reason == "abort" for s in item.samples):
+                # Ended from outside (shutdown, a dead engine, a rejected prompt): the reason was
+                # queued together with the abort, behind this update.
+                while not queue.empty():
+                    err = queue.get_nowait()
+                    if isinstance(err, BaseException):
+                        raise err
+                raise EngineDeadError("The request was aborted.", code="aborted")
             if item.finished:
                 pending.discard(item.request_id)
             yield item

@@ -88,6 +88,8 @@ class OpenAIServingChat(OpenAIServing):
                 for s in st.samples:
                     if s.index in done:
                         continue
+                    if s.finish_reason == "abort":
+                        continue  # failed from outside: updates() raises the reason next
                     text, toks, lps = s.take_delta()
                     finish = s.finish_reason if s.finished else None
                     if not text and finish is None and not (params.logprobs is not None and toks):

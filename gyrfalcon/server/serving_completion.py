@@ -124,6 +124,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     key = (i, s.index)
                     if key in done:
                         continue
+                    if s.finish_reason == "abort":
+                        continue  # failed from outside: updates() raises the reason next
                     text, toks, lps = s.take_delta()
                     echo_ids = None
                     if req.echo and key not in echoed:

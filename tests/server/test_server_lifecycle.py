@@ -105,11 +105,11 @@ def test_signal_shuts_down_cleanly(fresh_server, sig):
     t0 = time.monotonic()
     srv.proc.send_signal(sig)
     assert srv.proc.wait(20) == 0, srv.log()[-3000:]
-    assert wait_gone(core, 5), "the engine core outlived the server"
+    assert wait_gone(core, 10), ("the engine core outlived the server", srv.log()[-3000:])
     assert time.monotonic() - t0 < 10
     streamer.join(10)
     assert lines[-1] == "data: [DONE]", lines[-3:]
-    assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
+    assert json.loads(lines[-2][len("data: "):]).get("error", {}).get("code") == "server_shutting_down", lines[-3:]
     assert "Shutting down the engine core" in srv.log()
 
 
@@ -122,13 +122,13 @@ def test_killed_server_takes_engine_core_along(fresh_server, tmp_path):
     msgs = [{"role": "user", "content": "hello"}]
     toks = httpx.post(srv.base_url + "/tokenize", json={"messages": msgs}).json()["tokens"]
     text = httpx.post(srv.base_url + "/detokenize", json={"tokens": toks}).json()["prompt"]
-    assert text == "[user] hello\n[assistant] "
+    assert text == "[user] hello\n[assistant] ", text
     r = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": msgs,
                                                                 "max_tokens": 3, "ignore_eos": True})
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(toks)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(toks), r.text
 
     core = srv.core_pid
     assert pid_alive(core)
     srv.proc.kill()
     srv.proc.wait(10)
-    assert wait_gone(core, 5), "orphaned engine core"
+    assert wait_gone(core, 10), ("orphaned engine core", srv.log()[-3000:])
