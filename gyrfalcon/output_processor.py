@@ -58,7 +58,12 @@ class SampleState:
 
     def update(self, token_ids: List[int], logprobs: List[tuple], finish_reason: Optional[str],
                stop_reason) -> bool:
-        """Apply one engine update; True when a stop string ended the sample here."""
+        """Apply one engine update; True when a stop string ended the sample here.
+
+        A sample already finished (a stop string seen by the front end) ignores tokens that the
+        engine produced before it learned of the stop (possible when they run in two processes)."""
+        if self.finished:
+            return False
         for j, tid in enumerate(token_ids):
             self.token_ids.append(tid)
             if self.logprobs is not None and j < len(logprobs):

@@ -201,3 +201,29 @@ def test_deferred_and_incremental_text_agree(llm):
         texts.append(touched[0].samples[0].text)
     assert texts[0] == texts[1]
     assert texts[0].startswith("😀 café")
+
+
+def test_tokens_after_a_stop_string_are_ignored(llm):
+    """With the engine in another process, tokens computed before it heard of a stop string still
+    arrive; they must not change the finished sample (here one of n=2, so the request stays open)."""
+    from gyrfalcon.engine.scheduler import RequestUpdate
+    from gyrfalcon.output_processor import OutputProcessor
+
+    tok = llm.tokenizer
+    ids = tok("abc STOP more text", add_special_tokens=False)["input_ids"]
+    op = OutputProcessor(tok)
+    op.add_request("r", None, [1, 2], SamplingParams(n=2, max_tokens=50, stop=["STOP"]))
+    st = op.requests["r"]
+    to_finish = []
+    for t in ids:
+        _, fin = op.process([RequestUpdate("0_r", [t], [], False)])
+        to_finish += fin
+        if fin:
+            break
+    assert to_finish == ["0_r"]
+    sample = st.samples[0]
+    n_tokens = len(sample.token_ids)
+    assert sample.finished and sample.text == "abc "
+    op.process([RequestUpdate("0_r", [ids[-1]], [], False), RequestUpdate("1_r", [ids[0]], [], False)])
+    assert sample.text == "abc " and len(sample.token_ids) == n_tokens
+    assert st.samples[1].token_ids == [ids[0]] and not st.finished
