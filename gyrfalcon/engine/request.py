@@ -43,6 +43,8 @@ class Request:
         self.output_logprobs: List[tuple] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by a step that was scheduled but whose result has not been applied yet.
+        self.num_inflight = 0
         self.num_cached_tokens = 0  # prefix-cache hits at first scheduling
         self.block_ids: List[int] = []
         self.block_hashes: List[bytes] = []  # chained hashes of the full blocks, filled lazily

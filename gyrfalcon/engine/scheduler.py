@@ -24,9 +24,16 @@ from gyrfalcon.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    # Whether this step ends on the request's last known token, so it yields a sampled token
-    # (False for a prefill chunk that leaves part of the prompt for later).
+    # Whether this step ends on the request's last token, so it yields a sampled token (False for a
+    # prefill chunk that leaves part of the prompt for later).
     sample: bool
+    # Position of the first token run this step (the request's computed count when scheduled: the
+    # scheduler advances that count at once, before the step runs).
+    start: int = -1
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
 
 
 @dataclass
@@ -116,13 +123,16 @@ class Scheduler:
         self._finished_since_step = set()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        scheduled: Set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
+            if req.num_output_tokens + req.num_inflight >= req.max_tokens:
+                i += 1  # its last token is still being sampled: nothing more to run
+                continue
+            remaining = req.num_tokens + req.num_inflight - req.num_computed_tokens
+            num_new = min(remaining, budget)
+            if not self.enable_chunked_prefill and num_new < remaining:
                 break
             preempted_self = False
             while not bm.allocate_slots(req, num_new):
@@ -134,9 +144,7 @@ class Scheduler:
                     break
             if preempted_self:
                 break
-            batch.reqs.append(ScheduledRequest(
-                req, num_new, req.num_computed_tokens + num_new == req.num_tokens))
-            scheduled.add(req.request_id)
+            self._commit(batch, req, num_new, num_new == remaining)
             budget -= num_new
             i += 1
 
@@ -162,10 +170,19 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                batch.reqs.append(ScheduledRequest(req, num_new, num_cached + num_new == req.num_tokens))
+                self._commit(batch, req, num_new, num_new == remaining)
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
+
+    @staticmethod
+    def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool) -> None:
+        """Add `req` to the batch and count its tokens as computed now: the next step can then be
+        scheduled before this one's results are back (a sampled token is "in flight" meanwhile)."""
+        batch.reqs.append(ScheduledRequest(req, num_new, sample, req.num_computed_tokens))
+        req.num_computed_tokens += num_new
+        if sample:
+            req.num_inflight += 1
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -176,18 +193,19 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: List[Optional[int]],
                logprobs: Optional[List[Optional[tuple]]] = None) -> List[RequestUpdate]:
-        """Apply one step's results: advance computed counts, append tokens, finish requests.
+        """Apply one step's results: append sampled tokens, finish requests (computed counts were
+        advanced when the step was scheduled).
 
         sampled[i] is the token sampled for batch.reqs[i] (None where it did not sample).
         """
         updates: List[RequestUpdate] = []
         for i, sr in enumerate(batch.reqs):
             req = sr.request
-            if req.is_finished or req.request_id not in self.requests:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += sr.num_new_tokens
             if not sr.sample:
                 continue
+            req.num_inflight -= 1
+            if req.is_finished or req.request_id not in self.requests:
+                continue  # finished (or aborted) while this step ran: the token is surplus
             lp = logprobs[i] if logprobs is not None else None
             req.append_output(sampled[i], lp)
             finished = req.check_stop()

@@ -82,7 +82,7 @@ class DecodeInputs:
         bt = n32[2 * B + 1:].reshape(B, W)
         for i, sr in enumerate(sched_reqs):
             req = sr.request
-            pos = req.num_computed_tokens
+            pos = sr.start
             n64[i] = req.token_id_at(pos)
             n64[B + i] = pos
             blocks = req.block_ids

@@ -42,7 +42,7 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     """Host-side preparation: one pass over the scheduled requests, one copy per tensor."""
     B = len(sched_reqs)
     q_lens = np.fromiter((sr.num_new_tokens for sr in sched_reqs), dtype=np.int64, count=B)
-    starts = np.fromiter((sr.request.num_computed_tokens for sr in sched_reqs), dtype=np.int64, count=B)
+    starts = np.fromiter((sr.start for sr in sched_reqs), dtype=np.int64, count=B)
     seq_lens = starts + q_lens
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
