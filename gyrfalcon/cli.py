@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step before the current one's tokens are read back")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -42,7 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device)
+                num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
+                async_scheduling=args.async_scheduling)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

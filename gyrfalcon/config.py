@@ -116,6 +116,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None  # None: max(8192, max_model_len) capped sensibly
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before reading back step N's tokens (overlaps host and device).
+    async_scheduling: bool = False
 
     def resolve(self, max_model_len: int) -> None:
         if self.max_num_seqs < 1:
@@ -158,7 +160,7 @@ class EngineConfig:
                num_gpu_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
                served_model_name: Optional[str] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
-               trust_remote_code: bool = False) -> "EngineConfig":
+               trust_remote_code: bool = False, async_scheduling: bool = False) -> "EngineConfig":
         if model is None:
             model = default_model_path()
             if model is None:
@@ -174,7 +176,8 @@ class EngineConfig:
                                      num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
-                                             enable_chunked_prefill=enable_chunked_prefill),
+                                             enable_chunked_prefill=enable_chunked_prefill,
+                                             async_scheduling=async_scheduling),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device, enforce_eager=enforce_eager)
         cfg.resolve()

@@ -22,7 +22,8 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
-                 device: str = "auto", trust_remote_code: bool = False, **kwargs: Any) -> None:
+                 device: str = "auto", trust_remote_code: bool = False, async_scheduling: bool = False,
+                 **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
         self.config = EngineConfig.create(
@@ -31,7 +32,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, seed=seed, block_size=block_size,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
-            tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code)
+            tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code,
+            async_scheduling=async_scheduling)
         mc = self.config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))

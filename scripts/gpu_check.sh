@@ -29,6 +29,9 @@ step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-
 # The same run with the fused kernels off: the fused-vs-unfused comparison.
 step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
   --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
+# Host/device overlap: the same row with the next step scheduled before the last one's tokens return.
+step lat_q06_b1_async 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
+  --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_async.json"
 if [ "${1:-}" = fusion ]; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for B in 1 64; do
@@ -40,9 +43,11 @@ elif [ "${1:-}" != quick ]; then
   for B in 1 64 16; do
     step lat_l8_b$B 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
       --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
+    step lat_l8_b${B}_async 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 \
+      --output-len 128 --max-num-seqs $B --async-scheduling --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
   done
   step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
-    --output-json "$R/throughput_llama-3.1-8b_768x1024.json"
+    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
 fi
 (cd "$OUT" && tar cf results.tar results && rm -rf results)
 echo "=== done in $(( $(date +%s) - START )) s"

@@ -37,6 +37,8 @@ class Engine:
                 f"max_model_len={self.max_model_len} needs; lower max_model_len or give the cache more memory.")
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill)
+        self.async_scheduling = bool(getattr(sc, "async_scheduling", False))
+        self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -71,11 +73,42 @@ class Engine:
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def step(self) -> List[RequestUpdate]:
+        """Schedule and run one step; return the token updates that became known.
+
+        With async_scheduling the next step is scheduled and launched before the previous one's
+        tokens are read back, so the host's bookkeeping overlaps the device's work; the updates
+        returned are then those of the previous step. A request that finished (eos) in the step
+        before may run one surplus step, whose token is dropped. Requests whose sampling depends on
+        their exact output history (penalties, min_tokens) make the engine wait first.
+        """
+        updates: List[RequestUpdate] = []
+        if self._inflight is not None and self._needs_exact_state():
+            updates += self._complete(self._inflight)
+            self._inflight = None
         batch = self.scheduler.schedule()
-        out = self.runner.execute(batch)
-        updates = self.scheduler.update(batch, out.sampled, out.logprobs)
+        handle = self.runner.launch(batch)
+        if self._inflight is not None:
+            updates += self._complete(self._inflight)
+            self._inflight = None
+        if self.async_scheduling and not batch.is_empty:
+            self._inflight = handle
+        else:
+            updates += self._complete(handle)
+        return updates
+
+    def _complete(self, handle) -> List[RequestUpdate]:
+        out = self.runner.complete(handle)
+        updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs)
         self.num_generation_tokens_total += len(updates)
         return updates
+
+    def _needs_exact_state(self) -> bool:
+        for req in self.scheduler.running:
+            p = req.sampling_params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \
+                    or req.num_output_tokens < p.min_tokens:
+                return True
+        return False

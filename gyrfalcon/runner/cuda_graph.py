@@ -49,17 +49,18 @@ def padded_size(sizes: List[int], n: int) -> int:
 class DecodeInputs:
     """Static buffers of a decode step for up to B sequences, plus their pinned host staging.
 
-    int64 buffer: [input_ids B | positions B | slot_mapping B]
+    int64 buffer: [input_ids B | positions B | slot_mapping B | src B]
+    (src[i] >= 0: row i's token is still on the device, at last_sampled[src[i]])
     int32 buffer: [seq_lens B | query_start_loc B+1 | block_tables B*W]   (W = max blocks per seq)
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         B, W = max_batch, max_blocks_per_seq
         self.B, self.W = B, W
-        self.i64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self.i64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
-        self.h64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
+        self.h64 = torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin)
         self.h32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, pin_memory=pin)
         self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
         self.n32[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
@@ -74,8 +75,12 @@ class DecodeInputs:
             logits_indices=torch.arange(b, device=self.i64.device), is_decode=True,
             max_query_len=1, max_seq_len=W, num_seqs=b)
 
-    def fill(self, sched_reqs, b: int, block_size: int) -> int:
-        """Write the decode inputs of `sched_reqs` (padded to b rows) and send them; returns n."""
+    def src(self, b: int) -> torch.Tensor:
+        return self.i64[3 * self.B:3 * self.B + b]
+
+    def fill(self, sched_reqs, b: int, block_size: int, last_rows=None) -> int:
+        """Write the decode inputs of `sched_reqs` (padded to b rows) and send them; returns n.
+        A token the host does not have yet is marked by its row in the last step's samples."""
         B, W = self.B, self.W
         n = len(sched_reqs)
         n64, n32 = self.n64, self.n32
@@ -83,7 +88,12 @@ class DecodeInputs:
         for i, sr in enumerate(sched_reqs):
             req = sr.request
             pos = sr.start
-            n64[i] = req.token_id_at(pos)
+            if pos < req.num_tokens:
+                n64[i] = req.token_id_at(pos)
+                n64[3 * B + i] = -1
+            else:
+                n64[i] = 0
+                n64[3 * B + i] = last_rows[req.request_id]
             n64[B + i] = pos
             blocks = req.block_ids
             n64[2 * B + i] = blocks[pos // block_size] * block_size + pos % block_size
@@ -92,6 +102,7 @@ class DecodeInputs:
         n64[n:b] = 0
         n64[B + n:B + b] = 0
         n64[2 * B + n:2 * B + b] = -1
+        n64[3 * B + n:3 * B + b] = -1
         n32[n:b] = 0
         self.i64.copy_(self.h64, non_blocking=True)
         k = 2 * B + 1 + b * W  # the block-table rows past b are never read
@@ -101,8 +112,9 @@ class DecodeInputs:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, last_sampled: torch.Tensor) -> None:
         self.model = model
+        self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sizes = capture_sizes(max_num_seqs)
@@ -118,25 +130,31 @@ class CudaGraphRunner:
         # Largest first: smaller graphs then fit in the memory pool the largest one reserved.
         for b in reversed(self.sizes):
             fb = self.inputs.views(b)
+            src = self.inputs.src(b)
             with forward_context(fb, self.kv_caches):
-                self.model(fb.input_ids, fb.positions)  # warm-up: autotune, lazy init
+                self._forward(fb, src)  # warm-up: lazy init outside the capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self.model(fb.input_ids, fb.positions)
+                    out = self._forward(fb, src)
             pool = g.pool()
             self.graphs[b], self.outputs[b] = g, out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
 
+    def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> torch.Tensor:
+        # Tokens still on the device are read from the last step's samples inside the graph.
+        ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], fb.input_ids)
+        return self.model(ids, fb.positions)
+
     def can_run(self, sched_reqs) -> bool:
         return (len(sched_reqs) <= self.sizes[-1]
                 and all(sr.num_new_tokens == 1 for sr in sched_reqs))
 
-    def run(self, sched_reqs) -> torch.Tensor:
+    def run(self, sched_reqs, last_rows=None) -> torch.Tensor:
         """Replay the decode step of `sched_reqs`; returns hidden states [n, hidden] (a view)."""
         n = len(sched_reqs)
         b = padded_size(self.sizes, n)
-        self.inputs.fill(sched_reqs, b, self.block_size)
+        self.inputs.fill(sched_reqs, b, self.block_size, last_rows)
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -38,8 +38,13 @@ class ForwardBatch:
 
 
 def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
-                        pad_block_table_to: Optional[int] = None) -> ForwardBatch:
-    """Host-side preparation: one pass over the scheduled requests, one copy per tensor."""
+                        last_rows: Optional[Dict[str, int]] = None,
+                        last_sampled: Optional[torch.Tensor] = None) -> ForwardBatch:
+    """Host-side preparation: one pass over the scheduled requests, one copy per tensor.
+
+    A request whose last token was sampled by the previous step but has not reached the host yet
+    (scheduling ahead of the device) gets that token from `last_sampled[last_rows[request_id]]`,
+    on the device."""
     B = len(sched_reqs)
     q_lens = np.fromiter((sr.num_new_tokens for sr in sched_reqs), dtype=np.int64, count=B)
     starts = np.fromiter((sr.start for sr in sched_reqs), dtype=np.int64, count=B)
@@ -50,20 +55,26 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     input_ids = np.empty(T, dtype=np.int64)
     positions = np.empty(T, dtype=np.int64)
     max_blocks = max((len(sr.request.block_ids) for sr in sched_reqs), default=1) or 1
-    if pad_block_table_to is not None:
-        max_blocks = max(max_blocks, pad_block_table_to)
     block_tables = np.zeros((B, max_blocks), dtype=np.int32)
     sample_rows: List[int] = []
+    pending_rows: List[int] = []
+    pending_src: List[int] = []
     for i, sr in enumerate(sched_reqs):
         req = sr.request
         s, e = int(qsl[i]), int(qsl[i + 1])
         start = int(starts[i])
         n_prompt = req.num_prompt_tokens
         # The tokens to run: the rest of the prompt and/or outputs (recompute after preemption).
-        if start + (e - s) <= n_prompt:
-            input_ids[s:e] = req.prompt_token_ids[start:start + (e - s)]
+        known = min(e - s, req.num_tokens - start)
+        if start + known <= n_prompt:
+            input_ids[s:s + known] = req.prompt_token_ids[start:start + known]
         else:
-            input_ids[s:e] = req.all_token_ids[start:start + (e - s)]
+            input_ids[s:s + known] = req.all_token_ids[start:start + known]
+        if known < e - s:  # the last token is still on the device
+            assert known == e - s - 1 and last_rows is not None, "only a decode token can be in flight"
+            input_ids[e - 1] = 0
+            pending_rows.append(e - 1)
+            pending_src.append(last_rows[req.request_id])
         positions[s:e] = np.arange(start, start + (e - s))
         nb = len(req.block_ids)
         block_tables[i, :nb] = req.block_ids
@@ -80,8 +91,13 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
             return t.pin_memory().to(device, non_blocking=True)
         return t
 
+    ids = to(input_ids, torch.int64)
+    if pending_rows:
+        rows = to(np.asarray(pending_rows, dtype=np.int64), torch.int64)
+        src = to(np.asarray(pending_src, dtype=np.int64), torch.int64)
+        ids[rows] = last_sampled[src]
     return ForwardBatch(
-        input_ids=to(input_ids, torch.int64), positions=to(positions, torch.int64),
+        input_ids=ids, positions=to(positions, torch.int64),
         slot_mapping=to(slot_mapping, torch.int64), query_start_loc=to(qsl, torch.int32),
         seq_lens=to(seq_lens, torch.int32), block_tables=to(block_tables, torch.int32),
         logits_indices=to(np.asarray(sample_rows, dtype=np.int64), torch.int64),

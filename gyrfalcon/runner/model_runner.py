@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -16,6 +16,17 @@ from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its batch and the device tensors its results will come from."""
+
+    batch: Any
+    sampled: Optional[torch.Tensor] = None  # [S] int64 on the device
+    sampler_out: Any = None  # SamplerOutput when logprobs were asked for
+    host: Optional[torch.Tensor] = None  # pinned copy of `sampled` (CUDA)
+    event: Any = None  # recorded after the copy (CUDA)
 
 
 @dataclass
@@ -48,11 +59,20 @@ class ModelRunner:
         self.global_generator.manual_seed(config.model_config.seed)
         self.sampler = Sampler(self.global_generator)
         self.generators: Dict[str, torch.Generator] = {}
+        # The last launched step's sampled tokens, on the device, and each request's row in them:
+        # the next step reads a token from here when the host has not received it yet.
+        rows = max(config.scheduler_config.max_num_seqs, 8)
+        self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.last_rows: Dict[str, int] = {}
+        if self.device.type == "cuda":
+            # Two pinned buffers: a step copies its tokens into one while the host reads the other.
+            self._pinned = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._pinned_turn = 0
         self.graph_runner: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
-                config.model_config.max_model_len, self.block_size, self.device)
+                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled)
             self.graph_runner.capture()
         logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); "
                     "CUDA graphs: %s", self.load_seconds, self.num_blocks, self.block_size,
@@ -116,37 +136,62 @@ class ModelRunner:
         for rid in request_ids:
             self.generators.pop(rid, None)
 
-    @torch.inference_mode()
     def execute(self, batch) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.complete(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch) -> StepHandle:
+        """Queue one step on the device without waiting for it: forward, logits, sampling, and an
+        asynchronous copy of the sampled tokens to the host. A token the previous step sampled
+        that the host has not seen yet is read on the device from `last_sampled`."""
         self.release(batch.finished_request_ids)
+        handle = StepHandle(batch)
         if batch.is_empty:
-            return RunnerOutput([], [])
+            return handle
         sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
         if self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
-            hidden = self.graph_runner.run(batch.reqs)  # every row of a decode batch samples
+            hidden = self.graph_runner.run(batch.reqs, self.last_rows)  # every decode row samples
         else:
-            fb = build_forward_batch(batch.reqs, self.block_size, self.device)
+            fb = build_forward_batch(batch.reqs, self.block_size, self.device, self.last_rows,
+                                     self.last_sampled)
             with forward_context(fb, self.kv_caches):
                 hidden = self.model(fb.input_ids, fb.positions)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
-        sampled: List[Optional[int]] = [None] * len(batch.reqs)
-        logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
         if not sample_reqs:
-            return RunnerOutput(sampled, logprobs)
+            return handle
         logits = self.model.compute_logits(hidden)
         if self._plain_greedy(sample_reqs):
-            # The common case gets one kernel and no per-step metadata tensors.
-            tokens = logits.argmax(dim=-1).tolist()
-            row = 0
-            for i, sr in enumerate(batch.reqs):
-                if sr.sample:
-                    sampled[i] = tokens[row]
-                    row += 1
+            handle.sampled = logits.argmax(dim=-1)  # the common case: one kernel, no metadata
+        else:
+            out = self.sampler(logits, self._sampling_metadata(sample_reqs))
+            handle.sampled, handle.sampler_out = out.sampled, out
+        n = handle.sampled.shape[0]
+        self.last_sampled[:n].copy_(handle.sampled)
+        self.last_rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
+        if self.device.type == "cuda":
+            self._pinned_turn ^= 1
+            handle.host = self._pinned[self._pinned_turn][:n]
+            handle.host.copy_(handle.sampled, non_blocking=True)
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
+
+    def complete(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and return its tokens (and logprobs) per scheduled request."""
+        batch = handle.batch
+        sampled: List[Optional[int]] = [None] * len(batch.reqs)
+        logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
+        if handle.sampled is None:
             return RunnerOutput(sampled, logprobs)
-        out = self.sampler(logits, self._sampling_metadata(sample_reqs))
-        tokens = out.sampled.tolist()
+        if handle.event is not None:
+            handle.event.synchronize()
+            tokens = handle.host.tolist()
+        else:
+            tokens = handle.sampled.tolist()
+        out = handle.sampler_out
         lp = rank = top_ids = top_lps = None
-        if out.sampled_logprob is not None:
+        if out is not None and out.sampled_logprob is not None:
             lp, rank = out.sampled_logprob.tolist(), out.sampled_rank.tolist()
             if out.top_ids is not None:
                 top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()

@@ -55,12 +55,13 @@ def test_prompts_span_several_blocks(hf_refs):
     assert max(len(r[0]) for r in refs) > 4 * 8  # > 4 blocks of the block size used below
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("budget", [None, 7])
-def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget):
+def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_scheduling):
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, enable_prefix_caching=prefix_caching,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, async_scheduling=async_scheduling)
     outs = _greedy(llm, [r[0] for r in refs])
     for (prompt, ref_tokens, _), out in zip(refs, outs):
         assert out.outputs[0].token_ids == ref_tokens
@@ -77,15 +78,17 @@ def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget):
     _assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching):
+def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, async_scheduling):
     """A KV cache far too small for the batch: requests get preempted and recomputed, and still
     finish with exactly transformers' tokens."""
     _, _, refs = hf_refs
     longest = max(len(r[0]) for r in refs) + MAX_NEW
     blocks = -(-longest // 4) + 2
     llm = LLM(str(tiny_ckpt), block_size=4, num_gpu_blocks_override=blocks, max_model_len=longest + 4,
-              enable_prefix_caching=prefix_caching, max_num_batched_tokens=16)
+              enable_prefix_caching=prefix_caching, max_num_batched_tokens=16,
+              async_scheduling=async_scheduling)
     outs = _greedy(llm, [r[0] for r in refs] * 2)
     assert llm.engine.scheduler.num_preemptions_total > 0
     for out, (_, ref_tokens, _) in zip(outs, refs * 2):
