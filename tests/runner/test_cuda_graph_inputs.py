@@ -69,3 +69,20 @@ def test_decode_inputs_reuse_clears_old_rows():
     inputs.fill(_decode_reqs(bs)[:1], 2, bs)
     fb = inputs.views(2)
     assert fb.seq_lens.tolist()[1] == 0 and fb.slot_mapping.tolist()[1] == -1
+
+
+def test_decode_inputs_mark_tokens_still_on_the_device():
+    """A request whose last token is in flight (scheduled ahead) points at its row in the previous
+    step's samples; the graph reads the token from there."""
+    bs = 4
+    sched = _decode_reqs(bs)
+    r = sched[1].request
+    r.num_computed_tokens = r.num_tokens  # the token at this position has not reached the host
+    sched[1] = ScheduledRequest(r, 1, True)
+    r.block_ids = r.block_ids + [99]
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=8, device=torch.device("cpu"))
+    inputs.fill(sched, 4, bs, last_rows={"1": 5})
+    src = inputs.src(4).tolist()
+    assert src == [-1, 5, -1, -1]
+    fb = inputs.views(4)
+    assert fb.positions[1].item() == r.num_tokens and fb.seq_lens[1].item() == r.num_tokens + 1
