@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 step gpu_tests 240 python3 -m pytest -q -x tests/gpu -p no:cacheprovider
+step gemv_bench 90 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv.json"
 step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
 step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
   --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"

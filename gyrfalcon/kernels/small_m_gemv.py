@@ -1,0 +1,150 @@
+"""Fused linear layers for decode-sized batches (a few rows): RMSNorm (+ residual add) in the
+prologue, SiLU-and-mul in the epilogue, one launch.
+
+At batch 1 a decoder layer is bandwidth-bound GEMVs separated by small element-wise kernels, and on
+a GPU every launch inside a CUDA graph still costs ~2 us. Folding the norm into the following GEMV
+(each program recomputes the row's rstd from x: K elements, cheap next to its weight tile) and the
+gated activation into the gate_up GEMV turns a Llama/Qwen3 layer's
+norm, qkv, norm, gate_up, silu_and_mul into two kernels.
+
+x: [M, K] (M small, <= 16 rows per program), weight: [N, K] (nn.Linear layout).
+norm_weight: [K] or None; residual: [M, K] or None (added to x before the norm; the sum is also
+returned, as the next residual). silu_mul=True: weight is [2 * I, K], gate rows first, and the output
+is silu(x W_gate^T) * (x W_up^T): [M, I].
+Returns (y, new_residual or None).
+
+Not yet used by the models: it is wired in once measured on the GPU (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels.activation import silu_and_mul_ref
+from gyrfalcon.kernels.rms_norm import rms_norm_ref
+
+MAX_M = 16
+
+
+def norm_gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                  residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                  silu_mul: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The unfused composition: [residual add +] RMSNorm -> linear -> [silu_and_mul]."""
+    new_residual = None
+    if norm_weight is not None:
+        if residual is not None:
+            x, new_residual = rms_norm_ref(x, norm_weight, eps, residual=residual)
+        else:
+            x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight)
+    if silu_mul:
+        y = silu_and_mul_ref(y)
+    return y, new_residual
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _norm_gemv_kernel(
+        x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
+        M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
+        HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        if HAS_NORM:
+            # Pass 1 over the (short) input rows: the sum of squares, and the new residual.
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                m2 = rmask[:, None] & (kk[None, :] < K)
+                xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+                if HAS_RES:
+                    # Add in fp32, round once to the activation dtype (as the unfused add does).
+                    rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    if pid == 0:
+                        tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
+                xf = xk.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU_MUL:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < K
+            m2 = rmask[:, None] & kmask[None, :]
+            xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+            if HAS_RES:
+                rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if HAS_NORM:
+                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty)
+            wmask = cmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+            if UPCAST:  # the interpreter's dot mishandles 16-bit operands
+                acc += tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                acc += tl.dot(xk.to(w.dtype), tl.trans(w))
+            if SILU_MUL:
+                wu = tl.load(w_ptr + (cols[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
+                if UPCAST:
+                    acc_up += tl.dot(xk.to(tl.float32), tl.trans(wu.to(tl.float32)))
+                else:
+                    acc_up += tl.dot(xk.to(wu.dtype), tl.trans(wu))
+        if SILU_MUL:
+            # Round to the activation dtype first, as the unfused path stores gate_up before the act.
+            g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = g / (1.0 + tl.exp(-g)) * u
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                     residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
+                     block_n: Optional[int] = None,
+                     block_k: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync."""
+    M, K = x.shape
+    assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
+    if residual is not None and norm_weight is None:
+        raise ValueError("a residual is added before the norm: pass norm_weight too")
+    N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
+    if M == 0:
+        return y, r_out
+    bn = block_n or 32
+    bk = block_k or min(256, max(16, next_pow2(K)))
+    dummy = x
+    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
+        weight, y, r_out if r_out is not None else dummy,
+        M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
+        y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
+        HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
+        UPCAST=interpreting(), BLOCK_M=MAX_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+    )
+    return y, r_out
+
+
+def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+              residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
+              silu_mul: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if use_triton(x) and x.shape[0] <= MAX_M:
+        return norm_gemv_triton(x, weight, norm_weight, residual, eps, silu_mul)
+    return norm_gemv_ref(x, weight, norm_weight, residual, eps, silu_mul)

@@ -1,0 +1,61 @@
+"""Fused [residual add +] RMSNorm -> GEMV -> [SiLU-and-mul] for decode-sized batches, against the
+unfused composition of the references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gyrfalcon.kernels.small_m_gemv import norm_gemv_ref, norm_gemv_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _data(M, K, N, dtype, silu):
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEV)
+    r = torch.randn(M, K, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(2 * N if silu else N, K, generator=g) / K ** 0.5).to(dtype).to(DEV)
+    nw = (1 + 0.2 * torch.randn(K, generator=g)).to(dtype).to(DEV)
+    return x, r, w, nw
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("K,N", [(64, 48), (200, 96), (32, 16)])
+@pytest.mark.parametrize("mode", ["plain", "norm", "norm+res", "norm+res+silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_unfused(M, K, N, mode, dtype):
+    silu = mode.endswith("silu")
+    x, r, w, nw = _data(M, K, N, dtype, silu)
+    kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None,
+              eps=1e-6, silu_mul=silu)
+    y_ref, r_ref = norm_gemv_ref(x, w, **kw)
+    y, r_new = norm_gemv_triton(x, w, block_n=16, block_k=32, **kw)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
+    assert y.shape == (M, N)
+    if "res" in mode:
+        # One bf16 rounding of the same fp32 sum (the interpreter's cast may round differently).
+        rt = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+        torch.testing.assert_close(r_new, r_ref, **rt)
+    else:
+        assert r_new is None and r_ref is None
+
+
+def test_ref_against_naive_math():
+    x, r, w, nw = _data(2, 8, 4, torch.float32, True)
+    y, new_r = norm_gemv_ref(x, w, nw, r, 1e-6, silu_mul=True)
+    h = x + r
+    hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    gu = hn @ w.T
+    torch.testing.assert_close(y, F.silu(gu[:, :4]) * gu[:, 4:])
+    torch.testing.assert_close(new_r, h)
+
+
+def test_rejects_too_many_rows_and_residual_without_norm():
+    x, r, w, nw = _data(17, 32, 16, torch.float32, False)
+    with pytest.raises(AssertionError, match="at most 16 rows"):
+        norm_gemv_triton(x, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        norm_gemv_triton(x[:2], w, residual=r[:2])
