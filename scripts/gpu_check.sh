@@ -22,7 +22,8 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
-step gpu_tests 240 python3 -m pytest -q -x tests/gpu -p no:cacheprovider
+step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
+step gpu_tests_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider
 step gemv_bench 90 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv.json"
 step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
 step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
@@ -30,6 +31,9 @@ step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-
 # The same run with the fused kernels off: the fused-vs-unfused comparison.
 step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
   --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
+# Norm folded into the GEMVs for decode-sized batches (opt-in until measured faster).
+step lat_q06_b1_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
+  --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_gemv.json"
 # Host/device overlap: the same row with the next step scheduled before the last one's tokens return.
 step lat_q06_b1_async 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
   --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_async.json"

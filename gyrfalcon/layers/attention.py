@@ -22,6 +22,12 @@ def fusion_enabled() -> bool:
     return os.environ.get("GYRFALCON_DISABLE_FUSION", "0") != "1"
 
 
+def small_m_gemv_enabled() -> bool:
+    """Norm-into-GEMV fusion for decode-sized batches: opt-in (GYRFALCON_SMALL_M_GEMV=1) until it is
+    measured faster than cuBLAS on the GPU."""
+    return fusion_enabled() and os.environ.get("GYRFALCON_SMALL_M_GEMV", "0") == "1"
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int) -> None:

@@ -13,7 +13,9 @@ from torch import nn
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
-from gyrfalcon.layers.attention import Attention, fusion_enabled
+from gyrfalcon.kernels.small_m_gemv import MAX_M as SMALL_M
+from gyrfalcon.kernels.small_m_gemv import norm_gemv
+from gyrfalcon.layers.attention import Attention, fusion_enabled, small_m_gemv_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -54,9 +56,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused = fusion_enabled()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions: [T]; x: [T, hidden] -> [T, hidden]"""
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
+                qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """positions: [T]; x: [T, hidden] -> [T, hidden]. qkv: the projection already computed
+        (by a fused norm + GEMV), in which case x is not used."""
+        if qkv is None:
+            qkv = self.qkv_proj(x)
         if self.fused:
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
@@ -101,9 +106,15 @@ class LlamaDecoderLayer(nn.Module):
                             bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Decode-sized batches may fold each norm into the GEMV after it (see small_m_gemv);
+        # biases are not part of that kernel.
+        self.small_m_gemv = small_m_gemv_enabled() and self.self_attn.qkv_proj.bias is None \
+            and self.mlp.gate_up_proj.bias is None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.small_m_gemv and hidden.shape[0] <= SMALL_M:
+            return self._forward_small_m(positions, hidden, residual)
         # The residual stream is carried separately so each norm fuses the preceding add.
         if residual is None:
             residual = hidden
@@ -113,6 +124,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_small_m(self, positions: torch.Tensor, hidden: torch.Tensor,
+                         residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Same math, fewer launches: [add +] norm + qkv in one kernel, norm + gate_up + SiLU-and-mul
+        in another."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps)
+        residual = hidden if residual is None else new_residual
+        hidden = self.self_attn(positions, None, qkv=qkv)
+        act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
+                                  silu_mul=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):
