@@ -210,7 +210,10 @@ class Scheduler:
             req.append_output(sampled[i], lp)
             finished = req.check_stop()
             if finished:
-                self.running.remove(req)
+                if req in self.running:
+                    self.running.remove(req)
+                else:  # preempted while its token was in flight (async scheduling)
+                    self.waiting.remove(req)
                 self.requests.pop(req.request_id, None)
                 self.block_manager.free(req)
                 self._finished_since_step.add(req.request_id)

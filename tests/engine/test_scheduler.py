@@ -105,3 +105,35 @@ def test_duplicate_id_rejected():
     s.add_request(req("a", 5))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(req("a", 5))
+
+
+def test_token_arriving_for_a_request_preempted_meanwhile():
+    """Async scheduling: step N is scheduled (and preempts a request) before step N-1's token for
+    that request is applied; the token is kept, and if it ends the request, the request leaves the
+    waiting queue and frees everything."""
+    for ends in (False, True):
+        s, bm = make(num_blocks=4, block_size=4, max_seqs=4, budget=64, caching=False)
+        a = Request("a", list(range(7)), SamplingParams(max_tokens=8, ignore_eos=True))
+        b = Request("b", list(range(7)), SamplingParams(max_tokens=8), eos_token_ids=[777])
+        s.add_request(a)
+        s.add_request(b)
+        prev = s.schedule()  # both prefill; each samples a token that is now in flight
+        assert [sr.request.num_inflight for sr in prev.reqs] == [1, 1]
+        s.update(prev, [1, 2])
+        prev = s.schedule()  # decode step N-1 for both (position 7: 2 blocks each, the cache is full)
+        nxt = s.schedule()   # step N before N-1's tokens: a needs a 3rd block -> b is preempted
+        assert nxt.num_preempted == 1 and b.status == RequestStatus.PREEMPTED and b.num_inflight == 1
+        ups = s.update(prev, [3, 777 if ends else 4])
+        assert b.output_token_ids[-1] == (777 if ends else 4) and b.num_inflight == 0
+        if ends:
+            assert b.is_finished and b not in s.waiting and b.block_ids == []
+            assert any(u.request_id == "b" and u.finished for u in ups)
+        else:
+            assert b in s.waiting and not b.is_finished
+        s.update(nxt, [5] * len(nxt.reqs))
+        for _ in range(200):
+            if not s.has_unfinished_requests():
+                break
+            run_step(s)
+        assert not s.has_unfinished_requests()
+        assert bm.num_free_blocks == bm.num_blocks
