@@ -10,11 +10,8 @@ All on CPU in float32.
 
 from __future__ import annotations
 
-import ast
-import codeop
 import json
 import math
-import warnings
 from pathlib import Path
 
 import pytest
@@ -51,66 +48,20 @@ def heldout_prompts():
     return json.loads((MODEL_DIR / "heldout_prompts.json").read_text())
 
 
-# -- the judging procedure; the same as scripts/train_demo_model.py ---------------------------------------
+# -- the judging procedure: the training script's own (it scores the model card's numbers) -------------
 
-def cut_completion(prompt: str, completion: str, finished: bool):
-    """prompt + completion, cut where the generated function ends (the first non-blank, non-comment line at
-    column 0 after the signature, or the end of text if generation stopped at eos), or else, when
-    max_tokens truncated it, at the last complete line. Returns (code, ended); code is None when no
-    non-blank line past the signature survives the cut."""
-    text = prompt + completion
-    ended = finished
-    if not finished:
-        nl = text.rfind("\n")
-        text = text[:nl] if nl >= 0 else ""
-    sig_lines = prompt.count("\n") + 1
-    lines = text.split("\n")
-    for i in range(sig_lines, len(lines)):
-        line = lines[i]
-        if line.strip() and not line[0].isspace() and not line.startswith("#"):
-            lines = lines[:i]
-            ended = True
-            break
-    if len(lines) <= sig_lines or not any(line.strip() for line in lines[sig_lines:]):
-        return None, ended
-    return "\n".join(lines).rstrip() + "\n", ended
+def _load_train_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    spec = importlib.util.spec_from_file_location("train_demo_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its top level imports only the standard library
+    return module
 
 
-def parses(code) -> bool:
-    if code is None:
-        return False
-    try:
-        ast.parse(code)
-        return True
-    except (SyntaxError, ValueError):
-        return False
-
-
-def judge_completion(prompt: str, completion: str, finished: bool) -> str:
-    """'parsed': the cut code parses with ast.parse. 'truncated-valid': it does not, only because
-    max_tokens cut it inside a statement: the function had not ended, Python's incomplete-input check
-    (codeop, as the REPL uses) calls it incomplete rather than invalid, and the lines before the unfinished
-    statement parse as a function with at least one body line. 'invalid': anything else."""
-    code, ended = cut_completion(prompt, completion, finished)
-    if code is None:
-        return "invalid"
-    if parses(code):
-        return "parsed"
-    if ended:
-        return "invalid"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if codeop.compile_command(code, "<completion>", "exec") is not None:
-                return "invalid"
-    except (SyntaxError, ValueError, OverflowError):
-        return "invalid"
-    lines = code.rstrip("\n").split("\n")
-    sig_lines = prompt.count("\n") + 1
-    for k in range(len(lines) - 1, sig_lines, -1):
-        if parses("\n".join(lines[:k]) + "\n"):
-            return "truncated-valid"
-    return "invalid"
+_train = _load_train_script()
+cut_completion, parses, judge_completion = _train.cut_completion, _train.parses, _train.judge_completion
 
 
 def test_judge_completion():
