@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the benchmarks of issue 4, results under $OUT.
-# Usage (on the GPU machine, from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [quick]
-# Each step has its own time limit and a failure does not stop the later steps.
+# GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
+# Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
+# (default: tests small llama). Each step has its own time limit, later steps get what is left of
+# BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gyrfalcon-out}
@@ -22,35 +23,38 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
-step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
-step gpu_tests_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider
-step gemv_bench 90 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv.json"
-step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-step lat_q06_b1 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
-  --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
-# The same run with the fused kernels off: the fused-vs-unfused comparison.
-step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
-  --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
-# Norm folded into the GEMVs for decode-sized batches (opt-in until measured faster).
-step lat_q06_b1_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 $G bench latency --model /tmp/ck/q06 --batch-size 1 \
-  --input-len 128 --output-len 128 --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1_gemv.json"
-# Host/device overlap: the same row with the next step scheduled before the last one's tokens return.
-step lat_q06_b1_async 120 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
-  --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_async.json"
-if [ "${1:-}" = fusion ]; then
-  step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 1 64; do
-    step lat_l8_b$B 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
-      --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-  done
-elif [ "${1:-}" != quick ]; then
+SECTIONS=${*:-tests small llama}  # one device call fits about two sections
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+if has tests; then
+  step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
+  step gpu_tests_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -p no:cacheprovider
+fi
+if has small; then
+  step gemv_bench 90 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv.json"
+  step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  step lat_q06_b1 120 $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
+  # Fused vs unfused attention-input kernels, in the same run.
+  step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $q06 --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
+  # Norm folded into the GEMVs for decode-sized batches (opt-in until measured faster).
+  step lat_q06_b1_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 $q06 --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_gemv.json"
+  # Host/device overlap: the next step scheduled before the last one's tokens return.
+  step lat_q06_b1_async 120 $q06 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_async.json"
+fi
+if has llama; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for B in 1 64 16; do
-    step lat_l8_b$B 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
-      --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-    step lat_l8_b${B}_async 120 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 \
-      --output-len 128 --max-num-seqs $B --async-scheduling --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
+    l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
+    step lat_l8_b$B 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
+    step lat_l8_b${B}_async 120 $l8 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
   done
+fi
+if has throughput; then
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
 fi
