@@ -313,7 +313,10 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def on_term(signum, frame):
-        raise SystemExit(0)
+        # SIGTERM comes from a dead parent (PR_SET_PDEATHSIG) or from a server whose orderly
+        # Shutdown message went unanswered: leave at once. Raising SystemExit instead can land in a
+        # spot that swallows it (a finalizer) or hang in interpreter teardown (zmq, torch threads).
+        os._exit(0)
     signal.signal(signal.SIGTERM, on_term)
 
     logging.basicConfig(level=os.environ.get("GYRFALCON_LOG_LEVEL", "INFO"),
