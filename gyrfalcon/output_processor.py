@@ -182,10 +182,6 @@ class OutputProcessor:
             self._by_engine_id[s.engine_id] = (st, s)
         return [(s.engine_id, s.params) for s in st.samples]
 
-    def engine_ids(self, request_id: str) -> List[str]:
-        st = self.requests.get(request_id)
-        return [s.engine_id for s in st.samples if not s.finished] if st else []
-
     def abort(self, request_id: str) -> List[str]:
         """Forget a request; returns the engine ids still running, for the engine to abort."""
         st = self.requests.pop(request_id, None)

@@ -46,6 +46,14 @@ def sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+def stream_chunk(obj_type: str, request_id: str, created: int, model: str, choices, usage=None) -> str:
+    """One server-sent event of a streamed response (`usage` only on the final chunk, when asked)."""
+    body = {"id": request_id, "object": obj_type, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return sse(body)
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyrfalcon.server.protocol import ChatCompletionRequest, bad_request
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
-                                      run_unless_disconnected, sse)
+                                      run_unless_disconnected, sse, stream_chunk)
 from gyrfalcon.tokenizer import encode
 
 
@@ -72,11 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         queue: asyncio.Queue = asyncio.Queue()
 
         def chunk(choices, usage=None) -> str:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return stream_chunk("chat.completion.chunk", request_id, created, model, choices, usage)
 
         try:
             states = self.submit(request_id, prompts, params, queue)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyrfalcon.server.protocol import CompletionRequest, bad_request
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
-                                      run_unless_disconnected, sse)
+                                      run_unless_disconnected, sse, stream_chunk)
 from gyrfalcon.tokenizer import encode
 
 
@@ -105,11 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
         queue: asyncio.Queue = asyncio.Queue()
 
         def chunk(choices, usage=None) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return stream_chunk("text_completion", request_id, created, model, choices, usage)
 
         try:
             # Submitted here, not before the response starts: a client gone before the first byte
