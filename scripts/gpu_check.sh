@@ -43,14 +43,14 @@ if has small; then
   step lat_q06_b1_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 $q06 --profile \
     --output-json "$R/latency_qwen3-0.6b_b1_gemv.json"
   # Host/device overlap: the next step scheduled before the last one's tokens return.
-  step lat_q06_b1_async 120 $q06 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_async.json"
+  step lat_q06_b1_async 120 $q06 --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1_async.json"
 fi
 if has llama; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for B in 1 64 16; do
     l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
     step lat_l8_b$B 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-    step lat_l8_b${B}_async 120 $l8 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
+    step lat_l8_b${B}_async 120 $l8 --async-scheduling --profile --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
   done
 fi
 if has throughput; then

@@ -66,12 +66,41 @@ def count_launches(llm, prompts, steps: int = 8) -> dict:
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     per_step = len(kernels) / steps
     layers = llm.config.model_config.hf_config.num_hidden_layers
-    names = {}
+    names, times = {}, {}
     for e in kernels:
         names[e.name] = names.get(e.name, 0) + 1
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+        times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
+    top = sorted(names.items(), key=lambda kv: -times[kv[0]])[:16]
+    busy_us = sum(times.values()) / steps
+    # Wall span of the profiled steps on the GPU: busy time well below it means the GPU waited on the host.
+    span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / steps \
+        if kernels else 0.0
     return {"kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
-            "top_kernels": [[n[:80], c / steps] for n, c in top]}
+            "gpu_busy_us_per_step": busy_us, "gpu_span_us_per_step": span_us,
+            "top_kernels": [[n[:80], c / steps, times[n] / steps] for n, c in top]}
+
+
+def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
+    """Device time of one decode step's CUDA graph replayed back to back (no host work between replays):
+    the floor that host/device overlap can reach. None without graphs."""
+    import torch
+
+    gr = getattr(runner, "graph_runner", None)
+    if gr is None or not getattr(gr, "graphs", None):
+        return None
+    size = min((b for b in gr.graphs if b >= batch_size), default=None)
+    if size is None:
+        return None
+    graph = gr.graphs[size]
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def run_gyrfalcon(args) -> dict:
@@ -130,6 +159,7 @@ def run_gyrfalcon(args) -> dict:
     }
     if args.profile and cuda:
         res["profile"] = count_launches(llm, prompts[: args.batch_size])
+        res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
     return res
 
 
@@ -192,6 +222,12 @@ def main(args: argparse.Namespace) -> int:
     if "profile" in g:
         pr = g["profile"]
         print(f"CUDA kernels per decode step: {pr['kernels_per_step']:.1f} "
-              f"({pr['kernels_per_layer']:.2f} per layer)")
+              f"({pr['kernels_per_layer']:.2f} per layer); GPU busy {pr['gpu_busy_us_per_step']:.0f} us of a "
+              f"{pr['gpu_span_us_per_step']:.0f} us span per step")
+        if g.get("graph_replay_ms"):
+            print(f"decode graph replayed back to back: {g['graph_replay_ms']:.3f} ms/step "
+                  f"(host-free floor; measured step {g['decode_step_ms']:.3f} ms)")
+        for name, count, us in pr["top_kernels"]:
+            print(f"  {us:8.1f} us {count:6.1f}x  {name}")
     write_json(args, {"bench": "latency", **run_info(args), "results": results})
     return 0

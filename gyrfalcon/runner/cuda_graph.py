@@ -60,10 +60,15 @@ class DecodeInputs:
         self.i64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
-        self.h64 = torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin)
-        self.h32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, pin_memory=pin)
-        self.n64, self.n32 = self.h64.numpy(), self.h32.numpy()
-        self.n32[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
+        # Two staging copies, alternated: with async scheduling the host fills step N+1 while step N's
+        # non-blocking copy out of the other one may not have run yet.
+        self._staging = []
+        for _ in range(2):
+            h64 = torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, pin_memory=pin)
+            h32.numpy()[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
+            self._staging.append((h64, h32))
+        self._turn = 0
 
     def views(self, b: int) -> ForwardBatch:
         """A ForwardBatch over the first b rows of the device buffers (what a graph captures)."""
@@ -83,7 +88,9 @@ class DecodeInputs:
         A token the host does not have yet is marked by its row in the last step's samples."""
         B, W = self.B, self.W
         n = len(sched_reqs)
-        n64, n32 = self.n64, self.n32
+        self._turn ^= 1
+        h64, h32 = self._staging[self._turn]
+        n64, n32 = h64.numpy(), h32.numpy()
         bt = n32[2 * B + 1:].reshape(B, W)
         for i, sr in enumerate(sched_reqs):
             req = sr.request
@@ -104,9 +111,9 @@ class DecodeInputs:
         n64[2 * B + n:2 * B + b] = -1
         n64[3 * B + n:3 * B + b] = -1
         n32[n:b] = 0
-        self.i64.copy_(self.h64, non_blocking=True)
+        self.i64.copy_(h64, non_blocking=True)
         k = 2 * B + 1 + b * W  # the block-table rows past b are never read
-        self.i32[:k].copy_(self.h32[:k], non_blocking=True)
+        self.i32[:k].copy_(h32[:k], non_blocking=True)
         return n
 
 
