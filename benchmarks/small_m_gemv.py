@@ -1,59 +1,166 @@
-"""Time the fused small-batch norm+GEMV kernel against the unfused path (RMSNorm kernel + cuBLAS +
-silu_and_mul), each replayed as a CUDA graph, and report bandwidth against the 4.15 TB/s roofline.
+"""Decode-sized linear layers on the GPU: the Triton norm+GEMV kernel (default launch shape and a sweep of
+launch shapes) against the unfused path (RMSNorm kernel + cuBLAS + silu_and_mul), and the decode
+attention kernel with its split merge in-kernel vs a separate reduce kernel.
 
-python3 benchmarks/small_m_gemv.py [--output-json FILE]
+Each timing is a CUDA graph of the op applied to enough distinct weight copies (>= 256 MB) that nothing
+stays in the 50 MB L2 between calls, as in a model whose every layer has its own weights; the time per
+call is the graph's time divided by the number of calls. Bandwidth is against the 4.15 TB/s roofline.
+
+python3 benchmarks/small_m_gemv.py [--quick] [--output-json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import sys
 
 import torch
 import triton
 
 from gyrfalcon.bench.common import HBM_BYTES_PER_S, run_info
 from gyrfalcon.kernels import rms_norm, silu_and_mul
-from gyrfalcon.kernels.small_m_gemv import norm_gemv_triton
+from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, norm_gemv_triton
 
-SHAPES = {"l8_qkv": (4096, 6144, True, False), "l8_o": (4096, 4096, False, False),
-          "l8_gate_up": (4096, 14336, True, True), "l8_down": (14336, 4096, False, False),
-          "q06_qkv": (1024, 4096, True, False), "q06_gate_up": (1024, 3072, True, True),
-          "q06_down": (3072, 1024, False, False)}
+# name: (K, N, norm, silu). N is the output width (gate_up: the weight has 2N rows).
+SHAPES = {
+    "q06_qkv": (1024, 4096, True, False), "q06_o": (2048, 1024, False, False),
+    "q06_gate_up": (1024, 3072, True, True), "q06_down": (3072, 1024, False, False),
+    "l8_qkv": (4096, 6144, True, False), "l8_o": (4096, 4096, False, False),
+    "l8_gate_up": (4096, 14336, True, True), "l8_down": (14336, 4096, False, False),
+}
+
+
+def graph_time_us(fns, reps: int = 5) -> float:
+    """Mean device time of one call, fns being a list of calls on distinct weights, via a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for f in fns:
+                f()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * len(fns)))
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_configs(M: int):
+    if M == 1:
+        for bn, bk, nw, ns in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4,), (2, 4)):
+            yield GemvConfig(bn, bk, nw, ns)
+        for bn, bk in ((8, 1024), (16, 1024), (16, 512), (32, 512)):
+            yield GemvConfig(bn, bk, 8, 3)
+    else:
+        for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)):
+            yield GemvConfig(bn, bk, nw, ns)
+
+
+def bench_gemv(args, rows):
+    for M in args.ms:
+        for name, (K, N, norm, silu) in SHAPES.items():
+            wbytes = (2 * N if silu else N) * K * 2
+            copies = max(2, min(64, -(-256 * 2**20 // wbytes)))
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            r = torch.randn(M, K, device="cuda").bfloat16()
+            ws = [(torch.randn(2 * N if silu else N, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(copies)]
+            nw = torch.ones(K, device="cuda").bfloat16()
+            kw = dict(norm_weight=nw if norm else None, residual=r if norm else None, silu_mul=silu)
+
+            def unfused(w):
+                h = rms_norm(x, nw, 1e-6, residual=r)[0] if norm else x
+                y = torch.nn.functional.linear(h, w)
+                return silu_and_mul(y) if silu else y
+
+            t_u = graph_time_us([lambda w=w: unfused(w) for w in ws])
+            dflt = default_config(M, N, K, silu)
+            t_d = graph_time_us([lambda w=w: norm_gemv_triton(x, w, config=dflt, **kw) for w in ws])
+            best = (t_d, dflt)
+            if not args.quick:
+                for cfg in sweep_configs(M):
+                    if cfg.block_k > max(64, triton.next_power_of_2(K)):
+                        continue
+                    try:
+                        t = graph_time_us([lambda w=w: norm_gemv_triton(x, w, config=cfg, **kw) for w in ws], reps=3)
+                    except Exception as e:  # a launch shape the compiler rejects (e.g. out of resources)
+                        print(f"  {name} M={M} {cfg}: {type(e).__name__}", file=sys.stderr)
+                        continue
+                    if t < best[0]:
+                        best = (t, cfg)
+            frac = lambda t: wbytes / (t * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+            row = {"shape": name, "M": M, "K": K, "N": N, "unfused_us": round(t_u, 2),
+                   "default_us": round(t_d, 2), "default_config": list(dflt),
+                   "best_us": round(best[0], 2), "best_config": list(best[1]),
+                   "speedup_default": round(t_u / t_d, 3), "speedup_best": round(t_u / best[0], 3),
+                   "frac_hbm_unfused": round(frac(t_u), 3), "frac_hbm_best": round(frac(best[0]), 3)}
+            rows.append(row)
+            print(f"{name:12s} M={M:2d} unfused {t_u:6.1f} us ({frac(t_u):4.0%})  default {t_d:6.1f} us {tuple(dflt)}"
+                  f"  best {best[0]:6.1f} us ({frac(best[0]):4.0%}) {tuple(best[1])}  x{t_u / best[0]:.2f}", flush=True)
+            del ws
+
+
+def bench_decode_attention(rows):
+    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    block = 16
+    for (n_heads, n_kv, d), B, ctx, max_len in itertools.product(
+            [(16, 8, 128), (32, 8, 128)], (1, 16, 64), (256, 2048, 8192), (40960,)):
+        width = max_len // block
+        blocks_per = -(-ctx // block)
+        copies = 8
+        caches = []
+        for _ in range(copies):
+            kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
+            caches.append((kc, torch.randn_like(kc)))
+        bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+        bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
+        sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
+        res = {}
+        for merge in (False, True):
+            res[merge] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+                q, kc, vc, bt, sl, d ** -0.5, merge_in_kernel=merge) for kc, vc in caches])
+        kv_bytes = 2 * B * ctx * n_kv * d * 2
+        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx, "reduce_kernel_us": round(res[False], 2),
+                     "merge_in_kernel_us": round(res[True], 2),
+                     "frac_hbm_merge": round(kv_bytes / (res[True] * 1e-6) / HBM_BYTES_PER_S, 3)})
+        print(f"decode attn H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: reduce kernel {res[False]:7.1f} us, "
+              f"merged in-kernel {res[True]:7.1f} us (x{res[False] / res[True]:.2f}, "
+              f"{rows[-1]['frac_hbm_merge']:.0%} of HBM)", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json")
+    ap.add_argument("--quick", action="store_true", help="default launch shapes only, no sweep")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--skip-attention", action="store_true")
     args = ap.parse_args()
-    rows = []
-    for M in (1, 8):
-        for name, (K, N, norm, silu) in SHAPES.items():
-            x = torch.randn(M, K, device="cuda").bfloat16()
-            r = torch.randn(M, K, device="cuda").bfloat16()
-            w = (torch.randn(2 * N if silu else N, K, device="cuda") / K ** 0.5).bfloat16()
-            nw = torch.ones(K, device="cuda").bfloat16()
-
-            def fused():
-                return norm_gemv_triton(x, w, nw if norm else None, r if norm else None, silu_mul=silu)
-
-            def unfused():
-                h = rms_norm(x, nw, 1e-6, residual=r)[0] if norm else x
-                y = torch.nn.functional.linear(h, w)
-                return silu_and_mul(y) if silu else y
-
-            t_f = triton.testing.do_bench_cudagraph(fused) * 1e3
-            t_u = triton.testing.do_bench_cudagraph(unfused) * 1e3
-            nbytes = w.numel() * 2
-            rows.append({"shape": name, "M": M, "fused_us": round(t_f, 2), "unfused_us": round(t_u, 2),
-                         "speedup": round(t_u / t_f, 2), "frac_hbm_fused": round(nbytes / (t_f * 1e-6) / HBM_BYTES_PER_S, 3)})
-            print(f"{name:12s} M={M:2d}  fused {t_f:7.1f} us  unfused {t_u:7.1f} us  "
-                  f"x{t_u / t_f:4.2f}  fused at {rows[-1]['frac_hbm_fused']:.0%} of HBM")
+    gemv_rows, attn_rows = [], []
+    bench_gemv(args, gemv_rows)
+    if not args.skip_attention:
+        bench_decode_attention(attn_rows)
     if args.output_json:
         info = run_info(args)
-        info["command"] = "python3 benchmarks/small_m_gemv.py"
+        info["command"] = "python3 benchmarks/small_m_gemv.py " + " ".join(sys.argv[1:])
         with open(args.output_json, "w") as f:
-            json.dump({"benchmark": "small_m_gemv", **info, "results": rows}, f, indent=1)
+            json.dump({"benchmark": "small_m_gemv", **info, "gemv": gemv_rows, "decode_attention": attn_rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

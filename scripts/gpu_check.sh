@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
-# (default: tests small llama). Each step has its own time limit, later steps get what is left of
+# (default: tests small llama; sweep is the kernel launch-shape sweep). Each step has its own time limit, later steps get what is left of
 # BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,22 +28,22 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 if has tests; then
   step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
-  step gpu_tests_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+  step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
     -p no:cacheprovider
 fi
+if has sweep; then
+  # GEMV launch-shape sweep vs cuBLAS, and decode attention with the split merge in-kernel vs a reduce kernel.
+  step gemv_sweep 300 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv_sweep.json"
+fi
 if has small; then
-  step gemv_bench 90 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv.json"
   step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  step lat_q06_b1 120 $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
-  # Fused vs unfused attention-input kernels, in the same run.
-  step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $q06 --profile \
+  step lat_q06_b1 120 $q06 --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
+  # Fused vs unfused, in the same run: GEMV path off / every fusion off.
+  step lat_q06_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $q06 --async-scheduling --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_cublas.json"
+  step lat_q06_b1_unfused 120 env GYRFALCON_DISABLE_FUSION=1 $q06 --async-scheduling --profile \
     --output-json "$R/latency_qwen3-0.6b_b1_unfused.json"
-  # Norm folded into the GEMVs for decode-sized batches (opt-in until measured faster).
-  step lat_q06_b1_gemv 120 env GYRFALCON_SMALL_M_GEMV=1 $q06 --profile \
-    --output-json "$R/latency_qwen3-0.6b_b1_gemv.json"
-  # Host/device overlap: the next step scheduled before the last one's tokens return.
-  step lat_q06_b1_async 120 $q06 --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1_async.json"
 fi
 if has llama; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

@@ -54,14 +54,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr, count_ptr,
         scale_log2, num_splits,
         s_qb, s_qh, s_ob, s_oh,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -71,9 +72,14 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        # At least one tile (a padding row, seq_len 0, would otherwise divide by zero below).
+        part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
         start = split * part
         end = tl.minimum(start + part, seq_len)
+        n_active = tl.cdiv(seq_len, part)  # splits holding >= 1 key (0 for a padding row)
+        if MERGE_IN_KERNEL:
+            if split >= tl.maximum(n_active, 1):
+                return  # empty split: nothing to write, and it does not count towards the merge
 
         g = tl.arange(0, BLOCK_G)
         head = kvh * GROUP + g
@@ -128,12 +134,53 @@ if HAS_TRITON:
                 (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
                 mask=gmask[:, None] & (dv[None, :] < HEAD_DV),
             )
+        elif MERGE_IN_KERNEL and n_active <= 1:
+            # The only non-empty split (or a padding row): write the output directly, as DIRECT does.
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(
+                o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :],
+                (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+                mask=gmask[:, None] & (dv[None, :] < HEAD_DV),
+            )
         else:
             # Partials: acc [B, H, S, BLOCK_DV] unnormalized, (m, l) [B, H, S, 2]; fp32.
             row = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split
             tl.store(pacc_ptr + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=gmask[:, None])
             tl.store(pml_ptr + row * 2, m_i, mask=gmask)
             tl.store(pml_ptr + row * 2 + 1, l_i, mask=gmask)
+            if MERGE_IN_KERNEL:
+                # The last split of (sequence, kv head) to finish merges all of them: one launch instead
+                # of two. Every thread's partial stores are done (barrier) before the release atomic;
+                # the merging program reads the others' partials through L2 (.cg), after the acquire.
+                tl.debug_barrier()
+                cnt_ptr = count_ptr + b * tl.num_programs(1) + kvh
+                done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+                if done == n_active - 1:
+                    tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (or graph replay)
+                    m_tot = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                    l_tot = tl.zeros([BLOCK_G], tl.float32)
+                    o_acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+                    base = (b * (tl.num_programs(1) * GROUP) + head) * num_splits
+                    for sp in range(0, n_active):
+                        m_s = tl.load(pml_ptr + (base + sp) * 2, mask=gmask, other=float("-inf"),
+                                      cache_modifier=".cg")
+                        l_s = tl.load(pml_ptr + (base + sp) * 2 + 1, mask=gmask, other=0.0,
+                                      cache_modifier=".cg")
+                        a_s = tl.load(pacc_ptr + (base + sp)[:, None] * BLOCK_DV + dv[None, :],
+                                      mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                        m_new = tl.maximum(m_tot, m_s)
+                        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        w_old = tl.math.exp2(m_tot - m_new)
+                        w_s = tl.math.exp2(m_s - m_new)
+                        l_tot = l_tot * w_old + l_s * w_s
+                        o_acc = o_acc * w_old[:, None] + a_s * w_s[:, None]
+                        m_tot = m_new
+                    l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
+                    tl.store(
+                        o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :],
+                        (o_acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+                        mask=gmask[:, None] & (dv[None, :] < HEAD_DV),
+                    )
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -161,6 +208,17 @@ if HAS_TRITON:
 
 
 _SM_COUNT: dict = {}
+_MERGE_COUNTERS: dict = {}
+_MAX_COUNTERS = 1 << 16  # (sequence, kv head) pairs one launch may merge in-kernel
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per (sequence, kv head), allocated once per device (outside
+    any CUDA graph) and left at zero by every launch."""
+    key = (device.type, device.index)
+    if key not in _MERGE_COUNTERS:
+        _MERGE_COUNTERS[key] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _MERGE_COUNTERS[key]
 
 
 def _sm_count(device: torch.device) -> int:
@@ -200,12 +258,15 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
     No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
-    num_stages override the launch config (tests and benchmark sweeps).
+    num_stages override the launch config (tests and benchmark sweeps). With several splits the last
+    split program to finish merges them (merge_in_kernel, the default: one launch); False uses a
+    separate reduce kernel.
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -225,23 +286,27 @@ def paged_decode_attention_triton(
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1
+    if merge_in_kernel is None:
+        merge_in_kernel = True
+    merge_in_kernel = merge_in_kernel and not direct and n_seqs * n_kv <= _MAX_COUNTERS
+    counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:
         pacc = pml = o  # unused
     else:
         pacc = torch.empty(n_seqs * n_heads * num_splits, block_dv, dtype=torch.float32, device=q.device)
         pml = torch.empty(n_seqs * n_heads * num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml,
+        q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml, counters,
         float(scale) * _LOG2E, num_splits,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
-        DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=nw, num_stages=ns,
     )
-    if not direct:
+    if not direct and not merge_in_kernel:
         _decode_reduce_kernel[(n_seqs, n_heads)](
             pacc, pml, o, num_splits, n_heads, o.stride(0), o.stride(1),
             HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), num_warps=4,

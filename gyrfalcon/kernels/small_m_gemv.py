@@ -18,7 +18,7 @@ Not yet used by the models: it is wired in once measured on the GPU (see docs/ar
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,34 @@ def norm_gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[t
     return y, new_residual
 
 
+class GemvConfig(NamedTuple):
+    """Launch shape: BLOCK_N output columns per program, BLOCK_K inputs per loop step."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(M: int, N: int, K: int, silu_mul: bool = False) -> GemvConfig:
+    """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
+
+    A GEMV at batch 1 is a stream over the weight: what matters is enough programs to occupy every SM
+    (~1-2 per SM on an H100/H200) and enough bytes in flight per program. Chosen from the sweep in
+    benchmarks/small_m_gemv.py (H200); M > 1 uses tensor-core dots, whose tiles are at least 16 wide.
+    """
+    n_out = N
+    if M == 1:
+        bn = 4
+        while bn < 64 and n_out // (2 * bn) >= 132:
+            bn *= 2
+        bk = min(1024, max(64, next_pow2(K)))
+        return GemvConfig(bn, bk, 4, 3)
+    bn = 16
+    while bn < 64 and n_out // (2 * bn) >= 132:
+        bn *= 2
+    return GemvConfig(bn, min(256, max(16, next_pow2(K))), 4, 3)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -55,6 +83,9 @@ if HAS_TRITON:
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
+        # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
+        # with a multiply-and-sum on the CUDA cores (no 16-row padding); BLOCK_M > 1 uses tl.dot.
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -79,8 +110,7 @@ if HAS_TRITON:
                 ss += tl.sum(xf * xf, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if SILU_MUL:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
@@ -94,15 +124,20 @@ if HAS_TRITON:
                 xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-            if UPCAST:  # the interpreter's dot mishandles 16-bit operands
-                acc += tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)))
-            else:
-                acc += tl.dot(xk.to(w.dtype), tl.trans(w))
             if SILU_MUL:
                 wu = tl.load(w_ptr + (cols[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
-                if UPCAST:
+            if BLOCK_M == 1:
+                xf = xk.to(tl.float32)  # [1, BLOCK_K]
+                acc += tl.sum(w.to(tl.float32) * xf, axis=1)[None, :]
+                if SILU_MUL:
+                    acc_up += tl.sum(wu.to(tl.float32) * xf, axis=1)[None, :]
+            elif UPCAST:  # the interpreter's dot mishandles 16-bit operands
+                acc += tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)))
+                if SILU_MUL:
                     acc_up += tl.dot(xk.to(tl.float32), tl.trans(wu.to(tl.float32)))
-                else:
+            else:
+                acc += tl.dot(xk.to(w.dtype), tl.trans(w))
+                if SILU_MUL:
                     acc_up += tl.dot(xk.to(wu.dtype), tl.trans(wu))
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
@@ -115,9 +150,10 @@ if HAS_TRITON:
 
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                      residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
-                     block_n: Optional[int] = None,
-                     block_k: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync."""
+                     block_n: Optional[int] = None, block_k: Optional[int] = None,
+                     config: Optional[GemvConfig] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
+    block_n / block_k alone) overrides default_config (tests, benchmark sweeps)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -128,8 +164,10 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
-    bn = block_n or 32
-    bk = block_k or min(256, max(16, next_pow2(K)))
+    cfg = config or default_config(M, N, K, silu_mul)
+    cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
+    block_m = 1 if M == 1 else MAX_M
+    bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
     dummy = x
     _norm_gemv_kernel[(triton.cdiv(N, bn),)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -137,7 +175,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        UPCAST=interpreting(), BLOCK_M=MAX_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        UPCAST=interpreting(), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, r_out
 

@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.kernels._common import use_triton
+from gyrfalcon.kernels.small_m_gemv import MAX_M as SMALL_M
+from gyrfalcon.kernels.small_m_gemv import norm_gemv_triton
+
 
 class Linear(nn.Module):
     """y = x @ W^T (+ b). W: [out_features, in_features]."""
@@ -22,9 +26,16 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes
+        # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark).
+        from gyrfalcon.layers.attention import small_m_gemv_enabled
+
+        self.small_m = small_m_gemv_enabled() and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]"""
+        if self.small_m and x.shape[0] <= SMALL_M and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
+            return norm_gemv_triton(x, self.weight)[0]
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -22,6 +22,10 @@ from gyrfalcon.forward_context import forward_context  # noqa: E402
 from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
 
 STEPS = 32
+# A fixed KV cache (4 prompts of <= 132 tokens need ~40 blocks): the tests do not depend on how much of
+# the card an earlier test's engine or reference model still holds; memory planning is exercised by the
+# benchmarks in scripts/gpu_check.sh.
+BLOCKS = dict(num_gpu_blocks_override=256)
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +67,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, enforce_eager):
     implementations round differently and random-weight logits have near-ties that flip."""
     path, refs = ckpt
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
-              gpu_memory_utilization=0.5, max_num_seqs=8)
+              max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
@@ -77,17 +81,19 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, enforce_eager):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
-    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once."""
+    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
+    Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
+    bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
+    that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
     path, refs = ckpt
-    llm = LLM(str(path), max_model_len=1024, enforce_eager=enforce_eager, gpu_memory_utilization=0.5,
-              max_num_seqs=8)
+    llm = LLM(str(path), max_model_len=1024, enforce_eager=enforce_eager, max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
     del llm
     torch.cuda.empty_cache()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
-    exact = 0
+    exact = steps = ties = 0
     for out, (prompt, ref_tokens, _) in zip(outs, rows):
         got = out.outputs[0].token_ids
         exact += got == ref_tokens
@@ -96,14 +102,17 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
         chosen = logits.gather(1, torch.tensor(got, device="cuda").unsqueeze(1)).squeeze(1)
         shortfall = logits.max(dim=1).values - chosen
         scale = logits.abs().max().item()
-        assert shortfall.max().item() <= 0.01 * scale, (shortfall.tolist(), scale)
+        assert shortfall.max().item() <= 0.03 * scale, (shortfall.tolist(), scale)
+        steps += len(got)
+        ties += int((shortfall > 0).sum())
+    assert ties <= 0.1 * steps, f"{ties} of {steps} steps did not pick transformers' argmax"
     assert exact >= 1  # at least one of the four paths matches token for token
 
 
 def test_prefill_logits_close(ckpt):
     path, refs = ckpt
     refs = refs[torch.bfloat16]
-    llm = LLM(str(path), max_model_len=1024, enforce_eager=True, gpu_memory_utilization=0.5, max_num_seqs=8)
+    llm = LLM(str(path), max_model_len=1024, enforce_eager=True, max_num_seqs=8, **BLOCKS)
     runner, bm = llm.engine.runner, llm.engine.block_manager
     reqs = [Request(str(i), r[0], SamplingParams(max_tokens=1)) for i, r in enumerate(refs)]
     for r in reqs:

@@ -43,14 +43,17 @@ def test_ref_matches_paged_attention_ref():
 @requires_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_heads,n_kv", [(2, 2), (4, 2), (8, 2)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_matches_ref(dtype, n_heads, n_kv, num_splits):
+@pytest.mark.parametrize("num_splits,merge", [(1, True), (3, False), (3, True)],
+                         ids=["direct", "reduce-kernel", "merge-in-kernel"])
+def test_triton_matches_ref(dtype, n_heads, n_kv, num_splits, merge):
     # Huge ids in unused block-table entries: the kernel must not dereference them.
     q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, n_heads, n_kv, 32, 4, dtype, fill=10**8)
     want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
-    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=num_splits, block_n=16)
-    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
-    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[5]) == 0
+    for _ in range(2):  # the in-kernel merge's arrival counters must be back at zero for the next launch
+        got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=num_splits, block_n=16,
+                                            merge_in_kernel=merge)
+        torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+        assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[5]) == 0
 
 
 @requires_triton
@@ -64,12 +67,13 @@ def test_triton_head_dims_default_splits(head_dim, block_size):
 
 
 @requires_triton
-def test_triton_many_splits_non_pow2_group_and_v_dim():
+@pytest.mark.parametrize("merge", [False, True], ids=["reduce-kernel", "merge-in-kernel"])
+def test_triton_many_splits_non_pow2_group_and_v_dim(merge):
     # More splits than tiles (empty splits), 6 heads per kv head, V dim != K dim.
-    q, kc, vc, bt, sl, _, _ = _batch([3, 40, 0], 12, 2, 32, 8, torch.float32, head_dim_v=24)
+    q, kc, vc, bt, sl, _, _ = _batch([3, 40, 0, 70], 12, 2, 32, 8, torch.float32, head_dim_v=24)
     want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
-    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=8, block_n=16)
-    assert got.shape == (3, 12, 24)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=8, block_n=16, merge_in_kernel=merge)
+    assert got.shape == (4, 12, 24)
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
 
 
