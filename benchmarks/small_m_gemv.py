@@ -150,9 +150,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="default launch shapes only, no sweep")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--skip-gemv", action="store_true")
     args = ap.parse_args()
     gemv_rows, attn_rows = [], []
-    bench_gemv(args, gemv_rows)
+    if not args.skip_gemv:
+        bench_gemv(args, gemv_rows)
     if not args.skip_attention:
         bench_decode_attention(attn_rows)
     if args.output_json:

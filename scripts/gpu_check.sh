@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
-# (default: tests small llama; sweep is the kernel launch-shape sweep). Each step has its own time limit, later steps get what is left of
+# (default: tests small llama; also: kernels, sweep = kernel launch-shape sweep). Each step has its own time limit, later steps get what is left of
 # BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,12 +28,15 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 if has tests; then
   step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
-  step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+  [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
     -p no:cacheprovider
 fi
 if has sweep; then
   # GEMV launch-shape sweep vs cuBLAS, and decode attention with the split merge in-kernel vs a reduce kernel.
   step gemv_sweep 300 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv_sweep.json"
+fi
+if has kernels; then  # default launch shapes only
+  step gemv_attn 150 python3 benchmarks/small_m_gemv.py --quick --ms 1 --output-json "$R/small_m_gemv_attn.json"
 fi
 if has small; then
   step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
@@ -47,11 +50,13 @@ if has small; then
 fi
 if has llama; then
   step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 1 64 16; do
+  for B in 1 16 64; do
     l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
-    step lat_l8_b$B 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-    step lat_l8_b${B}_async 120 $l8 --async-scheduling --profile --output-json "$R/latency_llama-3.1-8b_b${B}_async.json"
+    step lat_l8_b$B 120 $l8 --async-scheduling --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
   done
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  step lat_l8_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $l8 --async-scheduling --profile \
+    --output-json "$R/latency_llama-3.1-8b_b1_cublas.json"
 fi
 if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

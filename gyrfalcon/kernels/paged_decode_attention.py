@@ -60,7 +60,7 @@ if HAS_TRITON:
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
-        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
         DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -157,30 +157,23 @@ if HAS_TRITON:
                 done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
                 if done == n_active - 1:
                     tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (or graph replay)
-                    m_tot = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                    l_tot = tl.zeros([BLOCK_G], tl.float32)
-                    o_acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-                    base = (b * (tl.num_programs(1) * GROUP) + head) * num_splits
-                    for sp in range(0, n_active):
-                        m_s = tl.load(pml_ptr + (base + sp) * 2, mask=gmask, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        l_s = tl.load(pml_ptr + (base + sp) * 2 + 1, mask=gmask, other=0.0,
-                                      cache_modifier=".cg")
-                        a_s = tl.load(pacc_ptr + (base + sp)[:, None] * BLOCK_DV + dv[None, :],
-                                      mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                        m_new = tl.maximum(m_tot, m_s)
-                        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        w_old = tl.math.exp2(m_tot - m_new)
-                        w_s = tl.math.exp2(m_s - m_new)
-                        l_tot = l_tot * w_old + l_s * w_s
-                        o_acc = o_acc * w_old[:, None] + a_s * w_s[:, None]
-                        m_tot = m_new
-                    l_safe = tl.where(l_tot == 0.0, 1.0, l_tot)
-                    tl.store(
-                        o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :],
-                        (o_acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
-                        mask=gmask[:, None] & (dv[None, :] < HEAD_DV),
-                    )
+                    # Head by head, all splits at once (a serial loop over splits is a chain of
+                    # dependent L2 round trips: slower than a second launch at long contexts).
+                    sp = tl.arange(0, BLOCK_S)
+                    smask = sp < n_active
+                    for gi in tl.static_range(GROUP):
+                        hrow = ((b * tl.num_programs(1) + kvh) * GROUP + gi) * num_splits + sp
+                        m_s = tl.load(pml_ptr + hrow * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                        l_s = tl.load(pml_ptr + hrow * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                        m_max = tl.max(m_s, axis=0)
+                        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                        w_s = tl.where(smask, tl.math.exp2(m_s - m_max), 0.0)
+                        l_tot = tl.sum(w_s * l_s, axis=0)
+                        a_s = tl.load(pacc_ptr + hrow[:, None] * BLOCK_DV + dv[None, :], mask=smask[:, None],
+                                      other=0.0, cache_modifier=".cg")
+                        o_row = tl.sum(a_s * w_s[:, None], axis=0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+                        tl.store(o_ptr + b * s_ob + (kvh * GROUP + gi) * s_oh + dv,
+                                 o_row.to(o_ptr.dtype.element_ty), mask=dv < HEAD_DV)
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -303,6 +296,7 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
+        BLOCK_S=next_pow2(num_splits),
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=nw, num_stages=ns,
     )

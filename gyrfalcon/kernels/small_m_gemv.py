@@ -13,7 +13,7 @@ returned, as the next residual). silu_mul=True: weight is [2 * I, K], gate rows 
 is silu(x W_gate^T) * (x W_up^T): [M, I].
 Returns (y, new_residual or None).
 
-Not yet used by the models: it is wired in once measured on the GPU (see docs/architecture.md).
+The models use it for single-row inputs (GEMV_MAX_ROWS), where it beats cuBLAS; see default_config.
 """
 
 from __future__ import annotations
@@ -54,24 +54,35 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool = False) -> GemvConfig:
+# Rows up to which the models route a linear layer through this kernel instead of cuBLAS. The H200 sweep
+# (benchmarks/small_m_gemv.py, benchmarks/results/small_m_gemv_sweep-*.json) found the single-row path
+# 1.0-3.2x faster than RMSNorm + cuBLAS on Qwen3-0.6B and Llama-3.1-8B shapes, while the tensor-core
+# path for 4-16 rows is slower than cuBLAS on most of them.
+GEMV_MAX_ROWS = 1
+
+
+def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
 
-    A GEMV at batch 1 is a stream over the weight: what matters is enough programs to occupy every SM
-    (~1-2 per SM on an H100/H200) and enough bytes in flight per program. Chosen from the sweep in
-    benchmarks/small_m_gemv.py (H200); M > 1 uses tensor-core dots, whose tiles are at least 16 wide.
+    A GEMV at batch 1 is a stream over the weight: many narrow programs (8 rows each: 128-1024
+    programs at these shapes), each keeping long rows (1024 inputs) in flight through a 3-stage
+    pipeline, won the H200 sweep on every shape. Stages drop where the tiles would not fit in shared
+    memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses tensor-core dots, tiles >= 16 wide.
     """
-    n_out = N
     if M == 1:
-        bn = 4
-        while bn < 64 and n_out // (2 * bn) >= 132:
+        bn, bk, nw, ns = (4 if silu_mul else 8), min(1024, max(64, next_pow2(K))), 8, 3
+    else:
+        bn = 16
+        while bn < 64 and N // (2 * bn) >= 132:
             bn *= 2
-        bk = min(1024, max(64, next_pow2(K)))
-        return GemvConfig(bn, bk, 4, 3)
-    bn = 16
-    while bn < 64 and n_out // (2 * bn) >= 132:
-        bn *= 2
-    return GemvConfig(bn, min(256, max(16, next_pow2(K))), 4, 3)
+        bk, nw, ns = min(256, max(16, next_pow2(K))), 4, 3
+    tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
+    while ns > 1 and tile_bytes * ns > 160 * 1024:
+        ns -= 1
+    while bk > 64 and tile_bytes * ns > 160 * 1024:
+        bk //= 2
+        tile_bytes //= 2
+    return GemvConfig(bn, bk, nw, ns)
 
 
 if HAS_TRITON:
@@ -81,7 +92,7 @@ if HAS_TRITON:
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
         # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
@@ -136,9 +147,9 @@ if HAS_TRITON:
                 if SILU_MUL:
                     acc_up += tl.dot(xk.to(tl.float32), tl.trans(wu.to(tl.float32)))
             else:
-                acc += tl.dot(xk.to(w.dtype), tl.trans(w))
+                acc += tl.dot(xk.to(w.dtype), tl.trans(w), input_precision=DOT_PREC)
                 if SILU_MUL:
-                    acc_up += tl.dot(xk.to(wu.dtype), tl.trans(wu))
+                    acc_up += tl.dot(xk.to(wu.dtype), tl.trans(wu), input_precision=DOT_PREC)
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
             g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -164,7 +175,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
-    cfg = config or default_config(M, N, K, silu_mul)
+    cfg = config or default_config(M, N, K, silu_mul, weight.element_size())
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
     block_m = 1 if M == 1 else MAX_M
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
@@ -175,7 +186,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        UPCAST=interpreting(), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
+        UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, r_out

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
-from gyrfalcon.kernels.small_m_gemv import MAX_M as SMALL_M
+from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
 from gyrfalcon.kernels.small_m_gemv import norm_gemv_triton
 
 
@@ -34,7 +34,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]"""
-        if self.small_m and x.shape[0] <= SMALL_M and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
+        if self.small_m and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return norm_gemv_triton(x, self.weight)[0]
         return F.linear(x, self.weight, self.bias)
 

