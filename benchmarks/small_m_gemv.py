@@ -132,16 +132,17 @@ def bench_decode_attention(rows):
         sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
         res = {}
-        for merge in (False, True):
-            res[merge] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
-                q, kc, vc, bt, sl, d ** -0.5, merge_in_kernel=merge) for kc, vc in caches])
+        for merge, min_part in ((False, 64), (True, 64), (False, 256), (True, 256)):
+            res[merge, min_part] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+                q, kc, vc, bt, sl, d ** -0.5, merge_in_kernel=merge, min_part=min_part) for kc, vc in caches])
         kv_bytes = 2 * B * ctx * n_kv * d * 2
-        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx, "reduce_kernel_us": round(res[False], 2),
-                     "merge_in_kernel_us": round(res[True], 2),
-                     "frac_hbm_merge": round(kv_bytes / (res[True] * 1e-6) / HBM_BYTES_PER_S, 3)})
-        print(f"decode attn H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: reduce kernel {res[False]:7.1f} us, "
-              f"merged in-kernel {res[True]:7.1f} us (x{res[False] / res[True]:.2f}, "
-              f"{rows[-1]['frac_hbm_merge']:.0%} of HBM)", flush=True)
+        best = min(res, key=res.get)
+        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx,
+                     "us": {f"{'merge' if m else 'reduce'}_minpart{p}": round(t, 2) for (m, p), t in res.items()},
+                     "frac_hbm_default": round(kv_bytes / (res[True, 256] * 1e-6) / HBM_BYTES_PER_S, 3)})
+        print(f"decode attn H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: " + "  ".join(
+            f"{'merge' if m else 'reduce'}/{p} {t:6.1f}" for (m, p), t in res.items())
+            + f" us; best {best}; default at {rows[-1]['frac_hbm_default']:.0%} of HBM", flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
-# (default: tests small llama; also: kernels, sweep = kernel launch-shape sweep). Each step has its own time limit, later steps get what is left of
+# (default: tests small llama; also: ktests = kernel tests only, kernels = kernel benchmarks, sweep = launch-shape sweep). Each step has its own time limit, later steps get what is left of
 # BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -29,6 +29,10 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if has tests; then
   step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
   [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -p no:cacheprovider
+fi
+if has ktests; then  # the kernel tests alone (the model tests take minutes)
+  step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
     -p no:cacheprovider
 fi
 if has sweep; then

@@ -61,7 +61,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-        DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
+        MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
@@ -72,8 +72,9 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        # At least one tile (a padding row, seq_len 0, would otherwise divide by zero below).
-        part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+        # At least MIN_PART keys per split (a short context is not worth splitting: one program per kv
+        # head, no merge), and at least one tile (seq_len 0 would otherwise divide by zero below).
+        part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
         start = split * part
         end = tl.minimum(start + part, seq_len)
         n_active = tl.cdiv(seq_len, part)  # splits holding >= 1 key (0 for a padding row)
@@ -252,6 +253,7 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge_in_kernel: bool | None = None,
+    min_part: int = 256,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
@@ -259,7 +261,7 @@ def paged_decode_attention_triton(
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
     num_stages override the launch config (tests and benchmark sweeps). With several splits the last
     split program to finish merges them (merge_in_kernel, the default: one launch); False uses a
-    separate reduce kernel.
+    separate reduce kernel. Each split covers at least min_part keys, so short contexts run unsplit.
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -296,7 +298,7 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
-        BLOCK_S=next_pow2(num_splits),
+        BLOCK_S=next_pow2(num_splits), MIN_PART=max(bn, cdiv(min_part, bn) * bn),
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=nw, num_stages=ns,
     )

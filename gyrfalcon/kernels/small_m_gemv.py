@@ -70,7 +70,9 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses tensor-core dots, tiles >= 16 wide.
     """
     if M == 1:
-        bn, bk, nw, ns = (4 if silu_mul else 8), min(1024, max(64, next_pow2(K))), 8, 3
+        bk = min(1024, max(64, next_pow2(K)))
+        # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
+        bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
     else:
         bn = 16
         while bn < 64 and N // (2 * bn) >= 132:

@@ -51,7 +51,7 @@ def test_triton_matches_ref(dtype, n_heads, n_kv, num_splits, merge):
     want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
     for _ in range(2):  # the in-kernel merge's arrival counters must be back at zero for the next launch
         got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=num_splits, block_n=16,
-                                            merge_in_kernel=merge)
+                                            merge_in_kernel=merge, min_part=16)
         torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
         assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[5]) == 0
 
@@ -72,9 +72,11 @@ def test_triton_many_splits_non_pow2_group_and_v_dim(merge):
     # More splits than tiles (empty splits), 6 heads per kv head, V dim != K dim.
     q, kc, vc, bt, sl, _, _ = _batch([3, 40, 0, 70], 12, 2, 32, 8, torch.float32, head_dim_v=24)
     want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
-    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=8, block_n=16, merge_in_kernel=merge)
-    assert got.shape == (4, 12, 24)
-    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    for min_part in (16, 256):  # splits of one tile (several merge), or none split (each fits one split)
+        got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=8, block_n=16,
+                                            merge_in_kernel=merge, min_part=min_part)
+        assert got.shape == (4, 12, 24)
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
 
 
 def test_default_num_splits_depends_on_shapes_only():
