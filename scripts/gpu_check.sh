@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
+# The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD> so the JSON
+# records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
 # (default: tests small llama; also: ktests = kernel tests only, kernels = kernel benchmarks, sweep = launch-shape sweep). Each step has its own time limit, later steps get what is left of
 # BUDGET seconds, and a failure does not stop the later steps.

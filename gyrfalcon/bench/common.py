@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,21 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]
 
 
 def run_info(args: argparse.Namespace) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except Exception:
-        commit = ""
+    """GPU, commit, command and date of a benchmark run. The commit is GYRFALCON_COMMIT when set (a copy
+    of the tree on another machine may carry a stale .git), else git's HEAD, marked -dirty when the
+    tree differs from it."""
+    commit = os.environ.get("GYRFALCON_COMMIT", "")
+    if not commit:
+        try:
+            here = Path(__file__).parent
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=here, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, cwd=here, timeout=10).stdout.strip()
+            if commit and dirty:
+                commit += "-dirty"
+        except Exception:
+            commit = ""
     gpu = ""
     try:
         import torch

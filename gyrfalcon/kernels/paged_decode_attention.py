@@ -72,8 +72,7 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        # At least MIN_PART keys per split (a short context is not worth splitting: one program per kv
-        # head, no merge), and at least one tile (seq_len 0 would otherwise divide by zero below).
+        # At least MIN_PART keys per split (>= one tile; seq_len 0 would otherwise divide by zero below).
         part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
         start = split * part
         end = tl.minimum(start + part, seq_len)
@@ -252,16 +251,19 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    merge_in_kernel: bool | None = None,
-    min_part: int = 256,
+    merge_in_kernel: bool = False,
+    min_part: int = 0,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
     No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
-    num_stages override the launch config (tests and benchmark sweeps). With several splits the last
-    split program to finish merges them (merge_in_kernel, the default: one launch); False uses a
-    separate reduce kernel. Each split covers at least min_part keys, so short contexts run unsplit.
+    num_stages override the launch config (tests and benchmark sweeps). Each split covers at least
+    min_part keys (and one tile). merge_in_kernel=True lets the last split program to finish merge the
+    splits instead of a second launch. Both are off by default: on the H200 (benchmarks/small_m_gemv.py,
+    benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
+    were as fast or faster at every shape, up to 1.4x at batch 1 with 2-8k contexts, where the
+    merging program's extra round trips through L2 cost more than the launch they save.
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -281,8 +283,6 @@ def paged_decode_attention_triton(
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1
-    if merge_in_kernel is None:
-        merge_in_kernel = True
     merge_in_kernel = merge_in_kernel and not direct and n_seqs * n_kv <= _MAX_COUNTERS
     counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:
@@ -299,7 +299,8 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         BLOCK_S=next_pow2(num_splits), MIN_PART=max(bn, cdiv(min_part, bn) * bn),
-        DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=nw, num_stages=ns,
     )
     if not direct and not merge_in_kernel:

@@ -95,6 +95,7 @@ if HAS_TRITON:
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr,
     ):
         # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
         # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
@@ -107,10 +108,13 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         if HAS_NORM:
-            # Pass 1 over the (short) input rows: the sum of squares, and the new residual.
+            # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
+            # covers the whole row when it fits (one round trip instead of a chain of K / BLOCK_K: every
+            # program repeats this prologue, so its latency adds to each program's time).
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
+            kn = tl.arange(0, NORM_BLOCK)
+            for k0 in range(0, K, NORM_BLOCK):
+                kk = k0 + kn
                 m2 = rmask[:, None] & (kk[None, :] < K)
                 xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
                 if HAS_RES:
@@ -188,7 +192,9 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
+        UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
+        NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, r_out

@@ -59,3 +59,12 @@ def test_rejects_too_many_rows_and_residual_without_norm():
         norm_gemv_triton(x, w)
     with pytest.raises(ValueError, match="norm_weight"):
         norm_gemv_triton(x[:2], w, residual=r[:2])
+
+
+def test_single_row_norm_over_a_row_longer_than_one_norm_block():
+    """M = 1 reads the whole row in one norm block up to 8192 inputs; longer rows loop."""
+    x, r, w, nw = _data(1, 9000, 8, torch.float32, False)
+    y_ref, r_ref = norm_gemv_ref(x, w, nw, r, 1e-6)
+    y, r_new = norm_gemv_triton(x, w, nw, r, 1e-6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
