@@ -2,9 +2,12 @@
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
 # The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD> so the JSON
 # records the commit that ran.
-# Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [tests] [small] [llama] [throughput]
-# (default: tests small llama; also: ktests = kernel tests only, kernels = kernel benchmarks, sweep = launch-shape sweep). Each step has its own time limit, later steps get what is left of
-# BUDGET seconds, and a failure does not stop the later steps.
+# Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
+# Sections (default: tests small llama): tests (GPU tests), ktests (kernel tests only), sweep (GEMV
+# launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
+# batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
+# decode graph on / off), throughput (768 x 1024/1024). Each step has its own time limit, later steps
+# get what is left of BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gyrfalcon-out}
@@ -63,6 +66,14 @@ if has llama; then
   l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
   step lat_l8_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $l8 --async-scheduling --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_cublas.json"
+fi
+if has graphlogits; then  # LM head + greedy argmax inside the decode graph, side by side with it outside
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  for GL in 0 1; do
+    step lat_q06_b1_graphlogits$GL 120 env GYRFALCON_GRAPH_LOGITS=$GL $q06 --async-scheduling --profile \
+      --output-json "$R/latency_qwen3-0.6b_b1_graphlogits$GL.json"
+  done
 fi
 if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

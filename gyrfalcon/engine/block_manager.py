@@ -96,6 +96,14 @@ class BlockManager:
         `computed_blocks` are prefix-cache hits for a request being admitted: they are referenced
         and become the head of its block table.
         """
+        if not computed_blocks:
+            # The common decode step: the last block has room and no block becomes full. Nothing to do
+            # (this runs for every running request on every step).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(request.block_ids) * self.block_size and (
+                    not self.enable_prefix_caching
+                    or min(num_tokens, request.num_tokens) // self.block_size <= request.num_registered_blocks):
+                return True
         computed_blocks = computed_blocks or []
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)

@@ -77,9 +77,12 @@ if HAS_TRITON:
         start = split * part
         end = tl.minimum(start + part, seq_len)
         n_active = tl.cdiv(seq_len, part)  # splits holding >= 1 key (0 for a padding row)
-        if MERGE_IN_KERNEL:
+        if DIRECT or MERGE_IN_KERNEL:
             if split >= tl.maximum(n_active, 1):
                 return  # empty split: nothing to write, and it does not count towards the merge
+        else:
+            if split >= n_active:
+                return  # empty split: the reduce kernel reads only the active ones
 
         g = tl.arange(0, BLOCK_G)
         head = kvh * GROUP + g
@@ -177,14 +180,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_reduce_kernel(
-        pacc_ptr, pml_ptr, o_ptr, num_splits, n_heads, s_ob, s_oh,
-        HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+        pacc_ptr, pml_ptr, o_ptr, seq_lens_ptr, num_splits, n_heads, s_ob, s_oh,
+        HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+        MIN_PART: tl.constexpr,
     ):
-        # Grid: (num_seqs, num_heads). Log-sum-exp merge of the splits' partial softmaxes.
+        # Grid: (num_seqs, num_heads). Log-sum-exp merge of the splits' partial softmaxes: only the
+        # splits that held keys (the split kernel's own arithmetic; empty ones wrote nothing).
         b = tl.program_id(0)
         h = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + b)
+        part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
         sp = tl.arange(0, BLOCK_S)
-        smask = sp < num_splits
+        smask = sp < tl.cdiv(seq_len, part)
         row = (b * n_heads + h) * num_splits + sp
         m = tl.load(pml_ptr + row * 2, mask=smask, other=float("-inf"))
         l = tl.load(pml_ptr + row * 2 + 1, mask=smask, other=0.0)
@@ -284,6 +291,7 @@ def paged_decode_attention_triton(
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1
     merge_in_kernel = merge_in_kernel and not direct and n_seqs * n_kv <= _MAX_COUNTERS
+    min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:
         pacc = pml = o  # unused
@@ -298,15 +306,16 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
-        BLOCK_S=next_pow2(num_splits), MIN_PART=max(bn, cdiv(min_part, bn) * bn),
+        BLOCK_S=next_pow2(num_splits), MIN_PART=min_part_,
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
         num_warps=nw, num_stages=ns,
     )
     if not direct and not merge_in_kernel:
         _decode_reduce_kernel[(n_seqs, n_heads)](
-            pacc, pml, o, num_splits, n_heads, o.stride(0), o.stride(1),
-            HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), num_warps=4,
+            pacc, pml, o, seq_lens, num_splits, n_heads, o.stride(0), o.stride(1),
+            HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), BLOCK_N=bn, MIN_PART=min_part_,
+            num_warps=4,
         )
     return o
 

@@ -7,14 +7,20 @@ replays the smallest captured size >= n, the extra rows padded so they do nothin
 KV store skips it) and seq_len 0 (decode attention writes zeros without reading the cache).
 
 Every graph reads its inputs from one set of static device buffers. The host fills a pinned
-staging copy of them and sends each in one copy, so preparing a step costs a handful of launches
+staging copy of them and sends them in one copy, so preparing a step costs a handful of launches
 whatever the batch size.
+
+With with_logits (GYRFALCON_GRAPH_LOGITS=1; off until measured faster on the GPU) the graph also holds
+the LM head, the greedy argmax and the write of those tokens into last_sampled, so a greedy step is
+one replay and one copy back; the runner uses the logits for any other sampling, and its sampler's
+tokens then overwrite last_sampled after the replay.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from typing import Dict, List
 
@@ -25,6 +31,10 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+
+def graph_logits_enabled() -> bool:
+    return os.environ.get("GYRFALCON_GRAPH_LOGITS", "0") == "1"
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -49,26 +59,32 @@ def padded_size(sizes: List[int], n: int) -> int:
 class DecodeInputs:
     """Static buffers of a decode step for up to B sequences, plus their pinned host staging.
 
-    int64 buffer: [input_ids B | positions B | slot_mapping B | src B]
+    int64 part: [input_ids B | positions B | slot_mapping B | src B]
     (src[i] >= 0: row i's token is still on the device, at last_sampled[src[i]])
-    int32 buffer: [seq_lens B | query_start_loc B+1 | block_tables B*W]   (W = max blocks per seq)
+    int32 part: [seq_lens B | query_start_loc B+1 | block_tables B*W]   (W = max blocks per seq)
+    Both parts are views of one buffer, so a step's inputs go to the device in one copy.
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         B, W = max_batch, max_blocks_per_seq
         self.B, self.W = B, W
-        self.i64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
-        self.i32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, device=device)
+        n32 = B + (B + 1) + B * W
+        self._words = 4 * B + -(-n32 // 2)  # int64 words: the int32 part packed two per word
+        self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
+        self.i64, self.i32 = self._split(self.raw, n32)
         pin = device.type == "cuda"
         # Two staging copies, alternated: with async scheduling the host fills step N+1 while step N's
         # non-blocking copy out of the other one may not have run yet.
         self._staging = []
         for _ in range(2):
-            h64 = torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin)
-            h32 = torch.zeros(B + (B + 1) + B * W, dtype=torch.int32, pin_memory=pin)
+            hraw = torch.zeros(self._words, dtype=torch.int64, pin_memory=pin)
+            h64, h32 = self._split(hraw, n32)
             h32.numpy()[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
-            self._staging.append((h64, h32))
+            self._staging.append((hraw, h64.numpy(), h32.numpy()))
         self._turn = 0
+
+    def _split(self, raw: torch.Tensor, n32: int):
+        return raw[:4 * self.B], raw[4 * self.B:].view(torch.int32)[:n32]
 
     def views(self, b: int) -> ForwardBatch:
         """A ForwardBatch over the first b rows of the device buffers (what a graph captures)."""
@@ -89,8 +105,7 @@ class DecodeInputs:
         B, W = self.B, self.W
         n = len(sched_reqs)
         self._turn ^= 1
-        h64, h32 = self._staging[self._turn]
-        n64, n32 = h64.numpy(), h32.numpy()
+        hraw, n64, n32 = self._staging[self._turn]
         bt = n32[2 * B + 1:].reshape(B, W)
         for i, sr in enumerate(sched_reqs):
             req = sr.request
@@ -111,24 +126,25 @@ class DecodeInputs:
         n64[2 * B + n:2 * B + b] = -1
         n64[3 * B + n:3 * B + b] = -1
         n32[n:b] = 0
-        self.i64.copy_(h64, non_blocking=True)
-        k = 2 * B + 1 + b * W  # the block-table rows past b are never read
-        self.i32[:k].copy_(h32[:k], non_blocking=True)
+        # One copy, up to the last block-table row in use (the rows past b are never read).
+        words = 4 * B + -(-(2 * B + 1 + b * W) // 2)
+        self.raw[:words].copy_(hraw[:words], non_blocking=True)
         return n
 
 
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, last_sampled: torch.Tensor) -> None:
+                 device: torch.device, last_sampled: torch.Tensor, with_logits: bool = False) -> None:
         self.model = model
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.with_logits = with_logits
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks_per_seq, device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: Dict[int, torch.Tensor] = {}
+        self.outputs: Dict[int, tuple] = {}
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
@@ -149,19 +165,27 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
 
-    def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
+        """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""
         # Tokens still on the device are read from the last step's samples inside the graph.
         ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], fb.input_ids)
-        return self.model(ids, fb.positions)
+        hidden = self.model(ids, fb.positions)
+        if not self.with_logits:
+            return hidden, None, None
+        logits = self.model.compute_logits(hidden)
+        greedy = logits.argmax(dim=-1)
+        self.last_sampled[:greedy.shape[0]].copy_(greedy)
+        return hidden, logits, greedy
 
     def can_run(self, sched_reqs) -> bool:
         return (len(sched_reqs) <= self.sizes[-1]
                 and all(sr.num_new_tokens == 1 for sr in sched_reqs))
 
-    def run(self, sched_reqs, last_rows=None) -> torch.Tensor:
-        """Replay the decode step of `sched_reqs`; returns hidden states [n, hidden] (a view)."""
+    def run(self, sched_reqs, last_rows=None) -> tuple:
+        """Replay the decode step of `sched_reqs`; returns views of the first n rows of
+        (hidden, logits or None, greedy tokens or None)."""
         n = len(sched_reqs)
         b = padded_size(self.sizes, n)
         self.inputs.fill(sched_reqs, b, self.block_size, last_rows)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return tuple(t[:n] if t is not None else None for t in self.outputs[b])

@@ -11,7 +11,7 @@ import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.models.loader import load_model
-from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
@@ -72,7 +72,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
-                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled)
+                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
+                with_logits=graph_logits_enabled())
             self.graph_runner.capture()
         logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); "
                     "CUDA graphs: %s", self.load_seconds, self.num_blocks, self.block_size,
@@ -150,8 +151,10 @@ class ModelRunner:
         if batch.is_empty:
             return handle
         sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
+        logits = greedy = None
         if self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
-            hidden = self.graph_runner.run(batch.reqs, self.last_rows)  # every decode row samples
+            # Every decode row samples.
+            hidden, logits, greedy = self.graph_runner.run(batch.reqs, self.last_rows)
         else:
             fb = build_forward_batch(batch.reqs, self.block_size, self.device, self.last_rows,
                                      self.last_sampled)
@@ -160,14 +163,19 @@ class ModelRunner:
             hidden = hidden[fb.logits_indices] if sample_reqs else None
         if not sample_reqs:
             return handle
-        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            logits = self.model.compute_logits(hidden)
+        n = logits.shape[0]
         if self._plain_greedy(sample_reqs):
-            handle.sampled = logits.argmax(dim=-1)  # the common case: one kernel, no metadata
+            if greedy is not None:
+                handle.sampled = greedy  # sampled and written to last_sampled inside the graph
+            else:
+                handle.sampled = logits.argmax(dim=-1)  # the common case: one kernel, no metadata
+                self.last_sampled[:n].copy_(handle.sampled)
         else:
             out = self.sampler(logits, self._sampling_metadata(sample_reqs))
             handle.sampled, handle.sampler_out = out.sampled, out
-        n = handle.sampled.shape[0]
-        self.last_sampled[:n].copy_(handle.sampled)
+            self.last_sampled[:n].copy_(handle.sampled)
         self.last_rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
         if self.device.type == "cuda":
             self._pinned_turn ^= 1

@@ -61,14 +61,19 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_greedy_tokens_match_transformers_fp32(ckpt, enforce_eager):
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits"])
+def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
-    implementations round differently and random-weight logits have near-ties that flip."""
+    implementations round differently and random-weight logits have near-ties that flip.
+    graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1)."""
     path, refs = ckpt
+    enforce_eager = mode == "eager"
+    monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
+    if mode == "graph-logits":
+        assert llm.engine.runner.graph_runner.with_logits
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
@@ -132,3 +137,21 @@ def test_prefill_logits_close(ckpt):
         # bf16 keeps ~3 significant digits; two implementations round differently.
         assert err.max().item() < 0.03 * scale and err.mean().item() < 0.005 * scale, \
             (err.max().item(), err.mean().item(), scale)
+
+
+def test_graph_logits_sampling_matches_eager_logits(ckpt, monkeypatch):
+    """Seeded sampling and logprobs read the logits the decode graph computed: the same draws as when
+    the LM head runs after the graph (fp32)."""
+    path, _ = ckpt
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 40, 1000, 1)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True, logprobs=2)
+              for s in (1, 2, 3)]
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", flag)
+        llm = LLM(str(path), dtype="float32", max_model_len=1024, max_num_seqs=8, **BLOCKS)
+        assert llm.engine.runner.graph_runner.with_logits == (flag == "1")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [sorted(e) for e in o.outputs[0].logprobs]) for o in outs])
+        del llm
+    assert results[0] == results[1]
