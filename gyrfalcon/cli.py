@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step before the current one's tokens are read back")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step before the current one's tokens are read back "
+                        "(default: on for a GPU, off on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)

@@ -22,7 +22,7 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
-                 device: str = "auto", trust_remote_code: bool = False, async_scheduling: bool = False,
+                 device: str = "auto", trust_remote_code: bool = False, async_scheduling: Optional[bool] = None,
                  **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")

@@ -33,3 +33,22 @@ def test_generate_reports_a_bad_model_dir():
     p = run_cli("generate", "--model", "/nonexistent", "--prompt", "x")
     assert p.returncode == 2
     assert "does not exist" in p.stderr
+
+
+def test_async_scheduling_flag_defaults_by_device(qwen3_ckpt):
+    """--async-scheduling / --no-async-scheduling are explicit; unset, it is on for a GPU (where the host
+    overlaps the device's work) and off on a CPU."""
+    import argparse
+
+    from gyrfalcon.cli import add_engine_args, engine_kwargs
+    from gyrfalcon.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for argv, want in (([], False), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        kw = engine_kwargs(p.parse_args(["--device", "cpu", *argv]))
+        kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")  # LLM's name for it
+        cfg = EngineConfig.create(str(qwen3_ckpt), **kw)
+        assert cfg.scheduler_config.async_scheduling is want, argv
+    cfg = EngineConfig.create(str(qwen3_ckpt), device="cpu")
+    assert cfg.scheduler_config.async_scheduling is False
