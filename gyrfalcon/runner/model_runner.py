@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -55,10 +56,9 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
-        self.global_generator = torch.Generator(device=self.device)
-        self.global_generator.manual_seed(config.model_config.seed)
-        self.sampler = Sampler(self.global_generator)
-        self.generators: Dict[str, torch.Generator] = {}
+        # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
+        self._rng = random.Random(config.model_config.seed)
+        self.sampler = Sampler()
         # The last launched step's sampled tokens, on the device, and each request's row in them:
         # the next step reads a token from here when the host has not received it yet.
         rows = max(config.scheduler_config.max_num_seqs, 8)
@@ -133,10 +133,6 @@ class ModelRunner:
         return int(peak * 1.1)
 
     # ---- one step -------------------------------------------------------------------------------
-    def release(self, request_ids) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
-
     def execute(self, batch) -> RunnerOutput:
         """Run one step and wait for its tokens."""
         return self.complete(self.launch(batch))
@@ -146,7 +142,6 @@ class ModelRunner:
         """Queue one step on the device without waiting for it: forward, logits, sampling, and an
         asynchronous copy of the sampled tokens to the host. A token the previous step sampled
         that the host has not seen yet is read on the device from `last_sampled`."""
-        self.release(batch.finished_request_ids)
         handle = StepHandle(batch)
         if batch.is_empty:
             return handle
@@ -224,32 +219,38 @@ class ModelRunner:
                 return False
         return True
 
-    def _generator_for(self, req) -> Optional[torch.Generator]:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        g = self.generators.get(req.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self.generators[req.request_id] = g
-        return g
+    def _random_streams(self, reqs, params) -> List[List[int]]:
+        """[seeds, offsets] per row for kernels/sampling.py. A seeded request: its seed, and the index
+        of the output token this step draws (tokens still in flight count: async scheduling), so its
+        draws depend on nothing else. Unseeded rows: this step's stream, one offset per row."""
+        base = self._rng.getrandbits(62)
+        seeds, offsets = [], []
+        for i, (r, p) in enumerate(zip(reqs, params)):
+            if p.seed is None:
+                seeds.append(base)
+                offsets.append(i)
+            else:
+                seeds.append(p.seed & (2**63 - 1))
+                offsets.append(r.num_output_tokens + r.num_inflight - 1)
+        return [seeds, offsets]
 
     def _sampling_metadata(self, reqs) -> SamplingMetadata:
         dev = self.device
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in params]
         all_greedy = all(t == 0.0 for t in temps)
+        # Two host-to-device copies for all the per-row scalars.
+        floats = torch.tensor([temps, [p.top_p for p in params], [p.min_p for p in params]],
+                              dtype=torch.float32).to(dev, non_blocking=True)
+        ints = torch.tensor([[p.top_k for p in params]] + self._random_streams(reqs, params),
+                            dtype=torch.int64).to(dev, non_blocking=True)
         md = SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0],
             all_greedy=all_greedy, all_random=all(t > 0.0 for t in temps),
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_top_k=any(p.top_k > 0 for p in params),
             need_min_p=any(p.min_p > 0.0 for p in params),
-            generators=[None if p.greedy else self._generator_for(r) for r, p in zip(reqs, params)])
+            seeds=ints[1], offsets=ints[2])
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             md.output_token_ids = [r.output_token_ids for r in reqs]
             md.prompt_token_ids = [r.prompt_token_ids for r in reqs]

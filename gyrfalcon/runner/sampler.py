@@ -7,8 +7,9 @@ Order of operations, as vLLM defines it:
    ones), frequency (minus count x penalty) and presence (minus penalty if seen) over output tokens;
 4. greedy rows take the argmax here;
 5. the rest: temperature, min_p (drop tokens below min_p x the top probability), top-k, top-p,
-   then one draw by the exponential-race trick: argmax(p / q) with q ~ Exp(1). A seeded request
-   draws q from its own generator, so its tokens do not depend on what else is in the batch.
+   then one Gumbel-max draw (kernels/sampling.py: one launch for the batch, no host sync) from
+   uniforms hashed from each row's (seed, offset): a seeded request passes its own seed and the
+   index of the output token being drawn, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+
+from gyrfalcon.kernels.sampling import gumbel_argmax
 
 _NEG_INF = float("-inf")
 
@@ -34,7 +37,8 @@ class SamplingMetadata:
     need_top_p: bool
     need_top_k: bool
     need_min_p: bool
-    generators: List[Optional[torch.Generator]]  # per row; None: the runner's global generator
+    seeds: torch.Tensor  # [S] int64 >= 0: the row's random stream (kernels/sampling.py)
+    offsets: torch.Tensor  # [S] int64 >= 0: the draw's position in that stream
     # Penalties (None when no row uses them).
     presence_penalty: Optional[torch.Tensor] = None  # [S]
     frequency_penalty: Optional[torch.Tensor] = None  # [S]
@@ -106,9 +110,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 
 class Sampler:
-    def __init__(self, global_generator: Optional[torch.Generator] = None) -> None:
-        self.global_generator = global_generator
-
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: [S, V] fp32 -> SamplerOutput."""
         logits = logits.float()
@@ -125,14 +126,7 @@ class Sampler:
         else:
             temp = md.temperature.clamp(min=1e-5).unsqueeze(1)
             scaled = apply_top_k_top_p_min_p(logits / temp, md)
-            probs = scaled.softmax(dim=-1)
-            # One draw for all rows from the shared generator, then seeded rows redraw from their
-            # own generator (one small launch per seeded row).
-            q = torch.empty_like(probs).exponential_(generator=self.global_generator)
-            for i, g in enumerate(md.generators):
-                if g is not None:
-                    q[i].exponential_(generator=g)
-            random = probs.div(q).argmax(dim=-1)
+            random = gumbel_argmax(scaled.contiguous(), md.seeds, md.offsets)
             sampled = random if md.all_random else torch.where(md.temperature < 1e-5, greedy, random)
         out = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:

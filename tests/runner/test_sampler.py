@@ -10,13 +10,15 @@ from gyrfalcon.runner.sampler import Sampler, SamplingMetadata, apply_penalties,
 V = 50
 
 
-def md_for(S, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, generators=None, **kw):
+def md_for(S, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seeds=None, offsets=None, **kw):
+    """seeds default to 0 and offsets to the row index; pass offsets that change per draw."""
     t = torch.full((S,), float(temperature))
     return SamplingMetadata(
         temperature=t, top_p=torch.full((S,), float(top_p)), top_k=torch.full((S,), top_k, dtype=torch.int64),
         min_p=torch.full((S,), float(min_p)), all_greedy=temperature == 0, all_random=temperature > 0,
         need_top_p=top_p < 1, need_top_k=top_k > 0, need_min_p=min_p > 0,
-        generators=generators or [None] * S, **kw)
+        seeds=torch.zeros(S, dtype=torch.int64) if seeds is None else torch.as_tensor(seeds, dtype=torch.int64),
+        offsets=torch.arange(S) if offsets is None else torch.as_tensor(offsets, dtype=torch.int64), **kw)
 
 
 def allowed_set(logits_row, top_k=0, top_p=1.0, min_p=0.0):
@@ -49,10 +51,10 @@ def test_sampling_never_leaves_allowed_set(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, V, generator=g) * 3
     allowed = [allowed_set(logits[i], top_k, top_p, min_p) for i in range(4)]
-    sampler = Sampler(torch.Generator().manual_seed(1))
+    sampler = Sampler()
     seen = [set() for _ in range(4)]
-    for _ in range(300):
-        out = sampler(logits.clone(), md_for(4, 1.0, top_p, top_k, min_p))
+    for step in range(300):
+        out = sampler(logits.clone(), md_for(4, 1.0, top_p, top_k, min_p, offsets=torch.arange(4) + 4 * step))
         for i, t in enumerate(out.sampled.tolist()):
             assert t in allowed[i], (i, t, sorted(allowed[i]))
             seen[i].add(t)
@@ -75,7 +77,7 @@ def test_greedy_is_argmax_and_temperature_zero_rows_mix():
     md = md_for(3, 1.0)
     md.temperature = torch.tensor([0.0, 1.0, 0.0])
     md.all_random = False
-    out = Sampler(torch.Generator().manual_seed(0))(logits.clone(), md)
+    out = Sampler()(logits.clone(), md)
     assert out.sampled[0] == logits[0].argmax() and out.sampled[2] == logits[2].argmax()
 
 
@@ -84,13 +86,15 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
     target = torch.randn(V) * 2
 
     def draw(batch_rows, pos):
-        gens = [None] * len(batch_rows)
-        gens[pos] = torch.Generator().manual_seed(1234)
         logits = torch.stack(batch_rows)
-        sampler = Sampler(torch.Generator().manual_seed(99))
         seq = []
-        for _ in range(20):
-            seq.append(sampler(logits.clone(), md_for(len(batch_rows), 0.9, generators=gens)).sampled[pos].item())
+        for step in range(20):
+            # The other rows draw from another stream (unseeded rows: this step's, one offset per row).
+            seeds = [99 + step] * len(batch_rows)
+            offsets = list(range(len(batch_rows)))
+            seeds[pos], offsets[pos] = 1234, step  # the seeded row: its seed and its output index
+            md = md_for(len(batch_rows), 0.9, seeds=seeds, offsets=offsets)
+            seq.append(Sampler()(logits.clone(), md).sampled[pos].item())
         return seq
 
     alone = draw([target], 0)

@@ -1,0 +1,121 @@
+"""Random draw of one token per row from (already temperature-scaled and masked) logits: Gumbel-max.
+
+token[s] = argmax_i (z[s, i] + g(seed[s], offset[s], i)),   g = -log(-log(u)),  u ~ U(0, 1)
+
+which draws token i with probability softmax(z[s])_i: no softmax, no normalization, masked entries
+(-inf) never win. The uniforms come from a counter-based hash of (seed, offset, vocabulary index)
+rather than a stateful generator, so
+  - a draw needs no host sync and no per-row launch (a seeded request used to need its own generator
+    call per step), and the GPU kernel and the CPU reference draw the same numbers;
+  - a seeded request's draws depend only on its seed and the offset it passes (its output position),
+    never on the batch around it.
+
+z: [S, V] float; seeds, offsets: [S] int64 (>= 0). Returns [S] int64.
+
+Hash: murmur3's 32-bit finalizer over the seed's two halves, the offset and the index; the top 24 bits
+of the result make u = (k + 0.5) / 2^24, exactly representable in fp32 and never 0 or 1. Products are
+taken mod 2^32 in 16-bit halves so that int64 arithmetic never overflows (same integers everywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels._common import HAS_TRITON, tl, triton, use_triton
+
+_M32 = 0xFFFFFFFF
+_C1, _C2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B1
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32, in int64 without overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[S] int64 in [0, 2^32): one key per (seed, offset)."""
+    seeds, offsets = seeds.long(), offsets.long()
+    s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
+    return _fmix32(s_lo ^ _fmix32(s_hi ^ _mul32(offsets & _M32, _GOLDEN)))
+
+
+def hash_uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] fp32 uniforms in (0, 1)."""
+    h = row_keys(seeds, offsets).unsqueeze(1)
+    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device).unsqueeze(0)
+    x = _fmix32(h ^ _mul32(idx, _GOLDEN))
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_argmax_ref(z: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    u = hash_uniform_ref(seeds, offsets, z.shape[-1])
+    g = -torch.log(-torch.log(u))
+    return (z.float() + g).argmax(dim=-1)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mul32_tl(x, c: tl.constexpr):
+        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    @triton.jit
+    def _fmix32_tl(x):
+        x = x ^ (x >> 16)
+        x = _mul32_tl(x, 0x85EBCA6B)
+        x = x ^ (x >> 13)
+        x = _mul32_tl(x, 0xC2B2AE35)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _gumbel_argmax_kernel(z_ptr, seeds_ptr, offsets_ptr, out_ptr, V, stride_z, BLOCK: tl.constexpr):
+        # Grid: (S,). One program streams its row once, keeping a running best per lane.
+        row = tl.program_id(0)
+        seed = tl.load(seeds_ptr + row).to(tl.int64)
+        offset = tl.load(offsets_ptr + row).to(tl.int64)
+        # row_keys, in-kernel (no extra launches).
+        h = _fmix32_tl((seed & 0xFFFFFFFF)
+                       ^ _fmix32_tl(((seed >> 32) & 0xFFFFFFFF) ^ _mul32_tl(offset & 0xFFFFFFFF, 0x9E3779B1)))
+        offs = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int64) + V
+        for v0 in range(0, V, BLOCK):
+            idx = v0 + offs
+            mask = idx < V
+            z = tl.load(z_ptr + row.to(tl.int64) * stride_z + idx, mask=mask, other=float("-inf")).to(tl.float32)
+            x = _fmix32_tl(h ^ _mul32_tl(idx.to(tl.int64), 0x9E3779B1))
+            u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = z - tl.log(-tl.log(u))
+            take = mask & (score > best)
+            best = tl.where(take, score, best)
+            best_i = tl.where(take, idx.to(tl.int64), best_i)
+        m = tl.max(best, axis=0)
+        winner = tl.min(tl.where(best == m, best_i, V), axis=0)
+        # A row whose every entry is -inf (cannot happen after masking: the top token survives) -> 0.
+        tl.store(out_ptr + row, tl.where(winner < V, winner, 0))
+
+
+def gumbel_argmax_triton(z: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                         block: int = 2048) -> torch.Tensor:
+    assert z.dim() == 2 and z.stride(-1) == 1
+    S, V = z.shape
+    out = torch.empty(S, dtype=torch.int64, device=z.device)
+    if S == 0:
+        return out
+    _gumbel_argmax_kernel[(S,)](z, seeds, offsets, out, V, z.stride(0), BLOCK=block, num_warps=8)
+    return out
+
+
+def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[S, V] logits, [S] seeds, [S] offsets -> [S] int64 tokens; see the module docstring."""
+    if use_triton(z):
+        return gumbel_argmax_triton(z, seeds, offsets)
+    return gumbel_argmax_ref(z, seeds, offsets)

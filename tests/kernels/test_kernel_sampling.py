@@ -1,0 +1,72 @@
+"""Gumbel-max draw from hashed uniforms: the Triton kernel against its torch reference, and the
+reference against the distribution it must sample from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gyrfalcon.kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton, hash_uniform_ref, row_keys
+from kernels_testutil import DEVICE, requires_triton
+
+
+def test_uniforms_in_open_interval_and_spread():
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**62], dtype=torch.int64)
+    offsets = torch.tensor([0, 0, 5, 2**33], dtype=torch.int64)
+    u = hash_uniform_ref(seeds, offsets, 4096)
+    assert u.shape == (4, 4096) and u.dtype == torch.float32
+    assert (u > 0).all() and (u < 1).all()
+    for row in u:
+        assert abs(row.mean().item() - 0.5) < 0.02
+        assert abs(row.var().item() - 1 / 12) < 0.01
+        # Equal-width bins fill evenly (no structure from consecutive indices).
+        counts = torch.histc(row, bins=16, min=0, max=1)
+        assert counts.min() > 4096 / 16 * 0.7
+    # Different seeds, offsets and rows give different streams.
+    assert len({tuple(r[:8].tolist()) for r in u}) == 4
+    assert not torch.equal(row_keys(seeds[:1], offsets[:1] + 1), row_keys(seeds[:1], offsets[:1]))
+
+
+def test_reference_samples_the_softmax_distribution():
+    torch.manual_seed(0)
+    V, n = 12, 20000
+    z = torch.randn(V) * 1.5
+    z[3] = float("-inf")  # masked: never drawn
+    draws = gumbel_argmax_ref(z.expand(n, V), torch.full((n,), 42, dtype=torch.int64), torch.arange(n))
+    freq = torch.bincount(draws, minlength=V).float() / n
+    want = z.softmax(-1)
+    assert freq[3] == 0
+    # Each frequency within 4.5 standard errors of its probability.
+    se = (want * (1 - want) / n).sqrt()
+    assert ((freq - want).abs() <= 4.5 * se + 1e-4).all(), (freq, want)
+
+
+def test_reference_is_deterministic_per_seed_and_offset():
+    z = torch.randn(3, 64)
+    s, o = torch.tensor([7, 7, 8]), torch.tensor([1, 2, 1])
+    a = gumbel_argmax_ref(z, s, o)
+    assert torch.equal(a, gumbel_argmax_ref(z.clone(), s.clone(), o.clone()))
+    # Row 0 alone draws what it drew in the batch.
+    assert gumbel_argmax_ref(z[:1], s[:1], o[:1]).item() == a[0].item()
+
+
+@requires_triton
+@pytest.mark.parametrize("S,V,block", [(1, 37, 16), (5, 300, 64), (3, 1000, 128)])
+def test_triton_matches_reference(S, V, block):
+    g = torch.Generator().manual_seed(S * V)
+    z = (torch.randn(S, V, generator=g) * 3).to(DEVICE)
+    z[0, : V // 2] = float("-inf")  # a masked half
+    seeds = torch.randint(0, 2**62, (S,), generator=g).to(DEVICE)
+    offsets = torch.randint(0, 2**40, (S,), generator=g).to(DEVICE)
+    got = gumbel_argmax_triton(z, seeds, offsets, block=block)
+    want = gumbel_argmax_ref(z, seeds, offsets)
+    # The same uniforms; the scores' logs may differ by an ulp between implementations, so a different
+    # pick must be a near-tie of the reference's scores.
+    u = hash_uniform_ref(seeds, offsets, V)
+    score = z.float() - torch.log(-torch.log(u))
+    best = score.max(dim=-1).values
+    chosen = score.gather(1, got.unsqueeze(1)).squeeze(1)
+    assert torch.all(best - chosen <= 1e-4 * best.abs().clamp(min=1)), (got, want)
+    assert int(got[0]) >= V // 2  # never a masked entry
