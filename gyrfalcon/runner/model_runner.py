@@ -75,9 +75,12 @@ class ModelRunner:
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
                 with_logits=graph_logits_enabled())
             self.graph_runner.capture()
-        logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); "
-                    "CUDA graphs: %s", self.load_seconds, self.num_blocks, self.block_size,
-                    self.num_blocks * self.bytes_per_block / 2**30, self.num_blocks * self.block_size,
+        max_len = config.model_config.max_model_len
+        logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens; maximum "
+                    "concurrency for %d-token requests: %.2fx); CUDA graphs: %s", self.load_seconds,
+                    self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
+                    self.num_blocks * self.block_size, max_len,
+                    self.num_blocks * self.block_size / max_len,
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
 
