@@ -40,7 +40,7 @@ class ForwardBatch:
 def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
                         last_rows: Optional[Dict[str, int]] = None,
                         last_sampled: Optional[torch.Tensor] = None) -> ForwardBatch:
-    """Host-side preparation: one pass over the scheduled requests, one copy per tensor.
+    """Host-side preparation: one pass over the scheduled requests, one copy for all the tensors.
 
     A request whose last token was sampled by the previous step but has not reached the host yet
     (scheduling ahead of the device) gets that token from `last_sampled[last_rows[request_id]]`,
@@ -85,22 +85,30 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    def to(a: np.ndarray, dtype) -> torch.Tensor:
-        t = torch.from_numpy(a).to(dtype)
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
-
-    ids = to(input_ids, torch.int64)
+    # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
+    # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables
+    # B*W] as int32 packed two per word. (Each copy costs a launch on a slow host.)
+    S, P, W = len(sample_rows), len(pending_rows), max_blocks
+    n64, n32 = 3 * T + S + 2 * P, (B + 1) + B + B * W
+    host = torch.empty(n64 + -(-n32 // 2), dtype=torch.int64, pin_memory=device.type == "cuda")
+    h64 = host.numpy()
+    h32 = h64[n64:].view(np.int32)
+    o = 0
+    for arr in (input_ids, positions, slot_mapping, sample_rows, pending_rows, pending_src):
+        h64[o:o + len(arr)] = arr
+        o += len(arr)
+    h32[:B + 1] = qsl
+    h32[B + 1:2 * B + 1] = seq_lens
+    h32[2 * B + 1:n32] = block_tables.reshape(-1)
+    dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    d32 = dev[n64:].view(torch.int32)
+    ids = dev[:T]
     if pending_rows:
-        rows = to(np.asarray(pending_rows, dtype=np.int64), torch.int64)
-        src = to(np.asarray(pending_src, dtype=np.int64), torch.int64)
-        ids[rows] = last_sampled[src]
+        ids[dev[3 * T + S:3 * T + S + P]] = last_sampled[dev[3 * T + S + P:n64]]
     return ForwardBatch(
-        input_ids=ids, positions=to(positions, torch.int64),
-        slot_mapping=to(slot_mapping, torch.int64), query_start_loc=to(qsl, torch.int32),
-        seq_lens=to(seq_lens, torch.int32), block_tables=to(block_tables, torch.int32),
-        logits_indices=to(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+        input_ids=ids, positions=dev[T:2 * T], slot_mapping=dev[2 * T:3 * T],
+        query_start_loc=d32[:B + 1], seq_lens=d32[B + 1:2 * B + 1],
+        block_tables=d32[2 * B + 1:n32].view(B, W), logits_indices=dev[3 * T:3 * T + S],
         is_decode=bool(B > 0 and (q_lens == 1).all()),
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
         num_seqs=B)
