@@ -6,7 +6,7 @@
 # Sections (default: tests small llama): tests (GPU tests), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
-# decode graph on / off), throughput (768 x 1024/1024). Each step has its own time limit, later steps
+# decode graph on / off; prefill graphs), throughput (768 x 1024/1024). Each step has its own time limit, later steps
 # get what is left of BUDGET seconds, and a failure does not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -74,6 +74,9 @@ if has graphlogits; then  # LM head + greedy argmax inside the decode graph, sid
     step lat_q06_b1_graphlogits$GL 120 env GYRFALCON_GRAPH_LOGITS=$GL $q06 --async-scheduling --profile \
       --output-json "$R/latency_qwen3-0.6b_b1_graphlogits$GL.json"
   done
+  # Prefill replayed as a padded graph (TTFT) with the LM head in the decode graph: both flags on.
+  step lat_q06_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $q06 \
+    --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1_graphs_all.json"
 fi
 if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

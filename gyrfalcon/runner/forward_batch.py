@@ -37,14 +37,36 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
-def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
-                        last_rows: Optional[Dict[str, int]] = None,
-                        last_sampled: Optional[torch.Tensor] = None) -> ForwardBatch:
-    """Host-side preparation: one pass over the scheduled requests, one copy for all the tensors.
+@dataclass
+class HostBatch:
+    """A step's inputs on the host (numpy), before they go to the device. T tokens, B sequences,
+    S sampled rows, P tokens still on the device (pending_rows: their rows in input_ids, which hold 0
+    there; pending_src: their rows in the runner's last_sampled)."""
 
-    A request whose last token was sampled by the previous step but has not reached the host yet
-    (scheduling ahead of the device) gets that token from `last_sampled[last_rows[request_id]]`,
-    on the device."""
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    q_lens: np.ndarray  # [B] int64
+    query_start_loc: np.ndarray  # [B + 1] int64
+    seq_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, W] int32
+    sample_rows: List[int]
+    pending_rows: List[int]
+    pending_src: List[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+
+def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, int]] = None) -> HostBatch:
+    """One pass over the scheduled requests. A request whose last token was sampled by the previous
+    step but has not reached the host yet (scheduling ahead of the device) is marked pending, with its
+    row in that step's samples (`last_rows[request_id]`)."""
     B = len(sched_reqs)
     q_lens = np.fromiter((sr.num_new_tokens for sr in sched_reqs), dtype=np.int64, count=B)
     starts = np.fromiter((sr.start for sr in sched_reqs), dtype=np.int64, count=B)
@@ -84,6 +106,21 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     seq_of_token = np.repeat(np.arange(B), q_lens)
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    return HostBatch(input_ids, positions, slot_mapping, q_lens, qsl, seq_lens, block_tables, sample_rows,
+                     pending_rows, pending_src)
+
+
+def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
+                        last_rows: Optional[Dict[str, int]] = None,
+                        last_sampled: Optional[torch.Tensor] = None) -> ForwardBatch:
+    """Host-side preparation (pack_host_batch), then one copy for all the tensors. A pending token is
+    read on the device from `last_sampled`."""
+    hb = pack_host_batch(sched_reqs, block_size, last_rows)
+    T, B = hb.num_tokens, hb.num_seqs
+    input_ids, positions, slot_mapping = hb.input_ids, hb.positions, hb.slot_mapping
+    qsl, seq_lens, block_tables, q_lens = hb.query_start_loc, hb.seq_lens, hb.block_tables, hb.q_lens
+    sample_rows, pending_rows, pending_src = hb.sample_rows, hb.pending_rows, hb.pending_src
+    max_blocks = block_tables.shape[1]
 
     # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
     # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables

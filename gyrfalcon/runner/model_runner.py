@@ -13,7 +13,8 @@ import torch
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
-from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch
+from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
+from gyrfalcon.runner.mixed_graph import MixedGraphRunner, prefill_graphs_enabled
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class ModelRunner:
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
                 with_logits=graph_logits_enabled())
             self.graph_runner.capture()
+        self.mixed_graph_runner: Optional[MixedGraphRunner] = None
+        if self.device.type == "cuda" and not config.enforce_eager and prefill_graphs_enabled():
+            self.mixed_graph_runner = self._mixed_graph_runner()
+            self.mixed_graph_runner.capture()
         max_len = config.model_config.max_model_len
         logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens; maximum "
                     "concurrency for %d-token requests: %.2fx); CUDA graphs: %s", self.load_seconds,
@@ -83,6 +88,12 @@ class ModelRunner:
                     self.num_blocks * self.block_size / max_len,
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
+
+    def _mixed_graph_runner(self) -> MixedGraphRunner:
+        sc = self.config.scheduler_config
+        return MixedGraphRunner(self.model, self.kv_caches, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                self.config.model_config.max_model_len, self.block_size, self.device,
+                                self.last_sampled)
 
     # ---- memory ---------------------------------------------------------------------------------
     @property
@@ -153,6 +164,9 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
             # Every decode row samples.
             hidden, logits, greedy = self.graph_runner.run(batch.reqs, self.last_rows)
+        elif self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(batch.reqs):
+            # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
+            hidden = self.mixed_graph_runner.run(pack_host_batch(batch.reqs, self.block_size, self.last_rows))
         else:
             fb = build_forward_batch(batch.reqs, self.block_size, self.device, self.last_rows,
                                      self.last_sampled)

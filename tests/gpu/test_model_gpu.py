@@ -61,19 +61,22 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
-    graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1)."""
+    graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1);
+    prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
+    monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     if mode == "graph-logits":
         assert llm.engine.runner.graph_runner.with_logits
+    assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

@@ -1,0 +1,180 @@
+"""CUDA graphs for the steps that are not pure decode: prefills and chunked prefills (mixed with decode
+tokens) of up to a few hundred tokens.
+
+Eagerly, such a step launches every layer's kernels from Python: on a slow host (~24 us per launch,
+more for a Triton launch) a 128-token prefill of a 32-layer model spends far longer launching than
+computing, and that time is the whole of TTFT at batch 1. Here a step of n tokens from m sequences
+replays the graph captured for the smallest ladder size t >= n (16, 32, 64, ... tokens) with room for
+b = min(t, MAX_SEQS) sequences: the tokens past n are padding (slot -1: no KV write, position 0, in no
+sequence), the sequences past m are empty (query length 0, seq_len 0), and the attention kernels size
+their grids from these static shapes (paged_attention needs no host-side lengths). The graph ends with
+the gather of the sampled rows, so it returns [b, hidden] and the LM head runs on those rows only.
+
+Off unless GYRFALCON_PREFILL_GRAPHS=1 until measured on the GPU. On a CPU (tests) `run` executes the
+same padded forward eagerly, which checks the padding semantics against the unpadded path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from gyrfalcon.forward_context import forward_context
+from gyrfalcon.runner.forward_batch import ForwardBatch, HostBatch
+
+MAX_SEQS = 32  # sequences per captured graph; a step with more runs eagerly
+MAX_TOKENS = 512  # the top of the token ladder: larger prefills are GPU-bound anyway
+
+
+def prefill_graphs_enabled() -> bool:
+    return os.environ.get("GYRFALCON_PREFILL_GRAPHS", "0") == "1"
+
+
+def token_sizes(max_num_batched_tokens: int, top: int = MAX_TOKENS) -> List[int]:
+    """16, 32, 64, ... up to min(top, max_num_batched_tokens) rounded up to the ladder."""
+    limit = min(top, max(16, max_num_batched_tokens))
+    sizes, t = [], 16
+    while True:
+        sizes.append(t)
+        if t >= limit:
+            return sizes
+        t *= 2
+
+
+class MixedInputs:
+    """Static device buffers for up to T tokens of up to B sequences, with double-buffered pinned staging.
+
+    int64 part: [input_ids T | positions T | slot_mapping T | src T | logits_indices B]
+    (src[j] >= 0: token j is still on the device, at last_sampled[src[j]])
+    int32 part: [query_start_loc B+1 | seq_lens B | block_tables B*W], packed two per int64 word after
+    the int64 part, so a step's inputs go over in one copy (block-table rows past the batch's are not
+    sent: empty sequences never read them).
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        T, B, W = max_tokens, max_seqs, max_blocks_per_seq
+        self.T, self.B, self.W = T, B, W
+        self.n64, self.n32 = 4 * T + B, (B + 1) + B + B * W
+        words = self.n64 + -(-self.n32 // 2)
+        self.raw = torch.zeros(words, dtype=torch.int64, device=device)
+        self.i64, self.i32 = self._split(self.raw)
+        self.i64[2 * T:4 * T] = -1  # slots and sources: nothing to write or read until filled
+        pin = device.type == "cuda"
+        self._staging = []
+        for _ in range(2):
+            h = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+            h64, h32 = self._split(h)
+            h64[2 * T:4 * T] = -1
+            self._staging.append((h, h64.numpy(), h32.numpy()))
+        self._turn = 0
+
+    def _split(self, raw: torch.Tensor):
+        return raw[:self.n64], raw[self.n64:].view(torch.int32)[:self.n32]
+
+    def views(self, t: int, b: int):
+        """(ForwardBatch, src, logits_indices) over the first t tokens and b sequences: what a graph captures."""
+        T, B, W = self.T, self.B, self.W
+        i64, i32 = self.i64, self.i32
+        fb = ForwardBatch(
+            input_ids=i64[:t], positions=i64[T:T + t], slot_mapping=i64[2 * T:2 * T + t],
+            query_start_loc=i32[:b + 1], seq_lens=i32[B + 1:B + 1 + b],
+            block_tables=i32[2 * B + 1:].view(B, W)[:b], logits_indices=i64[4 * T:4 * T + b],
+            is_decode=False, max_query_len=t, max_seq_len=W, num_seqs=b)
+        return fb, i64[3 * T:3 * T + t], i64[4 * T:4 * T + b]
+
+    def fill(self, hb: HostBatch, t: int, b: int) -> None:
+        """Write `hb` padded to t tokens and b sequences into the staging buffer and send it."""
+        T, B, W = self.T, self.B, self.W
+        n, m, w = hb.num_tokens, hb.num_seqs, hb.block_tables.shape[1]
+        assert n <= t <= T and m <= b <= B and w <= W, (n, t, m, b, w)
+        self._turn ^= 1
+        host, n64, n32 = self._staging[self._turn]
+        n64[:n] = hb.input_ids
+        n64[n:t] = 0
+        n64[T:T + n] = hb.positions
+        n64[T + n:T + t] = 0
+        n64[2 * T:2 * T + n] = hb.slot_mapping
+        n64[2 * T + n:2 * T + t] = -1
+        src = n64[3 * T:3 * T + t]
+        src[:] = -1
+        if hb.pending_rows:
+            src[hb.pending_rows] = hb.pending_src
+        S = len(hb.sample_rows)
+        n64[4 * T:4 * T + S] = hb.sample_rows
+        n64[4 * T + S:4 * T + b] = 0  # padding rows gather row 0: computed, never read
+        n32[:m + 1] = hb.query_start_loc
+        n32[m + 1:b + 1] = n  # empty sequences after the last real one
+        n32[B + 1:B + 1 + m] = hb.seq_lens
+        n32[B + 1 + m:B + 1 + b] = 0
+        bt = n32[2 * B + 1:].reshape(B, W)
+        bt[:m, :w] = hb.block_tables
+        words = self.n64 + -(-(2 * B + 1 + m * W) // 2)
+        self.raw[:words].copy_(host[:words], non_blocking=True)
+
+
+class MixedGraphRunner:
+    def __init__(self, model, kv_caches, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device, last_sampled: torch.Tensor) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.last_sampled = last_sampled
+        self.block_size = block_size
+        self.device = device
+        self.sizes = token_sizes(max_num_batched_tokens)
+        self.max_seqs = min(MAX_SEQS, max_num_seqs)
+        self.inputs = MixedInputs(self.sizes[-1], self.max_seqs, -(-max_model_len // block_size), device)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def seqs_for(self, t: int) -> int:
+        return min(t, self.max_seqs)
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for t in reversed(self.sizes):  # largest first: the smaller ones fit in its memory pool
+            fb, src, li = self.inputs.views(t, self.seqs_for(t))
+            with forward_context(fb, self.kv_caches):
+                self._forward(fb, src, li)  # warm-up outside the capture (every sequence empty)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._forward(fb, src, li)
+            pool = g.pool()
+            self.graphs[t], self.outputs[t] = g, out
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor) -> torch.Tensor:
+        """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding)."""
+        ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], fb.input_ids)
+        return self.model(ids, fb.positions)[li]
+
+    def size_for(self, num_tokens: int, num_seqs: int) -> Optional[int]:
+        i = bisect.bisect_left(self.sizes, max(num_tokens, 1))
+        if i == len(self.sizes) or num_seqs > self.seqs_for(self.sizes[i]):
+            return None
+        return self.sizes[i]
+
+    def can_run(self, sched_reqs) -> bool:
+        return self.size_for(sum(sr.num_new_tokens for sr in sched_reqs), len(sched_reqs)) is not None
+
+    def run(self, hb: HostBatch) -> torch.Tensor:
+        """Replay (on a CPU: run eagerly) the padded step; returns the sampled rows' hidden states
+        [S, hidden] (a view)."""
+        t = self.size_for(hb.num_tokens, hb.num_seqs)
+        b = self.seqs_for(t)
+        self.inputs.fill(hb, t, b)
+        S = len(hb.sample_rows)
+        if self.device.type != "cuda":
+            fb, src, li = self.inputs.views(t, b)
+            with forward_context(fb, self.kv_caches):
+                return self._forward(fb, src, li)[:S]
+        self.graphs[t].replay()
+        return self.outputs[t][:S]
