@@ -21,10 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="default: 1024 on a GPU of >= 70 GiB, else 256 (as vLLM)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: on a GPU of >= 70 GiB 16384 offline / 8192 serving, else 8192 (as vLLM)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

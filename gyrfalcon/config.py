@@ -111,35 +111,21 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}.")
 
 
-BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger batch defaults (H100 / H200 / MI300-class cards)
-
-
 @dataclass
 class SchedulerConfig:
-    # None: vLLM's defaults for where the engine runs (apply_defaults): on a GPU of >= 70 GiB,
-    # 1024 sequences and 16384 tokens per step offline (8192 when serving, to keep inter-token latency
-    # down while prompts are prefilled); elsewhere 256 and 8192.
-    max_num_seqs: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # None: max(8192, max_model_len) capped sensibly
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before reading back step N's tokens (overlaps host and device).
     # None: on for a GPU (measured 1.18x at Qwen3-0.6B batch 1 on the H200), off on a CPU, whose
     # forward runs synchronously on the host and has nothing to overlap.
     async_scheduling: Optional[bool] = None
-    usage_context: str = "llm"  # "llm" (offline) or "server"
-
-    def apply_defaults(self, big_gpu: bool) -> None:
-        if self.max_num_seqs is None:
-            self.max_num_seqs = 1024 if big_gpu else 256
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (16384 if self.usage_context == "llm" else 8192) if big_gpu else 8192
 
     def resolve(self, max_model_len: int) -> None:
-        """Validate (values left None are filled later by apply_defaults, where the device is known)."""
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+        if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is None:
-            return
+            self.max_num_batched_tokens = 8192
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}.")
@@ -169,7 +155,7 @@ class EngineConfig:
 
     @classmethod
     def create(cls, model: Optional[str] = None, *, dtype: str = "auto",
-               max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
+               max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                enforce_eager: bool = False, tensor_parallel_size: int = 1,
@@ -177,7 +163,7 @@ class EngineConfig:
                served_model_name: Optional[str] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False,
-               async_scheduling: Optional[bool] = None, usage_context: str = "llm") -> "EngineConfig":
+               async_scheduling: Optional[bool] = None) -> "EngineConfig":
         if model is None:
             model = default_model_path()
             if model is None:
@@ -194,8 +180,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              enable_chunked_prefill=enable_chunked_prefill,
-                                             async_scheduling=async_scheduling,
-                                             usage_context=usage_context),
+                                             async_scheduling=async_scheduling),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device, enforce_eager=enforce_eager)
         cfg.resolve()
@@ -210,10 +195,6 @@ class EngineConfig:
         self.model_config.resolve(self.device)
         self.cache_config.verify()
         self.parallel_config.verify()
-        if self.device == "cpu":
-            self.scheduler_config.apply_defaults(big_gpu=False)
-        # On a GPU the engine core's runner applies them once CUDA is up (a server's front end, which
-        # builds this config too, never touches the GPU).
         self.scheduler_config.resolve(self.model_config.max_model_len)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"

@@ -52,17 +52,3 @@ def test_async_scheduling_flag_defaults_by_device(qwen3_ckpt):
         assert cfg.scheduler_config.async_scheduling is want, argv
     cfg = EngineConfig.create(str(qwen3_ckpt), device="cpu")
     assert cfg.scheduler_config.async_scheduling is False
-
-
-def test_batch_defaults_follow_the_device():
-    """Unset, max_num_seqs / max_num_batched_tokens take vLLM's defaults for where the engine runs."""
-    from gyrfalcon.config import SchedulerConfig
-
-    for usage, big, want in (("llm", True, (1024, 16384)), ("server", True, (1024, 8192)),
-                             ("llm", False, (256, 8192)), ("server", False, (256, 8192))):
-        sc = SchedulerConfig(usage_context=usage)
-        sc.apply_defaults(big_gpu=big)
-        assert (sc.max_num_seqs, sc.max_num_batched_tokens) == want, (usage, big)
-    sc = SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99)
-    sc.apply_defaults(big_gpu=True)
-    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (7, 99)  # explicit values stay

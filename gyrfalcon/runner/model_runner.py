@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from gyrfalcon.config import BIG_GPU_BYTES
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
@@ -45,11 +44,6 @@ class ModelRunner:
     def __init__(self, config) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cuda":
-            # Batch-size defaults by card (SchedulerConfig.apply_defaults), now that CUDA is up.
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            config.scheduler_config.apply_defaults(big_gpu=total >= BIG_GPU_BYTES)
-            config.scheduler_config.resolve(config.model_config.max_model_len)
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.torch_dtype
         t0 = time.perf_counter()

@@ -228,7 +228,6 @@ def run_server(args) -> int:
     kw = engine_kwargs(args)
     kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")
     kw["served_model_name"] = args.served_model_name
-    kw["usage_context"] = "server"
     if args.model is None and kw["served_model_name"] is None:
         kw["served_model_name"] = "gyrfalcon-demo"
     chat_template = _read_chat_template(args.chat_template)
