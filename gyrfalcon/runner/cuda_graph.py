@@ -37,15 +37,15 @@ def graph_logits_enabled() -> bool:
     return os.environ.get("GYRFALCON_GRAPH_LOGITS", "0") == "1"
 
 
+MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly: their launches are small next to the GPU's work
+
+
 def capture_sizes(max_num_seqs: int) -> List[int]:
-    """The batch-size ladder: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (rounded up)."""
-    sizes = []
-    for s in (1, 2, 4):
-        sizes.append(s)
-        if s >= max_num_seqs:
-            return sizes
-    top = -(-max_num_seqs // 8) * 8
-    return sizes + list(range(8, top + 1, 8))
+    """The batch-size ladder: 1, 2, 4, 8, every multiple of 8 up to 256, then of 16 up to 512, up to
+    max_num_seqs (rounded up to the ladder); batches above MAX_CAPTURE_SIZE are not captured."""
+    ladder = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, MAX_CAPTURE_SIZE + 1, 16))
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    return [s for s in ladder if s < top] + [next(s for s in ladder if s >= top)]
 
 
 def padded_size(sizes: List[int], n: int) -> int:

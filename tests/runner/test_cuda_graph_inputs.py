@@ -18,6 +18,9 @@ def test_capture_sizes_ladder():
     assert capture_sizes(8) == [1, 2, 4, 8]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
     assert capture_sizes(256)[-1] == 256 and capture_sizes(256)[:5] == [1, 2, 4, 8, 16]
+    # Past 256 the ladder steps by 16, and it stops at 512: larger decode batches run eagerly.
+    assert capture_sizes(300)[-3:] == [272, 288, 304]
+    assert capture_sizes(1024)[-1] == 512 and len(capture_sizes(1024)) == 3 + 32 + 16
 
 
 @pytest.mark.parametrize("n,want", [(1, 1), (3, 4), (5, 8), (9, 16), (17, 24), (24, 24)])
