@@ -4,14 +4,16 @@ at small batches), plus the CUDA-graph input fill, all measured on the CPU.
 
 A stand-in runner returns a fixed token at once, so the time per step is pure host work.
 
-python3 benchmarks/host_overhead.py [--batch-sizes 1 16 64] [--steps 256] [--profile]
+python3 benchmarks/host_overhead.py [--batch-sizes 1 16 64] [--steps 256] [--profile] [--output-json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import sys
 import time
 
 import torch
@@ -96,11 +98,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--model", default=None, help="tokenizer source (default: the demo model)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--output-json")
     args = ap.parse_args()
     from gyrfalcon.config import default_model_path
 
     model = args.model or default_model_path()
     print(f"{'batch':>5} {'mode':>6} {'fill':>5} {'us/step':>9} {'us/step/seq':>12}")
+    rows = []
     for b in args.batch_sizes:
         for async_scheduling in (False, True):
             for with_fill in (False, True):
@@ -108,6 +112,15 @@ def main() -> None:
                          model)
                 print(f"{b:5d} {'async' if async_scheduling else 'sync':>6} {str(with_fill):>5} {dt * 1e6:9.1f} "
                       f"{dt * 1e6 / b:12.2f}", flush=True)
+                rows.append({"batch": b, "async_scheduling": async_scheduling, "graph_input_fill": with_fill,
+                             "us_per_step": round(dt * 1e6, 2)})
+    if args.output_json:
+        from gyrfalcon.bench.common import run_info
+
+        info = run_info(args)
+        info["command"] = "python3 benchmarks/host_overhead.py " + " ".join(sys.argv[1:])
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "host_overhead", **info, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
