@@ -73,8 +73,9 @@ class LLM:
             raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
         # Validate everything first so a bad prompt leaves nothing half-submitted.
         encoded = [self._to_token_ids(p) for p in prompts]
-        for _, ids in encoded:
+        for (_, ids), p in zip(encoded, params):
             self.engine.validate_prompt(ids)
+            self.engine.validate_params(p)
         return self._run([(text, ids, p) for (text, ids), p in zip(encoded, params)], use_tqdm)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-5
 
@@ -31,6 +31,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Token id -> value added to its logit before sampling (OpenAI's logit_bias: -100 bans, +100 forces).
+    logit_bias: Optional[Dict[int, float]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Filled in by the engine from the tokenizer / generation config, not by users.
@@ -45,6 +47,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:  # JSON object keys arrive as strings
+                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()} or None
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids to numbers.") from None
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
@@ -86,6 +93,12 @@ class SamplingParams:
             bad("stop strings must not be empty.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.logit_bias:
+            for tok, b in self.logit_bias.items():
+                if tok < 0:
+                    bad(f"logit_bias token ids must be non-negative, got {tok}.")
+                if not -100.0 <= b <= 100.0:
+                    bad(f"logit_bias values must be in [-100, 100], got {b} for token {tok}.")
 
     @property
     def greedy(self) -> bool:

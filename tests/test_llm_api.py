@@ -4,6 +4,7 @@ n > 1, chat, seeds, detokenization, and the errors a user gets for bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -239,3 +240,32 @@ def test_startup_reports_kv_blocks_and_max_concurrency(qwen3_ckpt, caplog):
     assert llm.engine.runner.num_blocks == 64
     m = re.search(r"(\d+) blocks of 8 tokens .*maximum concurrency for 128-token requests: ([\d.]+)x", msg)
     assert m and int(m.group(1)) == 64 and float(m.group(2)) == 64 * 8 / 128, msg
+
+
+def test_logit_bias(llm):
+    base = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    forced = (base[0] + 1) % 100 + 3
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                     logit_bias={forced: 100.0}), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [forced] * 4
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=1, logit_bias={str(base[0]): -100}),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids[0] != base[0]
+    # Sampled rows too: a banned token never comes up.
+    outs = llm.generate(["def f(x):"] * 4, SamplingParams(temperature=1.0, max_tokens=8, seed=3,
+                                                          logit_bias={t: -100 for t in base}), use_tqdm=False)
+    assert not any(t in base for o in outs for t in o.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("bias, msg", [({5: 101}, "[-100, 100]"), ({-1: 1}, "non-negative"), ({"a": 1}, "map token ids")])
+def test_logit_bias_validation(bias, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_out_of_vocabulary_submits_nothing(llm):
+    vocab = llm.engine.config.model_config.hf_config.vocab_size
+    with pytest.raises(ValueError, match=str(vocab)):
+        llm.generate(["a", "b"], SamplingParams(logit_bias={vocab: 1}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

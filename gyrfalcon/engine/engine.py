@@ -56,9 +56,19 @@ class Engine:
             if bad:
                 raise ValueError(f"Token id {bad[0]} is out of range for a vocabulary of {vocab}.")
 
+    def validate_params(self, sampling_params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the model's vocabulary."""
+        vocab = getattr(self.config.model_config.hf_config, "vocab_size", None)
+        if vocab is None:
+            return
+        bad = [t for t in (sampling_params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is out of range for a vocabulary of {vocab}.")
+
     def add_request(self, request_id: str, prompt_token_ids: List[int],
                     sampling_params: SamplingParams, arrival_time: Optional[float] = None) -> Request:
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(sampling_params)
         req = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
                       self.max_model_len, arrival_time)
         self.scheduler.add_request(req)

@@ -231,8 +231,8 @@ class ModelRunner:
     def _plain_greedy(reqs) -> bool:
         for r in reqs:
             p = r.sampling_params
-            if not p.greedy or p.logprobs is not None or p.presence_penalty or p.frequency_penalty \
-                    or p.repetition_penalty != 1.0 or r.num_output_tokens < p.min_tokens:
+            if not p.greedy or p.logprobs is not None or p.logit_bias or p.presence_penalty \
+                    or p.frequency_penalty or p.repetition_penalty != 1.0 or r.num_output_tokens < p.min_tokens:
                 return False
         return True
 
@@ -282,6 +282,15 @@ class ModelRunner:
             masks.append(ids)
         if any(masks):
             md.min_tokens_mask = masks
+        if any(p.logit_bias for p in params):
+            rows, ids, values = [], [], []
+            for i, p in enumerate(params):
+                for t, v in (p.logit_bias or {}).items():
+                    rows.append(i)
+                    ids.append(t)
+                    values.append(v)
+            md.logit_bias = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev),
+                             torch.tensor(values, dtype=torch.float32, device=dev))
         asked = [p.logprobs for p in params if p.logprobs is not None]
         if asked:
             md.max_num_logprobs = max(asked)

@@ -2,7 +2,7 @@
 
 Order of operations, as vLLM defines it:
 1. logprobs are taken from the raw logits (before any penalty or temperature);
-2. min_tokens: eos and stop ids are masked until a request has min_tokens outputs;
+2. min_tokens: eos and stop ids are masked until a request has min_tokens outputs; logit_bias is added;
 3. penalties: repetition over prompt + output tokens (divide positive logits, multiply negative
    ones), frequency (minus count x penalty) and presence (minus penalty if seen) over output tokens;
 4. greedy rows take the argmax here;
@@ -47,6 +47,8 @@ class SamplingMetadata:
     output_token_ids: Optional[Sequence[Sequence[int]]] = None
     # min_tokens: per row, the token ids to mask this step (empty when none).
     min_tokens_mask: Optional[List[List[int]]] = None
+    # logit_bias of every row, flattened: logits[rows[j], ids[j]] += values[j] (None when no row has one).
+    logit_bias: Optional[tuple] = None  # (rows [N] int64, ids [N] int64, values [N] fp32)
     max_num_logprobs: Optional[int] = None  # top-N logprobs to return (None: none asked)
 
 
@@ -118,6 +120,9 @@ class Sampler:
             for i, ids in enumerate(md.min_tokens_mask):
                 if ids:
                     logits[i, ids] = _NEG_INF
+        if md.logit_bias is not None:
+            rows, ids, values = md.logit_bias
+            logits.index_put_((rows, ids), values, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
         greedy = logits.argmax(dim=-1)

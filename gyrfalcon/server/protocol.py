@@ -78,8 +78,6 @@ class _SamplingFields(_Request):
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}.", "n")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (only best_of == n).", "best_of")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported yet.", "logit_bias")
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: Dict[str, Any]) -> SamplingParams:
         def pick(name, fallback):
@@ -94,7 +92,7 @@ class _SamplingFields(_Request):
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=pick("repetition_penalty", 1.0),
+                repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=self.logit_bias,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output)
         except (ValueError, TypeError) as e:

@@ -31,6 +31,7 @@ class _PromptChecker:
     """Engine.validate_prompt (empty, too long, out-of-vocabulary ids) without an Engine."""
 
     validate_prompt = Engine.validate_prompt
+    validate_params = Engine.validate_params
 
     def __init__(self, config) -> None:
         self.config = config
@@ -92,6 +93,12 @@ class OpenAIServing:
     def check_engine(self) -> None:
         if self.client.is_dead:
             raise OpenAIError(503, f"The engine is not running: {self.client.dead_reason}", code="engine_dead")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        try:
+            self._checker.validate_params(params)
+        except ValueError as e:
+            raise bad_request(str(e), "logit_bias") from None
 
     def validate_prompt(self, ids: List[int], max_tokens: Optional[int]) -> None:
         try:

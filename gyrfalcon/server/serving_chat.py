@@ -32,6 +32,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
+        self.validate_params(params)
         if not req.messages:
             raise bad_request("messages must not be empty.", "messages")
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)

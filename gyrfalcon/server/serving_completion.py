@@ -63,6 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
+        self.validate_params(params)
         prompts = self._prompts(req.prompt)
         for _, ids in prompts:
             self.validate_prompt(ids, params.max_tokens)

@@ -59,6 +59,9 @@ def test_prompt_longer_than_context(server):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "seed": 2 ** 70}, "encode"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "99999999"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
 ])
 def test_invalid_completion_params(server, body, needle):
     r = post(server, "/v1/completions", {"model": MODEL_NAME, **body})

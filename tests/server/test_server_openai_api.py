@@ -216,3 +216,20 @@ def test_tokenize_detokenize(server, llm):
     r3 = httpx.post(server.base_url + "/tokenize", json={"messages": msgs}, headers=h).json()
     text = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert r3["tokens"] == llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_logit_bias_forces_and_bans_tokens(server, llm):
+    """OpenAI's logit_bias (string token ids): +100 makes a token the greedy choice at every step;
+    -100 on the unbiased first token moves the choice away from it. Same as the offline LLM."""
+    c = server.client()
+    forced = llm.tokenizer("x")["input_ids"][0]
+    r = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                             logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    ref = offline(llm, PROMPTS[0], greedy(max_tokens=5, logit_bias={forced: 100})).outputs[0]
+    assert ref.token_ids == [forced] * 5 and r.choices[0].text == ref.text
+    first = offline(llm, PROMPTS[0], greedy(max_tokens=1)).outputs[0].token_ids[0]
+    r = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                  temperature=0, logit_bias={str(first): -100})
+    assert r.choices[0].message.content is not None
+    banned = offline(llm, PROMPTS[0], greedy(max_tokens=1, logit_bias={first: -100})).outputs[0].token_ids[0]
+    assert banned != first
