@@ -16,6 +16,20 @@ from gyrfalcon.outputs import CompletionOutput, Logprob, RequestOutput
 from gyrfalcon.sampling_params import SamplingParams
 
 
+def logprob_entry(tokenizer, token_id: int, entry: tuple) -> Dict[int, Logprob]:
+    """(logprob, rank, [(token, logprob)] top-N) -> {token_id: Logprob, ...top-N}, the given token first
+    (as vLLM orders them)."""
+    lp, rank, top = entry
+    d: Dict[int, Logprob] = {}
+    for r, (tid, tlp) in enumerate(top, start=1):
+        d[tid] = Logprob(tlp, r, tokenizer.decode([tid]))
+    if token_id not in d:
+        d[token_id] = Logprob(lp, rank, tokenizer.decode([token_id]))
+    else:
+        d[token_id].rank = rank
+    return {token_id: d.pop(token_id), **d}
+
+
 class SampleState:
     """One of a request's n samples."""
 
@@ -45,16 +59,7 @@ class SampleState:
         return self.finish_reason is not None
 
     def _logprob_entry(self, token_id: int, entry: tuple) -> Dict[int, Logprob]:
-        lp, rank, top = entry
-        d: Dict[int, Logprob] = {}
-        for r, (tid, tlp) in enumerate(top, start=1):
-            d[tid] = Logprob(tlp, r, self.tokenizer.decode([tid]))
-        if token_id not in d:
-            d[token_id] = Logprob(lp, rank, self.tokenizer.decode([token_id]))
-        else:
-            d[token_id].rank = rank
-        # The sampled token first, as vLLM orders them.
-        return {token_id: d.pop(token_id), **d}
+        return logprob_entry(self.tokenizer, token_id, entry)
 
     def update(self, token_ids: List[int], logprobs: List[tuple], finish_reason: Optional[str],
                stop_reason) -> bool:
@@ -143,6 +148,8 @@ class RequestState:
         self.arrival_time = arrival_time
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
+        self.tokenizer = tokenizer
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         if params.n == 1:
             self.samples = [SampleState(request_id, 0, params, prompt_token_ids, tokenizer, defer_text)]
         else:
@@ -153,11 +160,20 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
 
+    def add_prompt_logprobs(self, first: int, entries: List[tuple]) -> None:
+        """Entries for prompt tokens first, first + 1, ... (they arrive in order, chunk by chunk)."""
+        if self.prompt_logprobs is None or first != len(self.prompt_logprobs):
+            return
+        for j, entry in enumerate(entries):
+            self.prompt_logprobs.append(logprob_entry(self.tokenizer, self.prompt_token_ids[first + j], entry))
+
     def request_output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion_output() for s in self.samples],
-                             finished=self.finished, num_cached_tokens=self.num_cached_tokens)
+                             finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None
+                             else None)
 
 
 class OutputProcessor:
@@ -206,6 +222,10 @@ class OutputProcessor:
             if pair is None:
                 continue  # aborted in the meantime
             st, s = pair
+            if u.prompt_logprobs:
+                st.add_prompt_logprobs(*u.prompt_logprobs)
+            if not u.new_token_ids and not u.finished:
+                continue  # prompt logprobs only: no token yet, nothing for a stream to send
             if st.first_token_time is None:
                 st.first_token_time = now
                 st.num_cached_tokens = u.num_cached_tokens

@@ -40,3 +40,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Dict[str, float] = field(default_factory=dict)
+    # With prompt_logprobs: None for the first prompt token, then per token a dict as in `logprobs`.
+    prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None

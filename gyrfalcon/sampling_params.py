@@ -81,8 +81,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs is not supported yet.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -113,4 +113,6 @@ class SamplingParams:
         p.n = 1
         if p.seed is not None:
             p.seed = p.seed + index
+        if index > 0:
+            p.prompt_logprobs = None  # the prompt's logprobs come once, with the first sample
         return p

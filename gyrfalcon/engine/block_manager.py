@@ -72,8 +72,8 @@ class BlockManager:
         The last token is never served from the cache: the model must run on at least one token
         to produce the logits of the next one.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # (prompt logprobs need every prompt position to run through the model)
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._ensure_hashes(request, max_blocks)
         hits: List[int] = []

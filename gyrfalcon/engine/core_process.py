@@ -143,9 +143,10 @@ class StartupFailed(Message):
 @dataclass
 class Outputs(Message):
     """One step's results. Each update is [request_id, new_token_ids, new_logprobs, finished,
-    finish_reason, stop_reason, num_prompt_tokens, num_cached_tokens, queue_time] where
-    new_logprobs holds per token [logprob, rank, [[token_id, logprob], ...]] and queue_time is the
-    seconds the request waited before its first scheduling (set on its first update only)."""
+    finish_reason, stop_reason, num_prompt_tokens, num_cached_tokens, queue_time, prompt_logprobs] where
+    new_logprobs holds per token [logprob, rank, [[token_id, logprob], ...]], queue_time is the
+    seconds the request waited before its first scheduling (set on its first update only), and
+    prompt_logprobs is None or [first prompt token index, [entry as in new_logprobs, ...]]."""
     updates: List[list]
     stats: Dict[str, Any]
 
@@ -253,7 +254,7 @@ class EngineCoreProc:
             if u.finished:
                 self._unreported.pop(u.request_id, None)
             out.append([u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason,
-                        u.stop_reason, u.num_prompt_tokens, u.num_cached_tokens, queue_time])
+                        u.stop_reason, u.num_prompt_tokens, u.num_cached_tokens, queue_time, u.prompt_logprobs])
         return out
 
     def run(self) -> None:

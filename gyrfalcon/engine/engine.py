@@ -111,7 +111,7 @@ class Engine:
 
     def _complete(self, handle) -> List[RequestUpdate]:
         out = self.runner.complete(handle)
-        updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs)
+        updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs)
         self.num_generation_tokens_total += len(updates)
         return updates
 

@@ -46,6 +46,9 @@ class Request:
         # Tokens sampled by a step that was scheduled but whose result has not been applied yet.
         self.num_inflight = 0
         self.num_cached_tokens = 0  # prefix-cache hits at first scheduling
+        # Prompt tokens whose logprob has been reported (prompt_logprobs; token 0 has none), so that a
+        # recompute after preemption does not report them twice.
+        self.num_prompt_logprobs_sent = 1
         self.block_ids: List[int] = []
         self.block_hashes: List[bytes] = []  # chained hashes of the full blocks, filled lazily
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache

@@ -66,6 +66,8 @@ class RequestUpdate:
     stop_reason: Optional[int | str] = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Prompt logprobs that became known: (first prompt token index, [(logprob, rank, top-N)] per token).
+    prompt_logprobs: Optional[tuple] = None
 
 
 class Scheduler:
@@ -192,16 +194,23 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, batch: ScheduledBatch, sampled: List[Optional[int]],
-               logprobs: Optional[List[Optional[tuple]]] = None) -> List[RequestUpdate]:
+               logprobs: Optional[List[Optional[tuple]]] = None,
+               prompt_logprobs: Optional[List[Optional[list]]] = None) -> List[RequestUpdate]:
         """Apply one step's results: append sampled tokens, finish requests (computed counts were
         advanced when the step was scheduled).
 
         sampled[i] is the token sampled for batch.reqs[i] (None where it did not sample).
+        prompt_logprobs[i]: entries for prompt tokens sr.start + 1, sr.start + 2, ... (prompt_logprobs).
         """
         updates: List[RequestUpdate] = []
         for i, sr in enumerate(batch.reqs):
             req = sr.request
+            plp = self._new_prompt_logprobs(req, sr, prompt_logprobs[i] if prompt_logprobs else None)
             if not sr.sample:
+                if plp is not None and req.request_id in self.requests:
+                    updates.append(RequestUpdate(
+                        request_id=req.request_id, new_token_ids=[], new_logprobs=[], finished=False,
+                        num_prompt_tokens=req.num_prompt_tokens, prompt_logprobs=plp))
                 continue
             req.num_inflight -= 1
             if req.is_finished or req.request_id not in self.requests:
@@ -221,5 +230,18 @@ class Scheduler:
                 request_id=req.request_id, new_token_ids=[sampled[i]],
                 new_logprobs=[lp] if lp is not None else [], finished=finished,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                prompt_logprobs=plp))
         return updates
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, sr: ScheduledRequest, entries: Optional[list]) -> Optional[tuple]:
+        """The entries for prompt tokens not reported yet (a recompute repeats earlier ones)."""
+        if not entries:
+            return None
+        first = sr.start + 1  # entries[j] is the logprob of prompt token sr.start + 1 + j
+        skip = max(0, req.num_prompt_logprobs_sent - first)
+        if skip >= len(entries):
+            return None
+        req.num_prompt_logprobs_sent = first + len(entries)
+        return (first + skip, entries[skip:])

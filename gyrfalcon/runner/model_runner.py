@@ -29,6 +29,8 @@ class StepHandle:
     sampler_out: Any = None  # SamplerOutput when logprobs were asked for
     host: Optional[torch.Tensor] = None  # pinned copy of `sampled` (CUDA)
     event: Any = None  # recorded after the copy (CUDA)
+    # prompt_logprobs: ([(batch row, number of entries)], logprob [R], rank [R], top ids / logprobs [R, k])
+    prompt_lp: Any = None
 
 
 @dataclass
@@ -38,6 +40,8 @@ class RunnerOutput:
 
     sampled: List[Optional[int]]
     logprobs: List[Optional[tuple]]
+    # Per scheduled request asking for prompt_logprobs: entries for prompt tokens start + 1, start + 2, ...
+    prompt_logprobs: Optional[List[Optional[list]]] = None
 
 
 class ModelRunner:
@@ -161,10 +165,12 @@ class ModelRunner:
             return handle
         sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
         logits = greedy = None
-        if self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
+        # prompt_logprobs need every row's hidden state: such steps run eagerly.
+        plp_rows = self._prompt_logprob_rows(batch.reqs)
+        if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
             # Every decode row samples.
             hidden, logits, greedy = self.graph_runner.run(batch.reqs, self.last_rows)
-        elif self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(batch.reqs):
+        elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(batch.reqs):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(batch.reqs, self.block_size, self.last_rows))
         else:
@@ -172,8 +178,13 @@ class ModelRunner:
                                      self.last_sampled)
             with forward_context(fb, self.kv_caches):
                 hidden = self.model(fb.input_ids, fb.positions)
+            if plp_rows:
+                handle.prompt_lp = self._prompt_logprobs(hidden, batch.reqs, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
         if not sample_reqs:
+            if handle.prompt_lp is not None and self.device.type == "cuda":
+                handle.event = torch.cuda.Event()
+                handle.event.record()
             return handle
         if logits is None:
             logits = self.model.compute_logits(hidden)
@@ -202,8 +213,11 @@ class ModelRunner:
         batch = handle.batch
         sampled: List[Optional[int]] = [None] * len(batch.reqs)
         logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
+        prompt_lps = self._prompt_logprob_lists(handle) if handle.prompt_lp is not None else None
         if handle.sampled is None:
-            return RunnerOutput(sampled, logprobs)
+            if handle.event is not None:
+                handle.event.synchronize()
+            return RunnerOutput(sampled, logprobs, prompt_lps)
         if handle.event is not None:
             handle.event.synchronize()
             tokens = handle.host.tolist()
@@ -225,7 +239,63 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n > 0 else []
                 logprobs[i] = (lp[row], rank[row], top)
             row += 1
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_lps)
+
+    # ---- prompt logprobs ------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_logprob_rows(sched_reqs) -> List[tuple]:
+        """[(batch row, first token row in the step, number of prompt tokens to score)] for the requests
+        that asked for prompt_logprobs and run prompt positions whose next token is a prompt token."""
+        rows, t0 = [], 0
+        for i, sr in enumerate(sched_reqs):
+            req = sr.request
+            if req.sampling_params.prompt_logprobs is not None:
+                n = min(sr.start + sr.num_new_tokens, req.num_prompt_tokens - 1) - sr.start
+                if n > 0:
+                    rows.append((i, t0, n))
+            t0 += sr.num_new_tokens
+        return rows
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched_reqs, plp_rows, chunk: int = 512):
+        """Raw logprob and rank of each scored prompt token, and the top-k (k: the largest asked),
+        computed in slices of `chunk` rows so a long prompt never holds [T, vocab] logits at once."""
+        dev = hidden.device
+        idx, targets, k = [], [], 0
+        for i, t0, n in plp_rows:
+            sr = sched_reqs[i]
+            idx.extend(range(t0, t0 + n))
+            targets.extend(sr.request.prompt_token_ids[sr.start + 1:sr.start + 1 + n])
+            k = max(k, sr.request.sampling_params.prompt_logprobs)
+        idx_t = torch.tensor(idx, device=dev)
+        tgt_t = torch.tensor(targets, device=dev)
+        lps, ranks, top_ids, top_lps = [], [], [], []
+        for a in range(0, len(idx), chunk):
+            lsm = self.model.compute_logits(hidden[idx_t[a:a + chunk]]).float().log_softmax(dim=-1)
+            lp = lsm.gather(1, tgt_t[a:a + chunk].unsqueeze(1)).squeeze(1)
+            lps.append(lp)
+            ranks.append((lsm > lp.unsqueeze(1)).sum(dim=-1) + 1)
+            if k > 0:
+                v, ids = lsm.topk(k, dim=-1)
+                top_lps.append(v)
+                top_ids.append(ids)
+        return ([(i, n) for i, _, n in plp_rows], torch.cat(lps), torch.cat(ranks),
+                torch.cat(top_ids) if k > 0 else None, torch.cat(top_lps) if k > 0 else None)
+
+    def _prompt_logprob_lists(self, handle: StepHandle) -> List[Optional[list]]:
+        segments, lp, rank, top_ids, top_lps = handle.prompt_lp
+        if handle.event is not None:
+            handle.event.synchronize()
+        lp, rank = lp.tolist(), rank.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lps = top_lps.tolist() if top_lps is not None else None
+        out: List[Optional[list]] = [None] * len(handle.batch.reqs)
+        r = 0
+        for i, n in segments:
+            k = handle.batch.reqs[i].request.sampling_params.prompt_logprobs
+            out[i] = [(lp[j], rank[j], list(zip(top_ids[j][:k], top_lps[j][:k])) if k else [])
+                      for j in range(r, r + n)]
+            r += n
+        return out
 
     @staticmethod
     def _plain_greedy(reqs) -> bool:

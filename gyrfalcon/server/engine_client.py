@@ -311,7 +311,8 @@ class AsyncEngineClient:
                 self.metrics.observe_queue_time(u[8])
             updates.append(RequestUpdate(request_id=eid, new_token_ids=u[1], new_logprobs=u[2],
                                          finished=u[3], finish_reason=u[4], stop_reason=u[5],
-                                         num_prompt_tokens=u[6], num_cached_tokens=u[7]))
+                                         num_prompt_tokens=u[6], num_cached_tokens=u[7],
+                                         prompt_logprobs=u[9]))
         # Each processor skips the engine ids it does not track.
         touched, to_finish = self.processor.process(updates)
         touched2, to_finish2 = self.deferred.process(updates)

@@ -115,7 +115,10 @@ class CompletionRequest(_SamplingFields):
                 raise bad_request(f"logprobs must be non-negative, got {self.logprobs}.", "logprobs")
             if self.logprobs > max_logprobs:
                 raise bad_request(f"logprobs must be at most {max_logprobs}, got {self.logprobs}.", "logprobs")
-        return self._params(self.max_tokens, self.logprobs, defaults)
+        params = self._params(self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs  # the echoed prompt tokens get theirs too (OpenAI)
+        return params
 
 
 class ChatCompletionRequest(_SamplingFields):

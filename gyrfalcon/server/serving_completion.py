@@ -34,30 +34,36 @@ class OpenAIServingCompletion(OpenAIServing):
         return st.prompt if st.prompt is not None else self.tokenizer.decode(st.prompt_token_ids)
 
     def _logprobs(self, token_ids, logprobs, num_top: int, offset: int,
-                  echo_ids: Optional[List[int]] = None) -> Tuple[Dict[str, Any], int]:
+                  echo_ids: Optional[List[int]] = None,
+                  prompt_logprobs: Optional[list] = None) -> Tuple[Dict[str, Any], int]:
         """OpenAI's completion logprobs {tokens, token_logprobs, top_logprobs, text_offset};
-        returns it and the text offset after it. Echoed prompt tokens carry null logprobs."""
+        returns it and the text offset after it. Echoed prompt tokens carry their prompt logprobs
+        (null for the first, which nothing predicts)."""
         tokens: List[str] = []
         token_lps: List[Optional[float]] = []
         tops: List[Optional[Dict[str, float]]] = []
         offsets: List[int] = []
-        for tid in echo_ids or []:
-            s = self.tokenizer.decode([tid])
+
+        def add(tid, entry):
+            lp = entry[tid] if entry is not None else None
+            s = lp.decoded_token if lp is not None and lp.decoded_token is not None else self.tokenizer.decode([tid])
             tokens.append(s)
-            token_lps.append(None)
-            tops.append(None)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(clamp_logprob(lp.logprob))
+                ranked = sorted(((t, e) for t, e in entry.items() if t == tid or (e.rank or 0) <= num_top),
+                                key=lambda te: te[1].rank or 0)
+                tops.append({e.decoded_token: clamp_logprob(e.logprob) for _, e in ranked})
             offsets.append(offset)
-            offset += len(s)
+            return len(s)
+
+        for j, tid in enumerate(echo_ids or []):
+            offset += add(tid, prompt_logprobs[j] if prompt_logprobs is not None and j < len(prompt_logprobs)
+                          else None)
         for tid, entry in zip(token_ids, logprobs or []):
-            lp = entry[tid]
-            s = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
-            tokens.append(s)
-            token_lps.append(clamp_logprob(lp.logprob))
-            ranked = sorted(((t, e) for t, e in entry.items() if t == tid or (e.rank or 0) <= num_top),
-                            key=lambda te: te[1].rank or 0)
-            tops.append({e.decoded_token: clamp_logprob(e.logprob) for _, e in ranked})
-            offsets.append(offset)
-            offset += len(s)
+            offset += add(tid, entry)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
@@ -94,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if params.logprobs is not None:
                     lp, _ = self._logprobs(c.token_ids, c.logprobs, params.logprobs, 0,
-                                           st.prompt_token_ids if req.echo else None)
+                                           st.prompt_token_ids if req.echo else None, out.prompt_logprobs)
                 choices.append({"index": i * params.n + c.index, "text": prompt_text + c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -134,7 +140,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     lp = None
                     if params.logprobs is not None:
-                        lp, offsets[key] = self._logprobs(toks, lps, params.logprobs, offsets.get(key, 0), echo_ids)
+                        lp, offsets[key] = self._logprobs(toks, lps, params.logprobs, offsets.get(key, 0), echo_ids,
+                                                          st.prompt_logprobs)
                     yield chunk([{"index": i * params.n + s.index, "text": text, "logprobs": lp,
                                   "finish_reason": finish, "stop_reason": s.stop_reason if finish else None}])
                     if finish is not None:

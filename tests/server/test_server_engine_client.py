@@ -27,7 +27,7 @@ def client(tokenizer):
 
 
 def update(eid, tok, finished=False, reason=None):
-    return [eid, [tok], [], finished, reason, None, 3, 0, 0.0 if reason is None else None]
+    return [eid, [tok], [], finished, reason, None, 3, 0, 0.0 if reason is None else None, None]
 
 
 def token_for(tokenizer, text):

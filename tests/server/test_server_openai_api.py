@@ -233,3 +233,30 @@ def test_logit_bias_forces_and_bans_tokens(server, llm):
     assert r.choices[0].message.content is not None
     banned = offline(llm, PROMPTS[0], greedy(max_tokens=1, logit_bias={first: -100})).outputs[0].token_ids[0]
     assert banned != first
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_echo_logprobs_score_the_prompt(server, llm, stream):
+    """echo + logprobs (how evaluation harnesses score a text): every echoed prompt token but the first
+    carries its logprob given the tokens before it, the offline LLM's prompt_logprobs."""
+    c = server.client()
+    ids = llm.tokenizer(PROMPTS[1])["input_ids"]
+    ref = offline(llm, PROMPTS[1], greedy(max_tokens=2, prompt_logprobs=2)).prompt_logprobs
+    r = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=2, temperature=0, echo=True,
+                             logprobs=2, stream=stream, extra_body={"ignore_eos": True})
+    if stream:
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        for chunk in r:
+            for ch in chunk.choices:
+                if ch.logprobs is not None:
+                    for key in lp:
+                        lp[key] += getattr(ch.logprobs, key)
+    else:
+        lp = {k: getattr(r.choices[0].logprobs, k) for k in ("tokens", "token_logprobs", "top_logprobs")}
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for j in range(1, n):
+        assert lp["token_logprobs"][j] == pytest.approx(ref[j][ids[j]].logprob, abs=1e-4)
+        assert len(lp["top_logprobs"][j]) <= 3
+    assert all(v is not None for v in lp["token_logprobs"][n:])
