@@ -258,7 +258,8 @@ def test_logit_bias(llm):
     assert not any(t in base for o in outs for t in o.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("bias, msg", [({5: 101}, "[-100, 100]"), ({-1: 1}, "non-negative"), ({"a": 1}, "map token ids")])
+@pytest.mark.parametrize("bias, msg", [({5: 101}, "[-100, 100]"), ({-1: 1}, "non-negative"),
+                                       ({"a": 1}, "map token ids")])
 def test_logit_bias_validation(bias, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):
         SamplingParams(logit_bias=bias)

@@ -254,7 +254,8 @@ class EngineCoreProc:
             if u.finished:
                 self._unreported.pop(u.request_id, None)
             out.append([u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason,
-                        u.stop_reason, u.num_prompt_tokens, u.num_cached_tokens, queue_time, u.prompt_logprobs])
+                        u.stop_reason, u.num_prompt_tokens, u.num_cached_tokens, queue_time,
+                        u.prompt_logprobs])
         return out
 
     def run(self) -> None:

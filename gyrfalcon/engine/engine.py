@@ -112,7 +112,7 @@ class Engine:
     def _complete(self, handle) -> List[RequestUpdate]:
         out = self.runner.complete(handle)
         updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs)
-        self.num_generation_tokens_total += len(updates)
+        self.num_generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
         return updates
 
     def _needs_exact_state(self) -> bool:

@@ -54,10 +54,11 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# Rows up to which the models route a linear layer through this kernel instead of cuBLAS. The H200 sweep
-# (benchmarks/small_m_gemv.py, benchmarks/results/small_m_gemv_sweep-*.json) found the single-row path
-# 1.0-3.2x faster than RMSNorm + cuBLAS on Qwen3-0.6B and Llama-3.1-8B shapes, while the tensor-core
-# path for 4-16 rows is slower than cuBLAS on most of them.
+# Rows up to which the models route a linear layer through this kernel instead of cuBLAS. On the H200
+# (benchmarks/small_m_gemv.py; benchmarks/results/small_m_gemv_*-h200-2026-11-30-run*.json) the
+# single-row path ran 1.03-3.25x faster than RMSNorm + cuBLAS on Qwen3-0.6B and Llama-3.1-8B shapes,
+# except Llama-8B's qkv (0.95x), and a whole Llama-8B decode step 3% faster; the tensor-core path for
+# 4-16 rows was slower than cuBLAS on most shapes.
 GEMV_MAX_ROWS = 1
 
 
@@ -66,8 +67,9 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
 
     A GEMV at batch 1 is a stream over the weight: many narrow programs (8 rows each: 128-1024
     programs at these shapes), each keeping long rows (1024 inputs) in flight through a 3-stage
-    pipeline, won the H200 sweep on every shape. Stages drop where the tiles would not fit in shared
-    memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses tensor-core dots, tiles >= 16 wide.
+    pipeline, was the H200 sweep's best or within 5% of it on every shape. Stages drop where the
+    tiles would not fit in shared memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses
+    tensor-core dots, tiles >= 16 wide.
     """
     if M == 1:
         bk = min(1024, max(64, next_pow2(K)))

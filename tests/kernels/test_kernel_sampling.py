@@ -3,8 +3,6 @@ reference against the distribution it must sample from."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
