@@ -158,3 +158,23 @@ def test_graph_logits_sampling_matches_eager_logits(ckpt, monkeypatch):
         results.append([(o.outputs[0].token_ids, [sorted(e) for e in o.outputs[0].logprobs]) for o in outs])
         del llm
     assert results[0] == results[1]
+
+
+def test_prompt_logprobs_and_logit_bias_fp32(ckpt):
+    """prompt_logprobs against transformers' prompt logits (fp32), and logit_bias forcing a token, on the
+    GPU paths (prompt-scoring steps run eagerly; the forced decode runs in the graphs)."""
+    path, refs = ckpt
+    rows = refs[torch.float32]
+    llm = LLM(str(path), dtype="float32", max_model_len=1024, max_num_seqs=8, **BLOCKS)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    for out, (prompt, _, logits) in zip(outs, rows):
+        lsm = logits.log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for j in range(1, len(prompt)):
+            assert abs(out.prompt_logprobs[j][prompt[j]].logprob - lsm[j - 1, prompt[j]].item()) < 1e-3
+    forced = rows[0][1][0] + 1
+    out = llm.generate([{"prompt_token_ids": rows[0][0]}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100}),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [forced] * 6
