@@ -19,6 +19,8 @@ taken mod 2^32 in 16-bit halves so that int64 arithmetic never overflows (same i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from gyrfalcon.kernels._common import HAS_TRITON, tl, triton, use_triton
@@ -114,8 +116,21 @@ def gumbel_argmax_triton(z: torch.Tensor, seeds: torch.Tensor, offsets: torch.Te
     return out
 
 
+_TRITON_FAILED = False
+
+
 def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[S, V] logits, [S] seeds, [S] offsets -> [S] int64 tokens; see the module docstring."""
-    if use_triton(z):
-        return gumbel_argmax_triton(z, seeds, offsets)
+    """[S, V] logits, [S] seeds, [S] offsets -> [S] int64 tokens; see the module docstring.
+
+    Every sampled request goes through here: if the Triton kernel cannot be built on this GPU, the
+    reference (the same numbers, a few more launches) takes over, with a warning, rather than failing
+    every request."""
+    global _TRITON_FAILED
+    if use_triton(z) and not _TRITON_FAILED:
+        try:
+            return gumbel_argmax_triton(z, seeds, offsets)
+        except Exception as e:  # compilation / launch failure, not a data error
+            _TRITON_FAILED = True
+            logging.getLogger(__name__).warning("Triton sampling kernel unavailable (%s: %s); using the "
+                                                "torch reference", type(e).__name__, e)
     return gumbel_argmax_ref(z, seeds, offsets)

@@ -68,3 +68,18 @@ def test_triton_matches_reference(S, V, block):
     chosen = score.gather(1, got.unsqueeze(1)).squeeze(1)
     assert torch.all(best - chosen <= 1e-4 * best.abs().clamp(min=1)), (got, want)
     assert int(got[0]) >= V // 2  # never a masked entry
+
+
+def test_dispatch_falls_back_to_the_reference_when_the_kernel_fails(monkeypatch):
+    import gyrfalcon.kernels.sampling as sampling
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(sampling, "use_triton", lambda t: True)
+    monkeypatch.setattr(sampling, "gumbel_argmax_triton", broken)
+    monkeypatch.setattr(sampling, "_TRITON_FAILED", False)
+    z = torch.randn(2, 30)
+    s, o = torch.tensor([1, 2]), torch.tensor([0, 0])
+    assert torch.equal(sampling.gumbel_argmax(z, s, o), gumbel_argmax_ref(z, s, o))
+    assert sampling._TRITON_FAILED
