@@ -6,8 +6,10 @@
 # Sections (default: tests small llama): tests (GPU tests), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
-# decode graph on / off; prefill graphs), throughput (768 x 1024/1024). Each step has its own time limit, later steps
-# get what is left of BUDGET seconds, and a failure does not stop the later steps.
+# decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), baseline (transformers in the
+# same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
+# Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
+# not stop the later steps.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gyrfalcon-out}
@@ -78,10 +80,28 @@ if has graphlogits; then  # LM head + greedy argmax inside the decode graph, sid
   step lat_q06_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $q06 \
     --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1_graphs_all.json"
 fi
+if has graphs8b; then  # the same two flags on the Llama-3.1-8B shape at batch 1
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  step lat_l8_b1_flags_off 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_flags_off.json"
+  step lat_l8_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $l8 --profile \
+    --output-json "$R/latency_llama-3.1-8b_b1_graphs_all.json"
+fi
+if has baseline; then  # transformers (static cache + torch.compile) in the same run
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  step lat_q06_b1_hf 240 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
+    --max-num-seqs 1 --baseline hf --output-json "$R/latency_qwen3-0.6b_b1_vs_hf.json"
+fi
 if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+fi
+if has throughput_vllm_defaults; then  # vLLM's batch limits on >= 70 GiB GPUs, side by side with ours
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step tput_l8_1024seqs 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 \
+    --output-len 1024 --max-num-seqs 1024 --max-num-batched-tokens 16384 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_1024seqs.json"
 fi
 (cd "$OUT" && tar cf results.tar results && rm -rf results)
 echo "=== done in $(( $(date +%s) - START )) s"
