@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) the server answers to; responses carry the first (default: the model path)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 _DTYPES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -31,10 +31,12 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     max_model_len: Optional[int] = None  # None: from the checkpoint's config
     seed: int = 0
-    served_model_name: Optional[str] = None
+    # One name or several (the server answers to each; responses carry the first); None: the model path.
+    served_model_name: Optional[Union[str, List[str]]] = None
     tokenizer: Optional[str] = None
     trust_remote_code: bool = False
     # Filled by resolve(): the transformers config and derived facts.
+    served_model_names: List[str] = field(default_factory=list)
     hf_config: Any = field(default=None, repr=False)
     generation_config: dict = field(default_factory=dict, repr=False)
 
@@ -65,8 +67,13 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"Unknown dtype {self.dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'.")
         self.dtype = _DTYPES[self.dtype]
-        if self.served_model_name is None:
-            self.served_model_name = self.model
+        names = self.served_model_name
+        if names is None or (not isinstance(names, str) and not list(names)):
+            names = [self.model]
+        elif isinstance(names, str):
+            names = [names]
+        self.served_model_names = [str(n) for n in names]
+        self.served_model_name = self.served_model_names[0]
 
     @property
     def torch_dtype(self):
@@ -160,7 +167,7 @@ class EngineConfig:
                enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                enforce_eager: bool = False, tensor_parallel_size: int = 1,
                num_gpu_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
-               served_model_name: Optional[str] = None, tokenizer: Optional[str] = None,
+               served_model_name: Optional[Union[str, List[str]]] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False,
                async_scheduling: Optional[bool] = None) -> "EngineConfig":

@@ -169,8 +169,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
     async def models():
         mc = state.config.model_config
         return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "gyrfalcon",
-            "root": mc.model, "parent": None, "max_model_len": mc.max_model_len}]}
+            "id": name, "object": "model", "created": state.created, "owned_by": "gyrfalcon",
+            "root": mc.model, "parent": None, "max_model_len": mc.max_model_len} for name in mc.served_model_names]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: Request):

@@ -87,7 +87,7 @@ class OpenAIServing:
 
     # ---- checks -----------------------------------------------------------------------------------
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.served_model_name:
+        if name is not None and name not in self.config.model_config.served_model_names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_engine(self) -> None:

@@ -41,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine()
         request_id = self.new_id("chatcmpl")
         created = int(time.time())
-        model = req.model or self.served_model_name
+        model = self.served_model_name  # the first served name, whichever alias was asked for (as vLLM)
         prompts = [(text, ids)]
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, created, model, prompts, params),

@@ -76,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         request_id = self.new_id("cmpl")
         created = int(time.time())
-        model = req.model or self.served_model_name
+        model = self.served_model_name  # the first served name, whichever alias was asked for (as vLLM)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, created, model, prompts, params),
                                      media_type="text/event-stream")
