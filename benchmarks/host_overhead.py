@@ -31,7 +31,7 @@ class _Handle:
 
 class _Out:
     def __init__(self, sampled):
-        self.sampled, self.logprobs = sampled, [None] * len(sampled)
+        self.sampled, self.logprobs, self.prompt_logprobs = sampled, [None] * len(sampled), None
 
 
 class InstantRunner:

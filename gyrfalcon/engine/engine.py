@@ -116,6 +116,8 @@ class Engine:
         return updates
 
     def _needs_exact_state(self) -> bool:
+        if self.scheduler.num_history_dependent == 0:
+            return False  # the common case, without a scan of every running request
         for req in self.scheduler.running:
             p = req.sampling_params
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \

@@ -70,6 +70,11 @@ class RequestUpdate:
     prompt_logprobs: Optional[tuple] = None
 
 
+def _history_dependent(req: Request) -> int:
+    p = req.sampling_params
+    return int(bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens))
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True) -> None:
@@ -82,6 +87,9 @@ class Scheduler:
         self.requests: Dict[str, Request] = {}
         self._finished_since_step: Set[str] = set()
         self.num_preemptions_total = 0
+        # Unfinished requests whose sampling reads their own output history (penalties, min_tokens):
+        # while there are none, async scheduling never has to wait (Engine._needs_exact_state).
+        self.num_history_dependent = 0
 
     # ---- admission / removal ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +97,7 @@ class Scheduler:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_history_dependent += _history_dependent(request)
 
     def finish_request(self, request_id: str,
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Optional[Request]:
@@ -96,6 +105,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_history_dependent -= _history_dependent(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -223,7 +233,8 @@ class Scheduler:
                     self.running.remove(req)
                 else:  # preempted while its token was in flight (async scheduling)
                     self.waiting.remove(req)
-                self.requests.pop(req.request_id, None)
+                if self.requests.pop(req.request_id, None) is not None:
+                    self.num_history_dependent -= _history_dependent(req)
                 self.block_manager.free(req)
                 self._finished_since_step.add(req.request_id)
             updates.append(RequestUpdate(

@@ -60,4 +60,5 @@ def test_random_request_mixes_under_preemption(qwen3_ckpt, async_scheduling, pre
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.num_history_dependent == 0  # every finish path counted down
     assert llm.engine.scheduler.num_preemptions_total > 0

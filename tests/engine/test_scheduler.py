@@ -137,3 +137,19 @@ def test_token_arriving_for_a_request_preempted_meanwhile():
             run_step(s)
         assert not s.has_unfinished_requests()
         assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_history_dependent_requests_are_counted_until_they_end():
+    """Engine._needs_exact_state skips its scan while no unfinished request has penalties or min_tokens."""
+    s, _ = make(budget=100)
+    s.add_request(req("plain", 3))
+    s.add_request(Request("pen", [1, 2, 3], SamplingParams(max_tokens=2, presence_penalty=0.5)))
+    s.add_request(Request("min", [1, 2], SamplingParams(max_tokens=3, min_tokens=2)))
+    assert s.num_history_dependent == 2
+    s.finish_request("pen")
+    assert s.num_history_dependent == 1
+    s.finish_request("pen")  # twice: nothing more
+    assert s.num_history_dependent == 1
+    for _ in range(10):
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.num_history_dependent == 0
