@@ -183,9 +183,15 @@ class CudaGraphRunner:
 
     def run(self, sched_reqs, last_rows=None) -> tuple:
         """Replay the decode step of `sched_reqs`; returns views of the first n rows of
-        (hidden, logits or None, greedy tokens or None)."""
+        (hidden, logits or None, greedy tokens or None). On a CPU (tests) the same padded step runs
+        eagerly, which checks the static inputs and the in-graph token gather against the eager path."""
         n = len(sched_reqs)
         b = padded_size(self.sizes, n)
         self.inputs.fill(sched_reqs, b, self.block_size, last_rows)
+        if self.inputs.raw.device.type != "cuda":
+            fb = self.inputs.views(b)
+            with forward_context(fb, self.kv_caches):
+                out = self._forward(fb, self.inputs.src(b))
+            return tuple(t[:n] if t is not None else None for t in out)
         self.graphs[b].replay()
         return tuple(t[:n] if t is not None else None for t in self.outputs[b])
