@@ -269,7 +269,7 @@ def paged_decode_attention_triton(
     min_part keys (and one tile). merge_in_kernel=True lets the last split program to finish merge the
     splits instead of a second launch. Both are off by default: on the H200 (benchmarks/small_m_gemv.py,
     benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
-    were as fast or faster at every shape, up to 1.4x at batch 1 with 2-8k contexts, where the
+    were as fast or faster at every shape, up to 1.5x at batch 1 with 2-8k contexts, where the
     merging program's extra round trips through L2 cost more than the launch they save.
     """
     assert q.dim() == 3 and q.stride(-1) == 1
