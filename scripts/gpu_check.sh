@@ -6,7 +6,8 @@
 # Sections (default: tests small llama): tests (GPU tests), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
-# decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), baseline (transformers in the
+# decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
+# algorithm tuning at batch 16 / 64), baseline (transformers in the
 # same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
@@ -86,6 +87,14 @@ if has graphs8b; then  # the same two flags on the Llama-3.1-8B shape at batch 1
   step lat_l8_b1_flags_off 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_flags_off.json"
   step lat_l8_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $l8 --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_graphs_all.json"
+fi
+if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 16 64; do
+    l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
+    step lat_l8_b${B}_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 \
+      PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $l8 --profile --output-json "$R/latency_llama-3.1-8b_b${B}_tunableop.json"
+  done
 fi
 if has baseline; then  # transformers (static cache + torch.compile) in the same run
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
