@@ -56,6 +56,29 @@ def padded_size(sizes: List[int], n: int) -> int:
     return sizes[i]
 
 
+def capture_ladder(sizes: List[int], kv_caches, prepare) -> tuple:
+    """Capture one CUDA graph per size. prepare(size) -> (ForwardBatch over the static inputs, step fn).
+    Returns ({size: graph}, {size: step fn's outputs}, seconds). Largest first: the smaller graphs then
+    fit in the memory pool the largest one reserved; each step runs once eagerly first (lazy init and
+    Triton compilation outside the capture)."""
+    t0 = time.perf_counter()
+    graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: Dict[int, object] = {}
+    pool = None
+    for size in reversed(sizes):
+        fb, step = prepare(size)
+        with forward_context(fb, kv_caches):
+            step()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = step()
+        pool = g.pool()
+        graphs[size], outputs[size] = g, out
+    torch.cuda.synchronize()
+    return graphs, outputs, time.perf_counter() - t0
+
+
 class DecodeInputs:
     """Static buffers of a decode step for up to B sequences, plus their pinned host staging.
 
@@ -148,22 +171,11 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = None
-        # Largest first: smaller graphs then fit in the memory pool the largest one reserved.
-        for b in reversed(self.sizes):
-            fb = self.inputs.views(b)
-            src = self.inputs.src(b)
-            with forward_context(fb, self.kv_caches):
-                self._forward(fb, src)  # warm-up: lazy init outside the capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._forward(fb, src)
-            pool = g.pool()
-            self.graphs[b], self.outputs[b] = g, out
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        def prepare(b):
+            fb, src = self.inputs.views(b), self.inputs.src(b)
+            return fb, lambda: self._forward(fb, src)
+
+        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare)
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
         """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""

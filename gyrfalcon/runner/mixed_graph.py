@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import bisect
 import os
-import time
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
+from gyrfalcon.runner.cuda_graph import capture_ladder
 from gyrfalcon.runner.forward_batch import ForwardBatch, HostBatch
 
 MAX_SEQS = 32  # sequences per captured graph; a step with more runs eagerly
@@ -136,20 +135,11 @@ class MixedGraphRunner:
         return min(t, self.max_seqs)
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = None
-        for t in reversed(self.sizes):  # largest first: the smaller ones fit in its memory pool
+        def prepare(t):  # every sequence empty during capture
             fb, src, li = self.inputs.views(t, self.seqs_for(t))
-            with forward_context(fb, self.kv_caches):
-                self._forward(fb, src, li)  # warm-up outside the capture (every sequence empty)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._forward(fb, src, li)
-            pool = g.pool()
-            self.graphs[t], self.outputs[t] = g, out
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+            return fb, lambda: self._forward(fb, src, li)
+
+        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare)
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor) -> torch.Tensor:
         """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding)."""

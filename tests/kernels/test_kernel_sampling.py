@@ -59,14 +59,13 @@ def test_triton_matches_reference(S, V, block):
     seeds = torch.randint(0, 2**62, (S,), generator=g).to(DEVICE)
     offsets = torch.randint(0, 2**40, (S,), generator=g).to(DEVICE)
     got = gumbel_argmax_triton(z, seeds, offsets, block=block)
-    want = gumbel_argmax_ref(z, seeds, offsets)
     # The same uniforms; the scores' logs may differ by an ulp between implementations, so a different
     # pick must be a near-tie of the reference's scores.
     u = hash_uniform_ref(seeds, offsets, V)
     score = z.float() - torch.log(-torch.log(u))
     best = score.max(dim=-1).values
     chosen = score.gather(1, got.unsqueeze(1)).squeeze(1)
-    assert torch.all(best - chosen <= 1e-4 * best.abs().clamp(min=1)), (got, want)
+    assert torch.all(best - chosen <= 1e-4 * best.abs().clamp(min=1)), (got, score.argmax(-1))
     assert int(got[0]) >= V // 2  # never a masked entry
 
 
