@@ -145,6 +145,55 @@ def bench_decode_attention(rows):
             + f" us; best {best}; default at {rows[-1]['frac_hbm_default']:.0%} of HBM", flush=True)
 
 
+def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8):
+    width = max_len // block
+    blocks_per = -(-ctx // block)
+    caches = []
+    for _ in range(copies):
+        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
+        caches.append((kc, torch.randn_like(kc)))
+    bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
+    sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
+    return q, caches, bt, sl
+
+
+def bench_decode_attention_sweep(rows):
+    """Launch-shape sweep of decode attention where the model spends it: short contexts at batch 1-64
+    (the benchmark rows use 128-token prompts + 128 new tokens). Forced split counts (1 = no reduce
+    launch), keys per tile, warps, pipeline stages, and V loaded next to K (V_EARLY) or after the softmax."""
+    from gyrfalcon.kernels.paged_decode_attention import default_num_splits, paged_decode_attention_triton
+
+    for (n_heads, n_kv, d), B, ctx in itertools.chain(
+            itertools.product([(16, 8, 128), (32, 8, 128)], (1,), (128, 256, 512, 2048)),
+            itertools.product([(16, 8, 128), (32, 8, 128)], (16, 64), (256,))):
+        q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d)
+        ref_default = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+            q, kc, vc, bt, sl, d ** -0.5) for kc, vc in caches])
+        res = {}
+        for splits, bn, nw, ns, ve in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3), (False, True)):
+            if splits > 1 and (bn * (splits - 1) >= ctx or ns == 2):
+                continue  # splits past the context are empty (= fewer splits); 1-tile splits: stages moot
+            try:
+                res[splits, bn, nw, ns, ve] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+                    q, kc, vc, bt, sl, d ** -0.5, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns,
+                    v_early=ve) for kc, vc in caches])
+            except Exception as e:  # e.g. out of shared memory for the largest tiles
+                print(f"  skip {(splits, bn, nw, ns, ve)}: {type(e).__name__}", flush=True)
+        best = sorted(res, key=res.get)[:5]
+        kv_bytes = 2 * B * ctx * n_kv * d * 2
+        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx,
+                     "default_us": round(ref_default, 2),
+                     "default_splits": default_num_splits(B, n_kv, bt.shape[1] * 16, q.device),
+                     "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "stages": k[3], "v_early": k[4],
+                               "us": round(res[k], 2)} for k in best],
+                     "all": {"/".join(map(str, map(int, k))): round(t, 2) for k, t in res.items()},
+                     "frac_hbm_best": round(kv_bytes / (res[best[0]] * 1e-6) / HBM_BYTES_PER_S, 3)})
+        print(f"attn sweep H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {ref_default:6.2f} us; best "
+              + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json")
@@ -152,8 +201,12 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
+    ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
     args = ap.parse_args()
     gemv_rows, attn_rows = [], []
+    if args.attn_sweep:
+        args.skip_gemv = args.skip_attention = True
+        bench_decode_attention_sweep(attn_rows)
     if not args.skip_gemv:
         bench_gemv(args, gemv_rows)
     if not args.skip_attention:

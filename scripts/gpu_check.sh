@@ -3,7 +3,8 @@
 # The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD> so the JSON
 # records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
-# Sections (default: tests small llama): tests (GPU tests), ktests (kernel tests only), sweep (GEMV
+# Sections (default: tests small llama): tests (GPU tests), attnsweep (decode-attention launch shapes at
+# short contexts), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
 # decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -38,6 +39,9 @@ if has tests; then
   step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
   [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
     -p no:cacheprovider
+fi
+if has attnsweep; then  # decode-attention launch shapes at the model rows' short contexts
+  step attn_sweep 240 python3 benchmarks/small_m_gemv.py --attn-sweep --output-json "$R/decode_attn_sweep.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
   step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

@@ -62,7 +62,7 @@ if HAS_TRITON:
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
         MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, V_EARLY: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -109,6 +109,13 @@ if HAS_TRITON:
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
             )
+            if V_EARLY:
+                # Issue the V load next to the K load, so that their HBM latencies overlap rather than
+                # queue behind the QK^T dot and the softmax (what bounds a short context: 1-4 tiles).
+                v = tl.load(
+                    vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
+                )
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
@@ -118,10 +125,11 @@ if HAS_TRITON:
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
-            )
+            if not V_EARLY:
+                v = tl.load(
+                    vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
+                )
             p = p.to(v.dtype)
             if UPCAST:
                 p = p.to(tl.float32)
@@ -260,6 +268,7 @@ def paged_decode_attention_triton(
     num_stages: int | None = None,
     merge_in_kernel: bool = False,
     min_part: int = 0,
+    v_early: bool = False,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
@@ -308,7 +317,7 @@ def paged_decode_attention_triton(
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         BLOCK_S=next_pow2(num_splits), MIN_PART=min_part_,
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), V_EARLY=v_early,
         num_warps=nw, num_stages=ns,
     )
     if not direct and not merge_in_kernel:
