@@ -161,37 +161,90 @@ def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8):
 
 def bench_decode_attention_sweep(rows):
     """Launch-shape sweep of decode attention where the model spends it: short contexts at batch 1-64
-    (the benchmark rows use 128-token prompts + 128 new tokens). Forced split counts (1 = no reduce
-    launch), keys per tile, warps, pipeline stages, and V loaded next to K (V_EARLY) or after the softmax."""
+    (the benchmark rows use 128-token prompts + 128 new tokens), and batch 1 at long ones. Forced split
+    counts (1 = no reduce launch), keys per tile, warps, pipeline stages; each against the default
+    launch shape, with programmatic dependent launch off and on."""
     from gyrfalcon.kernels.paged_decode_attention import default_num_splits, paged_decode_attention_triton
 
     for (n_heads, n_kv, d), B, ctx in itertools.chain(
-            itertools.product([(16, 8, 128), (32, 8, 128)], (1,), (128, 256, 512, 2048)),
+            itertools.product([(16, 8, 128), (32, 8, 128)], (1,), (128, 256, 512, 2048, 8192)),
             itertools.product([(16, 8, 128), (32, 8, 128)], (16, 64), (256,))):
         q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d)
-        ref_default = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
-            q, kc, vc, bt, sl, d ** -0.5) for kc, vc in caches])
+
+        def timed(pdl=False, **kw):
+            return graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+                q, kc, vc, bt, sl, d ** -0.5, pdl=pdl, **kw) for kc, vc in caches])
+
+        t_default, t_default_pdl = timed(False), timed(True)
         res = {}
-        for splits, bn, nw, ns, ve in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3), (False, True)):
-            if splits > 1 and (bn * (splits - 1) >= ctx or ns == 2):
-                continue  # splits past the context are empty (= fewer splits); 1-tile splits: stages moot
+        for splits, bn, nw in itertools.product((1, 2, 4, 8, 16), (64, 128), (4, 8)):
+            if splits > 1 and bn * (splits - 1) >= ctx:
+                continue  # splits past the context are empty: the same as fewer splits
             try:
-                res[splits, bn, nw, ns, ve] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
-                    q, kc, vc, bt, sl, d ** -0.5, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns,
-                    v_early=ve) for kc, vc in caches])
+                res[splits, bn, nw] = timed(num_splits=splits, block_n=bn, num_warps=nw, num_stages=3)
             except Exception as e:  # e.g. out of shared memory for the largest tiles
-                print(f"  skip {(splits, bn, nw, ns, ve)}: {type(e).__name__}", flush=True)
+                print(f"  skip {(splits, bn, nw)}: {type(e).__name__}", flush=True)
         best = sorted(res, key=res.get)[:5]
         kv_bytes = 2 * B * ctx * n_kv * d * 2
         rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx,
-                     "default_us": round(ref_default, 2),
+                     "default_us": round(t_default, 2), "default_pdl_us": round(t_default_pdl, 2),
                      "default_splits": default_num_splits(B, n_kv, bt.shape[1] * 16, q.device),
-                     "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "stages": k[3], "v_early": k[4],
-                               "us": round(res[k], 2)} for k in best],
-                     "all": {"/".join(map(str, map(int, k))): round(t, 2) for k, t in res.items()},
-                     "frac_hbm_best": round(kv_bytes / (res[best[0]] * 1e-6) / HBM_BYTES_PER_S, 3)})
-        print(f"attn sweep H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {ref_default:6.2f} us; best "
+                     "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "us": round(res[k], 2)}
+                              for k in best],
+                     "all": {"/".join(map(str, k)): round(t, 2) for k, t in res.items()},
+                     "frac_hbm_default": round(kv_bytes / (t_default * 1e-6) / HBM_BYTES_PER_S, 3)})
+        print(f"attn sweep H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {t_default:6.2f} us, with PDL "
+              f"{t_default_pdl:6.2f}; best (splits, block_n, warps) "
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
+
+
+def bench_pdl_chain(rows):
+    """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 (norm+qkv GEMV, q/k-norm+rope+KV store,
+    attention over 256 tokens, o GEMV, norm+gate_up+SiLU GEMV, down GEMV), layer after layer on distinct
+    weights in one CUDA graph, with programmatic dependent launch off and on."""
+    from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
+    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
+    dev, bf = "cuda", torch.bfloat16
+    q, caches, bt, sl = _attn_inputs(1, ctx, H, KV, D, copies=layers)
+    pos = torch.tensor([ctx - 1], device=dev)
+    slot = torch.tensor([ctx - 1], device=dev)
+    cs = torch.randn(4096, D, device=dev)
+    Ws = [dict(qkv=torch.randn((H + 2 * KV) * D, hid, device=dev, dtype=bf) * 0.02,
+               o=torch.randn(hid, H * D, device=dev, dtype=bf) * 0.02,
+               gu=torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02,
+               down=torch.randn(hid, inter, device=dev, dtype=bf) * 0.02,
+               n1=torch.ones(hid, device=dev, dtype=bf), n2=torch.ones(hid, device=dev, dtype=bf),
+               qn=torch.ones(D, device=dev, dtype=bf), kn=torch.ones(D, device=dev, dtype=bf))
+          for _ in range(layers)]
+    x0 = torch.randn(1, hid, device=dev, dtype=bf)
+    out = {}
+    for pdl in (False, True):
+        def step(pdl=pdl):
+            x, res = x0, torch.zeros_like(x0)
+            for w, (kc, vc) in zip(Ws, caches):
+                qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
+                qq = qkv_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slot, w["qn"], w["kn"], pdl=pdl)
+                o = paged_decode_attention_triton(qq, kc, vc, bt, sl, D ** -0.5, pdl=pdl)
+                x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
+                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
+                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
+            return x
+        out[pdl] = step().float()
+        out[pdl, "us"] = graph_time_us([step], reps=3)
+    same = torch.equal(out[False], out[True])
+    wbytes = sum(t.numel() * 2 for w in Ws for t in w.values())
+    kvb = layers * 2 * ctx * KV * D * 2
+    for pdl in (False, True):
+        t = out[pdl, "us"]
+        print(f"pdl chain ({layers} Qwen3-0.6B layers, batch 1, ctx {ctx}): PDL {'on ' if pdl else 'off'} "
+              f"{t:7.1f} us per step ({(wbytes + kvb) / (t * 1e-6) / HBM_BYTES_PER_S:.0%} of HBM)", flush=True)
+    print(f"pdl chain: outputs identical with and without PDL: {same}; speedup "
+          f"x{out[False, 'us'] / out[True, 'us']:.3f}", flush=True)
+    rows.append({"layers": layers, "ctx": ctx, "us_pdl_off": round(out[False, "us"], 1),
+                 "us_pdl_on": round(out[True, "us"], 1), "identical": same,
+                 "speedup": round(out[False, "us"] / out[True, "us"], 3)})
 
 
 def main() -> None:
@@ -202,8 +255,12 @@ def main() -> None:
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
+    ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
     args = ap.parse_args()
-    gemv_rows, attn_rows = [], []
+    gemv_rows, attn_rows, chain_rows = [], [], []
+    if args.pdl_chain:
+        args.skip_gemv = args.skip_attention = True
+        bench_pdl_chain(chain_rows)
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)
@@ -215,7 +272,8 @@ def main() -> None:
         info = run_info(args)
         info["command"] = "python3 benchmarks/small_m_gemv.py " + " ".join(sys.argv[1:])
         with open(args.output_json, "w") as f:
-            json.dump({"benchmark": "small_m_gemv", **info, "gemv": gemv_rows, "decode_attention": attn_rows},
+            json.dump({"benchmark": "small_m_gemv", **info, "gemv": gemv_rows, "decode_attention": attn_rows,
+                       "pdl_chain": chain_rows},
                       f, indent=1)
 
 

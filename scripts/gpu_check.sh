@@ -6,7 +6,8 @@
 # Sections (default: tests small llama): tests (GPU tests), attnsweep (decode-attention launch shapes at
 # short contexts), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
-# batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), graphlogits (LM head in the
+# batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
+# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), graphlogits (LM head in the
 # decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
 # algorithm tuning at batch 16 / 64), baseline (transformers in the
 # same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
@@ -91,6 +92,28 @@ if has graphs8b; then  # the same two flags on the Llama-3.1-8B shape at batch 1
   step lat_l8_b1_flags_off 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_flags_off.json"
   step lat_l8_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $l8 --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_graphs_all.json"
+fi
+if has pdl; then  # programmatic dependent launch off / on: kernel chain, GPU tests, whole decode steps
+  step pdl_tests 300 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_model_gpu.py -k "not test_model_gpu or pdl" -p no:cacheprovider
+  step pdl_chain 90 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  for P in 0 1; do
+    step lat_q06_b1_pdl$P 90 env GYRFALCON_PDL=$P $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1_pdl$P.json"
+  done
+  step lat_q06_b1_prefillgraphs 90 env GYRFALCON_PDL=1 GYRFALCON_PREFILL_GRAPHS=1 $q06 --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_pdl1_prefillgraphs.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128"
+  for P in 0 1; do
+    step lat_l8_b1_pdl$P 90 env GYRFALCON_PDL=$P $l8 --batch-size 1 --max-num-seqs 1 --profile \
+      --output-json "$R/latency_llama-3.1-8b_b1_pdl$P.json"
+  done
+  for B in 16 64; do
+    step lat_l8_b${B}_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size $B --max-num-seqs $B --profile \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_pdl1.json"
+  done
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

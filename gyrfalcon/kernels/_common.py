@@ -40,6 +40,38 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda and os.environ.get("GYRFALCON_KERNELS") != "ref"
 
 
+# Programmatic dependent launch (Hopper+): a kernel launched with it may start while the previous kernel
+# in the stream is still running, do the work that does not depend on it (load weights), then wait in
+# gdc_wait() for that kernel to finish and its writes to be visible. In a decode step of ~200 small
+# kernels this overlaps each kernel's start-up latency with its predecessor's tail. Every program of such
+# a kernel must call gdc_wait() before it reads anything an earlier kernel wrote, and before it exits
+# (so that "previous kernel complete" stays transitive down the chain).
+gdc_wait = gdc_launch_dependents = None
+if HAS_TRITON:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F811
+    except Exception:  # pragma: no cover - older Triton
+        gdc_wait = gdc_launch_dependents = None
+_PDL_DEVICES: dict = {}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """True when kernels on `t`'s device should launch with programmatic dependent launch: a CUDA
+    device of compute capability >= 9.0, a Triton with grid-dependency control, not the interpreter,
+    and GYRFALCON_PDL=1 (off by default until measured; read on every call, like GYRFALCON_KERNELS)."""
+    if gdc_wait is None or not t.is_cuda or interpreting() or os.environ.get("GYRFALCON_PDL", "0") != "1":
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_DEVICES:
+        _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL_DEVICES[idx]
+
+
+def pdl_launch_kwargs(pdl: bool) -> dict:
+    """Extra launch keywords for a kernel compiled with USE_PDL=pdl."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1); Triton block shapes must be powers of two."""
     return 1 << max(0, (int(n) - 1).bit_length())

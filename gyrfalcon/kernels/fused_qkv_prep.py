@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
 from gyrfalcon.kernels.rms_norm import rms_norm_ref
 from gyrfalcon.kernels.rotary import apply_rotary_ref
 from gyrfalcon.kernels.store_kv import store_kv_ref
@@ -53,8 +54,11 @@ if HAS_TRITON:
         eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # qkv is the previous kernel's output
         tok = tl.program_id(0)
         h = tl.program_id(1)  # 0..NUM_HEADS-1: q heads; then kv heads
         d = tl.arange(0, BLOCK_D)
@@ -109,8 +113,9 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe)."""
+                    eps: float = 1e-6, pdl: Optional[bool] = None) -> torch.Tensor:
+    """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe). pdl: launch with
+    programmatic dependent launch (default: use_pdl(qkv))."""
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert cos_sin_cache.stride(-1) == 1
     T = qkv.shape[0]
@@ -118,6 +123,7 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     if T == 0:
         return q_out
     dummy = qkv  # a valid pointer for the absent norm weights (never read)
+    pdl = use_pdl(qkv) if pdl is None else pdl
     _qkv_prep_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else dummy,
@@ -129,7 +135,8 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=rotary_dim,
         IS_NEOX=bool(is_neox), BLOCK_SIZE=k_cache.shape[1],
         HAS_QW=q_norm_weight is not None, HAS_KW=k_norm_weight is not None,
-        BLOCK_D=max(16, next_pow2(head_dim)), num_warps=1 if head_dim <= 128 else 2,
+        BLOCK_D=max(16, next_pow2(head_dim)), USE_PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
+        **pdl_launch_kwargs(pdl),
     )
     return q_out
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
 
 _LOG2E = 1.4426950408889634
 
@@ -62,12 +63,15 @@ if HAS_TRITON:
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
         MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, V_EARLY: tl.constexpr,
+        UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
         # covers context tokens [s * part, (s + 1) * part) of its sequence, part sized on the device
         # from seq_len (flash-decoding without a host sync; splits past the end are empty).
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # q and this step's K/V come from the previous kernel; every program waits
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -109,13 +113,6 @@ if HAS_TRITON:
                 kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
                 mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
             )
-            if V_EARLY:
-                # Issue the V load next to the K load, so that their HBM latencies overlap rather than
-                # queue behind the QK^T dot and the softmax (what bounds a short context: 1-4 tiles).
-                v = tl.load(
-                    vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
-                )
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
@@ -125,11 +122,10 @@ if HAS_TRITON:
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not V_EARLY:
-                v = tl.load(
-                    vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
-                    mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
-                )
+            v = tl.load(
+                vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
+            )
             p = p.to(v.dtype)
             if UPCAST:
                 p = p.to(tl.float32)
@@ -190,10 +186,13 @@ if HAS_TRITON:
     def _decode_reduce_kernel(
         pacc_ptr, pml_ptr, o_ptr, seq_lens_ptr, num_splits, n_heads, s_ob, s_oh,
         HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-        MIN_PART: tl.constexpr,
+        MIN_PART: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # Grid: (num_seqs, num_heads). Log-sum-exp merge of the splits' partial softmaxes: only the
         # splits that held keys (the split kernel's own arithmetic; empty ones wrote nothing).
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(seq_lens_ptr + b)
@@ -238,19 +237,28 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+MAX_SPLITS = 16
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill the GPU about
     twice over, but at least ~256 context tokens per split, rounded to a power of two to bound the
-    number of compiled variants. max_context is an upper bound (e.g. block-table width * block_size)."""
+    number of compiled variants, and at most MAX_SPLITS. max_context is an upper bound (e.g.
+    block-table width * block_size: under a CUDA graph, max_model_len), so most of the grid is empty
+    splits at short contexts; each costs a block launch: on the H200 (decode_attn_sweep-h200-2026-11-30-
+    run5.json) a 64-split grid took 7.3-7.4 us at batch 1 with 128-512 tokens of context where 4-8
+    splits took 5.3-6.0."""
     want = cdiv(2 * _sm_count(device), max(1, num_seqs * num_kv_heads))
-    want = min(want, cdiv(max(1, max_context), 256), 64)
-    return min(64, next_pow2(max(1, want)))
+    want = min(want, cdiv(max(1, max_context), 256), MAX_SPLITS)
+    return min(MAX_SPLITS, next_pow2(max(1, want)))
 
 
-def _decode_config(head_dim: int):
-    """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs)."""
+def _decode_config(head_dim: int, programs: int):
+    """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
+    programs = sequences * kv heads: a small batch has few programs in flight, and 8 warps per
+    program hide more latency there (H200 sweep: 5.9-6.0 vs 6.5-6.6 us at batch 1, 256-512 tokens)."""
     if head_dim <= 128:
-        return 64, 4, 3
+        return 64, (8 if programs <= 32 else 4), 3
     return 32, 4, 3
 
 
@@ -268,7 +276,7 @@ def paged_decode_attention_triton(
     num_stages: int | None = None,
     merge_in_kernel: bool = False,
     min_part: int = 0,
-    v_early: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
 
@@ -295,13 +303,14 @@ def paged_decode_attention_triton(
     if num_splits is None:
         num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device)
     num_splits = max(1, int(num_splits))
-    bn, nw, ns = _decode_config(max(dk, dv))
+    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1
     merge_in_kernel = merge_in_kernel and not direct and n_seqs * n_kv <= _MAX_COUNTERS
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
+    pdl = use_pdl(q) if pdl is None else pdl
     if direct:
         pacc = pml = o  # unused
     else:
@@ -317,14 +326,14 @@ def paged_decode_attention_triton(
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         BLOCK_S=next_pow2(num_splits), MIN_PART=min_part_,
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(), V_EARLY=v_early,
-        num_warps=nw, num_stages=ns,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        USE_PDL=pdl, num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
     if not direct and not merge_in_kernel:
         _decode_reduce_kernel[(n_seqs, n_heads)](
             pacc, pml, o, seq_lens, num_splits, n_heads, o.stride(0), o.stride(1),
             HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), BLOCK_N=bn, MIN_PART=min_part_,
-            num_warps=4,
+            USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
         )
     return o
 

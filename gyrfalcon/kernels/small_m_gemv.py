@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
 from gyrfalcon.kernels.activation import silu_and_mul_ref
 from gyrfalcon.kernels.rms_norm import rms_norm_ref
 
@@ -92,12 +93,37 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
 if HAS_TRITON:
 
     @triton.jit
+    def _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized, in the weight dtype."""
+        m2 = rmask[:, None] & kmask[None, :]
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+        if HAS_RES:
+            rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+            xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(OUT_DTYPE)
+        return xk
+
+    @triton.jit
+    def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += xk [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T."""
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * xk.to(tl.float32), axis=1)[None, :]
+        elif UPCAST:  # the interpreter's dot mishandles 16-bit operands
+            acc += tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            acc += tl.dot(xk.to(w.dtype), tl.trans(w), input_precision=DOT_PREC)
+        return acc
+
+    @triton.jit
     def _norm_gemv_kernel(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_BLOCK: tl.constexpr,
+        NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
         # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
@@ -108,6 +134,16 @@ if HAS_TRITON:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         ks = tl.arange(0, BLOCK_K)
+        # The first weight tile is loaded before anything that depends on the previous kernel: its
+        # latency overlaps the input's (and, with USE_PDL, the previous kernel's tail).
+        kmask0 = ks < K
+        wmask0 = cmask[:, None] & kmask0[None, :]
+        w0 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask0, other=0.0)
+        if SILU_MUL:
+            wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # x and the residual are the previous kernels' outputs
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         if HAS_NORM:
             # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
@@ -130,34 +166,22 @@ if HAS_TRITON:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+                          HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+        acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
+        if SILU_MUL:
+            acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
-            m2 = rmask[:, None] & kmask[None, :]
-            xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-            if HAS_RES:
-                rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if HAS_NORM:
-                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty)
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                              HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+            acc = _gemv_acc(acc, xk, w, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 wu = tl.load(w_ptr + (cols[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
-            if BLOCK_M == 1:
-                xf = xk.to(tl.float32)  # [1, BLOCK_K]
-                acc += tl.sum(w.to(tl.float32) * xf, axis=1)[None, :]
-                if SILU_MUL:
-                    acc_up += tl.sum(wu.to(tl.float32) * xf, axis=1)[None, :]
-            elif UPCAST:  # the interpreter's dot mishandles 16-bit operands
-                acc += tl.dot(xk.to(tl.float32), tl.trans(w.to(tl.float32)))
-                if SILU_MUL:
-                    acc_up += tl.dot(xk.to(tl.float32), tl.trans(wu.to(tl.float32)))
-            else:
-                acc += tl.dot(xk.to(w.dtype), tl.trans(w), input_precision=DOT_PREC)
-                if SILU_MUL:
-                    acc_up += tl.dot(xk.to(wu.dtype), tl.trans(wu), input_precision=DOT_PREC)
+                acc_up = _gemv_acc(acc_up, xk, wu, UPCAST, DOT_PREC, BLOCK_M)
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
             g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -170,9 +194,11 @@ if HAS_TRITON:
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                      residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
                      block_n: Optional[int] = None, block_k: Optional[int] = None,
-                     config: Optional[GemvConfig] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     config: Optional[GemvConfig] = None,
+                     pdl: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
-    block_n / block_k alone) overrides default_config (tests, benchmark sweeps)."""
+    block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
+    programmatic dependent launch (default: use_pdl(x))."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -188,6 +214,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     block_m = 1 if M == 1 else MAX_M
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
     dummy = x
+    pdl = use_pdl(x) if pdl is None else pdl
     _norm_gemv_kernel[(triton.cdiv(N, bn),)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, y, r_out if r_out is not None else dummy,
@@ -196,8 +223,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
-        NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k), USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 

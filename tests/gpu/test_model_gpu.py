@@ -61,14 +61,16 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
     graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1);
-    prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1)."""
+    prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1);
+    pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
@@ -118,6 +120,24 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
     # two sequences differ (token-for-token identity is the fp32 test's job).
     print(f"bf16: {exact} of {len(rows)} greedy paths identical to transformers'; {ties} of {steps} steps "
           "picked a near-tie")
+
+
+def test_pdl_bf16_tokens_identical(ckpt, monkeypatch):
+    """Programmatic dependent launch changes when kernels start, never what they compute: bf16 greedy
+    tokens with it on and off (graphs, batch of 4 with ragged prompts) must be identical. A kernel that
+    read its predecessor's output before gdc_wait would show up here as a different path."""
+    path, refs = ckpt
+    rows = refs[torch.bfloat16]
+    sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    got = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("GYRFALCON_PDL", pdl)
+        llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, **BLOCKS)
+        outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+        got[pdl] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert got["0"] == got["1"]
 
 
 def test_prefill_logits_close(ckpt):

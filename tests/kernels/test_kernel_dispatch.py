@@ -53,3 +53,15 @@ def test_kernels_import_nothing_but_kernels_and_no_modules():
                     assert m.startswith("gyrfalcon.kernels"), f"{path.name} imports {m}"
                 assert m not in ("torch.nn",) or not set(names) & {"Module"}, f"{path.name} imports nn.Module"
         assert "nn.Module" not in path.read_text(), path.name
+
+
+def test_pdl_only_on_request_and_never_on_cpu(monkeypatch):
+    """Programmatic dependent launch is off unless GYRFALCON_PDL=1, and never for CPU tensors (or under
+    the interpreter); with it off no launch keyword is added."""
+    x = torch.randn(2, 4)
+    monkeypatch.delenv("GYRFALCON_PDL", raising=False)
+    assert not _common.use_pdl(x)
+    monkeypatch.setenv("GYRFALCON_PDL", "1")
+    assert not _common.use_pdl(x)
+    assert _common.pdl_launch_kwargs(False) == {}
+    assert _common.pdl_launch_kwargs(True) == {"launch_pdl": True}
