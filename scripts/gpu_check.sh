@@ -7,7 +7,8 @@
 # short contexts), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
-# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), graphlogits (LM head in the
+# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), defaults (batch 1 with the
+# current defaults vs PDL and prefill graphs off, and a greedy-token check), graphlogits (LM head in the
 # decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
 # algorithm tuning at batch 16 / 64), baseline (transformers in the
 # same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
@@ -114,6 +115,32 @@ if has pdl; then  # programmatic dependent launch off / on: kernel chain, GPU te
     step lat_l8_b${B}_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size $B --max-num-seqs $B --profile \
       --output-json "$R/latency_llama-3.1-8b_b${B}_pdl1.json"
   done
+fi
+if has defaults; then  # the current defaults vs PDL and prefill graphs off, batch 1, same call; token check
+  step pdl_chain_test 90 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k pdl -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  step tokens_q06 90 python3 - <<'PY'
+import os, subprocess, sys, json
+code = ("import json,sys; from gyrfalcon import LLM, SamplingParams; llm = LLM('/tmp/ck/q06', max_model_len=1024); "
+        "sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True); "
+        "print(json.dumps([llm.generate([{'prompt_token_ids': list(range(7 + i, 7 + i + 50 * (i + 1)))}], sp, "
+        "use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]))")
+outs = {}
+for name, env in (("default", {}), ("off", {"GYRFALCON_PDL": "0", "GYRFALCON_PREFILL_GRAPHS": "0"})):
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    outs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+print("batch-1 greedy tokens (bf16, 3 prompts x 64) identical with PDL + prefill graphs on and off:",
+      outs["default"] == outs["off"])
+PY
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  step lat_q06_b1_defaults 90 $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1_defaults.json"
+  step lat_q06_b1_flagsoff 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $q06 --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_pdl0_prefill0.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  step lat_l8_b1_defaults 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_defaults.json"
+  step lat_l8_b1_flagsoff 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $l8 --profile \
+    --output-json "$R/latency_llama-3.1-8b_b1_pdl0_prefill0.json"
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

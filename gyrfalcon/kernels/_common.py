@@ -53,13 +53,36 @@ if HAS_TRITON:
     except Exception:  # pragma: no cover - older Triton
         gdc_wait = gdc_launch_dependents = None
 _PDL_DEVICES: dict = {}
+_PDL_WARMUP = [False]
+
+
+class pdl_warmup:
+    """Within this block use_pdl() answers as if a CUDA graph were being captured, so that the eager
+    warm-up run before a capture compiles (and loads) the same kernel variants that the capture records."""
+
+    def __enter__(self):
+        self._prev = _PDL_WARMUP[0]
+        _PDL_WARMUP[0] = True
+
+    def __exit__(self, *exc):
+        _PDL_WARMUP[0] = self._prev
 
 
 def use_pdl(t: torch.Tensor) -> bool:
-    """True when kernels on `t`'s device should launch with programmatic dependent launch: a CUDA
-    device of compute capability >= 9.0, a Triton with grid-dependency control, not the interpreter,
-    and GYRFALCON_PDL=1 (off by default until measured; read on every call, like GYRFALCON_KERNELS)."""
-    if gdc_wait is None or not t.is_cuda or interpreting() or os.environ.get("GYRFALCON_PDL", "0") != "1":
+    """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
+    into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
+    compute capability >= 9.0, with a Triton that has grid-dependency control, not under the
+    interpreter, and GYRFALCON_PDL is not "0" (read on every call, like GYRFALCON_KERNELS).
+
+    Why only there (H200, benchmarks/results/*-h200-2026-11-30-run6.json): in batch-1 decode graphs it
+    cut the step from 0.909 to 0.835 ms on Qwen3-0.6B and from 4.483 to 4.403 ms on Llama-3.1-8B; in
+    eager prefills it added ~9 ms of TTFT; on decode attention alone at batch 16 it was slower
+    (12.4 -> 15.2 us)."""
+    if gdc_wait is None or not t.is_cuda or interpreting() or os.environ.get("GYRFALCON_PDL", "1") == "0":
+        return False
+    if t.dim() == 0 or t.shape[0] != 1:
+        return False
+    if not (_PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()):
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_DEVICES:

@@ -247,7 +247,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     block-table width * block_size: under a CUDA graph, max_model_len), so most of the grid is empty
     splits at short contexts; each costs a block launch: on the H200 (decode_attn_sweep-h200-2026-11-30-
     run5.json) a 64-split grid took 7.3-7.4 us at batch 1 with 128-512 tokens of context where 4-8
-    splits took 5.3-6.0."""
+    splits took 5.3-6.0; at 8192 tokens 16 splits of 128-key tiles took 19.0 us (run 6)."""
     want = cdiv(2 * _sm_count(device), max(1, num_seqs * num_kv_heads))
     want = min(want, cdiv(max(1, max_context), 256), MAX_SPLITS)
     return min(MAX_SPLITS, next_pow2(max(1, want)))
@@ -255,10 +255,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 
 def _decode_config(head_dim: int, programs: int):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
-    programs = sequences * kv heads: a small batch has few programs in flight, and 8 warps per
-    program hide more latency there (H200 sweep: 5.9-6.0 vs 6.5-6.6 us at batch 1, 256-512 tokens)."""
+    programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
+    head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
+    12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
+    19.0 vs 23.1 at 8192), within ~0.5 us of the best at 128-512 tokens; at batch 64, 64-key tiles
+    (22.5 vs 24.4 us)."""
     if head_dim <= 128:
-        return 64, (8 if programs <= 32 else 4), 3
+        return (128 if programs <= 128 else 64), 4, 3
     return 32, 4, 3
 
 

@@ -134,16 +134,17 @@ if HAS_TRITON:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         ks = tl.arange(0, BLOCK_K)
-        # The first weight tile is loaded before anything that depends on the previous kernel: its
-        # latency overlaps the input's (and, with USE_PDL, the previous kernel's tail).
-        kmask0 = ks < K
-        wmask0 = cmask[:, None] & kmask0[None, :]
-        w0 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask0, other=0.0)
-        if SILU_MUL:
-            wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
         if USE_PDL:
+            # The first weight tile does not depend on the previous kernel: load it while that kernel
+            # finishes, then wait for its output (x, the residual). Without PDL the plain loop below
+            # does all tiles (measured ~6-9% faster per GEMV on the H200 than this peeled form).
+            kmask0 = ks < K
+            wmask0 = cmask[:, None] & kmask0[None, :]
+            w0 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask0, other=0.0)
+            if SILU_MUL:
+                wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
             gdc_launch_dependents()
-            gdc_wait()  # x and the residual are the previous kernels' outputs
+            gdc_wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         if HAS_NORM:
             # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
@@ -166,12 +167,14 @@ if HAS_TRITON:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
-                          HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
-        acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
-        if SILU_MUL:
-            acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        K_START: tl.constexpr = BLOCK_K if USE_PDL else 0
+        if USE_PDL:
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+                              HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+            acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
+            if SILU_MUL:
+                acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
+        for k0 in range(K_START, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
             xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
+from gyrfalcon.kernels._common import pdl_warmup
 from gyrfalcon.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def capture_ladder(sizes: List[int], kv_caches, prepare) -> tuple:
     for size in reversed(sizes):
         fb, step = prepare(size)
         with forward_context(fb, kv_caches):
-            step()
+            with pdl_warmup():  # compile the kernel variants the capture will launch, outside it
+                step()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):

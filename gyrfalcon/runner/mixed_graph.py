@@ -10,8 +10,10 @@ sequence), the sequences past m are empty (query length 0, seq_len 0), and the a
 their grids from these static shapes (paged_attention needs no host-side lengths). The graph ends with
 the gather of the sampled rows, so it returns [b, hidden] and the LM head runs on those rows only.
 
-Off unless GYRFALCON_PREFILL_GRAPHS=1 until measured on the GPU. On a CPU (tests) `run` executes the
-same padded forward eagerly, which checks the padding semantics against the unpadded path.
+On by default on a GPU (GYRFALCON_PREFILL_GRAPHS=0 turns it off): on the H200 it cut batch-1 TTFT of a
+128-token prompt from 12.5 to 2.3 ms on Qwen3-0.6B and from 12.4 to 6.0 ms on Llama-3.1-8B
+(benchmarks/results/*-h200-2026-11-30-run{5,6}.json). On a CPU (tests) `run` executes the same padded
+forward eagerly, which checks the padding semantics against the unpadded path.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ MAX_TOKENS = 512  # the top of the token ladder: larger prefills are GPU-bound a
 
 
 def prefill_graphs_enabled() -> bool:
-    return os.environ.get("GYRFALCON_PREFILL_GRAPHS", "0") == "1"
+    return os.environ.get("GYRFALCON_PREFILL_GRAPHS", "1") != "0"
 
 
 def token_sizes(max_num_batched_tokens: int, top: int = MAX_TOKENS) -> List[int]:

@@ -81,7 +81,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
-    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    if mode == "pdl":  # PDL is used by batch-1 decode graphs: one request at a time
+        outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
+    else:
+        outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
     for out, (_, ref_tokens, _) in zip(outs, rows):
         assert out.outputs[0].token_ids == ref_tokens
     bm = llm.engine.block_manager
@@ -124,7 +127,7 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
 
 def test_pdl_bf16_tokens_identical(ckpt, monkeypatch):
     """Programmatic dependent launch changes when kernels start, never what they compute: bf16 greedy
-    tokens with it on and off (graphs, batch of 4 with ragged prompts) must be identical. A kernel that
+    tokens with it on and off (batch-1 decode graphs, where it is used) must be identical. A kernel that
     read its predecessor's output before gdc_wait would show up here as a different path."""
     path, refs = ckpt
     rows = refs[torch.bfloat16]
@@ -133,8 +136,8 @@ def test_pdl_bf16_tokens_identical(ckpt, monkeypatch):
     for pdl in ("0", "1"):
         monkeypatch.setenv("GYRFALCON_PDL", pdl)
         llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, **BLOCKS)
-        outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
-        got[pdl] = [o.outputs[0].token_ids for o in outs]
+        got[pdl] = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+                    for r in rows]
         del llm
         torch.cuda.empty_cache()
     assert got["0"] == got["1"]

@@ -55,13 +55,16 @@ def test_kernels_import_nothing_but_kernels_and_no_modules():
         assert "nn.Module" not in path.read_text(), path.name
 
 
-def test_pdl_only_on_request_and_never_on_cpu(monkeypatch):
-    """Programmatic dependent launch is off unless GYRFALCON_PDL=1, and never for CPU tensors (or under
-    the interpreter); with it off no launch keyword is added."""
-    x = torch.randn(2, 4)
+def test_pdl_never_on_cpu_and_off_by_env(monkeypatch):
+    """Programmatic dependent launch is never used for CPU tensors (or under the interpreter), not even
+    in the pre-capture warm-up; GYRFALCON_PDL=0 turns it off; with it off no launch keyword is added."""
+    x = torch.randn(1, 4)
     monkeypatch.delenv("GYRFALCON_PDL", raising=False)
     assert not _common.use_pdl(x)
-    monkeypatch.setenv("GYRFALCON_PDL", "1")
+    with _common.pdl_warmup():
+        assert not _common.use_pdl(x)
+    assert not _common._PDL_WARMUP[0]
+    monkeypatch.setenv("GYRFALCON_PDL", "0")
     assert not _common.use_pdl(x)
     assert _common.pdl_launch_kwargs(False) == {}
     assert _common.pdl_launch_kwargs(True) == {"launch_pdl": True}
