@@ -72,7 +72,8 @@ def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
     compute capability >= 9.0, with a Triton that has grid-dependency control, not under the
-    interpreter, and GYRFALCON_PDL is not "0" (read on every call, like GYRFALCON_KERNELS).
+    interpreter, and GYRFALCON_PDL is not "0" (read on every call, like GYRFALCON_KERNELS; "serial":
+    see pdl_launch_kwargs).
 
     Why only there (H200, benchmarks/results/*-h200-2026-11-30-run6.json): in batch-1 decode graphs it
     cut the step from 0.909 to 0.835 ms on Qwen3-0.6B and from 4.483 to 4.403 ms on Llama-3.1-8B; in
@@ -91,8 +92,10 @@ def use_pdl(t: torch.Tensor) -> bool:
 
 
 def pdl_launch_kwargs(pdl: bool) -> dict:
-    """Extra launch keywords for a kernel compiled with USE_PDL=pdl."""
-    return {"launch_pdl": True} if pdl else {}
+    """Extra launch keywords for a kernel compiled with USE_PDL=pdl. GYRFALCON_PDL=serial launches the
+    same kernel variants without the attribute: gdc_wait / gdc_launch_dependents are then no-ops and the
+    kernels run one after another, with the same arithmetic (the tests' reference for PDL races)."""
+    return {"launch_pdl": True} if pdl and os.environ.get("GYRFALCON_PDL") != "serial" else {}
 
 
 def next_pow2(n: int) -> int:

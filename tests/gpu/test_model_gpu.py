@@ -127,20 +127,21 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
 
 def test_pdl_bf16_tokens_identical(ckpt, monkeypatch):
     """Programmatic dependent launch changes when kernels start, never what they compute: bf16 greedy
-    tokens with it on and off (batch-1 decode graphs, where it is used) must be identical. A kernel that
-    read its predecessor's output before gdc_wait would show up here as a different path."""
+    tokens with it on and with the same kernels launched one after another (GYRFALCON_PDL=serial),
+    in batch-1 decode graphs where it is used, must be identical. A kernel that read its predecessor's
+    output before gdc_wait would show up here as a different path."""
     path, refs = ckpt
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     got = {}
-    for pdl in ("0", "1"):
+    for pdl in ("serial", "1"):
         monkeypatch.setenv("GYRFALCON_PDL", pdl)
         llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, **BLOCKS)
         got[pdl] = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0].outputs[0].token_ids
                     for r in rows]
         del llm
         torch.cuda.empty_cache()
-    assert got["0"] == got["1"]
+    assert got["serial"] == got["1"]
 
 
 def test_prefill_logits_close(ckpt):

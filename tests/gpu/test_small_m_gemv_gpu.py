@@ -35,10 +35,12 @@ def test_matches_reference(name, M):
         torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
 
 
-def test_pdl_chain_identical_in_a_graph():
-    """A chain of GEMVs (each reading the previous one's output) launched with programmatic dependent
-    launch, captured in a CUDA graph: bitwise the same as without it (the weight tile is loaded before
-    gdc_wait, the input after)."""
+def test_pdl_chain_identical_in_a_graph(monkeypatch):
+    """A chain of GEMVs, q/k-norm+rope+KV store and decode attention (each reading the previous one's
+    output) launched with programmatic dependent launch and captured in a CUDA graph: bitwise the same
+    as the same kernel variants launched one after another (GYRFALCON_PDL=serial), so no kernel reads
+    its input before gdc_wait; and close to the non-PDL variants (the GEMV peels its first weight tile
+    under PDL, which changes the fp32 summation order)."""
     from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
 
@@ -69,7 +71,8 @@ def test_pdl_chain_identical_in_a_graph():
         return x
 
     outs = {}
-    for pdl in (False, True):
+    for name, pdl, env in (("off", False, "0"), ("serial", True, "serial"), ("pdl", True, "1")):
+        monkeypatch.setenv("GYRFALCON_PDL", env)
         chain(pdl)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -78,6 +81,7 @@ def test_pdl_chain_identical_in_a_graph():
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        outs[pdl] = y.clone()
-    assert torch.isfinite(outs[False].float()).all()
-    assert torch.equal(outs[False], outs[True])
+        outs[name] = y.clone()
+    assert torch.isfinite(outs["off"].float()).all()
+    assert torch.equal(outs["pdl"], outs["serial"])
+    torch.testing.assert_close(outs["pdl"].float(), outs["off"].float(), rtol=5e-2, atol=5e-2)

@@ -67,4 +67,7 @@ def test_pdl_never_on_cpu_and_off_by_env(monkeypatch):
     monkeypatch.setenv("GYRFALCON_PDL", "0")
     assert not _common.use_pdl(x)
     assert _common.pdl_launch_kwargs(False) == {}
+    monkeypatch.delenv("GYRFALCON_PDL")
     assert _common.pdl_launch_kwargs(True) == {"launch_pdl": True}
+    monkeypatch.setenv("GYRFALCON_PDL", "serial")  # the PDL kernel variants, launched one after another
+    assert _common.pdl_launch_kwargs(True) == {}
