@@ -137,7 +137,8 @@ if HAS_TRITON:
         if USE_PDL:
             # The first weight tile does not depend on the previous kernel: load it while that kernel
             # finishes, then wait for its output (x, the residual). Without PDL the plain loop below
-            # does all tiles (measured ~6-9% faster per GEMV on the H200 than this peeled form).
+            # does all tiles (the loop's own software pipeline; the peeled form was slower without PDL
+            # on the H200, run 6).
             kmask0 = ks < K
             wmask0 = cmask[:, None] & kmask0[None, :]
             w0 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask0, other=0.0)
@@ -180,10 +181,12 @@ if HAS_TRITON:
             xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                               HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
             wmask = cmask[:, None] & kmask[None, :]
+            # Both weight tiles are loaded before either is used, so that their latencies overlap.
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-            acc = _gemv_acc(acc, xk, w, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 wu = tl.load(w_ptr + (cols[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0)
+            acc = _gemv_acc(acc, xk, w, UPCAST, DOT_PREC, BLOCK_M)
+            if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu, UPCAST, DOT_PREC, BLOCK_M)
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
