@@ -1,4 +1,5 @@
-"""The code model shipped in gyrfalcon/assets/demo-model (trained by scripts/train_demo_model.py).
+"""The code model shipped in gyrfalcon/assets/demo-model (trained by scripts/train_demo_model.py, then
+scripts/finetune_demo_functions.py).
 
 (a) the checkpoint is a well-formed Hugging Face checkpoint that transformers loads, with finite logits
     and a low loss on held-out code (a trained model, not random weights);
@@ -21,8 +22,10 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "gyrfalcon" / "assets" / "demo
 EOS = "<|endoftext|>"
 PARITY_MAX_TOKENS = 32
 PARSE_MAX_TOKENS = 128
-MIN_PARSE_RATE = 0.5  # ast.parse of the cut completion (truncation inside a statement counts as a failure)
-MIN_VALID_RATE = 0.7  # ... or valid-but-truncated (see judge_completion)
+# Issue 5 asks >= 70% of the held-out completions to parse. The shipped model: 19 / 24 parse, 22 / 24 parse
+# or are valid-but-truncated (CPU, fp32 compute; the model card's table).
+MIN_PARSE_RATE = 0.7  # ast.parse of the cut completion (truncation inside a statement counts as a failure)
+MIN_VALID_RATE = 0.8  # ... or valid-but-truncated (see judge_completion)
 PARITY_PROMPTS = [
     "def fib(n):",
     "import os\n\n\ndef read_file(path):",
@@ -75,6 +78,23 @@ def test_judge_completion():
     assert judge_completion(sig, '\n    """Doc."""\n        return x\n  ', False) == "invalid"  # bad indent
     assert judge_completion(sig, "\n    return x +\n\ndef g(): pass\n", False) == "invalid"  # ended, invalid
     assert judge_completion(sig, " retur", False) == "invalid"  # nothing past the signature
+
+
+def test_finetune_documents_are_whole_top_level_functions():
+    """The second training stage's documents: each top-level function (decorators included) as written,
+    none named like a held-out prompt; methods and nested functions are not documents of their own."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "finetune_demo_functions.py"
+    spec = importlib.util.spec_from_file_location("finetune_demo_functions", path)
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    text = ("import os\n\n\n@cache\ndef a(x):\n    def inner():\n        return 1\n    return x\n\n\n"
+            "class C:\n    def m(self):\n        return 2\n\n\nasync def held(y):\n    return y\n\n\n"
+            "def b():\n    pass\n")
+    docs = ft.function_documents([("x/f.py", text), ("x/bad.py", "def (:\n")], exclude_names={"held"})
+    assert [d for _, d in docs] == ["@cache\ndef a(x):\n    def inner():\n        return 1\n    return x",
+                                    "def b():\n    pass"]
 
 
 def score(prompts, completions):
