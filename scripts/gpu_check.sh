@@ -3,7 +3,7 @@
 # The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD> so the JSON
 # records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
-# Sections (default: tests small llama): tests (GPU tests), attnsweep (decode-attention launch shapes at
+# Sections (default: tests defaults): tests (GPU tests), attnsweep (decode-attention launch shapes at
 # short contexts), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
-SECTIONS=${*:-tests small llama}  # one device call fits about two sections
+SECTIONS=${*:-tests defaults}  # one device call fits about two sections
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 if has tests; then
