@@ -115,23 +115,28 @@ def bench_gemv(args, rows):
             del ws
 
 
+def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8):
+    """q [B, H, d] and `copies` distinct paged K/V caches (bf16) holding ctx tokens per sequence, with a
+    block table as wide as max_len (as under a CUDA graph) and seq_lens."""
+    width = max_len // block
+    blocks_per = -(-ctx // block)
+    caches = []
+    for _ in range(copies):
+        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
+        caches.append((kc, torch.randn_like(kc)))
+    bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
+    sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
+    return q, caches, bt, sl
+
+
 def bench_decode_attention(rows):
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
 
-    block = 16
-    for (n_heads, n_kv, d), B, ctx, max_len in itertools.product(
-            [(16, 8, 128), (32, 8, 128)], (1, 16, 64), (256, 2048, 8192), (40960,)):
-        width = max_len // block
-        blocks_per = -(-ctx // block)
-        copies = 8
-        caches = []
-        for _ in range(copies):
-            kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
-            caches.append((kc, torch.randn_like(kc)))
-        bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
-        bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
-        sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
+    for (n_heads, n_kv, d), B, ctx in itertools.product(
+            [(16, 8, 128), (32, 8, 128)], (1, 16, 64), (256, 2048, 8192)):
+        q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d)
         res = {}
         for merge, min_part in ((False, 64), (True, 64), (False, 256), (True, 256)):
             res[merge, min_part] = graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
@@ -144,20 +149,6 @@ def bench_decode_attention(rows):
         print(f"decode attn H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: " + "  ".join(
             f"{'merge' if m else 'reduce'}/{p} {t:6.1f}" for (m, p), t in res.items())
             + f" us; best {best}; default at {rows[-1]['frac_hbm_default']:.0%} of HBM", flush=True)
-
-
-def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8):
-    width = max_len // block
-    blocks_per = -(-ctx // block)
-    caches = []
-    for _ in range(copies):
-        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
-        caches.append((kc, torch.randn_like(kc)))
-    bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
-    bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
-    sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
-    return q, caches, bt, sl
 
 
 def bench_decode_attention_sweep(rows):
