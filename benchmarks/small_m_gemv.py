@@ -1,12 +1,14 @@
 """Decode-sized linear layers on the GPU: the Triton norm+GEMV kernel (default launch shape and a sweep of
 launch shapes) against the unfused path (RMSNorm kernel + cuBLAS + silu_and_mul), and the decode
-attention kernel with its split merge in-kernel vs a separate reduce kernel.
+attention kernel with its split merge in-kernel vs a separate reduce kernel; with --argmax, the greedy
+argmax kernel against torch's argmax at sampler shapes.
 
 Each timing is a CUDA graph of the op applied to enough distinct weight copies (>= 256 MB) that nothing
 stays in the 50 MB L2 between calls, as in a model whose every layer has its own weights; the time per
 call is the graph's time divided by the number of calls. Bandwidth is against the 4.15 TB/s roofline.
 
 python3 benchmarks/small_m_gemv.py [--quick] [--output-json FILE]
+python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 """
 
 from __future__ import annotations
@@ -244,6 +246,51 @@ def bench_pdl_chain(rows):
                  "speedup": round(out[False, "us"] / out[True, "us"], 3)})
 
 
+def bench_argmax(rows, sweep: bool = True):
+    """Greedy argmax of [S, V] logits (S = 1, 16, 64; Llama-3 and Qwen vocabularies; fp32, which is what
+    the runner's compute_logits returns, and bf16): torch's argmax against greedy_argmax (the dispatcher,
+    default launch shape). "hot": 8 calls on one buffer (fresh logits sit in L2 when they fit, as after
+    the LM head); "cold": distinct buffers, >= 128 MB in all, so that each call reads HBM. The sweep
+    (hot) tries other launch shapes of the Triton kernel: (block, min_chunk, warps)."""
+    from gyrfalcon.kernels.argmax import argmax_launch, greedy_argmax, greedy_argmax_triton
+
+    configs = [(1024, 2048, 4), (2048, 4096, 4), (4096, 4096, 8), (4096, 8192, 8), (8192, 8192, 8),
+               (4096, 16384, 8)]
+    for dtype, V, S in itertools.product((torch.float32, torch.bfloat16), (128256, 151936), (1, 16, 64)):
+        nbytes = S * V * dtype.itemsize
+        copies = max(1, min(256, -(-(128 << 20) // nbytes)))
+        xs = [torch.randn(S, V, device="cuda", dtype=dtype) * 4 for _ in range(copies)]
+        equal = all(torch.equal(greedy_argmax(x), x.argmax(dim=-1)) for x in xs[:4])
+
+        def hot(f):
+            return graph_time_us([lambda: f(xs[0])] * 8)
+
+        def cold(f):
+            return graph_time_us([lambda x=x: f(x) for x in xs], reps=2)
+
+        torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
+        t = {"torch_hot": hot(torch_argmax), "ours_hot": hot(greedy_argmax),
+             "torch_cold": cold(torch_argmax), "ours_cold": cold(greedy_argmax)}
+        res = {}
+        for block, min_chunk, warps in configs if sweep else ():
+            res[block, min_chunk, warps] = hot(lambda x, b=block, c=min_chunk, w=warps: greedy_argmax_triton(
+                x, block=b, min_chunk=c, num_warps=w))
+        best = sorted(res, key=res.get)[:3]
+        launch = argmax_launch(S, V)
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "S": S, "V": V,
+                     "chunk": launch and launch[0], "programs_per_row": launch and launch[1],
+                     **{f"{k}_us": round(v, 2) for k, v in t.items()},
+                     "speedup_hot": round(t["torch_hot"] / t["ours_hot"], 2),
+                     "speedup_cold": round(t["torch_cold"] / t["ours_cold"], 2), "equal_to_torch": equal,
+                     "sweep_hot": {"/".join(map(str, k)): round(v, 2) for k, v in res.items()},
+                     "best": [{"block": k[0], "min_chunk": k[1], "warps": k[2], "us": round(res[k], 2)}
+                              for k in best]})
+        print(f"argmax {rows[-1]['dtype']:8s} S={S:2d} V={V}: torch {t['torch_hot']:6.2f} / {t['torch_cold']:6.2f} us "
+              f"(hot / cold), greedy_argmax {t['ours_hot']:6.2f} / {t['ours_cold']:6.2f} us, launch {launch}, "
+              f"equal {equal}" + ("; best (block, min_chunk, warps) " + ", ".join(
+                  f"{k}={res[k]:.2f}" for k in best) if best else ""), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json")
@@ -253,8 +300,12 @@ def main() -> None:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
+    ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
-    gemv_rows, attn_rows, chain_rows = [], [], []
+    gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []
+    if args.argmax:
+        args.skip_gemv = args.skip_attention = True
+        bench_argmax(argmax_rows, sweep=not args.quick)
     if args.pdl_chain:
         args.skip_gemv = args.skip_attention = True
         bench_pdl_chain(chain_rows)
@@ -270,7 +321,7 @@ def main() -> None:
         info["command"] = "python3 benchmarks/small_m_gemv.py " + " ".join(sys.argv[1:])
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "small_m_gemv", **info, "gemv": gemv_rows, "decode_attention": attn_rows,
-                       "pdl_chain": chain_rows},
+                       "pdl_chain": chain_rows, "argmax": argmax_rows},
                       f, indent=1)
 
 

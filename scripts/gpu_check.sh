@@ -5,7 +5,8 @@
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
 # Sections (default: tests defaults): tests (GPU tests), attnsweep (decode-attention launch shapes at
 # short contexts), ktests (kernel tests only), sweep (GEMV
-# launch-shape sweep), kernels (kernel benchmarks at the default launch shapes), small (Qwen3-0.6B
+# launch-shape sweep), kernels (kernel benchmarks at the default launch shapes; the greedy argmax vs
+# torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), graphlogits (LM head in the
@@ -47,14 +48,15 @@ if has attnsweep; then  # decode-attention launch shapes at the model rows' shor
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
   step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -p no:cacheprovider
+    tests/gpu/test_argmax_gpu.py -p no:cacheprovider
 fi
 if has sweep; then
   # GEMV launch-shape sweep vs cuBLAS, and decode attention with the split merge in-kernel vs a reduce kernel.
   step gemv_sweep 300 python3 benchmarks/small_m_gemv.py --output-json "$R/small_m_gemv_sweep.json"
 fi
-if has kernels; then  # default launch shapes only
+if has kernels; then  # default launch shapes only (argmax: plus a small launch-shape sweep)
   step gemv_attn 150 python3 benchmarks/small_m_gemv.py --quick --ms 1 --output-json "$R/small_m_gemv_attn.json"
+  step argmax_bench 60 python3 benchmarks/small_m_gemv.py --argmax --output-json "$R/argmax.json"
 fi
 if has small; then
   step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06

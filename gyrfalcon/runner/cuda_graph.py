@@ -30,6 +30,7 @@ import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels._common import pdl_warmup
+from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class CudaGraphRunner:
         if not self.with_logits:
             return hidden, None, None
         logits = self.model.compute_logits(hidden)
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_argmax(logits)
         self.last_sampled[:greedy.shape[0]].copy_(greedy)
         return hidden, logits, greedy
 

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from gyrfalcon.forward_context import forward_context
+from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
@@ -193,7 +194,7 @@ class ModelRunner:
             if greedy is not None:
                 handle.sampled = greedy  # sampled and written to last_sampled inside the graph
             else:
-                handle.sampled = logits.argmax(dim=-1)  # the common case: one kernel, no metadata
+                handle.sampled = greedy_argmax(logits)  # the common case: no metadata
                 self.last_sampled[:n].copy_(handle.sampled)
         else:
             out = self.sampler(logits, self._sampling_metadata(sample_reqs))

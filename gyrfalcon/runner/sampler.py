@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.kernels.sampling import gumbel_argmax
 
 _NEG_INF = float("-inf")
@@ -125,7 +126,7 @@ class Sampler:
             logits.index_put_((rows, ids), values, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_argmax(logits)
         if md.all_greedy:
             sampled = greedy
         else:
