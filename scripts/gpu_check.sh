@@ -9,7 +9,8 @@
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), defaults (batch 1 with the
-# current defaults vs PDL and prefill graphs off, and a greedy-token check), graphlogits (LM head in the
+# current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
+# folded into attention on / off, PDL off, prefill graphs off), graphlogits (LM head in the
 # decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
 # algorithm tuning at batch 16 / 64), baseline (transformers in the
 # same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
@@ -39,7 +40,7 @@ SECTIONS=${*:-tests defaults}  # one device call fits about two sections
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 if has tests; then
-  step gpu_tests 240 python3 -m pytest -q tests/gpu -p no:cacheprovider
+  step gpu_tests 330 python3 -m pytest -q tests/gpu -p no:cacheprovider --durations=12
   [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
     -p no:cacheprovider
 fi
@@ -143,6 +144,21 @@ PY
   step lat_l8_b1_defaults 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_defaults.json"
   step lat_l8_b1_flagsoff 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $l8 --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_pdl0_prefill0.json"
+fi
+if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention launch vs its own launch, and
+  # PDL / prefill graphs each off, side by side in one call
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for M in q06:qwen3-0.6b l8:llama-3.1-8b; do
+    ck=${M%%:*} name=${M#*:}
+    lat="$G bench latency --model /tmp/ck/$ck --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
+    step lat_${ck}_b1_defaults 90 $lat --output-json "$R/latency_${name}_b1_defaults.json"
+    step lat_${ck}_b1_prep0 90 env GYRFALCON_FUSED_DECODE_PREP=0 $lat --output-json "$R/latency_${name}_b1_prep0.json"
+    step lat_${ck}_b1_pdl0 90 env GYRFALCON_PDL=0 $lat --output-json "$R/latency_${name}_b1_pdl0.json"
+    step lat_${ck}_b1_prefill0 90 env GYRFALCON_PREFILL_GRAPHS=0 $lat --output-json "$R/latency_${name}_b1_prefill0.json"
+    step lat_${ck}_b1_pdl0_prefill0 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $lat \
+      --output-json "$R/latency_${name}_b1_pdl0_prefill0.json"
+  done
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

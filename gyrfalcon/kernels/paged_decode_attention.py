@@ -54,16 +54,30 @@ def paged_decode_attention_ref(
 if HAS_TRITON:
 
     @triton.jit
+    def _rope_rows(x, xp, w, wp, cos, sin, sign, rot, eps, HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
+        # x, xp: [R, BLOCK_D] fp32, a head per row and its rotary partner dims; w, wp: the norm weight
+        # at d and at the partner (fp32, [BLOCK_D]); cos, sin, sign, rot: [BLOCK_D]. The arithmetic of
+        # fused_qkv_prep's kernel, row by row: RMSNorm (optional), then rotate the first ROT dims.
+        if HAS_W:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
+            x = x * rstd[:, None] * w[None, :]
+            xp = xp * rstd[:, None] * wp[None, :]
+        return tl.where(rot[None, :], x * cos[None, :] + sign[None, :] * xp * sin[None, :], x)
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr, count_ptr,
         scale_log2, num_splits,
         s_qb, s_qh, s_ob, s_oh,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
+        pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, s_cs, eps,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
         MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+        PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -93,10 +107,66 @@ if HAS_TRITON:
         gmask = g < GROUP
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
-        q = tl.load(
-            q_ptr + b * s_qb + head[:, None] * s_qh + dk[None, :],
-            mask=gmask[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
-        )
+        if PREP:
+            # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
+            # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
+            # one) writes its K/V into the cache, so fused_qkv_prep's launch is not needed.
+            dmask = dk < HEAD_DK
+            HALF: tl.constexpr = ROT // 2
+            if IS_NEOX:
+                partner = tl.where(dk < HALF, dk + HALF, dk - HALF)
+                cidx = tl.where(dk < HALF, dk, dk - HALF)
+                sign = tl.where(dk < HALF, -1.0, 1.0)
+            else:
+                partner = dk ^ 1
+                cidx = dk // 2
+                sign = tl.where((dk % 2) == 0, -1.0, 1.0)
+            rot = dk < ROT
+            partner = tl.where(rot, partner, dk)
+            pos = tl.load(pos_ptr + b).to(tl.int64)
+            cos = tl.load(cs_ptr + pos * s_cs + cidx, mask=rot & dmask, other=1.0)
+            sin = tl.load(cs_ptr + pos * s_cs + HALF + cidx, mask=rot & dmask, other=0.0)
+            row = q_ptr + b.to(tl.int64) * s_qb
+            qmask = gmask[:, None] & dmask[None, :]
+            qx = tl.load(row + head[:, None] * HEAD_DK + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
+            qxp = tl.load(row + head[:, None] * HEAD_DK + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+            if HAS_QW:
+                qw = tl.load(qw_ptr + dk, mask=dmask, other=0.0).to(tl.float32)
+                qwp = tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+            else:
+                qw = cos
+                qwp = cos
+            # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
+            q = _rope_rows(qx, qxp, qw, qwp, cos, sin, sign, rot, eps, HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
+            if split == n_active - 1:
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                if slot >= 0:
+                    kcol = (NUM_HEADS + kvh) * HEAD_DK
+                    kx = tl.load(row + kcol + dk, mask=dmask, other=0.0).to(tl.float32)
+                    kxp = tl.load(row + kcol + partner, mask=dmask, other=0.0).to(tl.float32)
+                    if HAS_KW:
+                        kw = tl.load(kw_ptr + dk, mask=dmask, other=0.0).to(tl.float32)
+                        kwp = tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+                    else:
+                        kw = cos
+                        kwp = cos
+                    knew = _rope_rows(kx[None, :], kxp[None, :], kw, kwp, cos, sin, sign, rot, eps, HAS_KW,
+                                      HEAD_DK)
+                    vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dk, mask=dmask,
+                                   other=0.0)
+                    blk = slot // BLOCK_SIZE
+                    boff = slot % BLOCK_SIZE
+                    tl.store(kc_ptr + blk * s_kb + boff * s_ko + kvh * s_kh + dk[None, :],
+                             knew.to(kc_ptr.dtype.element_ty), mask=dmask[None, :])
+                    tl.store(vc_ptr + blk * s_vb + boff * s_vo + kvh * s_vh + dk, vnew.to(vc_ptr.dtype.element_ty),
+                             mask=dmask)
+                    # The loop below reads this slot back: every thread's stores must be visible first.
+                    tl.debug_barrier()
+        else:
+            q = tl.load(
+                q_ptr + b * s_qb + head[:, None] * s_qh + dk[None, :],
+                mask=gmask[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
+            )
 
         if UPCAST:
             q = q.to(tl.float32)
@@ -293,8 +363,19 @@ def paged_decode_attention_triton(
     merging program's extra round trips through L2 cost more than the launch they save.
     """
     assert q.dim() == 3 and q.stride(-1) == 1
+    return _launch(q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, scale, num_splits, None,
+                   block_n=block_n, num_warps=num_warps, num_stages=num_stages, merge_in_kernel=merge_in_kernel,
+                   min_part=min_part, pdl=pdl)
+
+
+def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
+            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None):
+    """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
+    [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
+    q_norm_weight, k_norm_weight, eps)."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    n_seqs, n_heads, dk = q.shape
+    n_seqs = q.shape[0]
+    dk = k_cache.shape[-1]
     n_kv = k_cache.shape[2]
     dv = v_cache.shape[-1]
     assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"
@@ -319,18 +400,33 @@ def paged_decode_attention_triton(
     else:
         pacc = torch.empty(n_seqs * n_heads * num_splits, block_dv, dtype=torch.float32, device=q.device)
         pml = torch.empty(n_seqs * n_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    if prep is None:
+        pos = cs = slot = qw = kw = q  # valid pointers, never read
+        s_cs, eps, rot_dim, neox = 0, 0.0, 0, True
+        s_qb, s_qh = q.stride(0), q.stride(1)
+    else:
+        pos, cs, rot_dim, neox, slot, qw, kw, eps = prep
+        assert dk == dv and q.stride(-1) == 1 and cs.stride(-1) == 1
+        assert q.shape[1] == (n_heads + 2 * n_kv) * dk, "qkv rows must be [q heads | k heads | v heads]"
+        s_cs, s_qb, s_qh = cs.stride(0), q.stride(0), dk
+        qw = q if qw is None else qw
+        kw = q if kw is None else kw
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml, counters,
         float(scale) * _LOG2E, num_splits,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        s_qb, s_qh, o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        pos, cs, slot, qw, kw, s_cs, float(eps),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         BLOCK_S=next_pow2(num_splits), MIN_PART=min_part_,
         DIRECT=direct, MERGE_IN_KERNEL=merge_in_kernel,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        USE_PDL=pdl, num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
+        USE_PDL=pdl,
+        PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
+        HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
+        num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
     if not direct and not merge_in_kernel:
         _decode_reduce_kernel[(n_seqs, n_heads)](
@@ -339,6 +435,35 @@ def paged_decode_attention_triton(
             USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
         )
     return o
+
+
+def decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,
+                                   is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
+                                   num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+    """The unfused composition: qkv_prep (norms, RoPE, K/V into the cache), then decode attention."""
+    from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
+    q = qkv_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
+                     k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+def decode_attention_with_prep_triton(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache,
+                                      rotary_dim, is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                      scale, num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
+                                      **launch):
+    """fused_qkv_prep and decode attention in one split launch (+ the reduce): each split program
+    normalizes and rotates its kv head's query group itself, and the split that holds the new token
+    writes its K/V into the cache before reading its keys back. Decode only (one query per sequence,
+    positions[i] = seq_lens[i] - 1). launch: paged_decode_attention_triton's keyword overrides."""
+    assert qkv.dim() == 2 and k_cache.shape[2] == num_kv_heads and k_cache.shape[-1] == head_dim
+    prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return _launch(qkv, num_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, **launch)
+
+
+def decode_attention_with_prep(*args, **kw) -> torch.Tensor:
+    """-> o [num_seqs, num_heads, head_dim]; the arguments of decode_attention_with_prep_ref."""
+    fn = decode_attention_with_prep_triton if use_triton(args[0]) else decode_attention_with_prep_ref
+    return fn(*args, **kw)
 
 
 def paged_decode_attention(

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.kernels import paged_attention, paged_decode_attention, store_kv
+from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep
 from gyrfalcon.forward_context import get_forward_context
 
 
@@ -26,6 +27,12 @@ def small_m_gemv_enabled() -> bool:
     """gyrfalcon's GEMV (with the norm folded in) for decode-sized batches instead of cuBLAS; on unless
     GYRFALCON_SMALL_M_GEMV=0 or fusion is off (benchmarks compare the two in one run)."""
     return fusion_enabled() and os.environ.get("GYRFALCON_SMALL_M_GEMV", "1") != "0"
+
+
+def decode_prep_fusion_enabled() -> bool:
+    """Decode steps fold fused_qkv_prep into the decode-attention launch (one kernel fewer per layer)
+    unless GYRFALCON_FUSED_DECODE_PREP=0 (side-by-side benchmarks) or fusion is off."""
+    return fusion_enabled() and os.environ.get("GYRFALCON_FUSED_DECODE_PREP", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -41,6 +48,18 @@ class Attention(nn.Module):
     def kv_cache(self):
         """This layer's (k_cache, v_cache) in the current forward context."""
         return get_forward_context().kv_caches[self.layer_idx]
+
+    def decode_with_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm_weight, k_norm_weight,
+                         eps: float) -> torch.Tensor:
+        """Decode step from the fused qkv rows [T, (num_heads + 2 * num_kv_heads) * head_dim]: q/k norm,
+        RoPE, the K/V store and attention in one split launch (+ the reduce) -> [T, num_heads * head_dim]."""
+        fb = get_forward_context().batch
+        k_cache, v_cache = self.kv_cache()
+        o = decode_attention_with_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
+                                       rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox, k_cache, v_cache,
+                                       fb.slot_mapping, fb.block_tables, fb.seq_lens, self.scale,
+                                       fb.decode_num_splits, q_norm_weight, k_norm_weight, eps)
+        return o.reshape(o.shape[0], self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor] = None,
                 v: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -15,7 +15,9 @@ from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
 from gyrfalcon.kernels.small_m_gemv import norm_gemv
-from gyrfalcon.layers.attention import Attention, fusion_enabled, small_m_gemv_enabled
+from gyrfalcon.kernels._common import use_triton
+from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
+                                        small_m_gemv_enabled)
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -55,6 +57,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused = fusion_enabled()
+        self.fused_decode_prep = decode_prep_fusion_enabled()
 
     def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
                 qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -63,9 +66,14 @@ class LlamaAttention(nn.Module):
         if qkv is None:
             qkv = self.qkv_proj(x)
         if self.fused:
+            rot = self.rotary_emb
+            if self.fused_decode_prep and get_forward_context().batch.is_decode and use_triton(qkv):
+                # The norm + RoPE + K/V store inside the decode-attention launch.
+                return self.o_proj(self.attn.decode_with_prep(
+                    qkv, positions, rot, self.q_norm.weight if self.use_qk_norm else None,
+                    self.k_norm.weight if self.use_qk_norm else None, self.q_norm.eps if self.use_qk_norm else 1e-6))
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
-            rot = self.rotary_emb
             q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,
                          rot.rotary_dim, rot.is_neox, k_cache, v_cache, get_forward_context().batch.slot_mapping,
                          self.q_norm.weight if self.use_qk_norm else None,

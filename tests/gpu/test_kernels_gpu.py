@@ -183,6 +183,41 @@ def test_paged_decode(batch, max_ctx, num_splits, merge):
         assert torch.count_nonzero(got[-1]) == 0
 
 
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (64, 1024)])
+@pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl):
+    """The q/k norm + RoPE + KV store folded into the decode-attention launch, against the unfused
+    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too."""
+    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
+                                                          decode_attention_with_prep_triton)
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm90+")
+    seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    seq_lens[0] = max_ctx
+    if batch > 1:
+        seq_lens[-1] = 0  # CUDA-graph padding row
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16 + 1)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    pos = (sl.long() - 1).clamp(min=0)
+    slots = torch.where(sl > 0, bt.long().gather(1, ((pos // 16)[:, None])).squeeze(1) * 16 + pos % 16,
+                        torch.full_like(pos, -1))
+    qkv = torch.randn(batch, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    freqs = torch.outer(torch.arange(max_ctx + 1, device=DEV).float(), inv)
+    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
+    qw = (1 + 0.3 * torch.randn(D, device=DEV)).to(BF16) if norm else None
+    kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(BF16) if norm else None
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                          D ** -0.5, None, qw, kw, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
+                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(kc, kc_ref, **TOL)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 4), (256, 16, 2), (128, 64, 8)])
 def test_paged_decode_head_dims(head_dim, n_heads, n_kv):
     seq_lens = [3000, 1, 17, 0, 5000]

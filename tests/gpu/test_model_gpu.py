@@ -61,18 +61,21 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
     graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1);
     prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1);
-    pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1)."""
+    pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1);
+    unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
+    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
+    monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager

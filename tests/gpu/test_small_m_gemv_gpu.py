@@ -35,14 +35,16 @@ def test_matches_reference(name, M):
         torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
 
 
-def test_pdl_chain_identical_in_a_graph(monkeypatch):
+@pytest.mark.parametrize("fused_prep", [False, True], ids=["qkv_prep", "prep_in_attention"])
+def test_pdl_chain_identical_in_a_graph(monkeypatch, fused_prep):
     """A chain of GEMVs, q/k-norm+rope+KV store and decode attention (each reading the previous one's
     output) launched with programmatic dependent launch and captured in a CUDA graph: bitwise the same
     as the same kernel variants launched one after another (GYRFALCON_PDL=serial), so no kernel reads
     its input before gdc_wait; and close to the non-PDL variants (the GEMV peels its first weight tile
     under PDL, which changes the fp32 summation order)."""
     from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
-    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
+    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
+                                                          paged_decode_attention_triton)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     K, layers = 1024, 6
@@ -65,8 +67,12 @@ def test_pdl_chain_identical_in_a_graph(monkeypatch):
             x, r = norm_gemv_triton(x, ws[2 * i], nw, r, pdl=pdl)
             x, _ = norm_gemv_triton(x, ws[2 * i + 1], pdl=pdl)
             qkv, r = norm_gemv_triton(x, wqkv, nw, r, pdl=pdl)
-            q = qkv_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, pos, pdl=pdl)
-            o = paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5, num_splits=4, pdl=pdl)
+            if fused_prep:
+                o = decode_attention_with_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, pos, bt, sl,
+                                                      D ** -0.5, 4, pdl=pdl)
+            else:
+                q = qkv_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, pos, pdl=pdl)
+                o = paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5, num_splits=4, pdl=pdl)
             x, _ = norm_gemv_triton(o.reshape(1, -1), wo, pdl=pdl)
         return x
 

@@ -1,0 +1,82 @@
+"""Decode attention with the q/k-norm + RoPE + KV store folded in (one split launch + the reduce) vs the
+unfused references: qkv_prep_ref, then paged_decode_attention_ref. Both the output and the cache the
+fused kernel leaves behind are compared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
+from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
+                                                      decode_attention_with_prep_triton,
+                                                      paged_decode_attention_triton)
+from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
+
+# Contexts after this step's token: partly filled blocks, a first token, CUDA-graph padding rows
+# (seq_len 0, slot -1), a context that spans several splits.
+SEQ_LENS = [5, 0, 1, 33, 16, 47]
+
+
+def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    blocks_per_seq = max(1, -(-max(seq_lens) // block_size))
+    nb = B * blocks_per_seq + 3
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((B, blocks_per_seq + 2), 10**8, dtype=torch.int32)  # unused entries: never read
+    for i, s in enumerate(seq_lens):
+        n = -(-s // block_size)
+        bt[i, :n] = perm[i * blocks_per_seq: i * blocks_per_seq + n].to(torch.int32)
+    kc = torch.randn(nb, block_size, KVH, D, generator=g).to(dtype)
+    vc = torch.randn(nb, block_size, KVH, D, generator=g).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    pos = (sl.long() - 1).clamp(min=0)
+    slots = torch.tensor([int(bt[i, (s - 1) // block_size]) * block_size + (s - 1) % block_size if s else -1
+                          for i, s in enumerate(seq_lens)])
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype) if norm else None
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype) if norm else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return [to(t) for t in (qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw)]
+
+
+@requires_triton
+@pytest.mark.parametrize("H,KVH,D,rot", [(4, 2, 32, 32), (6, 2, 16, 8), (2, 2, 64, 64)])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits):
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, rot, dtype, norm)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, is_neox, kc_ref, vc_ref, slots, bt, sl,
+                                          D ** -0.5, None, qw, kw, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, is_neox, kc, vc, slots, bt, sl,
+                                            D ** -0.5, num_splits, qw, kw, 1e-6, block_n=16, min_part=16)
+    assert got.shape == (len(SEQ_LENS), H, D)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kc, kc_ref, **tol)  # the new tokens' rotated keys, nothing else touched
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    assert torch.count_nonzero(got[1]) == 0  # padding row
+
+
+@requires_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_equals_the_two_triton_launches(num_splits):
+    """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
+    (up to the order of one reduction) and bitwise-equal caches."""
+    H, KVH, D = 4, 2, 32
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.bfloat16, True, seed=3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, 0.2,
+                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16)
+    q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc2, vc2, slots, qw, kw, 1e-6)
+    want = paged_decode_attention_triton(q, kc2, vc2, bt, sl, 0.2, num_splits, block_n=16, min_part=16)
+    torch.testing.assert_close(kc, kc2, rtol=0, atol=0)
+    torch.testing.assert_close(vc, vc2, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
