@@ -150,6 +150,7 @@ def run_gyrfalcon(args) -> dict:
     res = {
         "engine": "gyrfalcon", "startup_s": startup, "load_s": runner.load_seconds,
         "graph_capture_s": runner.graph_runner.capture_seconds if runner.graph_runner else 0.0,
+        "pdl_choice": dict(runner.graph_runner.pdl_choice) if runner.graph_runner else {},
         "ttft_ms": ttft * 1e3, "decode_step_ms": step_s * 1e3, "e2e_s": total,
         "output_tok_s": args.batch_size * args.output_len / total,
         "decode_tok_s": args.batch_size / step_s,
@@ -219,6 +220,10 @@ def main(args: argparse.Namespace) -> int:
           f"startup {g['startup_s']:.1f} s (load {g['load_s']:.1f} s, graphs {g['graph_capture_s']:.1f} s); "
           f"weights {g['weight_bytes'] / 1e9:.2f} GB, KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)
+    pc = g.get("pdl_choice") or {}
+    if pc:
+        print(f"batch-1 decode graph at startup: {pc['batch1_ms_pdl']:.3f} ms with PDL, {pc['batch1_ms_no_pdl']:.3f} "
+              f"without -> {'PDL' if pc['batch1_pdl'] else 'no PDL'}")
     if "profile" in g:
         pr = g["profile"]
         print(f"CUDA kernels per decode step: {pr['kernels_per_step']:.1f} "

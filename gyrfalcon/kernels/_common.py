@@ -68,22 +68,48 @@ class pdl_warmup:
         _PDL_WARMUP[0] = self._prev
 
 
+_PDL_OFF = [False]
+
+
+class pdl_disabled:
+    """Within this block use_pdl() is False: the runner captures a batch-1 decode graph both ways and
+    keeps the faster (see runner/cuda_graph.py)."""
+
+    def __enter__(self):
+        self._prev = _PDL_OFF[0]
+        _PDL_OFF[0] = True
+
+    def __exit__(self, *exc):
+        _PDL_OFF[0] = self._prev
+
+
+def pdl_mode() -> str:
+    """GYRFALCON_PDL: "auto" (default: the runner times its batch-1 decode graph with and without PDL
+    at startup and keeps the faster), "1" (always where use_pdl allows), "0" (never), "serial" (see
+    pdl_launch_kwargs)."""
+    return os.environ.get("GYRFALCON_PDL", "auto")
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
     compute capability >= 9.0, with a Triton that has grid-dependency control, not under the
-    interpreter, and GYRFALCON_PDL is not "0" (read on every call, like GYRFALCON_KERNELS; "serial":
-    see pdl_launch_kwargs).
+    interpreter, not inside pdl_disabled(), and GYRFALCON_PDL is not "0" (read on every call, like
+    GYRFALCON_KERNELS; "serial": see pdl_launch_kwargs).
 
     Why only there (H200, benchmarks/results/*-h200-2026-11-30-run6.json): in batch-1 decode graphs it
-    cut the step from 0.909 to 0.835 ms on Qwen3-0.6B and from 4.483 to 4.403 ms on Llama-3.1-8B; in
-    eager prefills it added ~9 ms of TTFT; on decode attention alone at batch 16 it was slower
-    (12.4 -> 15.2 us)."""
-    if gdc_wait is None or not t.is_cuda or interpreting() or os.environ.get("GYRFALCON_PDL", "1") == "0":
+    cut the step from 0.909 to 0.835 ms on Qwen3-0.6B; in eager prefills it added ~9 ms of TTFT; on
+    decode attention alone at batch 16 it was slower (12.4 -> 15.2 us). Whether it pays even there
+    depends on the model: in run 9-10 the Qwen3-0.6B batch-1 graph replayed in 0.729 ms with it and
+    0.802 without, Llama-3.1-8B's in 4.289 with it and 3.971 without; hence the runner's timed choice."""
+    if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
         return False
-    if t.dim() == 0 or t.shape[0] != 1:
-        return False
-    if not (_PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()):
+    return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
+
+
+def pdl_possible(t: torch.Tensor) -> bool:
+    """use_pdl's conditions on the device, the Triton build and the settings (not on the launch)."""
+    if gdc_wait is None or not t.is_cuda or interpreting() or _PDL_OFF[0] or pdl_mode() == "0":
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_DEVICES:

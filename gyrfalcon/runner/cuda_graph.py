@@ -23,13 +23,13 @@ import bisect
 import logging
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
-from gyrfalcon.kernels._common import pdl_warmup
+from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.runner.forward_batch import ForwardBatch
 
@@ -59,25 +59,64 @@ def padded_size(sizes: List[int], n: int) -> int:
     return sizes[i]
 
 
-def capture_ladder(sizes: List[int], kv_caches, prepare) -> tuple:
+def _capture(fb, step, kv_caches, pool):
+    with forward_context(fb, kv_caches):
+        with pdl_warmup():  # compile the kernel variants the capture will launch, outside it
+            step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = step()
+    return g, out
+
+
+def time_replays(graphs: List[torch.cuda.CUDAGraph], reps: int = 15) -> List[float]:
+    """Median ms per replay of each graph, replays interleaved (a, b, a, b, ...) so that clock or
+    thermal drift hits both alike; each replay timed alone with CUDA events after a warm-up."""
+    for g in graphs:
+        g.replay()
+    times: List[List[float]] = [[] for _ in graphs]
+    for _ in range(reps):
+        for i, g in enumerate(graphs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [float(np.median(t)) for t in times]
+
+
+def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] = None) -> tuple:
     """Capture one CUDA graph per size. prepare(size) -> (ForwardBatch over the static inputs, step fn).
     Returns ({size: graph}, {size: step fn's outputs}, seconds). Largest first: the smaller graphs then
     fit in the memory pool the largest one reserved; each step runs once eagerly first (lazy init and
-    Triton compilation outside the capture)."""
+    Triton compilation outside the capture).
+
+    Batch 1 is where the kernels may launch with programmatic dependent launch (kernels/_common.py
+    use_pdl). Whether that pays depends on the model (H200: 0.729 vs 0.802 ms per Qwen3-0.6B step, but
+    4.289 vs 3.971 ms per Llama-3.1-8B step), so with GYRFALCON_PDL unset ("auto") the batch-1 graph is
+    captured both ways, timed, and the faster kept; `report` (if given) receives the two times and the
+    choice."""
     t0 = time.perf_counter()
     graphs: Dict[int, torch.cuda.CUDAGraph] = {}
     outputs: Dict[int, object] = {}
     pool = None
     for size in reversed(sizes):
         fb, step = prepare(size)
-        with forward_context(fb, kv_caches):
-            with pdl_warmup():  # compile the kernel variants the capture will launch, outside it
-                step()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = step()
+        g, out = _capture(fb, step, kv_caches, pool)
         pool = g.pool()
+        if size == 1 and pdl_mode() == "auto" and pdl_possible(fb.input_ids):
+            with pdl_disabled():
+                g_off, out_off = _capture(fb, step, kv_caches, pool)
+            ms_pdl, ms_off = time_replays([g, g_off])
+            keep_pdl = ms_pdl < ms_off
+            if report is not None:
+                report.update(batch1_ms_pdl=ms_pdl, batch1_ms_no_pdl=ms_off, batch1_pdl=keep_pdl)
+            logger.info("batch-1 decode graph: %.3f ms with programmatic dependent launch, %.3f ms without; "
+                        "keeping %s", ms_pdl, ms_off, "PDL" if keep_pdl else "the graph without it")
+            if not keep_pdl:
+                g, out = g_off, out_off
         graphs[size], outputs[size] = g, out
     torch.cuda.synchronize()
     return graphs, outputs, time.perf_counter() - t0
@@ -173,13 +212,15 @@ class CudaGraphRunner:
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, tuple] = {}
         self.capture_seconds = 0.0
+        self.pdl_choice: dict = {}  # batch-1 replay times with / without PDL and the choice (capture_ladder)
 
     def capture(self) -> None:
         def prepare(b):
             fb, src = self.inputs.views(b), self.inputs.src(b)
             return fb, lambda: self._forward(fb, src)
 
-        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare)
+        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare,
+                                                                         self.pdl_choice)
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
         """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""

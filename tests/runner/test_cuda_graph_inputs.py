@@ -122,3 +122,49 @@ def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, asyn
             for eg, ew in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
                 assert eg.keys() == ew.keys()
                 assert all(abs(eg[t].logprob - ew[t].logprob) < 1e-4 for t in eg)
+
+
+class _FakeGraph:
+    def __init__(self, name):
+        self.name = name
+
+    def pool(self):
+        return None
+
+
+@pytest.mark.parametrize("mode,ms,want", [("auto", (4.3, 3.9), "off"), ("auto", (0.73, 0.80), "pdl"),
+                                          ("1", (4.3, 3.9), "pdl"), ("serial", (4.3, 3.9), "pdl")])
+def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, want):
+    """With GYRFALCON_PDL unset the batch-1 graph is captured with and without PDL and the faster replay
+    is kept; other sizes are captured once; GYRFALCON_PDL=1 / serial keep the PDL capture untimed."""
+    import gyrfalcon.runner.cuda_graph as cg
+    from gyrfalcon.kernels import _common
+
+    monkeypatch.setenv("GYRFALCON_PDL", mode)
+    captured = []
+
+    def fake_capture(fb, step, kv_caches, pool):
+        name = f"{fb}-{'off' if _common._PDL_OFF[0] else 'pdl'}"
+        captured.append(name)
+        return _FakeGraph(name), name
+
+    monkeypatch.setattr(cg, "_capture", fake_capture)
+    monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
+    timed = []
+    monkeypatch.setattr(cg, "time_replays", lambda graphs: timed.append([g.name for g in graphs]) or list(ms))
+    monkeypatch.setattr(cg.torch.cuda, "synchronize", lambda: None)
+
+    class FB:
+        def __init__(self, b):
+            self.b, self.input_ids = b, torch.zeros(b)
+
+        def __str__(self):
+            return f"b{self.b}"
+
+    graphs, outputs, _ = cg.capture_ladder([1, 2, 4], None, lambda b: (FB(b), None))
+    assert outputs[2] == "b2-pdl" and outputs[4] == "b4-pdl"
+    assert outputs[1] == f"b1-{want}" and graphs[1].name == outputs[1]
+    if mode == "auto":
+        assert timed == [["b1-pdl", "b1-off"]]
+    else:
+        assert timed == [] and "b1-off" not in captured
