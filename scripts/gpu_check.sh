@@ -10,8 +10,8 @@
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
-# folded into attention on / off, PDL off, prefill graphs off), graphlogits (LM head in the
-# decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
+# folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
+# head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
 # algorithm tuning at batch 16 / 64), baseline (transformers in the
 # same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
@@ -156,6 +156,7 @@ if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention
     lat="$G bench latency --model /tmp/ck/$ck --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
     step lat_${ck}_b1_defaults 90 $lat --output-json "$R/latency_${name}_b1_defaults.json"
     step lat_${ck}_b1_prep0 90 env GYRFALCON_FUSED_DECODE_PREP=0 $lat --output-json "$R/latency_${name}_b1_prep0.json"
+    step lat_${ck}_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_${name}_b1_mergeo.json"
     step lat_${ck}_b1_pdl0 90 env GYRFALCON_PDL=0 $lat --output-json "$R/latency_${name}_b1_pdl0.json"
     step lat_${ck}_b1_prefill0 90 env GYRFALCON_PREFILL_GRAPHS=0 $lat --output-json "$R/latency_${name}_b1_prefill0.json"
     step lat_${ck}_b1_pdl0_prefill0 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $lat \

@@ -13,6 +13,8 @@ H200 (benchmarks/results/*-h200-2026-11-30-run9/10.json) the Qwen3-0.6B batch-1 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
@@ -373,11 +375,47 @@ def paged_decode_attention_triton(
                    min_part=min_part, pdl=pdl)
 
 
+class DecodePartials(NamedTuple):
+    """The split kernel's output before the reduce: pacc [B * num_heads * num_splits, BLOCK_DV] fp32
+    unnormalized accumulators, pml [B * num_heads * num_splits, 2] fp32 (running max in log2 units, sum),
+    rows (b, head, split); only the splits that held keys (the split kernel's arithmetic from seq_lens,
+    num_splits, block_n and min_part) are written. A consumer merges them (merge_partials_ref,
+    small_m_gemv.merged_heads_gemv)."""
+    pacc: torch.Tensor
+    pml: torch.Tensor
+    seq_lens: torch.Tensor
+    num_splits: int
+    block_n: int
+    min_part: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
+    """Plain-torch reduce of DecodePartials -> o [B, num_heads * head_dim] in parts.dtype (what the
+    reduce kernel writes)."""
+    B, H, S, dv = parts.seq_lens.shape[0], parts.num_heads, parts.num_splits, parts.head_dim
+    lens = parts.seq_lens.long()
+    part = torch.clamp(-(-(-(-lens // S)) // parts.block_n) * parts.block_n, min=parts.min_part)
+    n_active = -(-lens // part)  # [B]
+    active = torch.arange(S, device=lens.device)[None, :] < n_active[:, None]  # [B, S]
+    ml = parts.pml.view(B, H, S, 2)
+    m = ml[..., 0].masked_fill(~active[:, None, :], float("-inf"))
+    m_max = m.amax(-1, keepdim=True)
+    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
+    w = torch.exp2(m - m_max).masked_fill(~active[:, None, :], 0.0)  # [B, H, S]
+    l_tot = (w * ml[..., 1].masked_fill(~active[:, None, :], 0.0)).sum(-1)
+    acc = parts.pacc.view(B, H, S, -1)[..., :dv].masked_fill(~active[:, None, :, None], 0.0)
+    o = (acc * w[..., None]).sum(2) / torch.where(l_tot == 0, torch.ones_like(l_tot), l_tot)[..., None]
+    return o.reshape(B, H * dv).to(parts.dtype)
+
+
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
-            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None):
+            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None, partials=False):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
-    q_norm_weight, k_norm_weight, eps)."""
+    q_norm_weight, k_norm_weight, eps). partials=True: no reduce; returns DecodePartials."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]
@@ -395,8 +433,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
-    direct = num_splits == 1
-    merge_in_kernel = merge_in_kernel and not direct and n_seqs * n_kv <= _MAX_COUNTERS
+    direct = num_splits == 1 and not partials
+    merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     pdl = use_pdl(q) if pdl is None else pdl
@@ -433,6 +471,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
         num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
+    if partials:
+        return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)
     if not direct and not merge_in_kernel:
         _decode_reduce_kernel[(n_seqs, n_heads)](
             pacc, pml, o, seq_lens, num_splits, n_heads, o.stride(0), o.stride(1),

@@ -14,6 +14,11 @@ is silu(x W_gate^T) * (x W_up^T): [M, I].
 Returns (y, new_residual or None).
 
 The models use it for single-row inputs (GEMV_MAX_ROWS), where it beats cuBLAS; see default_config.
+
+merged_heads_gemv: the same kernel with its input tiles computed from decode attention's per-split
+partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
+o_proj also does the attention's split merge and the reduce launch goes (GYRFALCON_MERGE_INTO_O_PROJ=1;
+off until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -107,6 +112,27 @@ if HAS_TRITON:
         return xk
 
     @triton.jit
+    def _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits,
+                       HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """Input tile [1, BLOCK_K] of o_proj from decode attention's split partials: for input k (head
+        h = k // HEAD_D, dim d), sum_s w_s acc[h, s, d] / sum_s w_s l[h, s], w_s = 2^(m[h, s] - max_s m),
+        over the n_active splits; rounded to the activation dtype as the reduce kernel's output is.
+        Two passes, in the reduce kernel's order: the maxima, then the weighted sums."""
+        row0 = (kk // HEAD_D) * num_splits
+        d = kk % HEAD_D
+        m_max = tl.full(kk.shape, float("-inf"), tl.float32)
+        for sp in range(0, n_active):
+            m_max = tl.maximum(m_max, tl.load(pml_ptr + (row0 + sp) * 2, mask=kmask, other=0.0))
+        num = tl.zeros(kk.shape, tl.float32)
+        den = tl.zeros(kk.shape, tl.float32)
+        for sp in range(0, n_active):
+            w = tl.math.exp2(tl.load(pml_ptr + (row0 + sp) * 2, mask=kmask, other=0.0) - m_max)
+            den += w * tl.load(pml_ptr + (row0 + sp) * 2 + 1, mask=kmask, other=0.0)
+            num += w * tl.load(pacc_ptr + (row0 + sp) * BLOCK_DV + d, mask=kmask, other=0.0)
+        x = num / tl.where(den == 0.0, 1.0, den)  # no active split (empty sequence): zeros
+        return x.to(OUT_DTYPE)[None, :]
+
+    @triton.jit
     def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += xk [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T."""
         if BLOCK_M == 1:
@@ -121,10 +147,15 @@ if HAS_TRITON:
     def _norm_gemv_kernel(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
+        pacc_ptr, pml_ptr, sl_ptr, num_splits,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+        MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
+        ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1,
     ):
+        # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
+        # so the attention's reduce launch is folded into o_proj.
         # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
         # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
         # with a multiply-and-sum on the CUDA cores (no 16-row padding); BLOCK_M > 1 uses tl.dot.
@@ -146,6 +177,12 @@ if HAS_TRITON:
                 wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
             gdc_launch_dependents()
             gdc_wait()
+        n_active = 0
+        if MERGE_X:
+            # The split kernel's own arithmetic: splits that held >= 1 key of the (single) sequence.
+            seq_len = tl.load(sl_ptr)
+            part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), ATT_BLOCK_N) * ATT_BLOCK_N, MIN_PART)
+            n_active = tl.cdiv(seq_len, part)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         if HAS_NORM:
             # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
@@ -170,16 +207,24 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         K_START: tl.constexpr = BLOCK_K if USE_PDL else 0
         if USE_PDL:
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
-                              HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+            if MERGE_X:
+                xk = _merged_x_tile(pacc_ptr, pml_ptr, ks, kmask0, n_active, num_splits, HEAD_D, BLOCK_DV,
+                                    w_ptr.dtype.element_ty)
+            else:
+                xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+                                  HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
         for k0 in range(K_START, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
-                              HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+            if MERGE_X:
+                xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV,
+                                    w_ptr.dtype.element_ty)
+            else:
+                xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                                  HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
             wmask = cmask[:, None] & kmask[None, :]
             # Both weight tiles are loaded before either is used, so that their latencies overlap.
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
@@ -226,6 +271,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         weight, y, r_out if r_out is not None else dummy,
         M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
+        dummy, dummy, dummy, 1,
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
@@ -233,6 +279,37 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y, r_out
+
+
+def merged_heads_gemv_ref(parts, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused composition: decode attention's reduce (merge_partials_ref), then the linear layer."""
+    from gyrfalcon.kernels.paged_decode_attention import merge_partials_ref
+    return F.linear(merge_partials_ref(parts), weight)
+
+
+def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvConfig] = None,
+                             pdl: Optional[bool] = None) -> torch.Tensor:
+    """o_proj of a batch-1 decode step straight from decode attention's split partials
+    (paged_decode_attention.DecodePartials of one sequence): y [1, N] = merge(parts) @ weight^T with the
+    merge done while loading the input tiles, so the attention's reduce launch disappears."""
+    sl = parts.seq_lens
+    assert sl.shape[0] == 1, "merged_heads_gemv takes one sequence"
+    N, K = weight.shape
+    assert K == parts.num_heads * parts.head_dim and weight.stride(-1) == 1
+    y = torch.empty(1, N, dtype=parts.dtype, device=weight.device)
+    cfg = config or default_config(1, N, K, False, weight.element_size())
+    pdl = use_pdl(y) if pdl is None else pdl
+    _norm_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        y, y, y, weight, y, y,
+        1, N, K, 0, 0, weight.stride(0), y.stride(0), 0, 0.0,
+        parts.pacc, parts.pml, sl, parts.num_splits,
+        HAS_NORM=False, HAS_RES=False, SILU_MUL=False, UPCAST=interpreting(),
+        DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
+        BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=max(16, cfg.block_k), NORM_BLOCK=16, USE_PDL=pdl,
+        MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], ATT_BLOCK_N=parts.block_n,
+        MIN_PART=parts.min_part, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
+    )
+    return y
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,

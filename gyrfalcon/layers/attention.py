@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.kernels import paged_attention, paged_decode_attention, store_kv
-from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep
+from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep, decode_attention_with_prep_triton
 from gyrfalcon.forward_context import get_forward_context
 
 
@@ -35,6 +35,13 @@ def decode_prep_fusion_enabled() -> bool:
     return fusion_enabled() and os.environ.get("GYRFALCON_FUSED_DECODE_PREP", "1") != "0"
 
 
+def merge_into_o_proj_enabled() -> bool:
+    """Batch-1 decode steps skip decode attention's reduce launch and let o_proj's GEMV merge the split
+    partials (small_m_gemv.merged_heads_gemv) when GYRFALCON_MERGE_INTO_O_PROJ=1. Off by default: not yet
+    measured on a GPU."""
+    return decode_prep_fusion_enabled() and os.environ.get("GYRFALCON_MERGE_INTO_O_PROJ", "0") == "1"
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int) -> None:
@@ -50,15 +57,18 @@ class Attention(nn.Module):
         return get_forward_context().kv_caches[self.layer_idx]
 
     def decode_with_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm_weight, k_norm_weight,
-                         eps: float) -> torch.Tensor:
+                         eps: float, partials: bool = False):
         """Decode step from the fused qkv rows [T, (num_heads + 2 * num_kv_heads) * head_dim]: q/k norm,
-        RoPE, the K/V store and attention in one split launch (+ the reduce) -> [T, num_heads * head_dim]."""
+        RoPE, the K/V store and attention in one split launch (+ the reduce) -> [T, num_heads * head_dim].
+        partials=True (Triton only): no reduce; returns the DecodePartials for a consumer to merge."""
         fb = get_forward_context().batch
         k_cache, v_cache = self.kv_cache()
-        o = decode_attention_with_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
-                                       rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox, k_cache, v_cache,
-                                       fb.slot_mapping, fb.block_tables, fb.seq_lens, self.scale,
-                                       fb.decode_num_splits, q_norm_weight, k_norm_weight, eps)
+        args = (qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rotary.cos_sin_cache,
+                rotary.rotary_dim, rotary.is_neox, k_cache, v_cache, fb.slot_mapping, fb.block_tables, fb.seq_lens,
+                self.scale, fb.decode_num_splits, q_norm_weight, k_norm_weight, eps)
+        if partials:
+            return decode_attention_with_prep_triton(*args, partials=True)
+        o = decode_attention_with_prep(*args)
         return o.reshape(o.shape[0], self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor] = None,

@@ -14,10 +14,10 @@ from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
-from gyrfalcon.kernels.small_m_gemv import norm_gemv
+from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
-                                        small_m_gemv_enabled)
+                                        merge_into_o_proj_enabled, small_m_gemv_enabled)
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused = fusion_enabled()
         self.fused_decode_prep = decode_prep_fusion_enabled()
+        self.merge_into_o_proj = merge_into_o_proj_enabled()
 
     def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
                 qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -69,9 +70,14 @@ class LlamaAttention(nn.Module):
             rot = self.rotary_emb
             if self.fused_decode_prep and get_forward_context().batch.is_decode and use_triton(qkv):
                 # The norm + RoPE + K/V store inside the decode-attention launch.
-                return self.o_proj(self.attn.decode_with_prep(
-                    qkv, positions, rot, self.q_norm.weight if self.use_qk_norm else None,
-                    self.k_norm.weight if self.use_qk_norm else None, self.q_norm.eps if self.use_qk_norm else 1e-6))
+                norms = (self.q_norm.weight if self.use_qk_norm else None,
+                         self.k_norm.weight if self.use_qk_norm else None,
+                         self.q_norm.eps if self.use_qk_norm else 1e-6)
+                if self.merge_into_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m:
+                    # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).
+                    parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True)
+                    return merged_heads_gemv_triton(parts, self.o_proj.weight)
+                return self.o_proj(self.attn.decode_with_prep(qkv, positions, rot, *norms))
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
             q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,

@@ -61,7 +61,8 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
+                                  "merge-o-proj"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -69,13 +70,16 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1);
     pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1);
     unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
-    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch)."""
+    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch);
+    merge-o-proj: batch-1 decode steps merge the attention splits inside o_proj's GEMV
+    (GYRFALCON_MERGE_INTO_O_PROJ=1)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
+    monkeypatch.setenv("GYRFALCON_MERGE_INTO_O_PROJ", "1" if mode == "merge-o-proj" else "0")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
@@ -84,7 +88,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
-    if mode == "pdl":  # PDL is used by batch-1 decode graphs: one request at a time
+    if mode in ("pdl", "merge-o-proj"):  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

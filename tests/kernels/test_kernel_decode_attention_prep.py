@@ -80,3 +80,36 @@ def test_fused_equals_the_two_triton_launches(num_splits):
     torch.testing.assert_close(kc, kc2, rtol=0, atol=0)
     torch.testing.assert_close(vc, vc2, rtol=0, atol=0)
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len,num_splits", [(47, 4), (47, 1), (3, 4), (0, 4)])
+def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits):
+    """Batch 1: decode attention stops at its per-split partials and o_proj merges them while loading its
+    input (no reduce launch): equal to attention's output through a linear layer."""
+    from gyrfalcon.kernels.paged_decode_attention import merge_partials_ref
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig, merged_heads_gemv_ref, merged_heads_gemv_triton
+
+    H, KVH, D, hidden = 4, 2, 32, 48
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case([seq_len], H, KVH, D, D, dtype, True, seed=5)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want_o = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                            D ** -0.5, None, qw, kw, 1e-6)
+    parts = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, D ** -0.5,
+                                              num_splits, qw, kw, 1e-6, block_n=16, min_part=16, partials=True)
+    torch.testing.assert_close(kc, kc_ref, **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32
+                                              else dict(rtol=2e-2, atol=2e-2)))
+    o = merge_partials_ref(parts)
+    assert o.shape == (1, H * D) and o.dtype == dtype
+    torch.testing.assert_close(o.view(1, H, D), want_o, **ATTN_TOL[dtype])
+    w = (torch.randn(hidden, H * D, generator=torch.Generator().manual_seed(1)) / (H * D) ** 0.5).to(dtype)
+    w = w.to(DEVICE)
+    # Two K tiles of 64 inputs (two heads each), as the GPU's 1024-wide tiles hold eight heads.
+    got = merged_heads_gemv_triton(parts, w, config=GemvConfig(8, 64, 4, 1))
+    ref = merged_heads_gemv_ref(parts, w)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(got.float(), (want_o.reshape(1, -1).float() @ w.float().t()), **ATTN_TOL[dtype])
+    if seq_len == 0:
+        assert torch.count_nonzero(got) == 0
