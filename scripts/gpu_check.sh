@@ -40,9 +40,11 @@ SECTIONS=${*:-tests}  # the GPU tests take most of a call; benchmark sections fi
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 if has tests; then
-  # The whole GPU suite outgrew 330 s in run 9 (89 tests passed, none failed, before the limit): run it
-  # alone (`gpu_check.sh tests`) or give it most of a call.
-  step gpu_tests 540 python3 -m pytest -q tests/gpu -p no:cacheprovider --durations=12
+  # The whole GPU suite outgrew 330 s in run 9 (89 tests passed, none failed, before the limit): one
+  # step per file, so that a file that runs out of time does not hide the others' results.
+  for f in test_kernels_gpu test_small_m_gemv_gpu test_argmax_gpu test_model_gpu; do
+    step gpu_$f 300 python3 -m pytest -q tests/gpu/$f.py -p no:cacheprovider --durations=8
+  done
   [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
     -p no:cacheprovider
 fi
