@@ -47,6 +47,40 @@ def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
 if HAS_TRITON:
 
     @triton.jit
+    def _rope_tables(d, dmask, cs_row, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
+        """For dims d [BLOCK_D] of one position (cs_row: its cos | sin row): (partner, cos, sin, sign, rot),
+        the dim each one rotates with (itself past ROT), its cos / sin, the sign of the partner's term and
+        which dims rotate; rotate_half pairs (d, d + ROT/2) for neox, else interleaved (2i, 2i + 1)."""
+        HALF: tl.constexpr = ROT // 2
+        if IS_NEOX:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            cidx = tl.where(d < HALF, d, d - HALF)
+            sign = tl.where(d < HALF, -1.0, 1.0)
+        else:
+            partner = d ^ 1
+            cidx = d // 2
+            sign = tl.where((d % 2) == 0, -1.0, 1.0)
+        rot = d < ROT
+        partner = tl.where(rot, partner, d)
+        cos = tl.load(cs_row + cidx, mask=rot & dmask, other=1.0)
+        sin = tl.load(cs_row + HALF + cidx, mask=rot & dmask, other=0.0)
+        return partner, cos, sin, sign, rot
+
+    @triton.jit
+    def _norm_rope(row, offs, poffs, mask, w_ptr, d, partner, dmask, cos, sin, sign, rot, eps,
+                   HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
+        """R heads of `row` -> [R, BLOCK_D] fp32: RMSNorm over each head (with weight w_ptr, if HAS_W),
+        then RoPE. offs / poffs: [R, BLOCK_D] offsets of the heads' dims and of their partners; mask
+        [R, BLOCK_D]; the rest from _rope_tables."""
+        x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(row + poffs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
+            x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            xp = xp * rstd[:, None] * tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        return tl.where(rot[None, :], x * cos[None, :] + sign[None, :] * xp * sin[None, :], x)
+
+    @triton.jit
     def _qkv_prep_kernel(
         qkv_ptr, q_out_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
         stride_qkv_t, stride_qo_t, stride_qo_h, stride_cs,
@@ -63,47 +97,29 @@ if HAS_TRITON:
         h = tl.program_id(1)  # 0..NUM_HEADS-1: q heads; then kv heads
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        HALF: tl.constexpr = ROT // 2
-        if IS_NEOX:
-            partner = tl.where(d < HALF, d + HALF, d - HALF)
-            cidx = tl.where(d < HALF, d, d - HALF)
-            sign = tl.where(d < HALF, -1.0, 1.0)
-        else:
-            partner = d ^ 1
-            cidx = d // 2
-            sign = tl.where((d % 2) == 0, -1.0, 1.0)
-        rot = d < ROT
-        partner = tl.where(rot, partner, d)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cos = tl.load(cs_ptr + pos * stride_cs + cidx, mask=rot & dmask, other=1.0)
-        sin = tl.load(cs_ptr + pos * stride_cs + HALF + cidx, mask=rot & dmask, other=0.0)
+        partner, cos, sin, sign, rot = _rope_tables(d, dmask, cs_ptr + pos * stride_cs, ROT, IS_NEOX)
         row = qkv_ptr + tok * stride_qkv_t
         is_q = h < NUM_HEADS
         kvh = h - NUM_HEADS
         col0 = h * HEAD_DIM  # q heads then k heads sit back to back in the row
-        x = tl.load(row + col0 + d, mask=dmask, other=0.0).to(tl.float32)
-        xp = tl.load(row + col0 + partner, mask=dmask, other=0.0).to(tl.float32)
+        offs = (col0 + d)[None, :]
+        poffs = (col0 + partner)[None, :]
+        m2 = dmask[None, :]
         if is_q:
-            if HAS_QW:
-                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-                x = x * rstd * tl.load(qw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-                xp = xp * rstd * tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        else:
-            if HAS_KW:
-                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-                x = x * rstd * tl.load(kw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-                xp = xp * rstd * tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        y = tl.where(rot, x * cos + sign * xp * sin, x)
-        if is_q:
-            tl.store(q_out_ptr + tok * stride_qo_t + h * stride_qo_h + d,
-                     y.to(q_out_ptr.dtype.element_ty), mask=dmask)
+            y = _norm_rope(row, offs, poffs, m2, qw_ptr, d, partner, dmask, cos, sin, sign, rot, eps, HAS_QW,
+                           HEAD_DIM)
+            tl.store(q_out_ptr + tok * stride_qo_t + h * stride_qo_h + d[None, :],
+                     y.to(q_out_ptr.dtype.element_ty), mask=m2)
         else:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
+                y = _norm_rope(row, offs, poffs, m2, kw_ptr, d, partner, dmask, cos, sin, sign, rot, eps, HAS_KW,
+                               HEAD_DIM)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
-                tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh * stride_kc_head + d,
-                         y.to(kc_ptr.dtype.element_ty), mask=dmask)
+                tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh * stride_kc_head + d[None, :],
+                         y.to(kc_ptr.dtype.element_ty), mask=m2)
                 v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=dmask, other=0.0)
                 tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh * stride_vc_head + d,
                          v.to(vc_ptr.dtype.element_ty), mask=dmask)

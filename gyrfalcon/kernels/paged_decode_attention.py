@@ -19,6 +19,7 @@ import torch
 
 from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
                                        pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
+from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
 
 _LOG2E = 1.4426950408889634
 
@@ -59,17 +60,7 @@ def paged_decode_attention_ref(
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _rope_rows(x, xp, w, wp, cos, sin, sign, rot, eps, HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
-        # x, xp: [R, BLOCK_D] fp32, a head per row and its rotary partner dims; w, wp: the norm weight
-        # at d and at the partner (fp32, [BLOCK_D]); cos, sin, sign, rot: [BLOCK_D]. The arithmetic of
-        # fused_qkv_prep's kernel, row by row: RMSNorm (optional), then rotate the first ROT dims.
-        if HAS_W:
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
-            x = x * rstd[:, None] * w[None, :]
-            xp = xp * rstd[:, None] * wp[None, :]
-        return tl.where(rot[None, :], x * cos[None, :] + sign[None, :] * xp * sin[None, :], x)
+    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _rope_tables
 
     @triton.jit
     def _decode_split_kernel(
@@ -119,46 +110,19 @@ if HAS_TRITON:
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
             # one) writes its K/V into the cache, so fused_qkv_prep's launch is not needed.
             dmask = dk < HEAD_DK
-            HALF: tl.constexpr = ROT // 2
-            if IS_NEOX:
-                partner = tl.where(dk < HALF, dk + HALF, dk - HALF)
-                cidx = tl.where(dk < HALF, dk, dk - HALF)
-                sign = tl.where(dk < HALF, -1.0, 1.0)
-            else:
-                partner = dk ^ 1
-                cidx = dk // 2
-                sign = tl.where((dk % 2) == 0, -1.0, 1.0)
-            rot = dk < ROT
-            partner = tl.where(rot, partner, dk)
             pos = tl.load(pos_ptr + b).to(tl.int64)
-            cos = tl.load(cs_ptr + pos * s_cs + cidx, mask=rot & dmask, other=1.0)
-            sin = tl.load(cs_ptr + pos * s_cs + HALF + cidx, mask=rot & dmask, other=0.0)
+            partner, cos, sin, sign, rot = _rope_tables(dk, dmask, cs_ptr + pos * s_cs, ROT, IS_NEOX)
             row = q_ptr + b.to(tl.int64) * s_qb
-            qmask = gmask[:, None] & dmask[None, :]
-            qx = tl.load(row + head[:, None] * HEAD_DK + dk[None, :], mask=qmask, other=0.0).to(tl.float32)
-            qxp = tl.load(row + head[:, None] * HEAD_DK + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-            if HAS_QW:
-                qw = tl.load(qw_ptr + dk, mask=dmask, other=0.0).to(tl.float32)
-                qwp = tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-            else:
-                qw = cos
-                qwp = cos
             # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
-            q = _rope_rows(qx, qxp, qw, qwp, cos, sin, sign, rot, eps, HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
+            q = _norm_rope(row, head[:, None] * HEAD_DK + dk[None, :], head[:, None] * HEAD_DK + partner[None, :],
+                           gmask[:, None] & dmask[None, :], qw_ptr, dk, partner, dmask, cos, sin, sign, rot, eps,
+                           HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
             if split == n_active - 1:
                 slot = tl.load(slot_ptr + b).to(tl.int64)
                 if slot >= 0:
                     kcol = (NUM_HEADS + kvh) * HEAD_DK
-                    kx = tl.load(row + kcol + dk, mask=dmask, other=0.0).to(tl.float32)
-                    kxp = tl.load(row + kcol + partner, mask=dmask, other=0.0).to(tl.float32)
-                    if HAS_KW:
-                        kw = tl.load(kw_ptr + dk, mask=dmask, other=0.0).to(tl.float32)
-                        kwp = tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-                    else:
-                        kw = cos
-                        kwp = cos
-                    knew = _rope_rows(kx[None, :], kxp[None, :], kw, kwp, cos, sin, sign, rot, eps, HAS_KW,
-                                      HEAD_DK)
+                    knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kw_ptr,
+                                      dk, partner, dmask, cos, sin, sign, rot, eps, HAS_KW, HEAD_DK)
                     vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dk, mask=dmask,
                                    other=0.0)
                     blk = slot // BLOCK_SIZE
@@ -486,7 +450,6 @@ def decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, posit
                                    is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
                                    num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
     """The unfused composition: qkv_prep (norms, RoPE, K/V into the cache), then decode attention."""
-    from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
     q = qkv_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
                      k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)

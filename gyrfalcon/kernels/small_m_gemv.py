@@ -98,20 +98,6 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
 if HAS_TRITON:
 
     @triton.jit
-    def _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
-                     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized, in the weight dtype."""
-        m2 = rmask[:, None] & kmask[None, :]
-        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-        if HAS_RES:
-            rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-            xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if HAS_NORM:
-            nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(OUT_DTYPE)
-        return xk
-
-    @triton.jit
     def _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits,
                        HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr, OUT_DTYPE: tl.constexpr):
         """Input tile [1, BLOCK_K] of o_proj from decode attention's split partials: for input k (head
@@ -131,6 +117,26 @@ if HAS_TRITON:
             num += w * tl.load(pacc_ptr + (row0 + sp) * BLOCK_DV + d, mask=kmask, other=0.0)
         x = num / tl.where(den == 0.0, 1.0, den)  # no active split (empty sequence): zeros
         return x.to(OUT_DTYPE)[None, :]
+
+    @triton.jit
+    def _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                     pacc_ptr, pml_ptr, n_active, num_splits,
+                     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     MERGE_X: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized, in the weight dtype; with MERGE_X
+        merged from decode attention's split partials instead (_merged_x_tile, one row)."""
+        if MERGE_X:
+            xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV, OUT_DTYPE)
+        else:
+            m2 = rmask[:, None] & kmask[None, :]
+            xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+            if HAS_RES:
+                rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if HAS_NORM:
+                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(OUT_DTYPE)
+        return xk
 
     @triton.jit
     def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -207,24 +213,18 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         K_START: tl.constexpr = BLOCK_K if USE_PDL else 0
         if USE_PDL:
-            if MERGE_X:
-                xk = _merged_x_tile(pacc_ptr, pml_ptr, ks, kmask0, n_active, num_splits, HEAD_D, BLOCK_DV,
-                                    w_ptr.dtype.element_ty)
-            else:
-                xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
-                                  HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+                              pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
+                              MERGE_X, HEAD_D, BLOCK_DV)
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
         for k0 in range(K_START, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
-            if MERGE_X:
-                xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV,
-                                    w_ptr.dtype.element_ty)
-            else:
-                xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
-                                  HAS_NORM, HAS_RES, w_ptr.dtype.element_ty)
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                              pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
+                              MERGE_X, HEAD_D, BLOCK_DV)
             wmask = cmask[:, None] & kmask[None, :]
             # Both weight tiles are loaded before either is used, so that their latencies overlap.
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
