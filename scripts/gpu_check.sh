@@ -8,7 +8,8 @@
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes; the greedy argmax vs
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
-# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), defaults (batch 1 with the
+# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (decode attention's first
+# K/V tile before the qkv row, on / off, two launch shapes), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -164,6 +165,20 @@ if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention
     step lat_${ck}_b1_pdl0_prefill0 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $lat \
       --output-json "$R/latency_${name}_b1_pdl0_prefill0.json"
   done
+fi
+if has prefetch; then  # batch 1: decode attention loading its first K/V tile before the qkv row (PDL) vs not,
+  # and two launch shapes; kernel tests and the PDL greedy-token tests first
+  step gpu_prefetch_tests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
+    -k "with_prep or pdl_chain or decode" -p no:cacheprovider
+  step gpu_prefetch_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
+  step lat_q06_b1_pf 90 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch.json"
+  step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
+  step lat_q06_b1_pf_w8 90 env GYRFALCON_DECODE_ATTN_CONFIG=128,8 $lat \
+    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_128x8.json"
+  step lat_q06_b1_pf_64 90 env GYRFALCON_DECODE_ATTN_CONFIG=64,4 $lat \
+    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_64x4.json"
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

@@ -91,7 +91,50 @@ def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
     size = min((b for b in gr.graphs if b >= batch_size), default=None)
     if size is None:
         return None
-    graph = gr.graphs[size]
+    return _replay_ms(gr.graphs[size], iters)
+
+
+REPLAY_CONTEXTS = (0, 128, 256, 1024, 4096, 8192)
+
+
+def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters: int = 200) -> dict:
+    """{context: ms} for the decode graph replayed back to back with every row's static inputs set to
+    one token at that context (blocks 0.. of the cache, contents whatever the bench left there): how
+    the step's device time grows with the context, i.e. what decode attention costs in the real graph.
+    Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). Call only when the
+    engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
+    import torch
+
+    gr = getattr(runner, "graph_runner", None)
+    if gr is None or not getattr(gr, "graphs", None):
+        return {}
+    size = min((b for b in gr.graphs if b >= batch_size), default=None)
+    if size is None:
+        return {}
+    fb, src = gr.inputs.views(size), gr.inputs.src(size)
+    bs, width = runner.block_size, gr.max_blocks_per_seq
+    out = {}
+    for ctx in contexts:
+        nb = -(-ctx // bs)
+        if nb > width or size * nb > runner.num_blocks:
+            continue
+        src.fill_(-1)
+        fb.input_ids.fill_(0)
+        fb.seq_lens.fill_(ctx)
+        fb.positions.fill_(max(ctx - 1, 0))
+        if nb:
+            tables = torch.arange(size * nb, dtype=fb.block_tables.dtype, device=fb.block_tables.device)
+            fb.block_tables[:, :nb] = tables.view(size, nb)
+            fb.slot_mapping.copy_(fb.block_tables[:, nb - 1].long() * bs + (ctx - 1) % bs)
+        else:
+            fb.slot_mapping.fill_(-1)
+        out[ctx] = _replay_ms(gr.graphs[size], iters)
+    return out
+
+
+def _replay_ms(graph, iters: int) -> float:
+    import torch
+
     for _ in range(10):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -161,6 +204,7 @@ def run_gyrfalcon(args) -> dict:
     if args.profile and cuda:
         res["profile"] = count_launches(llm, prompts[: args.batch_size])
         res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
+        res["graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size)
     return res
 
 
@@ -232,6 +276,10 @@ def main(args: argparse.Namespace) -> int:
         if g.get("graph_replay_ms"):
             print(f"decode graph replayed back to back: {g['graph_replay_ms']:.3f} ms/step "
                   f"(host-free floor; measured step {g['decode_step_ms']:.3f} ms)")
+        at = g.get("graph_replay_ms_at_context") or {}
+        if at:
+            print("decode graph replay by context (tokens: ms): "
+                  + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")
     write_json(args, {"bench": "latency", **run_info(args), "results": results})

@@ -13,6 +13,7 @@ H200 (benchmarks/results/*-h200-2026-11-30-run9/10.json) the Qwen3-0.6B batch-1 
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -63,6 +64,41 @@ if HAS_TRITON:
     from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _rope_tables
 
     @triton.jit
+    def _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+        """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
+        V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row."""
+        kpos = kstart + tl.arange(0, BLOCK_N)
+        kmask = kpos < end
+        phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        k = tl.load(kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
+                    mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0)
+        v = tl.load(vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0)
+        return kpos, kmask, k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
+        V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units."""
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        # Every tile holds >= 1 valid key (kstart < end), so m_new is finite here.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr, count_ptr,
         scale_log2, num_splits,
@@ -75,15 +111,21 @@ if HAS_TRITON:
         MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
-        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
         # covers context tokens [s * part, (s + 1) * part) of its sequence, part sized on the device
         # from seq_len (flash-decoding without a host sync; splits past the end are empty).
+        # PREFETCH (with PREP): only the qkv row comes from the previous kernel. The step's inputs
+        # (seq_lens, positions, block tables, slots) were copied before the step began and the cached
+        # keys were written by earlier steps, so the first K/V tile and the RoPE tables load first (with
+        # PDL: before the wait, while the previous kernel finishes); the new token's slot, stale in that
+        # tile, is patched from registers (no store -> barrier -> reload round trip).
         if USE_PDL:
             gdc_launch_dependents()
-            gdc_wait()  # q and this step's K/V come from the previous kernel; every program waits
+            if not PREFETCH:
+                gdc_wait()  # q and this step's K/V come from the previous kernel; every program waits
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -105,20 +147,42 @@ if HAS_TRITON:
         gmask = g < GROUP
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
+        bt_row = bt_ptr + b.to(tl.int64) * s_bt
+        if PREFETCH:
+            kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                             s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
         if PREP:
             # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
             # one) writes its K/V into the cache, so fused_qkv_prep's launch is not needed.
             dmask = dk < HEAD_DK
             pos = tl.load(pos_ptr + b).to(tl.int64)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
             partner, cos, sin, sign, rot = _rope_tables(dk, dmask, cs_ptr + pos * s_cs, ROT, IS_NEOX)
+            if PREFETCH and USE_PDL:
+                gdc_wait()
             row = q_ptr + b.to(tl.int64) * s_qb
             # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
             q = _norm_rope(row, head[:, None] * HEAD_DK + dk[None, :], head[:, None] * HEAD_DK + partner[None, :],
                            gmask[:, None] & dmask[None, :], qw_ptr, dk, partner, dmask, cos, sin, sign, rot, eps,
                            HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
-            if split == n_active - 1:
-                slot = tl.load(slot_ptr + b).to(tl.int64)
+            if PREFETCH:
+                # Every program of the kv head computes the new K/V (one L2-resident row); only the
+                # split holding the new token stores it, and patches it into whichever tile holds it.
+                kcol = (NUM_HEADS + kvh) * HEAD_DK
+                knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kw_ptr,
+                                  dk, partner, dmask, cos, sin, sign, rot, eps, HAS_KW,
+                                  HEAD_DK).to(kc_ptr.dtype.element_ty)
+                vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dv, mask=dv < HEAD_DV,
+                               other=0.0).to(vc_ptr.dtype.element_ty)
+                knew_t = tl.trans(knew)  # [BLOCK_DK, 1], the layout of a K^T tile
+                if (split == n_active - 1) & (slot >= 0):
+                    blk = slot // BLOCK_SIZE
+                    boff = slot % BLOCK_SIZE
+                    tl.store(kc_ptr + blk * s_kb + boff * s_ko + kvh * s_kh + dk[None, :], knew, mask=dmask[None, :])
+                    tl.store(vc_ptr + blk * s_vb + boff * s_vo + kvh * s_vh + dv, vnew, mask=dv < HEAD_DV)
+                new_pos = tl.where(slot >= 0, seq_len - 1, -1)
+            elif split == n_active - 1:
                 if slot >= 0:
                     kcol = (NUM_HEADS + kvh) * HEAD_DK
                     knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kw_ptr,
@@ -144,35 +208,20 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-        bt_row = bt_ptr + b.to(tl.int64) * s_bt
-        for kstart in range(start, end, BLOCK_N):
-            kpos = kstart + tl.arange(0, BLOCK_N)
-            kmask = kpos < end
-            phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
-            off = kpos % BLOCK_SIZE
-            k = tl.load(
-                kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
-                mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
-            s = tl.where(kmask[None, :], s, float("-inf"))
-            # Every tile holds >= 1 valid key (kstart < end), so m_new is finite here.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
-            )
-            p = p.to(v.dtype)
-            if UPCAST:
-                p = p.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-            m_i = m_new
+        loop_start = start
+        if PREFETCH:
+            if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
+                k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
+                v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
+                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            loop_start = start + BLOCK_N
+        for kstart in range(loop_start, end, BLOCK_N):
+            kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                         s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
+            if PREFETCH:
+                k = tl.where((kpos == new_pos)[None, :], knew_t, k)
+                v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
+            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
 
         if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
@@ -281,6 +330,12 @@ def _sm_count(device: torch.device) -> int:
 MAX_SPLITS = 16
 
 
+def prefetch_default(pdl: bool) -> bool:
+    """Whether decode attention with prep loads its first K/V tile before the qkv row: with PDL (that
+    is when the load overlaps the previous kernel's tail), unless GYRFALCON_ATTN_PREFETCH=0."""
+    return pdl and os.environ.get("GYRFALCON_ATTN_PREFETCH", "1") != "0"
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill the GPU about
     twice over, but at least ~256 context tokens per split, rounded to a power of two to bound the
@@ -301,6 +356,10 @@ def _decode_config(head_dim: int, programs: int):
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
     19.0 vs 23.1 at 8192), within ~0.5 us of the best at 128-512 tokens; at batch 64, 64-key tiles
     (22.5 vs 24.4 us)."""
+    env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps": launch-shape experiments
+    if env:
+        bn, nw = (int(x) for x in env.split(","))
+        return bn, nw, 3
     if head_dim <= 128:
         return (128 if programs <= 128 else 64), 4, 3
     return 32, 4, 3
@@ -376,10 +435,12 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
-            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None, partials=False):
+            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None, partials=False,
+            prefetch=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
-    q_norm_weight, k_norm_weight, eps). partials=True: no reduce; returns DecodePartials."""
+    q_norm_weight, k_norm_weight, eps). partials=True: no reduce; returns DecodePartials. prefetch (prep
+    only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]
@@ -402,6 +463,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     pdl = use_pdl(q) if pdl is None else pdl
+    prefetch = prep is not None and (prefetch_default(pdl) if prefetch is None else prefetch)
     if direct:
         pacc = pml = o  # unused
     else:
@@ -433,7 +495,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         USE_PDL=pdl,
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
-        num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
+        PREFETCH=prefetch, num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)

@@ -185,10 +185,12 @@ def test_paged_decode(batch, max_ctx, num_splits, merge):
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (64, 1024)])
 @pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl):
+@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=["plain", "pdl-prefetch", "pdl", "prefetch"])
+def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch):
     """The q/k norm + RoPE + KV store folded into the decode-attention launch, against the unfused
-    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too."""
+    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too, and with
+    the first K/V tile loaded before the qkv row (PDL's default)."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
@@ -212,7 +214,7 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl):
     want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl)
+                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl, prefetch=prefetch)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(kc, kc_ref, **TOL)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)

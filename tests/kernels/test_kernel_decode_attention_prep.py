@@ -50,13 +50,18 @@ def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch):
+    """prefetch: the first K/V tile is loaded before the qkv row and the new token's (stale) slot is
+    patched from registers; with 1 split the 47-token row's new token sits in its third tile (the loop's
+    patch), with 4 splits in its last split's only tile (the prefetched tile's patch)."""
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, rot, dtype, norm)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, is_neox, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, is_neox, kc, vc, slots, bt, sl,
-                                            D ** -0.5, num_splits, qw, kw, 1e-6, block_n=16, min_part=16)
+                                            D ** -0.5, num_splits, qw, kw, 1e-6, block_n=16, min_part=16,
+                                            prefetch=prefetch)
     assert got.shape == (len(SEQ_LENS), H, D)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -67,14 +72,15 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_fused_equals_the_two_triton_launches(num_splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_equals_the_two_triton_launches(num_splits, prefetch):
     """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
     (up to the order of one reduction) and bitwise-equal caches."""
     H, KVH, D = 4, 2, 32
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.bfloat16, True, seed=3)
     kc2, vc2 = kc.clone(), vc.clone()
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, 0.2,
-                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16)
+                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch)
     q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc2, vc2, slots, qw, kw, 1e-6)
     want = paged_decode_attention_triton(q, kc2, vc2, bt, sl, 0.2, num_splits, block_n=16, min_part=16)
     torch.testing.assert_close(kc, kc2, rtol=0, atol=0)
