@@ -167,18 +167,23 @@ if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention
   done
 fi
 if has prefetch; then  # batch 1: decode attention loading its first K/V tile before the qkv row (PDL) vs not,
-  # and two launch shapes; kernel tests and the PDL greedy-token tests first
+  # and the in-kernel split merge; Llama-8B batch 1 (auto / forced PDL) and 16; the kernel tests and the PDL
+  # greedy-token tests first
   step gpu_prefetch_tests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "with_prep or pdl_chain or decode" -p no:cacheprovider
+    -k "with_prep or pdl_chain" -p no:cacheprovider
   step gpu_prefetch_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
   step lat_q06_b1_pf 90 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch.json"
+  step lat_q06_b1_pf_merge 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
+    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_merge.json"
   step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
-  step lat_q06_b1_pf_w8 90 env GYRFALCON_DECODE_ATTN_CONFIG=128,8 $lat \
-    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_128x8.json"
-  step lat_q06_b1_pf_64 90 env GYRFALCON_DECODE_ATTN_CONFIG=64,4 $lat \
-    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_64x4.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
+  step lat_l8_b1_pf 90 $l8 --batch-size 1 --max-num-seqs 1 --output-json "$R/latency_llama-3.1-8b_b1_prefetch.json"
+  step lat_l8_b1_pf_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size 1 --max-num-seqs 1 \
+    --output-json "$R/latency_llama-3.1-8b_b1_prefetch_pdl1.json"
+  step lat_l8_b16 90 $l8 --batch-size 16 --max-num-seqs 16 --output-json "$R/latency_llama-3.1-8b_b16.json"
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

@@ -349,19 +349,21 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     return min(MAX_SPLITS, next_pow2(max(1, want)))
 
 
-def _decode_config(head_dim: int, programs: int):
+def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
     head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
     19.0 vs 23.1 at 8192), within ~0.5 us of the best at 128-512 tokens; at batch 64, 64-key tiles
-    (22.5 vs 24.4 us)."""
+    (22.5 vs 24.4 us). With the first tile prefetched (its K and V held in registers across the qkv
+    prep) 8 warps: the Qwen3-0.6B batch-1 graph at 256 tokens replayed in 0.717 ms with 8 warps, 0.771
+    with 4, 0.775 with 64-key tiles and 4 warps (latency_qwen3-0.6b_b1_prefetch*-h200-2026-11-30-run13)."""
     env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps": launch-shape experiments
     if env:
         bn, nw = (int(x) for x in env.split(","))
         return bn, nw, 3
     if head_dim <= 128:
-        return (128 if programs <= 128 else 64), 4, 3
+        return (128 if programs <= 128 else 64), (8 if prefetch else 4), 3
     return 32, 4, 3
 
 
@@ -455,15 +457,20 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if num_splits is None:
         num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device)
     num_splits = max(1, int(num_splits))
-    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv)
+    pdl = use_pdl(q) if pdl is None else pdl
+    # Prefetch keeps a K and a V tile live across the prep; with fp32 caches that outgrows shared memory
+    # once the loop is software-pipelined (270 KB of 227 KB on the H200), so it is not the default there.
+    if prefetch is None:
+        prefetch = prefetch_default(pdl) and k_cache.element_size() <= 2
+    prefetch = prefetch and prep is not None
+    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1 and not partials
+    merge_in_kernel = merge_in_kernel or os.environ.get("GYRFALCON_DECODE_MERGE_IN_KERNEL") == "1"
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
-    pdl = use_pdl(q) if pdl is None else pdl
-    prefetch = prep is not None and (prefetch_default(pdl) if prefetch is None else prefetch)
     if direct:
         pacc = pml = o  # unused
     else:
