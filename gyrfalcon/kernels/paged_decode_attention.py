@@ -241,10 +241,10 @@ if HAS_TRITON:
             )
         else:
             # Partials: acc [B, H, S, BLOCK_DV] unnormalized, (m, l) [B, H, S, 2]; fp32.
-            row = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split
-            tl.store(pacc_ptr + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=gmask[:, None])
-            tl.store(pml_ptr + row * 2, m_i, mask=gmask)
-            tl.store(pml_ptr + row * 2 + 1, l_i, mask=gmask)
+            prow = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split
+            tl.store(pacc_ptr + prow[:, None] * BLOCK_DV + dv[None, :], acc, mask=gmask[:, None])
+            tl.store(pml_ptr + prow * 2, m_i, mask=gmask)
+            tl.store(pml_ptr + prow * 2 + 1, l_i, mask=gmask)
             if MERGE_IN_KERNEL:
                 # The last split of (sequence, kv head) to finish merges all of them: one launch instead
                 # of two. Every thread's partial stores are done (barrier) before the release atomic;
