@@ -67,17 +67,29 @@ if HAS_TRITON:
         return partner, cos, sin, sign, rot
 
     @triton.jit
-    def _norm_rope(row, offs, poffs, mask, w_ptr, d, partner, dmask, cos, sin, sign, rot, eps,
+    def _norm_weights(w_ptr, d, partner, dmask, HAS_W: tl.constexpr):
+        """The per-head norm weight at dims d and at their RoPE partners, fp32 [BLOCK_D] each (ones without
+        a weight). Constant across steps: callers under PDL load them before waiting on the previous kernel."""
+        if HAS_W:
+            wd = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        else:
+            wd = tl.full(d.shape, 1.0, tl.float32)
+            wp = wd
+        return wd, wp
+
+    @triton.jit
+    def _norm_rope(row, offs, poffs, mask, wd, wp, cos, sin, sign, rot, eps,
                    HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
-        """R heads of `row` -> [R, BLOCK_D] fp32: RMSNorm over each head (with weight w_ptr, if HAS_W),
-        then RoPE. offs / poffs: [R, BLOCK_D] offsets of the heads' dims and of their partners; mask
-        [R, BLOCK_D]; the rest from _rope_tables."""
+        """R heads of `row` -> [R, BLOCK_D] fp32: RMSNorm over each head (weights wd / wp from _norm_weights,
+        if HAS_W), then RoPE. offs / poffs: [R, BLOCK_D] offsets of the heads' dims and of their partners;
+        mask [R, BLOCK_D]; the rest from _rope_tables."""
         x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
         xp = tl.load(row + poffs, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
-            x = x * rstd[:, None] * tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            xp = xp * rstd[:, None] * tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            x = x * rstd[:, None] * wd[None, :]
+            xp = xp * rstd[:, None] * wp[None, :]
         return tl.where(rot[None, :], x * cos[None, :] + sign[None, :] * xp * sin[None, :], x)
 
     @triton.jit
@@ -92,30 +104,35 @@ if HAS_TRITON:
     ):
         if USE_PDL:
             gdc_launch_dependents()
-            gdc_wait()  # qkv is the previous kernel's output
         tok = tl.program_id(0)
         h = tl.program_id(1)  # 0..NUM_HEADS-1: q heads; then kv heads
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
+        # Positions (a step input), the RoPE table and the norm weights do not come from the previous
+        # kernel: with PDL they load while it finishes.
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         partner, cos, sin, sign, rot = _rope_tables(d, dmask, cs_ptr + pos * stride_cs, ROT, IS_NEOX)
-        row = qkv_ptr + tok * stride_qkv_t
         is_q = h < NUM_HEADS
+        if is_q:
+            wd, wp = _norm_weights(qw_ptr, d, partner, dmask, HAS_QW)
+        else:
+            wd, wp = _norm_weights(kw_ptr, d, partner, dmask, HAS_KW)
+        if USE_PDL:
+            gdc_wait()  # qkv is the previous kernel's output
+        row = qkv_ptr + tok * stride_qkv_t
         kvh = h - NUM_HEADS
         col0 = h * HEAD_DIM  # q heads then k heads sit back to back in the row
         offs = (col0 + d)[None, :]
         poffs = (col0 + partner)[None, :]
         m2 = dmask[None, :]
         if is_q:
-            y = _norm_rope(row, offs, poffs, m2, qw_ptr, d, partner, dmask, cos, sin, sign, rot, eps, HAS_QW,
-                           HEAD_DIM)
+            y = _norm_rope(row, offs, poffs, m2, wd, wp, cos, sin, sign, rot, eps, HAS_QW, HEAD_DIM)
             tl.store(q_out_ptr + tok * stride_qo_t + h * stride_qo_h + d[None, :],
                      y.to(q_out_ptr.dtype.element_ty), mask=m2)
         else:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
-                y = _norm_rope(row, offs, poffs, m2, kw_ptr, d, partner, dmask, cos, sin, sign, rot, eps, HAS_KW,
-                               HEAD_DIM)
+                y = _norm_rope(row, offs, poffs, m2, wd, wp, cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
                 tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh * stride_kc_head + d[None, :],

@@ -61,7 +61,7 @@ def paged_decode_attention_ref(
 
 
 if HAS_TRITON:
-    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _rope_tables
+    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _norm_weights, _rope_tables
 
     @triton.jit
     def _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
@@ -119,9 +119,9 @@ if HAS_TRITON:
         # from seq_len (flash-decoding without a host sync; splits past the end are empty).
         # PREFETCH (with PREP): only the qkv row comes from the previous kernel. The step's inputs
         # (seq_lens, positions, block tables, slots) were copied before the step began and the cached
-        # keys were written by earlier steps, so the first K/V tile and the RoPE tables load first (with
-        # PDL: before the wait, while the previous kernel finishes); the new token's slot, stale in that
-        # tile, is patched from registers (no store -> barrier -> reload round trip).
+        # keys were written by earlier steps, so the first K/V tile, the RoPE tables and the norm weights
+        # load first (with PDL: before the wait, while the previous kernel finishes); the new token's slot,
+        # stale in that tile, is patched from registers (no store -> barrier -> reload round trip).
         if USE_PDL:
             gdc_launch_dependents()
             if not PREFETCH:
@@ -159,20 +159,21 @@ if HAS_TRITON:
             pos = tl.load(pos_ptr + b).to(tl.int64)
             slot = tl.load(slot_ptr + b).to(tl.int64)
             partner, cos, sin, sign, rot = _rope_tables(dk, dmask, cs_ptr + pos * s_cs, ROT, IS_NEOX)
+            qwd, qwp = _norm_weights(qw_ptr, dk, partner, dmask, HAS_QW)
+            kwd, kwp = _norm_weights(kw_ptr, dk, partner, dmask, HAS_KW)
             if PREFETCH and USE_PDL:
                 gdc_wait()
             row = q_ptr + b.to(tl.int64) * s_qb
             # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
             q = _norm_rope(row, head[:, None] * HEAD_DK + dk[None, :], head[:, None] * HEAD_DK + partner[None, :],
-                           gmask[:, None] & dmask[None, :], qw_ptr, dk, partner, dmask, cos, sin, sign, rot, eps,
+                           gmask[:, None] & dmask[None, :], qwd, qwp, cos, sin, sign, rot, eps,
                            HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
             if PREFETCH:
                 # Every program of the kv head computes the new K/V (one L2-resident row); only the
                 # split holding the new token stores it, and patches it into whichever tile holds it.
                 kcol = (NUM_HEADS + kvh) * HEAD_DK
-                knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kw_ptr,
-                                  dk, partner, dmask, cos, sin, sign, rot, eps, HAS_KW,
-                                  HEAD_DK).to(kc_ptr.dtype.element_ty)
+                knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd, kwp,
+                                  cos, sin, sign, rot, eps, HAS_KW, HEAD_DK).to(kc_ptr.dtype.element_ty)
                 vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dv, mask=dv < HEAD_DV,
                                other=0.0).to(vc_ptr.dtype.element_ty)
                 knew_t = tl.trans(knew)  # [BLOCK_DK, 1], the layout of a K^T tile
@@ -185,8 +186,8 @@ if HAS_TRITON:
             elif split == n_active - 1:
                 if slot >= 0:
                     kcol = (NUM_HEADS + kvh) * HEAD_DK
-                    knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kw_ptr,
-                                      dk, partner, dmask, cos, sin, sign, rot, eps, HAS_KW, HEAD_DK)
+                    knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd,
+                                      kwp, cos, sin, sign, rot, eps, HAS_KW, HEAD_DK)
                     vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dk, mask=dmask,
                                    other=0.0)
                     blk = slot // BLOCK_SIZE

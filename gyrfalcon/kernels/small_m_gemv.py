@@ -119,12 +119,13 @@ if HAS_TRITON:
         return x.to(OUT_DTYPE)[None, :]
 
     @triton.jit
-    def _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+    def _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                      pacc_ptr, pml_ptr, n_active, num_splits,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr,
                      MERGE_X: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized, in the weight dtype; with MERGE_X
-        merged from decode attention's split partials instead (_merged_x_tile, one row)."""
+        """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized (nw: the norm weight's [BLOCK_K] tile,
+        fp32, loaded by the caller), in the weight dtype; with MERGE_X merged from decode attention's split
+        partials instead (_merged_x_tile, one row)."""
         if MERGE_X:
             xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV, OUT_DTYPE)
         else:
@@ -134,7 +135,6 @@ if HAS_TRITON:
                 rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
                 xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
             if HAS_NORM:
-                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
                 xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(OUT_DTYPE)
         return xk
 
@@ -158,7 +158,7 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
-        ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1,
+        ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -171,16 +171,20 @@ if HAS_TRITON:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         ks = tl.arange(0, BLOCK_K)
-        if USE_PDL:
-            # The first weight tile does not depend on the previous kernel: load it while that kernel
-            # finishes, then wait for its output (x, the residual). Without PDL the plain loop below
-            # does all tiles (the loop's own software pipeline; the peeled form was slower without PDL
-            # on the H200, run 6).
+        nw0 = 0.0
+        if PEEL:
+            # (PEEL = USE_PDL by default.) The first weight tile and its norm-weight tile do not depend on
+            # the previous kernel: load them while that kernel finishes, then wait for its output (x, the
+            # residual). Without PDL the plain loop below does all tiles (the loop's own software
+            # pipeline; the peeled form was slower without PDL on the H200, run 6).
             kmask0 = ks < K
             wmask0 = cmask[:, None] & kmask0[None, :]
             w0 = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=wmask0, other=0.0)
             if SILU_MUL:
                 wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
+            if HAS_NORM:
+                nw0 = tl.load(nw_ptr + ks, mask=kmask0, other=0.0).to(tl.float32)
+        if USE_PDL:
             gdc_launch_dependents()
             gdc_wait()
         n_active = 0
@@ -211,9 +215,9 @@ if HAS_TRITON:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        K_START: tl.constexpr = BLOCK_K if USE_PDL else 0
-        if USE_PDL:
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+        K_START: tl.constexpr = BLOCK_K if PEEL else 0
+        if PEEL:
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw0, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
                               pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
                               MERGE_X, HEAD_D, BLOCK_DV)
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
@@ -222,7 +226,10 @@ if HAS_TRITON:
         for k0 in range(K_START, K, BLOCK_K):
             kk = k0 + ks
             kmask = kk < K
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw_ptr, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+            nw = 0.0
+            if HAS_NORM:
+                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            xk = _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                               pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
                               MERGE_X, HEAD_D, BLOCK_DV)
             wmask = cmask[:, None] & kmask[None, :]
@@ -246,10 +253,12 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
                      block_n: Optional[int] = None, block_k: Optional[int] = None,
                      config: Optional[GemvConfig] = None,
-                     pdl: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     pdl: Optional[bool] = None,
+                     peel: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
-    programmatic dependent launch (default: use_pdl(x))."""
+    programmatic dependent launch (default: use_pdl(x)). peel (default: pdl): load the first weight and
+    norm-weight tiles before the input (before the PDL wait)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -276,7 +285,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k), USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
+        PEEL=pdl if peel is None else peel, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 
@@ -288,7 +297,7 @@ def merged_heads_gemv_ref(parts, weight: torch.Tensor) -> torch.Tensor:
 
 
 def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvConfig] = None,
-                             pdl: Optional[bool] = None) -> torch.Tensor:
+                             pdl: Optional[bool] = None, peel: Optional[bool] = None) -> torch.Tensor:
     """o_proj of a batch-1 decode step straight from decode attention's split partials
     (paged_decode_attention.DecodePartials of one sequence): y [1, N] = merge(parts) @ weight^T with the
     merge done while loading the input tiles, so the attention's reduce launch disappears."""
@@ -306,6 +315,7 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
         HAS_NORM=False, HAS_RES=False, SILU_MUL=False, UPCAST=interpreting(),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=max(16, cfg.block_k), NORM_BLOCK=16, USE_PDL=pdl,
+        PEEL=pdl if peel is None else peel,
         MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], ATT_BLOCK_N=parts.block_n,
         MIN_PART=parts.min_part, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )

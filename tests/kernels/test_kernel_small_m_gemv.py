@@ -43,6 +43,21 @@ def test_matches_unfused(M, K, N, mode, dtype):
         assert r_new is None and r_ref is None
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("K,N", [(200, 96), (32, 16)])
+@pytest.mark.parametrize("mode", ["plain", "norm", "norm+res+silu"])
+def test_peeled_first_tile_matches_unfused(M, K, N, mode):
+    """The PDL launch's form (peel): the first weight and norm-weight tiles load before the input, the
+    loop does the rest (7 tiles of 32 at K = 200; none left at K = 32)."""
+    silu = mode.endswith("silu")
+    x, r, w, nw = _data(M, K, N, torch.float32, silu)
+    kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None,
+              eps=1e-6, silu_mul=silu)
+    y_ref, _ = norm_gemv_ref(x, w, **kw)
+    y, _ = norm_gemv_triton(x, w, block_n=16, block_k=32, peel=True, **kw)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+
+
 def test_ref_against_naive_math():
     x, r, w, nw = _data(2, 8, 4, torch.float32, True)
     y, new_r = norm_gemv_ref(x, w, nw, r, 1e-6, silu_mul=True)
