@@ -332,9 +332,12 @@ MAX_SPLITS = 16
 
 
 def prefetch_default(pdl: bool) -> bool:
-    """Whether decode attention with prep loads its first K/V tile before the qkv row: with PDL (that
-    is when the load overlaps the previous kernel's tail), unless GYRFALCON_ATTN_PREFETCH=0."""
-    return pdl and os.environ.get("GYRFALCON_ATTN_PREFETCH", "1") != "0"
+    """Whether decode attention with prep loads its first K/V tile before the qkv row.
+    GYRFALCON_ATTN_PREFETCH: "pdl" (default) with PDL, when the loads overlap the previous kernel's tail
+    (H200 run 14: Qwen3-0.6B batch-1 graph 0.711 vs 0.788 ms); "1" always (without PDL the tile's loads
+    still overlap the qkv row's and skip the store -> barrier -> reload; not yet measured); "0" never."""
+    mode = os.environ.get("GYRFALCON_ATTN_PREFETCH", "pdl")
+    return mode == "1" or (mode != "0" and pdl)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:

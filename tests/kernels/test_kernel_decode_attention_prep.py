@@ -119,3 +119,14 @@ def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits):
     torch.testing.assert_close(got.float(), (want_o.reshape(1, -1).float() @ w.float().t()), **ATTN_TOL[dtype])
     if seq_len == 0:
         assert torch.count_nonzero(got) == 0
+
+
+@pytest.mark.parametrize("env,pdl,want", [(None, True, True), (None, False, False), ("pdl", True, True),
+                                          ("1", False, True), ("1", True, True), ("0", True, False)])
+def test_prefetch_default_follows_pdl_and_the_switch(monkeypatch, env, pdl, want):
+    from gyrfalcon.kernels.paged_decode_attention import prefetch_default
+    if env is None:
+        monkeypatch.delenv("GYRFALCON_ATTN_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH", env)
+    assert prefetch_default(pdl) is want
