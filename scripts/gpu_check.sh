@@ -178,6 +178,7 @@ if has prefetch; then  # decode attention loading its first K/V tile (and the no
   step lat_q06_b1_pf_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat \
     --output-json "$R/latency_qwen3-0.6b_b1_prefetch_graphlogits.json"
   step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
+  step lat_q06_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_mergeo.json"
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
   for B in 1 16; do

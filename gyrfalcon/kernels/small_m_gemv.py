@@ -19,7 +19,8 @@ merged_heads_gemv: the same kernel with its input tiles computed from decode att
 partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
 o_proj also does the attention's split merge and the reduce launch goes (GYRFALCON_MERGE_INTO_O_PROJ=1;
 off: on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
-benchmarks/results/logs/: every o_proj program repeats the merge for its input tiles).
+benchmarks/results/logs/, when each input tile looped over the splits, a chain of L2 round trips; the
+tile now loads all splits at once, not yet measured).
 """
 
 from __future__ import annotations
@@ -100,35 +101,37 @@ if HAS_TRITON:
 
     @triton.jit
     def _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits,
-                       HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                       HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, OUT_DTYPE: tl.constexpr):
         """Input tile [1, BLOCK_K] of o_proj from decode attention's split partials: for input k (head
         h = k // HEAD_D, dim d), sum_s w_s acc[h, s, d] / sum_s w_s l[h, s], w_s = 2^(m[h, s] - max_s m),
         over the n_active splits; rounded to the activation dtype as the reduce kernel's output is.
-        Two passes, in the reduce kernel's order: the maxima, then the weighted sums."""
-        row0 = (kk // HEAD_D) * num_splits
-        d = kk % HEAD_D
-        m_max = tl.full(kk.shape, float("-inf"), tl.float32)
-        for sp in range(0, n_active):
-            m_max = tl.maximum(m_max, tl.load(pml_ptr + (row0 + sp) * 2, mask=kmask, other=0.0))
-        num = tl.zeros(kk.shape, tl.float32)
-        den = tl.zeros(kk.shape, tl.float32)
-        for sp in range(0, n_active):
-            w = tl.math.exp2(tl.load(pml_ptr + (row0 + sp) * 2, mask=kmask, other=0.0) - m_max)
-            den += w * tl.load(pml_ptr + (row0 + sp) * 2 + 1, mask=kmask, other=0.0)
-            num += w * tl.load(pacc_ptr + (row0 + sp) * BLOCK_DV + d, mask=kmask, other=0.0)
-        x = num / tl.where(den == 0.0, 1.0, den)  # no active split (empty sequence): zeros
+        All splits load at once as [BLOCK_S, BLOCK_K] tiles (one round trip through L2; a loop over the
+        splits is a chain of them, which made this path slower than the reduce launch on the H200)."""
+        sp = tl.arange(0, BLOCK_S)
+        m2 = (sp < n_active)[:, None] & kmask[None, :]
+        row = (kk // HEAD_D)[None, :] * num_splits + sp[:, None]  # [BLOCK_S, BLOCK_K]
+        m = tl.load(pml_ptr + row * 2, mask=m2, other=float("-inf"))
+        l = tl.load(pml_ptr + row * 2 + 1, mask=m2, other=0.0)
+        acc = tl.load(pacc_ptr + row * BLOCK_DV + (kk % HEAD_D)[None, :], mask=m2, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no active split (empty sequence)
+        w = tl.where(m2, tl.math.exp2(m - m_max[None, :]), 0.0)
+        den = tl.sum(w * l, axis=0)
+        x = tl.sum(w * acc, axis=0) / tl.where(den == 0.0, 1.0, den)  # empty sequence: zeros
         return x.to(OUT_DTYPE)[None, :]
 
     @triton.jit
     def _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                      pacc_ptr, pml_ptr, n_active, num_splits,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                     MERGE_X: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     MERGE_X: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
         """Input tile [BLOCK_M, BLOCK_K]: x (+ residual), normalized (nw: the norm weight's [BLOCK_K] tile,
         fp32, loaded by the caller), in the weight dtype; with MERGE_X merged from decode attention's split
         partials instead (_merged_x_tile, one row)."""
         if MERGE_X:
-            xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV, OUT_DTYPE)
+            xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV, BLOCK_S,
+                                OUT_DTYPE)
         else:
             m2 = rmask[:, None] & kmask[None, :]
             xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
@@ -160,6 +163,7 @@ if HAS_TRITON:
         NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
+        BLOCK_S: tl.constexpr = 1,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -185,15 +189,16 @@ if HAS_TRITON:
                 wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
             if HAS_NORM:
                 nw0 = tl.load(nw_ptr + ks, mask=kmask0, other=0.0).to(tl.float32)
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
         n_active = 0
         if MERGE_X:
-            # The split kernel's own arithmetic: splits that held >= 1 key of the (single) sequence.
+            # The split kernel's own arithmetic: splits that held >= 1 key of the (single) sequence
+            # (seq_lens is a step input, not the previous kernel's output: it loads before the wait).
             seq_len = tl.load(sl_ptr)
             part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), ATT_BLOCK_N) * ATT_BLOCK_N, MIN_PART)
             n_active = tl.cdiv(seq_len, part)
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         if HAS_NORM:
             # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
@@ -220,7 +225,7 @@ if HAS_TRITON:
         if PEEL:
             xk = _gemv_x_tile(x_ptr, r_ptr, nw0, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
                               pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
-                              MERGE_X, HEAD_D, BLOCK_DV)
+                              MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
@@ -232,7 +237,7 @@ if HAS_TRITON:
                 nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
             xk = _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                               pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
-                              MERGE_X, HEAD_D, BLOCK_DV)
+                              MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
             wmask = cmask[:, None] & kmask[None, :]
             # Both weight tiles are loaded before either is used, so that their latencies overlap.
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
@@ -317,7 +322,8 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=max(16, cfg.block_k), NORM_BLOCK=16, USE_PDL=pdl,
         PEEL=pdl if peel is None else peel,
-        MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], ATT_BLOCK_N=parts.block_n,
+        MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], BLOCK_S=next_pow2(parts.num_splits),
+        ATT_BLOCK_N=parts.block_n,
         MIN_PART=parts.min_part, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y

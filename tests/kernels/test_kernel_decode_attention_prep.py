@@ -91,7 +91,8 @@ def test_fused_equals_the_two_triton_launches(num_splits, prefetch):
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_len,num_splits", [(47, 4), (47, 1), (3, 4), (0, 4)])
-def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits):
+@pytest.mark.parametrize("peel", [False, True])
+def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits, peel):
     """Batch 1: decode attention stops at its per-split partials and o_proj merges them while loading its
     input (no reduce launch): equal to attention's output through a linear layer."""
     from gyrfalcon.kernels.paged_decode_attention import merge_partials_ref
@@ -112,7 +113,7 @@ def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits):
     w = (torch.randn(hidden, H * D, generator=torch.Generator().manual_seed(1)) / (H * D) ** 0.5).to(dtype)
     w = w.to(DEVICE)
     # Two K tiles of 64 inputs (two heads each), as the GPU's 1024-wide tiles hold eight heads.
-    got = merged_heads_gemv_triton(parts, w, config=GemvConfig(8, 64, 4, 1))
+    got = merged_heads_gemv_triton(parts, w, config=GemvConfig(8, 64, 4, 1), peel=peel)
     ref = merged_heads_gemv_ref(parts, w)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
