@@ -281,13 +281,13 @@ if HAS_TRITON:
     ):
         # Grid: (num_seqs, num_heads). Log-sum-exp merge of the splits' partial softmaxes: only the
         # splits that held keys (the split kernel's own arithmetic; empty ones wrote nothing).
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
-        seq_len = tl.load(seq_lens_ptr + b)
+        seq_len = tl.load(seq_lens_ptr + b)  # a step input: loads before the wait
         part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the partials are the split kernel's output
         sp = tl.arange(0, BLOCK_S)
         smask = sp < tl.cdiv(seq_len, part)
         row = (b * n_heads + h) * num_splits + sp
