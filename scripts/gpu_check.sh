@@ -9,7 +9,8 @@
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (decode attention's first
-# K/V tile before the qkv row: with PDL / never / always; the LM head in the graph; Llama-8B b1/16/64), defaults (batch 1 with the
+# K/V tile before the qkv row on / off, graph logits, o_proj / in-kernel split merges: Qwen3-0.6B b1),
+# prefetch8b (Llama-8B b1/16 prefetch always, in-kernel merge, graph logits, b64), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -167,25 +168,32 @@ if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention
   done
 fi
 if has prefetch; then  # decode attention loading its first K/V tile (and the norm weights) before the qkv row:
-  # with PDL (the default) vs never, and always (without PDL too: Llama-8B batch 1 and 16); the LM head in
-  # the decode graph; the kernel tests and the PDL greedy-token tests first
+  # with PDL (the default) vs never; the LM head in the decode graph; o_proj merging the split partials; the
+  # in-kernel split merge; the kernel tests and the PDL greedy-token tests first (Qwen3-0.6B batch 1)
   step gpu_prefetch_tests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "with_prep or pdl_chain or gemv" -p no:cacheprovider
-  step gpu_prefetch_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
+    -k "with_prep or pdl_chain or gemv or decode" -p no:cacheprovider
+  step gpu_prefetch_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl or merge" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
   step lat_q06_b1_pf 90 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch.json"
-  step lat_q06_b1_pf_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat \
-    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_graphlogits.json"
   step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
+  step lat_q06_b1_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_graphlogits.json"
   step lat_q06_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_mergeo.json"
+  step lat_q06_b1_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
+    --output-json "$R/latency_qwen3-0.6b_b1_merge_in_kernel.json"
+fi
+if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
   for B in 1 16; do
-    step lat_l8_b${B}_pf 90 $l8 --batch-size $B --max-num-seqs $B --output-json "$R/latency_llama-3.1-8b_b${B}.json"
+    step lat_l8_b${B} 90 $l8 --batch-size $B --max-num-seqs $B --output-json "$R/latency_llama-3.1-8b_b${B}.json"
     step lat_l8_b${B}_pf1 90 env GYRFALCON_ATTN_PREFETCH=1 $l8 --batch-size $B --max-num-seqs $B \
       --output-json "$R/latency_llama-3.1-8b_b${B}_prefetch1.json"
   done
+  step lat_l8_b16_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 --batch-size 16 --max-num-seqs 16 \
+    --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
+  step lat_l8_b16_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $l8 --batch-size 16 --max-num-seqs 16 \
+    --output-json "$R/latency_llama-3.1-8b_b16_graphlogits.json"
   step lat_l8_b64 90 $l8 --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_llama-3.1-8b_b64.json"
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics

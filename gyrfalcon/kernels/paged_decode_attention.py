@@ -111,7 +111,7 @@ if HAS_TRITON:
         MIN_PART: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
-        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -255,23 +255,24 @@ if HAS_TRITON:
                 done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
                 if done == n_active - 1:
                     tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (or graph replay)
-                    # Head by head, all splits at once (a serial loop over splits is a chain of
-                    # dependent L2 round trips: slower than a second launch at long contexts).
+                    # The group's heads and all splits at once ([GROUP_P2, BLOCK_S(, BLOCK_DV)] tiles): one
+                    # round trip through L2; a loop over heads or splits is a chain of them (slower than a
+                    # second launch at long contexts).
+                    g2 = tl.arange(0, GROUP_P2)
                     sp = tl.arange(0, BLOCK_S)
-                    smask = sp < n_active
-                    for gi in tl.static_range(GROUP):
-                        hrow = ((b * tl.num_programs(1) + kvh) * GROUP + gi) * num_splits + sp
-                        m_s = tl.load(pml_ptr + hrow * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                        l_s = tl.load(pml_ptr + hrow * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                        m_max = tl.max(m_s, axis=0)
-                        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                        w_s = tl.where(smask, tl.math.exp2(m_s - m_max), 0.0)
-                        l_tot = tl.sum(w_s * l_s, axis=0)
-                        a_s = tl.load(pacc_ptr + hrow[:, None] * BLOCK_DV + dv[None, :], mask=smask[:, None],
-                                      other=0.0, cache_modifier=".cg")
-                        o_row = tl.sum(a_s * w_s[:, None], axis=0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-                        tl.store(o_ptr + b * s_ob + (kvh * GROUP + gi) * s_oh + dv,
-                                 o_row.to(o_ptr.dtype.element_ty), mask=dv < HEAD_DV)
+                    m2 = (g2 < GROUP)[:, None] & (sp < n_active)[None, :]
+                    hrow = ((b * tl.num_programs(1) + kvh) * GROUP + g2)[:, None] * num_splits + sp[None, :]
+                    m_s = tl.load(pml_ptr + hrow * 2, mask=m2, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(pml_ptr + hrow * 2 + 1, mask=m2, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(pacc_ptr + hrow[:, :, None] * BLOCK_DV + dv[None, None, :], mask=m2[:, :, None],
+                                  other=0.0, cache_modifier=".cg")
+                    m_max = tl.max(m_s, axis=1)
+                    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    w_s = tl.where(m2, tl.math.exp2(m_s - m_max[:, None]), 0.0)
+                    l_tot = tl.sum(w_s * l_s, axis=1)
+                    o_g = tl.sum(a_s * w_s[:, :, None], axis=1) / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+                    tl.store(o_ptr + b * s_ob + (kvh * GROUP + g2)[:, None] * s_oh + dv[None, :],
+                             o_g.to(o_ptr.dtype.element_ty), mask=(g2 < GROUP)[:, None] & (dv[None, :] < HEAD_DV))
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -506,7 +507,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         USE_PDL=pdl,
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
-        PREFETCH=prefetch, num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
+        PREFETCH=prefetch, GROUP_P2=next_pow2(group), num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)
