@@ -25,6 +25,7 @@ tile now loads all splits at once, not yet measured).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -70,7 +71,11 @@ class GemvConfig(NamedTuple):
 GEMV_MAX_ROWS = 1
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2) -> GemvConfig:
+WHOLE_ROW_MAX_K = 4096  # a 8 x 4096 bf16 slice: 64 KB per program, 64 registers a thread at 8 warps
+
+
+def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
+                   whole_row: bool = False) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
 
     A GEMV at batch 1 is a stream over the weight: many narrow programs (8 rows each: 128-1024
@@ -78,9 +83,17 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     pipeline, was the H200 sweep's best or within 5% of it on every shape. Stages drop where the
     tiles would not fit in shared memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses
     tensor-core dots, tiles >= 16 wide.
+
+    whole_row (the peeled PDL launch, 16-bit weights, K <= WHOLE_ROW_MAX_K): one tile spans all of K,
+    so a program's whole weight slice loads before the PDL wait instead of only its first 1024 inputs
+    (Qwen3-0.6B's o_proj and down_proj would otherwise load their later tiles after it).
+    GYRFALCON_GEMV_WHOLE_ROW=0 keeps 1024-wide tiles. Not yet measured on a GPU.
     """
     if M == 1:
         bk = min(1024, max(64, next_pow2(K)))
+        if (whole_row and elem_size <= 2 and 1024 < K <= WHOLE_ROW_MAX_K
+                and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") != "0"):
+            bk = next_pow2(K)
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
     else:
@@ -275,12 +288,13 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
-    cfg = config or default_config(M, N, K, silu_mul, weight.element_size())
+    pdl = use_pdl(x) if pdl is None else pdl
+    peel = pdl if peel is None else peel
+    cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
     block_m = 1 if M == 1 else MAX_M
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
     dummy = x
-    pdl = use_pdl(x) if pdl is None else pdl
     _norm_gemv_kernel[(triton.cdiv(N, bn),)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, y, r_out if r_out is not None else dummy,
@@ -291,7 +305,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k), USE_PDL=pdl,
-        PEEL=pdl if peel is None else peel, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
+        PEEL=peel, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 

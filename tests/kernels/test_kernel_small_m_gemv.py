@@ -58,6 +58,31 @@ def test_peeled_first_tile_matches_unfused(M, K, N, mode):
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
 
 
+def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
+    """The PDL launch's default: one tile over all of K (<= 4096, 16-bit weights), so that the whole
+    weight slice loads before the wait; the plain launch keeps 1024-wide tiles."""
+    from gyrfalcon.kernels.small_m_gemv import default_config
+    monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)
+    assert default_config(1, 1024, 2048).block_k == 1024
+    assert default_config(1, 1024, 2048, whole_row=True).block_k == 2048
+    assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096
+    assert default_config(1, 1024, 1024, whole_row=True).block_k == 1024
+    assert default_config(1, 4096, 14336, whole_row=True).block_k == 1024  # too long a row
+    assert default_config(1, 1024, 2048, elem_size=4, whole_row=True).block_k == 1024
+    monkeypatch.setenv("GYRFALCON_GEMV_WHOLE_ROW", "0")
+    assert default_config(1, 1024, 2048, whole_row=True).block_k == 1024
+
+
+@pytest.mark.parametrize("mode", ["plain", "norm+res"])
+def test_peeled_whole_row_launch_matches_unfused(mode):
+    """peel=True with the default config: K = 1500 in one 2048-wide tile (masked past K)."""
+    x, r, w, nw = _data(1, 1500, 24, torch.bfloat16, False)
+    kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None, eps=1e-6)
+    y_ref, _ = norm_gemv_ref(x, w, **kw)
+    y, _ = norm_gemv_triton(x, w, peel=True, **kw)
+    torch.testing.assert_close(y, y_ref, rtol=3e-2, atol=3e-2)
+
+
 def test_ref_against_naive_math():
     x, r, w, nw = _data(2, 8, 4, torch.float32, True)
     y, new_r = norm_gemv_ref(x, w, nw, r, 1e-6, silu_mul=True)
