@@ -71,7 +71,7 @@ class GemvConfig(NamedTuple):
 GEMV_MAX_ROWS = 1
 
 
-WHOLE_ROW_MAX_K = 4096  # a 8 x 4096 bf16 slice: 64 KB per program, 64 registers a thread at 8 warps
+WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
@@ -84,18 +84,19 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     tiles would not fit in shared memory (fp32, SiLU-and-mul's two weight tiles). M > 1 uses
     tensor-core dots, tiles >= 16 wide.
 
-    whole_row (the peeled PDL launch, 16-bit weights, K <= WHOLE_ROW_MAX_K): one tile spans all of K,
+    whole_row (the peeled PDL launch, 16-bit weights, slices up to WHOLE_ROW_MAX_BYTES): one tile spans K,
     so a program's whole weight slice loads before the PDL wait instead of only its first 1024 inputs
     (Qwen3-0.6B's o_proj and down_proj would otherwise load their later tiles after it).
     GYRFALCON_GEMV_WHOLE_ROW=0 keeps 1024-wide tiles. Not yet measured on a GPU.
     """
     if M == 1:
         bk = min(1024, max(64, next_pow2(K)))
-        if (whole_row and elem_size <= 2 and 1024 < K <= WHOLE_ROW_MAX_K
-                and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") != "0"):
-            bk = next_pow2(K)
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
+        if (whole_row and elem_size <= 2 and 1024 < K
+                and bn * next_pow2(K) * elem_size * (2 if silu_mul else 1) <= WHOLE_ROW_MAX_BYTES
+                and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") != "0"):
+            bk = next_pow2(K)
     else:
         bn = 16
         while bn < 64 and N // (2 * bn) >= 132:

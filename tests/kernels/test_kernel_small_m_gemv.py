@@ -59,7 +59,7 @@ def test_peeled_first_tile_matches_unfused(M, K, N, mode):
 
 
 def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
-    """The PDL launch's default: one tile over all of K (<= 4096, 16-bit weights), so that the whole
+    """The PDL launch's default: one tile over all of K (slices <= 64 KB, 16-bit weights), so that the whole
     weight slice loads before the wait; the plain launch keeps 1024-wide tiles."""
     from gyrfalcon.kernels.small_m_gemv import default_config
     monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)
@@ -68,6 +68,7 @@ def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
     assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096
     assert default_config(1, 1024, 1024, whole_row=True).block_k == 1024
     assert default_config(1, 4096, 14336, whole_row=True).block_k == 1024  # too long a row
+    assert default_config(1, 14336, 4096, silu_mul=True, whole_row=True).block_k == 1024  # two 64 KB tiles
     assert default_config(1, 1024, 2048, elem_size=4, whole_row=True).block_k == 1024
     monkeypatch.setenv("GYRFALCON_GEMV_WHOLE_ROW", "0")
     assert default_config(1, 1024, 2048, whole_row=True).block_k == 1024
