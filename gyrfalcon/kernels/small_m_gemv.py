@@ -86,8 +86,8 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
 
     whole_row (the peeled PDL launch, 16-bit weights, slices up to WHOLE_ROW_MAX_BYTES): one tile spans K,
     so a program's whole weight slice loads before the PDL wait instead of only its first 1024 inputs
-    (Qwen3-0.6B's o_proj and down_proj would otherwise load their later tiles after it).
-    GYRFALCON_GEMV_WHOLE_ROW=0 keeps 1024-wide tiles. Not yet measured on a GPU.
+    (Qwen3-0.6B's o_proj and down_proj would otherwise load their later tiles after it). Opt-in with
+    GYRFALCON_GEMV_WHOLE_ROW=1 until measured on a GPU.
     """
     if M == 1:
         bk = min(1024, max(64, next_pow2(K)))
@@ -95,7 +95,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
         if (whole_row and elem_size <= 2 and 1024 < K
                 and bn * next_pow2(K) * elem_size * (2 if silu_mul else 1) <= WHOLE_ROW_MAX_BYTES
-                and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") != "0"):
+                and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "0") == "1"):
             bk = next_pow2(K)
     else:
         bn = 16

@@ -59,10 +59,12 @@ def test_peeled_first_tile_matches_unfused(M, K, N, mode):
 
 
 def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
-    """The PDL launch's default: one tile over all of K (slices <= 64 KB, 16-bit weights), so that the whole
-    weight slice loads before the wait; the plain launch keeps 1024-wide tiles."""
+    """GYRFALCON_GEMV_WHOLE_ROW=1: the PDL launch takes one tile over all of K (slices <= 64 KB, 16-bit
+    weights), so that the whole weight slice loads before the wait; the plain launch keeps 1024-wide tiles."""
     from gyrfalcon.kernels.small_m_gemv import default_config
-    monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)
+    monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)  # opt-in until measured
+    assert default_config(1, 1024, 2048, whole_row=True).block_k == 1024
+    monkeypatch.setenv("GYRFALCON_GEMV_WHOLE_ROW", "1")
     assert default_config(1, 1024, 2048).block_k == 1024
     assert default_config(1, 1024, 2048, whole_row=True).block_k == 2048
     assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096
@@ -75,8 +77,9 @@ def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["plain", "norm+res"])
-def test_peeled_whole_row_launch_matches_unfused(mode):
+def test_peeled_whole_row_launch_matches_unfused(mode, monkeypatch):
     """peel=True with the default config: K = 1500 in one 2048-wide tile (masked past K)."""
+    monkeypatch.setenv("GYRFALCON_GEMV_WHOLE_ROW", "1")
     x, r, w, nw = _data(1, 1500, 24, torch.bfloat16, False)
     kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None, eps=1e-6)
     y_ref, _ = norm_gemv_ref(x, w, **kw)
