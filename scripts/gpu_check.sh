@@ -9,7 +9,7 @@
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (decode attention's first
-# K/V tile before the qkv row on / off, whole-row GEMV tiles on, graph logits, o_proj / in-kernel split
+# K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV tiles on, graph logits, o_proj / in-kernel split
 # merges: Qwen3-0.6B b1),
 # prefetch8b (Llama-8B b1/16 prefetch always, in-kernel merge, graph logits, b64), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
@@ -178,6 +178,8 @@ if has prefetch; then  # decode attention loading its first K/V tile (and the no
   lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
   step lat_q06_b1_pf 90 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch.json"
   step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
+  step lat_q06_b1_pf64 90 env GYRFALCON_DECODE_PREFETCH_SPLITS=64 $lat \
+    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_64splits.json"
   step lat_q06_b1_row 90 env GYRFALCON_GEMV_WHOLE_ROW=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_whole_row.json"
   step lat_q06_b1_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_graphlogits.json"
   step lat_q06_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_mergeo.json"

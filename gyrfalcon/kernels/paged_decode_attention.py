@@ -341,17 +341,30 @@ def prefetch_default(pdl: bool) -> bool:
     return mode == "1" or (mode != "0" and pdl)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       max_splits: int = MAX_SPLITS, split_tokens: int = 256) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill the GPU about
     twice over, but at least ~256 context tokens per split, rounded to a power of two to bound the
     number of compiled variants, and at most MAX_SPLITS. max_context is an upper bound (e.g.
     block-table width * block_size: under a CUDA graph, max_model_len), so most of the grid is empty
     splits at short contexts; each costs a block launch: on the H200 (decode_attn_sweep-h200-2026-11-30-
     run5.json) a 64-split grid took 7.3-7.4 us at batch 1 with 128-512 tokens of context where 4-8
-    splits took 5.3-6.0; at 8192 tokens 16 splits of 128-key tiles took 19.0 us (run 6)."""
+    splits took 5.3-6.0; at 8192 tokens 16 splits of 128-key tiles took 19.0 us (run 6).
+    max_splits / split_tokens: see prefetch_splits."""
     want = cdiv(2 * _sm_count(device), max(1, num_seqs * num_kv_heads))
-    want = min(want, cdiv(max(1, max_context), 256), MAX_SPLITS)
-    return min(MAX_SPLITS, next_pow2(max(1, want)))
+    want = min(want, cdiv(max(1, max_context), split_tokens), max_splits)
+    return min(max_splits, next_pow2(max(1, want)))
+
+
+def prefetch_splits() -> int:
+    """Most splits per sequence for the prefetching launch, GYRFALCON_DECODE_PREFETCH_SPLITS (default
+    MAX_SPLITS; 64: one 128-key tile per split up to 8192 tokens). The prefetch covers a split's first
+    tile only; its later tiles load after the prep, serialized behind it: on the H200 (run 13) the
+    Qwen3-0.6B batch-1 graph was faster with the prefetch up to 1024 tokens (0.717 vs 0.798 ms at 256)
+    and slower at 4096 / 8192 (1.039 vs 0.916, 1.264 vs 1.141 ms), where 16 splits hold 2-4 tiles.
+    Empty splits return before the PDL wait, so a wider grid costs little at short contexts (not yet
+    measured)."""
+    return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
@@ -459,9 +472,6 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if n_seqs == 0:
         return o
     block_size = k_cache.shape[1]
-    if num_splits is None:
-        num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device)
-    num_splits = max(1, int(num_splits))
     pdl = use_pdl(q) if pdl is None else pdl
     # Prefetch keeps a K and a V tile live across the prep; with fp32 caches that outgrows shared memory
     # once the loop is software-pipelined (270 KB of 227 KB on the H200), so it is not the default there.
@@ -470,6 +480,11 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     prefetch = prefetch and prep is not None
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
+    if num_splits is None:
+        ms = prefetch_splits() if prefetch else MAX_SPLITS
+        num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device,
+                                        max_splits=ms, split_tokens=min(256, bn) if ms > MAX_SPLITS else 256)
+    num_splits = max(1, int(num_splits))
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1 and not partials
     merge_in_kernel = merge_in_kernel or os.environ.get("GYRFALCON_DECODE_MERGE_IN_KERNEL") == "1"

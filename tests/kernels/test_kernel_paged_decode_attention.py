@@ -87,3 +87,14 @@ def test_default_num_splits_depends_on_shapes_only():
     assert many > 1 and many & (many - 1) == 0
     assert default_num_splits(1, 8, 256, dev) == 1  # short contexts are not split
     assert default_num_splits(1, 1, 1 << 20, dev) == MAX_SPLITS  # the grid stays small
+    # The prefetching launch's wider grid: one 128-key tile per split up to 64 splits.
+    assert default_num_splits(1, 8, 8192, dev, max_splits=64, split_tokens=128) == 64
+    assert default_num_splits(1, 8, 1024, dev, max_splits=64, split_tokens=128) == 8
+
+
+def test_prefetch_splits_switch(monkeypatch):
+    from gyrfalcon.kernels.paged_decode_attention import prefetch_splits
+    monkeypatch.delenv("GYRFALCON_DECODE_PREFETCH_SPLITS", raising=False)
+    assert prefetch_splits() == MAX_SPLITS
+    monkeypatch.setenv("GYRFALCON_DECODE_PREFETCH_SPLITS", "64")
+    assert prefetch_splits() == 64
