@@ -87,9 +87,11 @@ def test_default_num_splits_depends_on_shapes_only():
     assert many > 1 and many & (many - 1) == 0
     assert default_num_splits(1, 8, 256, dev) == 1  # short contexts are not split
     assert default_num_splits(1, 1, 1 << 20, dev) == MAX_SPLITS  # the grid stays small
-    # The prefetching launch's wider grid: one 128-key tile per split up to 64 splits.
-    assert default_num_splits(1, 8, 8192, dev, max_splits=64, split_tokens=128) == 64
-    assert default_num_splits(1, 8, 1024, dev, max_splits=64, split_tokens=128) == 8
+    # The prefetching launch's wider grid: 128-key splits, up to 64 of them, still bounded by twice the
+    # SM count in programs (a CPU counts as 16 SMs: 32 programs here; the H200's 132 give 64 for 8 kv heads).
+    assert default_num_splits(1, 1, 8192, dev, max_splits=64, split_tokens=128) == 32
+    assert default_num_splits(1, 1, 1024, dev, max_splits=64, split_tokens=128) == 8
+    assert default_num_splits(1, 1, 8192, dev) == MAX_SPLITS
 
 
 def test_prefetch_splits_switch(monkeypatch):
