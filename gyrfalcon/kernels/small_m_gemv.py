@@ -317,6 +317,9 @@ def merged_heads_gemv_ref(parts, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(merge_partials_ref(parts), weight)
 
 
+MERGED_TILE_ELEMS = 4096
+
+
 def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvConfig] = None,
                              pdl: Optional[bool] = None, peel: Optional[bool] = None) -> torch.Tensor:
     """o_proj of a batch-1 decode step straight from decode attention's split partials
@@ -327,7 +330,13 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
     N, K = weight.shape
     assert K == parts.num_heads * parts.head_dim and weight.stride(-1) == 1
     y = torch.empty(1, N, dtype=parts.dtype, device=weight.device)
-    cfg = config or default_config(1, N, K, False, weight.element_size())
+    if config is None:
+        # Each input tile holds every split's partials ([splits, BLOCK_K] fp32 accumulators and their
+        # (m, l), per input): at most MERGED_TILE_ELEMS per tile keeps them in registers.
+        cfg = default_config(1, N, K, False, weight.element_size())
+        cfg = cfg._replace(block_k=max(16, min(cfg.block_k, MERGED_TILE_ELEMS // next_pow2(parts.num_splits))))
+    else:
+        cfg = config
     pdl = use_pdl(y) if pdl is None else pdl
     _norm_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         y, y, y, weight, y, y,

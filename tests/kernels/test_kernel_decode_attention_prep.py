@@ -120,6 +120,8 @@ def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits, peel):
     torch.testing.assert_close(got.float(), (want_o.reshape(1, -1).float() @ w.float().t()), **ATTN_TOL[dtype])
     if seq_len == 0:
         assert torch.count_nonzero(got) == 0
+    # The default launch shape (input tiles sized to the split count).
+    torch.testing.assert_close(merged_heads_gemv_triton(parts, w, peel=peel), ref, **tol)
 
 
 @pytest.mark.parametrize("env,pdl,want", [(None, True, True), (None, False, False), ("pdl", True, True),
