@@ -83,8 +83,6 @@ def count_launches(llm, prompts, steps: int = 8) -> dict:
 def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
     """Device time of one decode step's CUDA graph replayed back to back (no host work between replays):
     the floor that host/device overlap can reach. None without graphs."""
-    import torch
-
     gr = getattr(runner, "graph_runner", None)
     if gr is None or not getattr(gr, "graphs", None):
         return None
@@ -103,32 +101,19 @@ def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters:
     the step's device time grows with the context, i.e. what decode attention costs in the real graph.
     Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). Call only when the
     engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
-    import torch
-
     gr = getattr(runner, "graph_runner", None)
     if gr is None or not getattr(gr, "graphs", None):
         return {}
     size = min((b for b in gr.graphs if b >= batch_size), default=None)
     if size is None:
         return {}
-    fb, src = gr.inputs.views(size), gr.inputs.src(size)
-    bs, width = runner.block_size, gr.max_blocks_per_seq
     out = {}
     for ctx in contexts:
-        nb = -(-ctx // bs)
-        if nb > width or size * nb > runner.num_blocks:
+        if size * -(-ctx // runner.block_size) > runner.num_blocks:
             continue
-        src.fill_(-1)
-        fb.input_ids.fill_(0)
-        fb.seq_lens.fill_(ctx)
-        fb.positions.fill_(max(ctx - 1, 0))
-        if nb:
-            tables = torch.arange(size * nb, dtype=fb.block_tables.dtype, device=fb.block_tables.device)
-            fb.block_tables[:, :nb] = tables.view(size, nb)
-            fb.slot_mapping.copy_(fb.block_tables[:, nb - 1].long() * bs + (ctx - 1) % bs)
-        else:
-            fb.slot_mapping.fill_(-1)
-        out[ctx] = _replay_ms(gr.graphs[size], iters)
+        if gr.inputs.set_context(size, ctx, runner.block_size):
+            out[ctx] = _replay_ms(gr.graphs[size], iters)
+    gr.inputs.set_context(size, 0, runner.block_size)
     return out
 
 
@@ -266,8 +251,9 @@ def main(args: argparse.Namespace) -> int:
     print_table(rows)
     pc = g.get("pdl_choice") or {}
     if pc:
-        print(f"batch-1 decode graph at startup: {pc['batch1_ms_pdl']:.3f} ms with PDL, {pc['batch1_ms_no_pdl']:.3f} "
-              f"without -> {'PDL' if pc['batch1_pdl'] else 'no PDL'}")
+        print(f"batch-1 decode graph at startup ({pc.get('batch1_context', 0)} tokens of context): "
+              f"{pc['batch1_ms_pdl']:.3f} ms with PDL, {pc['batch1_ms_no_pdl']:.3f} without -> "
+              f"{'PDL' if pc['batch1_pdl'] else 'no PDL'}")
     if "profile" in g:
         pr = g["profile"]
         print(f"CUDA kernels per decode step: {pr['kernels_per_step']:.1f} "

@@ -23,7 +23,7 @@ import bisect
 import logging
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -87,7 +87,11 @@ def time_replays(graphs: List[torch.cuda.CUDAGraph], reps: int = 15) -> List[flo
     return [float(np.median(t)) for t in times]
 
 
-def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] = None) -> tuple:
+PDL_TIMING_CONTEXT = 1024  # tokens of context in the batch-1 graphs timed for the PDL choice
+
+
+def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] = None,
+                   at_context: Optional[Callable[[int], bool]] = None) -> tuple:
     """Capture one CUDA graph per size. prepare(size) -> (ForwardBatch over the static inputs, step fn).
     Returns ({size: graph}, {size: step fn's outputs}, seconds). Largest first: the smaller graphs then
     fit in the memory pool the largest one reserved; each step runs once eagerly first (lazy init and
@@ -97,7 +101,9 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
     use_pdl). Whether that pays depends on the model (H200: 0.729 vs 0.802 ms per Qwen3-0.6B step, but
     4.289 vs 3.971 ms per Llama-3.1-8B step), so with GYRFALCON_PDL unset ("auto") the batch-1 graph is
     captured both ways, timed, and the faster kept; `report` (if given) receives the two times and the
-    choice."""
+    choice. at_context(ctx) (if given) points the batch-1 static inputs at one token at that context
+    (False: it does not fit), so that the timing includes decode attention's work, which the prefetch
+    changes with PDL (at seq_len 0, as captured, attention reads nothing); at_context(0) restores them."""
     t0 = time.perf_counter()
     graphs: Dict[int, torch.cuda.CUDAGraph] = {}
     outputs: Dict[int, object] = {}
@@ -109,12 +115,17 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
         if size == 1 and pdl_mode() == "auto" and pdl_possible(fb.input_ids):
             with pdl_disabled():
                 g_off, out_off = _capture(fb, step, kv_caches, pool)
+            ctx = PDL_TIMING_CONTEXT if at_context is not None and at_context(PDL_TIMING_CONTEXT) else 0
             ms_pdl, ms_off = time_replays([g, g_off])
+            if ctx:
+                at_context(0)
             keep_pdl = ms_pdl < ms_off
             if report is not None:
-                report.update(batch1_ms_pdl=ms_pdl, batch1_ms_no_pdl=ms_off, batch1_pdl=keep_pdl)
-            logger.info("batch-1 decode graph: %.3f ms with programmatic dependent launch, %.3f ms without; "
-                        "keeping %s", ms_pdl, ms_off, "PDL" if keep_pdl else "the graph without it")
+                report.update(batch1_ms_pdl=ms_pdl, batch1_ms_no_pdl=ms_off, batch1_pdl=keep_pdl,
+                              batch1_context=ctx)
+            logger.info("batch-1 decode graph at %d tokens of context: %.3f ms with programmatic dependent "
+                        "launch, %.3f ms without; keeping %s", ctx, ms_pdl, ms_off,
+                        "PDL" if keep_pdl else "the graph without it")
             if not keep_pdl:
                 g, out = g_off, out_off
         graphs[size], outputs[size] = g, out
@@ -164,6 +175,28 @@ class DecodeInputs:
 
     def src(self, b: int) -> torch.Tensor:
         return self.i64[3 * self.B:3 * self.B + b]
+
+    def set_context(self, b: int, ctx: int, block_size: int) -> bool:
+        """Point the first b rows of the device buffers at one decode token each at context ctx (row i
+        uses cache blocks i * nb .. (i + 1) * nb - 1, token id 0), for timing a graph where attention
+        has work (seq_len 0, what the capture leaves, reads nothing); ctx 0 restores that empty state.
+        A replay then writes one K/V slot per row into those blocks: only while no request holds them.
+        False (nothing written) when ctx does not fit the block-table width."""
+        nb = -(-ctx // block_size)
+        if nb > self.W:
+            return False
+        fb = self.views(b)
+        self.src(b).fill_(-1)
+        fb.input_ids.fill_(0)
+        fb.seq_lens.fill_(ctx)
+        fb.positions.fill_(max(ctx - 1, 0))
+        if nb:
+            tables = torch.arange(b * nb, dtype=fb.block_tables.dtype, device=fb.block_tables.device)
+            fb.block_tables[:, :nb] = tables.view(b, nb)
+            fb.slot_mapping.copy_(fb.block_tables[:, nb - 1].long() * block_size + (ctx - 1) % block_size)
+        else:
+            fb.slot_mapping.fill_(-1)
+        return True
 
     def fill(self, sched_reqs, b: int, block_size: int, last_rows=None) -> int:
         """Write the decode inputs of `sched_reqs` (padded to b rows) and send them; returns n.
@@ -219,8 +252,13 @@ class CudaGraphRunner:
             fb, src = self.inputs.views(b), self.inputs.src(b)
             return fb, lambda: self._forward(fb, src)
 
+        num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+
+        def at_context(ctx):  # only before any request exists: it writes into cache blocks 0..
+            return -(-ctx // self.block_size) <= num_blocks and self.inputs.set_context(1, ctx, self.block_size)
+
         self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare,
-                                                                         self.pdl_choice)
+                                                                         self.pdl_choice, at_context)
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
         """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""

@@ -168,3 +168,18 @@ def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, wan
         assert timed == [["b1-pdl", "b1-off"]]
     else:
         assert timed == [] and "b1-off" not in captured
+
+
+def test_set_context_points_rows_at_one_token_and_restores():
+    """The timing helper behind the startup PDL choice and bench latency's replay by context."""
+    inputs = DecodeInputs(max_batch=4, max_blocks_per_seq=8, device=torch.device("cpu"))
+    assert inputs.set_context(2, 37, 16)  # 3 blocks per row
+    fb = inputs.views(2)
+    assert fb.seq_lens.tolist() == [37, 37] and fb.positions.tolist() == [36, 36]
+    assert fb.block_tables[:, :3].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert fb.slot_mapping.tolist() == [2 * 16 + 4, 5 * 16 + 4]  # token 36: block 2, offset 4
+    assert inputs.src(2).tolist() == [-1, -1] and fb.input_ids.tolist() == [0, 0]
+    assert not inputs.set_context(2, 8 * 16 + 1, 16)  # wider than the block table: untouched
+    assert fb.seq_lens.tolist() == [37, 37]
+    assert inputs.set_context(2, 0, 16)
+    assert fb.seq_lens.tolist() == [0, 0] and fb.slot_mapping.tolist() == [-1, -1]
