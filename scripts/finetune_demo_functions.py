@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import importlib.util
 import json
 import math
@@ -50,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--max-function-tokens", type=int, default=256)
     p.add_argument("--strip-docstrings", type=float, default=0.0,
                    help="probability of removing a function's docstring from its document (seeded)")
+    p.add_argument("--self-contained-repeat", type=int, default=1,
+                   help="include each self-contained function (its names are its arguments, its locals, "
+                        "builtins and itself) this many times: the closest a library corpus comes to "
+                        "standalone textbook functions, which is what a bare signature completes into")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--eval-max-tokens", type=int, default=128, help="max_new_tokens of the parse check")
     p.add_argument("--eval-tokens", type=int, default=100_000, help="held-out tokens for the loss check")
@@ -71,6 +76,28 @@ def function_documents(files, exclude_names: set) -> list[str]:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             docs.append((node, "\n".join(lines[start - 1:node.end_lineno])))
     return docs
+
+
+def self_contained(node) -> bool:
+    """Whether every name the function reads is bound inside it (arguments, assignments, imports, nested
+    definitions, except-clause names), a builtin, or the function itself (recursion)."""
+    bound = {node.name}
+    loads = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            (loads if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not node:
+            bound.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            bound.add(n.name)
+    return not (loads - bound - _BUILTINS)
+
+
+_BUILTINS = set(dir(builtins))
 
 
 def strip_docstring(node, text: str) -> str:
@@ -118,7 +145,7 @@ def main(argv=None):
     # then writes docstrings it does not end. Some documents without theirs teach it that code may
     # follow the signature directly. Own generator: the shuffle below stays as without the option.
     strip_rng = random.Random(args.seed + 1)
-    n_stripped = 0
+    n_stripped = n_self = 0
     for node, text in funcs:
         first = node.body[0]
         body = node.end_lineno - first.lineno + 1
@@ -128,6 +155,9 @@ def main(argv=None):
                 n_stripped += stripped != text
                 text = stripped
             docs.append(text)
+            if args.self_contained_repeat > 1 and self_contained(node):
+                n_self += 1
+                docs.extend([text] * (args.self_contained_repeat - 1))
     random.shuffle(docs)
     ids = []
     n_docs = n_long = 0
@@ -138,7 +168,8 @@ def main(argv=None):
         ids.extend(t + [eos])
         n_docs += 1
     data = torch.tensor(np.asarray(ids, dtype=np.int64))
-    T.log(f"{n_stripped} of {len(docs)} function documents without their docstring")
+    T.log(f"{n_stripped} of {len(docs)} function documents without their docstring; {n_self} self-contained "
+          f"functions repeated {args.self_contained_repeat}x")
     T.log(f"{len(train_files)} training files -> {len(funcs)} top-level functions; {n_docs} documents "
           f"({len(data) / 1e6:.2f} M tokens; {n_long} over {args.max_function_tokens} tokens dropped)")
 
@@ -209,7 +240,7 @@ def main(argv=None):
     meta["finetune_functions"] = {
         "command": "python3 scripts/finetune_demo_functions.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args), "train_files": len(train_files), "functions": len(funcs), "documents": n_docs,
-        "docstrings_stripped": n_stripped,
+        "docstrings_stripped": n_stripped, "self_contained_functions": n_self,
         "heldout_files_here": {"before": before, "after": after},
         "tokens": int(len(data)), "steps": step, "tokens_seen": step * B * L, "train_seconds": round(train_s, 1),
         "history": hist, "device": "cpu", "threads": torch.get_num_threads(),

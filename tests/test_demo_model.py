@@ -97,6 +97,27 @@ def test_finetune_documents_are_whole_top_level_functions():
                                     "def b():\n    pass"]
 
 
+def test_self_contained_functions():
+    """The second stage's optional upweighting: functions whose every read name is bound inside them, a
+    builtin, or themselves."""
+    import ast
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "finetune_demo_functions.py"
+    spec = importlib.util.spec_from_file_location("finetune_demo_functions", path)
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    src = {
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)": True,
+        "def f(xs, *rest, key=None):\n    import os\n    out = [len(x) for x in xs]\n    return out, os.sep": True,
+        "def g(p):\n    try:\n        return open(p).read()\n    except OSError as e:\n        return str(e)": True,
+        "def h(x):\n    return np.sum(x)": False,  # a module-level import
+        "def k(x):\n    return helper(x) + CONST": False,
+    }
+    for text, want in src.items():
+        assert ft.self_contained(ast.parse(text).body[0]) is want, text
+
+
 def score(prompts, completions):
     """completions: [(text, finished)] -> (n_parsed, n_valid, verdicts)."""
     verdicts = [judge_completion(p["prompt"], c, fin) for p, (c, fin) in zip(prompts, completions)]
