@@ -11,7 +11,8 @@
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (decode attention's first
 # K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV tiles on, graph logits, o_proj / in-kernel split
 # merges: Qwen3-0.6B b1),
-# prefetch8b (Llama-8B b1/16 prefetch always, in-kernel merge, graph logits, b64), defaults (batch 1 with the
+# prefetch8b (Llama-8B b1/16 prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B
+# batch 16 / 64), defaults (batch 1 with the
 # current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -199,6 +200,13 @@ if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without P
   step lat_l8_b16_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $l8 --batch-size 16 --max-num-seqs 16 \
     --output-json "$R/latency_llama-3.1-8b_b16_graphlogits.json"
   step lat_l8_b64 90 $l8 --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_llama-3.1-8b_b64.json"
+fi
+if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  for B in 16 64; do
+    step lat_q06_b$B 90 $G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 128 --output-len 128 \
+      --max-num-seqs $B --profile --output-json "$R/latency_qwen3-0.6b_b$B.json"
+  done
 fi
 if has tunableop; then  # PyTorch TunableOp picking cuBLAS/cuBLASLt algorithms per GEMM shape, vs the heuristics
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
