@@ -44,8 +44,10 @@ def use_triton(t: torch.Tensor) -> bool:
 # in the stream is still running, do the work that does not depend on it (load weights), then wait in
 # gdc_wait() for that kernel to finish and its writes to be visible. In a decode step of ~200 small
 # kernels this overlaps each kernel's start-up latency with its predecessor's tail. Every program of such
-# a kernel must call gdc_wait() before it reads anything an earlier kernel wrote, and before it exits
-# (so that "previous kernel complete" stays transitive down the chain).
+# a kernel must call gdc_wait() before it reads anything an earlier kernel wrote, and at least one program
+# of each launch must call it before exiting (so that "this kernel complete => the previous one complete"
+# stays transitive down the chain); a program that reads and writes nothing of the chain's may exit
+# without it (decode attention's empty splits do, when it prefetches).
 gdc_wait = gdc_launch_dependents = None
 if HAS_TRITON:
     try:

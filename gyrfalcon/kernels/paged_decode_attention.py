@@ -140,7 +140,14 @@ if HAS_TRITON:
                 return  # empty split: nothing to write, and it does not count towards the merge
         else:
             if split >= n_active:
-                return  # empty split: the reduce kernel reads only the active ones
+                # Empty split: the reduce kernel reads only the active ones. With PREFETCH it exits before
+                # the PDL wait; the split holding the new token waits, which keeps "this kernel complete
+                # => the previous one complete" true down the chain. A row with no keys at all (seq_len 0)
+                # has no such split: its first program waits instead.
+                if PREFETCH and USE_PDL:
+                    if (n_active == 0) & (kvh == 0) & (split == 0):
+                        gdc_wait()
+                return
 
         g = tl.arange(0, BLOCK_G)
         head = kvh * GROUP + g
