@@ -4,7 +4,8 @@ Runs the real launch wrappers (launch-shape choice included) on CPU tensors of t
 with every Triton launch turned into a compile-only warm-up for sm_90 (Hopper, the H200), and checks
 that each kernel compiles and fits the target's shared memory. It catches what the interpreter cannot:
 code-generator errors (a variable redefined across branches), shared-memory overflow of a launch shape
-(the fp32 prefetch needed 270 KB of 227 KB in run 13). Register spills and speed still need the GPU.
+(the fp32 prefetch needed 270 KB of 227 KB in run 13). It also prints each kernel's registers and local
+memory (spills) from cuobjdump, where Triton ships it. Speed still needs the GPU.
 
 python3 scripts/compile_check.py [--arch 90] [--smem-limit 232448]
 Exit status: 0 all compiled and fit; 1 a kernel failed; 2 this Triton's internals do not allow the
@@ -53,7 +54,7 @@ def _harness(arch: int):
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         k = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.__name__, k.metadata.shared, k.metadata.num_warps))
+        compiled.append((self.__name__, k.metadata.shared, k.metadata.num_warps, _resources(k)))
         return k
 
     JITFunction.run = compile_only
@@ -66,6 +67,29 @@ def _harness(arch: int):
             for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     return mods, compiled
+
+
+def _resources(kernel) -> dict:
+    """{"REG": registers a thread, "LOCAL": bytes of local memory a thread (> 0: spills), ...} from
+    cuobjdump's resource usage of the compiled cubin; {} where that tool is not at hand."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    cubin = kernel.asm.get("cubin")
+    if not cubin or not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if "REG:" in line:
+            return {k: int(v) for k, v in (kv.split(":")[:2] for kv in line.split() if kv.count(":") == 1)
+                    if v.isdigit()}
+    return {}
 
 
 # (heads, kv heads, head dim, hidden, intermediate) of the decode rows the benchmarks track.
@@ -174,10 +198,11 @@ def main(argv=None) -> int:
             failed += 1
             print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
             continue
-        for kname, smem, nw in compiled[n0:]:
+        for kname, smem, nw, res in compiled[n0:]:
             over = smem > args.smem_limit
             failed += over
-            print(f"{'FAIL' if over else 'ok  '} {label}: {kname} {smem / 1024:.0f} KB shared, {nw} warps")
+            regs = f", {res['REG']} registers, {res.get('LOCAL', 0)} B local (spills)" if "REG" in res else ""
+            print(f"{'FAIL' if over else 'ok  '} {label}: {kname} {smem / 1024:.0f} KB shared, {nw} warps{regs}")
     print(f"compile_check sm_{args.arch}: {len(todo)} launches, {len(compiled)} kernels compiled, {failed} failed")
     return 1 if failed else 0
 
