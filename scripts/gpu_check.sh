@@ -8,12 +8,11 @@
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes; the greedy argmax vs
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
-# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (decode attention's first
-# K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV tiles on, graph logits, o_proj / in-kernel split
-# merges: Qwen3-0.6B b1),
-# prefetch8b (Llama-8B b1/16 prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B
-# batch 16 / 64), defaults (batch 1 with the
-# current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
+# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (Qwen3-0.6B batch 1:
+# decode attention's first K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV
+# tiles, graph logits, the o_proj / in-kernel split merges), prefetch8b (Llama-8B b1/16 with the prefetch
+# always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
+# with the current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
 # algorithm tuning at batch 16 / 64), baseline (transformers in the
