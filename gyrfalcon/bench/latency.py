@@ -190,6 +190,8 @@ def run_gyrfalcon(args) -> dict:
         res["profile"] = count_launches(llm, prompts[: args.batch_size])
         res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
         res["graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size)
+        # Those replays wrote into cache blocks that prefix caching may still map: forget them.
+        llm.engine.block_manager.reset_prefix_cache()
     return res
 
 
