@@ -15,6 +15,7 @@ compile-only harness (nothing was checked).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -92,6 +93,18 @@ def _resources(kernel) -> dict:
     return {}
 
 
+@contextlib.contextmanager
+def _env(values):
+    """os.environ updated with `values` (a dict or None) inside the block, restored after."""
+    old = {k: os.environ.get(k) for k in (values or {})}
+    os.environ.update(values or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 # (heads, kv heads, head dim, hidden, intermediate) of the decode rows the benchmarks track.
 SHAPES = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4096, 14336)}
 
@@ -105,9 +118,7 @@ def cases(mods):
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
         def attn(B, dtype=bf, env=None, **kw):
             def run():
-                old = {k: os.environ.get(k) for k in (env or {})}
-                os.environ.update(env or {})
-                try:
+                with _env(env):
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
                     kc = torch.zeros(64, 16, KVH, D, dtype=dtype)
                     vc = torch.zeros_like(kc)
@@ -118,9 +129,6 @@ def cases(mods):
                     w = torch.ones(D, dtype=dtype)
                     return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
                                                                D ** -0.5, None, w, w, 1e-6, **kw)
-                finally:
-                    for k, v in old.items():
-                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             return run
         out += [(f"{name} attention b1 pdl (prefetch)", attn(1, pdl=True)),
                 (f"{name} attention b1 pdl, no prefetch", attn(1, pdl=True, prefetch=False)),
@@ -141,16 +149,11 @@ def cases(mods):
 
         def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, **kw):
             def run():
-                old = {k: os.environ.get(k) for k in (env or {})}
-                os.environ.update(env or {})
-                try:
+                with _env(env):
                     x = torch.zeros(M_, K, dtype=bf)
                     w = torch.zeros((2 * N if silu else N), K, dtype=bf)
                     nw = torch.ones(K, dtype=bf) if norm else None
                     return G.norm_gemv_triton(x, w, nw, x if res else None, 1e-6, silu, **kw)
-                finally:
-                    for k, v in old.items():
-                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             return run
         qkv_n = (H + 2 * KVH) * D
         for pdl in (True, False):

@@ -80,16 +80,20 @@ def count_launches(llm, prompts, steps: int = 8) -> dict:
             "top_kernels": [[n[:80], c / steps, times[n] / steps] for n, c in top]}
 
 
-def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
-    """Device time of one decode step's CUDA graph replayed back to back (no host work between replays):
-    the floor that host/device overlap can reach. None without graphs."""
+def _decode_graph(runner, batch_size: int):
+    """(graph runner, captured size) that a decode step of batch_size replays; None without one."""
     gr = getattr(runner, "graph_runner", None)
     if gr is None or not getattr(gr, "graphs", None):
         return None
     size = min((b for b in gr.graphs if b >= batch_size), default=None)
-    if size is None:
-        return None
-    return _replay_ms(gr.graphs[size], iters)
+    return None if size is None else (gr, size)
+
+
+def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
+    """Device time of one decode step's CUDA graph replayed back to back (no host work between replays):
+    the floor that host/device overlap can reach. None without graphs."""
+    found = _decode_graph(runner, batch_size)
+    return None if found is None else _replay_ms(found[0].graphs[found[1]], iters)
 
 
 REPLAY_CONTEXTS = (0, 128, 256, 1024, 4096, 8192)
@@ -101,17 +105,13 @@ def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters:
     the step's device time grows with the context, i.e. what decode attention costs in the real graph.
     Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). Call only when the
     engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
-    gr = getattr(runner, "graph_runner", None)
-    if gr is None or not getattr(gr, "graphs", None):
+    found = _decode_graph(runner, batch_size)
+    if found is None:
         return {}
-    size = min((b for b in gr.graphs if b >= batch_size), default=None)
-    if size is None:
-        return {}
+    gr, size = found
     out = {}
     for ctx in contexts:
-        if size * -(-ctx // runner.block_size) > runner.num_blocks:
-            continue
-        if gr.inputs.set_context(size, ctx, runner.block_size):
+        if gr.inputs.set_context(size, ctx, runner.block_size, runner.num_blocks):
             out[ctx] = _replay_ms(gr.graphs[size], iters)
     gr.inputs.set_context(size, 0, runner.block_size)
     return out

@@ -99,6 +99,26 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _new_kv(row, kvh, d, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW: tl.constexpr,
+                NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr, K_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr):
+        """This step's key (normed, rotated) [1, BLOCK_D] and value [BLOCK_D] of kv head kvh from the fused
+        qkv row, in the cache dtypes."""
+        kcol = (NUM_HEADS + kvh) * HEAD_D
+        knew = _norm_rope(row, (kcol + d)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd, kwp,
+                          cos, sin, sign, rot, eps, HAS_KW, HEAD_D).to(K_DTYPE)
+        vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_D + d, mask=dmask, other=0.0)
+        return knew, vnew.to(V_DTYPE)
+
+    @triton.jit
+    def _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, d, dmask, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
+                       BLOCK_SIZE: tl.constexpr):
+        """knew [1, BLOCK_D] / vnew [BLOCK_D] into cache slot `slot` of kv head kvh."""
+        blk = slot // BLOCK_SIZE
+        boff = slot % BLOCK_SIZE
+        tl.store(kc_ptr + blk * s_kb + boff * s_ko + kvh * s_kh + d[None, :], knew, mask=dmask[None, :])
+        tl.store(vc_ptr + blk * s_vb + boff * s_vo + kvh * s_vh + d, vnew, mask=dmask)
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr, count_ptr,
         scale_log2, num_splits,
@@ -178,31 +198,19 @@ if HAS_TRITON:
             if PREFETCH:
                 # Every program of the kv head computes the new K/V (one L2-resident row); only the
                 # split holding the new token stores it, and patches it into whichever tile holds it.
-                kcol = (NUM_HEADS + kvh) * HEAD_DK
-                knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd, kwp,
-                                  cos, sin, sign, rot, eps, HAS_KW, HEAD_DK).to(kc_ptr.dtype.element_ty)
-                vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dv, mask=dv < HEAD_DV,
-                               other=0.0).to(vc_ptr.dtype.element_ty)
+                knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW,
+                                     NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty)
                 knew_t = tl.trans(knew)  # [BLOCK_DK, 1], the layout of a K^T tile
                 if (split == n_active - 1) & (slot >= 0):
-                    blk = slot // BLOCK_SIZE
-                    boff = slot % BLOCK_SIZE
-                    tl.store(kc_ptr + blk * s_kb + boff * s_ko + kvh * s_kh + dk[None, :], knew, mask=dmask[None, :])
-                    tl.store(vc_ptr + blk * s_vb + boff * s_vo + kvh * s_vh + dv, vnew, mask=dv < HEAD_DV)
+                    _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                   s_vh, BLOCK_SIZE)
                 new_pos = tl.where(slot >= 0, seq_len - 1, -1)
             elif split == n_active - 1:
                 if slot >= 0:
-                    kcol = (NUM_HEADS + kvh) * HEAD_DK
-                    knew = _norm_rope(row, (kcol + dk)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd,
-                                      kwp, cos, sin, sign, rot, eps, HAS_KW, HEAD_DK)
-                    vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_DK + dk, mask=dmask,
-                                   other=0.0)
-                    blk = slot // BLOCK_SIZE
-                    boff = slot % BLOCK_SIZE
-                    tl.store(kc_ptr + blk * s_kb + boff * s_ko + kvh * s_kh + dk[None, :],
-                             knew.to(kc_ptr.dtype.element_ty), mask=dmask[None, :])
-                    tl.store(vc_ptr + blk * s_vb + boff * s_vo + kvh * s_vh + dk, vnew.to(vc_ptr.dtype.element_ty),
-                             mask=dmask)
+                    knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW,
+                                         NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty)
+                    _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                   s_vh, BLOCK_SIZE)
                     # The loop below reads this slot back: every thread's stores must be visible first.
                     tl.debug_barrier()
         else:

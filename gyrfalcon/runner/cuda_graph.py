@@ -176,14 +176,14 @@ class DecodeInputs:
     def src(self, b: int) -> torch.Tensor:
         return self.i64[3 * self.B:3 * self.B + b]
 
-    def set_context(self, b: int, ctx: int, block_size: int) -> bool:
+    def set_context(self, b: int, ctx: int, block_size: int, num_blocks: Optional[int] = None) -> bool:
         """Point the first b rows of the device buffers at one decode token each at context ctx (row i
         uses cache blocks i * nb .. (i + 1) * nb - 1, token id 0), for timing a graph where attention
         has work (seq_len 0, what the capture leaves, reads nothing); ctx 0 restores that empty state.
         A replay then writes one K/V slot per row into those blocks: only while no request holds them.
-        False (nothing written) when ctx does not fit the block-table width."""
+        False (nothing written) when ctx does not fit the block-table width or the cache's num_blocks."""
         nb = -(-ctx // block_size)
-        if nb > self.W:
+        if nb > self.W or (num_blocks is not None and b * nb > num_blocks):
             return False
         fb = self.views(b)
         self.src(b).fill_(-1)
@@ -255,7 +255,7 @@ class CudaGraphRunner:
         num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
 
         def at_context(ctx):  # only before any request exists: it writes into cache blocks 0..
-            return -(-ctx // self.block_size) <= num_blocks and self.inputs.set_context(1, ctx, self.block_size)
+            return self.inputs.set_context(1, ctx, self.block_size, num_blocks)
 
         self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare,
                                                                          self.pdl_choice, at_context)
