@@ -59,12 +59,10 @@ def test_peeled_first_tile_matches_unfused(M, K, N, mode):
 
 
 def test_whole_row_tiles_for_the_peeled_launch(monkeypatch):
-    """GYRFALCON_GEMV_WHOLE_ROW=1: the PDL launch takes one tile over all of K (slices <= 64 KB, 16-bit
+    """By default (GYRFALCON_GEMV_WHOLE_ROW=0 turns it off) the PDL launch takes one tile over all of K (slices <= 64 KB, 16-bit
     weights), so that the whole weight slice loads before the wait; the plain launch keeps 1024-wide tiles."""
     from gyrfalcon.kernels.small_m_gemv import default_config
-    monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)  # opt-in until measured
-    assert default_config(1, 1024, 2048, whole_row=True).block_k == 1024
-    monkeypatch.setenv("GYRFALCON_GEMV_WHOLE_ROW", "1")
+    monkeypatch.delenv("GYRFALCON_GEMV_WHOLE_ROW", raising=False)  # on by default
     assert default_config(1, 1024, 2048).block_k == 1024
     assert default_config(1, 1024, 2048, whole_row=True).block_k == 2048
     assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096
