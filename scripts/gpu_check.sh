@@ -10,9 +10,9 @@
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
 # launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (Qwen3-0.6B batch 1:
 # decode attention's first K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV
-# tiles, graph logits, the o_proj / in-kernel split merges), wholerow (whole-row GEMV tiles and one-tile
-# prefetch: tests, Qwen3-0.6B b1 variants and b16 / b64, Llama-8B b1 / b16), prefetch8b (Llama-8B b1/16 with the prefetch
-# always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
+# tiles, graph logits, the o_proj / in-kernel split merges), wholerow (whole-row GEMV tiles: tests, Qwen3-0.6B b1
+# variants and b16 / b64, Llama-8B b1 / b16), b16attn (PDL token tests; Llama-8B b16 decode attention
+# prefetching without PDL / merging in-kernel), prefetch8b (Llama-8B b1/16 with the prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
 # with the current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -187,8 +187,8 @@ if has prefetch; then  # decode attention loading its first K/V tile (and the no
   step lat_q06_b1_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
     --output-json "$R/latency_qwen3-0.6b_b1_merge_in_kernel.json"
 fi
-if has wholerow; then  # whole-row GEMV tiles (default since run 15) and the prefetch of one-tile splits only:
-  # GPU tests first, then Qwen3-0.6B batch 1 vs the old long-split prefetch / no prefetch / graph logits, its
+if has wholerow; then  # whole-row GEMV tiles (default since run 15): GPU tests first,
+  # then Qwen3-0.6B batch 1 vs no prefetch / graph logits / no whole-row tiles, its
   # batch 16 / 64, and the Llama-3.1-8B batch 1 / 16 rows
   step gpu_wr_tests 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
     -k "with_prep or pdl_chain or gemv or decode" -p no:cacheprovider
@@ -196,7 +196,6 @@ if has wholerow; then  # whole-row GEMV tiles (default since run 15) and the pre
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
   step lat_q06_b1 90 $lat --output-json "$R/latency_qwen3-0.6b_b1.json"
-  step lat_q06_b1_pflong 90 env GYRFALCON_ATTN_PREFETCH_LONG=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch_long.json"
   step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
   step lat_q06_b1_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_graphlogits.json"
   step lat_q06_b1_row0 90 env GYRFALCON_GEMV_WHOLE_ROW=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_whole_row0.json"
@@ -211,6 +210,21 @@ if has wholerow; then  # whole-row GEMV tiles (default since run 15) and the pre
   done
   step lat_l8_b1_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size 1 --max-num-seqs 1 \
     --output-json "$R/latency_llama-3.1-8b_b1_pdl1.json"
+fi
+if has b16attn; then  # the PDL greedy-token tests in full; Llama-3.1-8B batch 16 (no PDL there): decode
+  # attention prefetching its first tile anyway, merging its splits in-kernel (no reduce launch), both
+  step gpu_pdl_tokens 300 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  step lat_q06_b1 90 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
+    --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile --batch-size 16 --max-num-seqs 16"
+  step lat_l8_b16 90 $l8 --output-json "$R/latency_llama-3.1-8b_b16.json"
+  step lat_l8_b16_pf1 90 env GYRFALCON_ATTN_PREFETCH=1 $l8 --output-json "$R/latency_llama-3.1-8b_b16_prefetch1.json"
+  step lat_l8_b16_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
+    --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
+  step lat_l8_b16_pf1_mik 90 env GYRFALCON_ATTN_PREFETCH=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
+    --output-json "$R/latency_llama-3.1-8b_b16_prefetch1_merge_in_kernel.json"
 fi
 if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

@@ -132,7 +132,6 @@ if HAS_TRITON:
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
-        PREFETCH_LONG: tl.constexpr = False,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -177,14 +176,8 @@ if HAS_TRITON:
         dv = tl.arange(0, BLOCK_DV)
         bt_row = bt_ptr + b.to(tl.int64) * s_bt
         if PREFETCH:
-            # Only a split that fits in one tile prefetches (unless PREFETCH_LONG): a longer split's later
-            # tiles would load after the prep, serialized behind it, where loading them all after the
-            # wait pipelines them (H200 run 14: the graph at 4096 tokens took 1.040 ms with the first
-            # tile prefetched vs 0.915 without). Otherwise the tile's loads are all masked off (no traffic).
-            pf = (end - start <= BLOCK_N) | PREFETCH_LONG
-            kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, start, tl.where(pf, end, start), kvh, s_kb,
-                                             s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV,
-                                             BLOCK_N)
+            kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
+                                             s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
         if PREP:
             # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
@@ -233,12 +226,11 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
         loop_start = start
         if PREFETCH:
-            if pf:
-                if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
-                    k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
-                    v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
-                    m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
-                loop_start = start + BLOCK_N
+            if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
+                k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
+                v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
+                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
             kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
                                          s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
@@ -388,13 +380,6 @@ def prefetch_splits() -> int:
     Empty splits return before the PDL wait, so a wider grid costs little at short contexts (not yet
     measured)."""
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
-
-
-def prefetch_long() -> bool:
-    """GYRFALCON_ATTN_PREFETCH_LONG=1: a split longer than one tile prefetches its first tile too (the
-    behaviour of H200 runs 13-14, slower from ~4k tokens of context at batch 1); by default only splits
-    of one tile prefetch, the others load all their tiles after the wait."""
-    return os.environ.get("GYRFALCON_ATTN_PREFETCH_LONG", "0") == "1"
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
@@ -552,7 +537,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         USE_PDL=pdl,
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
-        PREFETCH=prefetch, GROUP_P2=next_pow2(group), PREFETCH_LONG=prefetch and prefetch_long(), num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
+        PREFETCH=prefetch, GROUP_P2=next_pow2(group), num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)

@@ -50,15 +50,11 @@ def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True, "long"])
-def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch, monkeypatch):
-    """prefetch: a split of one tile loads it before the qkv row and the new token's (stale) slot is
-    patched from registers; with 4 splits the 47-token row's new token sits in its last split's only tile
-    (the prefetched tile's patch); with 1 split its three tiles all load in the loop, after the prep.
-    "long" (GYRFALCON_ATTN_PREFETCH_LONG=1): that split prefetches its first tile too, and the new token
-    sits in its third tile (the loop's patch)."""
-    monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH_LONG", "1" if prefetch == "long" else "0")
-    prefetch = bool(prefetch)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch):
+    """prefetch: the first K/V tile is loaded before the qkv row and the new token's (stale) slot is
+    patched from registers; with 1 split the 47-token row's new token sits in its third tile (the loop's
+    patch), with 4 splits in its last split's only tile (the prefetched tile's patch)."""
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, rot, dtype, norm)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, is_neox, kc_ref, vc_ref, slots, bt, sl,
@@ -76,12 +72,10 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True, "long"])
-def test_fused_equals_the_two_triton_launches(num_splits, prefetch, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_equals_the_two_triton_launches(num_splits, prefetch):
     """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
     (up to the order of one reduction) and bitwise-equal caches."""
-    monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH_LONG", "1" if prefetch == "long" else "0")
-    prefetch = bool(prefetch)
     H, KVH, D = 4, 2, 32
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.bfloat16, True, seed=3)
     kc2, vc2 = kc.clone(), vc.clone()
