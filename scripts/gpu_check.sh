@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the benchmarks of issue 4 on the device machine, results under $OUT (results.tar).
-# The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD> so the JSON
+# The device copy of the tree may carry a stale .git: pass GYRFALCON_COMMIT=<local HEAD, as a literal hash: a
+# $(git rev-parse) inside the device command reads that stale copy> so the JSON
 # records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
 # Sections (default: tests): tests (GPU tests), attnsweep (decode-attention launch shapes at
@@ -12,8 +13,7 @@
 # decode attention's first K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV
 # tiles, graph logits, the o_proj / in-kernel split merges), wholerow (whole-row GEMV tiles: tests, Qwen3-0.6B b1
 # variants and b16 / b64, Llama-8B b1 / b16), b16attn (PDL token tests; Llama-8B b16 decode attention
-# prefetching without PDL / merging in-kernel), minpart (Llama-8B b16 / b64: longer splits merged
-# in-kernel), prefetch8b (Llama-8B b1/16 with the prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
+# prefetching without PDL / merging in-kernel), prefetch8b (Llama-8B b1/16 with the prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
 # with the current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
 # folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
 # head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
@@ -226,18 +226,6 @@ if has b16attn; then  # the PDL greedy-token tests in full; Llama-3.1-8B batch 1
     --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
   step lat_l8_b16_pf1_mik 90 env GYRFALCON_ATTN_PREFETCH=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b16_prefetch1_merge_in_kernel.json"
-fi
-if has minpart; then  # Llama-3.1-8B batch 16 / 64: splits of >= 256 / 512 keys, merged in-kernel (short contexts
-  # then have one split, written directly: no reduce launch, no merge)
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 16 64; do
-    l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile --batch-size $B --max-num-seqs $B"
-    for MP in 256 512; do
-      step lat_l8_b${B}_mik_mp$MP 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 GYRFALCON_DECODE_MIN_PART=$MP $l8 \
-        --output-json "$R/latency_llama-3.1-8b_b${B}_merge_in_kernel_minpart$MP.json"
-    done
-    [ $B = 64 ] && step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"
-  done
 fi
 if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

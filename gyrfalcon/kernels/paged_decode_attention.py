@@ -504,9 +504,6 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     direct = num_splits == 1 and not partials
     merge_in_kernel = merge_in_kernel or os.environ.get("GYRFALCON_DECODE_MERGE_IN_KERNEL") == "1"
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
-    # GYRFALCON_DECODE_MIN_PART (keys): an experiment knob for launches that set no min_part; with enough
-    # sequences to fill the GPU, fewer, longer splits leave short contexts one split (no merge work).
-    min_part = min_part or int(os.environ.get("GYRFALCON_DECODE_MIN_PART", "0"))
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:
