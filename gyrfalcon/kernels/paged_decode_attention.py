@@ -351,7 +351,8 @@ def prefetch_default(pdl: bool) -> bool:
     """Whether decode attention with prep loads its first K/V tile before the qkv row.
     GYRFALCON_ATTN_PREFETCH: "pdl" (default) with PDL, when the loads overlap the previous kernel's tail
     (H200 run 14: Qwen3-0.6B batch-1 graph 0.711 vs 0.788 ms); "1" always (without PDL the tile's loads
-    still overlap the qkv row's and skip the store -> barrier -> reload; not yet measured); "0" never."""
+    still overlap the qkv row's and skip the store -> barrier -> reload; slower on Llama-3.1-8B batch 16,
+    5.115 vs 4.940 ms per step, run 17); "0" never."""
     mode = os.environ.get("GYRFALCON_ATTN_PREFETCH", "pdl")
     return mode == "1" or (mode != "0" and pdl)
 
@@ -377,8 +378,9 @@ def prefetch_splits() -> int:
     tile only; its later tiles load after the prep, serialized behind it: on the H200 (run 13) the
     Qwen3-0.6B batch-1 graph was faster with the prefetch up to 1024 tokens (0.717 vs 0.798 ms at 256)
     and slower at 4096 / 8192 (1.039 vs 0.916, 1.264 vs 1.141 ms), where 16 splits hold 2-4 tiles.
-    Empty splits return before the PDL wait, so a wider grid costs little at short contexts (not yet
-    measured)."""
+    64 splits did not help (run 15: 0.717 vs 0.701 ms at 256 tokens, 1.622 vs 1.236 at 8192: 512
+    programs of 8 warps run in several waves); with whole-row GEMV tiles the long-context cost of the
+    prefetch shrank to 0.864 vs 0.830 ms at 4096 tokens (run 16)."""
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
 
 
@@ -425,7 +427,9 @@ def paged_decode_attention_triton(
     splits instead of a second launch. Both are off by default: on the H200 (benchmarks/small_m_gemv.py,
     benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
     were as fast or faster at every shape, up to 1.5x at batch 1 with 2-8k contexts, where the
-    merging program's extra round trips through L2 cost more than the launch they save.
+    merging program's extra round trips through L2 cost more than the launch they save. In whole decode
+    steps (GYRFALCON_DECODE_MERGE_IN_KERNEL=1, runs 15 and 17): Qwen3-0.6B batch 1 0.920 vs 0.801 ms per
+    step, Llama-3.1-8B batch 16 4.896 vs 4.940 ms (1% faster; with >= 256-key splits, run 18, no better).
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     return _launch(q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, scale, num_splits, None,
