@@ -192,6 +192,45 @@ def bench_decode_attention_sweep(rows):
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
 
 
+def bench_decode_attention_tput(rows):
+    """Decode attention where the throughput benchmark spends its steps (768 x 1024/1024 on Llama-3.1-8B:
+    ~256 sequences at 1-2k tokens of context, where the KV reads are ~3/4 of a step's bytes): launch
+    shapes (splits, keys per tile, warps, stages) and the key-tile layout (GYRFALCON_DECODE_K_ROWS),
+    each against the default launch and as a fraction of the HBM roofline of its K/V bytes."""
+    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    for (n_heads, n_kv, d), B, ctx in itertools.product([(32, 8, 128)], (64, 256), (1024, 2048)):
+        q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=4096, copies=4)
+        kv_bytes = 2 * B * ctx * n_kv * d * 2
+
+        def timed(k_rows="0", **kw):
+            os.environ["GYRFALCON_DECODE_K_ROWS"] = k_rows
+            try:
+                return graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
+                    q, kc, vc, bt, sl, d ** -0.5, **kw) for kc, vc in caches], reps=3)
+            finally:
+                os.environ.pop("GYRFALCON_DECODE_K_ROWS", None)
+
+        frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+        t_default = timed()
+        res = {}
+        for splits, bn, nw, ns, kr in itertools.product((1, 2), (64, 128), (4, 8), (2, 3), ("0", "1")):
+            try:
+                res[splits, bn, nw, ns, kr] = timed(kr, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns)
+            except Exception as e:  # e.g. out of shared memory for the largest tiles
+                print(f"  skip {(splits, bn, nw, ns, kr)}: {type(e).__name__}", flush=True)
+        best = sorted(res, key=res.get)[:5]
+        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx,
+                     "default_us": round(t_default, 2), "frac_hbm_default": round(frac(t_default), 3),
+                     "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "stages": k[3], "k_rows": k[4],
+                               "us": round(res[k], 2), "frac_hbm": round(frac(res[k]), 3)} for k in best],
+                     "all": {"/".join(map(str, k)): round(t, 2) for k, t in res.items()}})
+        print(f"attn tput H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {t_default:7.1f} us "
+              f"({frac(t_default):.0%} of HBM); best (splits, block_n, warps, stages, k_rows) "
+              + ", ".join(f"{k}={res[k]:.1f} ({frac(res[k]):.0%})" for k in best), flush=True)
+        del caches
+
+
 def bench_pdl_chain(rows):
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 (norm+qkv GEMV, q/k-norm+rope+KV store,
     attention over 256 tokens, o GEMV, norm+gate_up+SiLU GEMV, down GEMV), layer after layer on distinct
@@ -299,6 +338,8 @@ def main() -> None:
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
+    ap.add_argument("--attn-tput", action="store_true",
+                    help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
@@ -312,6 +353,9 @@ def main() -> None:
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)
+    if args.attn_tput:
+        args.skip_gemv = args.skip_attention = True
+        bench_decode_attention_tput(attn_rows)
     if not args.skip_gemv:
         bench_gemv(args, gemv_rows)
     if not args.skip_attention:

@@ -138,7 +138,11 @@ def cases(mods):
                 (f"{name} attention b1 pdl, in-kernel merge", attn(1, pdl=True, merge_in_kernel=True)),
                 (f"{name} attention b1 fp32 pdl", attn(1, dtype=torch.float32, pdl=True)),
                 (f"{name} attention b16 prefetch, no pdl", attn(16, pdl=False, prefetch=True)),
-                (f"{name} attention b16", attn(16, pdl=False))]
+                (f"{name} attention b16", attn(16, pdl=False)),
+                (f"{name} attention b1 pdl (prefetch), key rows", attn(1, env={"GYRFALCON_DECODE_K_ROWS": "1"},
+                                                                       pdl=True)),
+                (f"{name} attention b256, key rows", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "1"}, pdl=False)),
+                (f"{name} attention b256", attn(256, pdl=False))]
 
         def merged(pdl):
             def run():

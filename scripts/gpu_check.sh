@@ -5,7 +5,7 @@
 # records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
 # Sections (default: tests): tests (GPU tests), attnsweep (decode-attention launch shapes at
-# short contexts), ktests (kernel tests only), sweep (GEMV
+# short contexts), attntput (the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout), ktests (kernel tests only), sweep (GEMV
 # launch-shape sweep), kernels (kernel benchmarks at the default launch shapes; the greedy argmax vs
 # torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
 # batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
@@ -55,6 +55,9 @@ if has tests; then
 fi
 if has attnsweep; then  # decode-attention launch shapes at the model rows' short contexts
   step attn_sweep 240 python3 benchmarks/small_m_gemv.py --attn-sweep --output-json "$R/decode_attn_sweep.json"
+fi
+if has attntput; then  # decode attention at the throughput benchmark's batch (64 / 256) and contexts (1-2k)
+  step attn_tput 300 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
   step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

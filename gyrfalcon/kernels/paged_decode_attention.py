@@ -65,15 +65,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 K_ROWS: tl.constexpr = False):
         """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
-        V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row."""
+        V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row. K_ROWS: K loads as
+        [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is transposed in
+        registers, instead of loading the transposed tile directly (an experiment: GYRFALCON_DECODE_K_ROWS)."""
         kpos = kstart + tl.arange(0, BLOCK_N)
         kmask = kpos < end
         phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
         off = kpos % BLOCK_SIZE
-        k = tl.load(kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
-                    mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0)
+        if K_ROWS:
+            k = tl.trans(tl.load(kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[:, None] + dk[None, :],
+                                 mask=kmask[:, None] & (dk[None, :] < HEAD_DK), other=0.0))
+        else:
+            k = tl.load(kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[None, :] + dk[:, None],
+                        mask=kmask[None, :] & (dk[:, None] < HEAD_DK), other=0.0)
         v = tl.load(vc_ptr + (phys * s_vb + off * s_vo + kvh * s_vh)[:, None] + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < HEAD_DV), other=0.0)
         return kpos, kmask, k, v
@@ -132,6 +139,7 @@ if HAS_TRITON:
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
+        K_ROWS: tl.constexpr = False,
     ):
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
@@ -177,7 +185,7 @@ if HAS_TRITON:
         bt_row = bt_ptr + b.to(tl.int64) * s_bt
         if PREFETCH:
             kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
-                                             s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
+                                             s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
         if PREP:
             # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
@@ -233,7 +241,7 @@ if HAS_TRITON:
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
             kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
-                                         s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N)
+                                         s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
@@ -382,6 +390,12 @@ def prefetch_splits() -> int:
     programs of 8 warps run in several waves); with whole-row GEMV tiles the long-context cost of the
     prefetch shrank to 0.864 vs 0.830 ms at 4096 tokens (run 16)."""
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
+
+
+def k_rows() -> bool:
+    """GYRFALCON_DECODE_K_ROWS=1: key tiles load in the cache's row layout and are transposed in registers
+    (_kv_tile's K_ROWS); an experiment for the large-batch, long-context launches (not yet measured)."""
+    return os.environ.get("GYRFALCON_DECODE_K_ROWS", "0") == "1"
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
@@ -541,7 +555,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         USE_PDL=pdl,
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
-        PREFETCH=prefetch, GROUP_P2=next_pow2(group), num_warps=nw, num_stages=ns, **pdl_launch_kwargs(pdl),
+        PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(), num_warps=nw, num_stages=ns,
+        **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)

@@ -73,9 +73,11 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_fused_equals_the_two_triton_launches(num_splits, prefetch):
+@pytest.mark.parametrize("k_rows", ["0", "1"])
+def test_fused_equals_the_two_triton_launches(num_splits, prefetch, k_rows, monkeypatch):
     """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
-    (up to the order of one reduction) and bitwise-equal caches."""
+    (up to the order of one reduction) and bitwise-equal caches; k_rows: GYRFALCON_DECODE_K_ROWS."""
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", k_rows)
     H, KVH, D = 4, 2, 32
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.bfloat16, True, seed=3)
     kc2, vc2 = kc.clone(), vc.clone()

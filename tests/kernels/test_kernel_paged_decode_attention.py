@@ -43,6 +43,19 @@ def test_ref_matches_paged_attention_ref():
 
 @requires_triton
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_key_tiles_loaded_in_row_layout(dtype, num_splits, monkeypatch):
+    """GYRFALCON_DECODE_K_ROWS=1 (keys load as [keys, head_dim] and are transposed in registers): the same
+    result as the reference, with the fused prep too (decode_attention_with_prep's prefetched tile)."""
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "1")
+    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, 4, 2, 32, 4, dtype, fill=10**8)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=num_splits, block_n=16, min_part=16)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_heads,n_kv", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("num_splits,merge", [(1, True), (3, False), (3, True)],
                          ids=["direct", "reduce-kernel", "merge-in-kernel"])
