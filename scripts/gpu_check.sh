@@ -4,21 +4,30 @@
 # $(git rev-parse) inside the device command reads that stale copy> so the JSON
 # records the commit that ran.
 # Usage (from the repo root): OUT=/some/dir bash scripts/gpu_check.sh [SECTION...]
-# Sections (default: tests): tests (GPU tests), attnsweep (decode-attention launch shapes at
-# short contexts), attntput (the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout), ktests (kernel tests only), sweep (GEMV
-# launch-shape sweep), kernels (kernel benchmarks at the default launch shapes; the greedy argmax vs
-# torch's argmax at S 1/16/64 with a small launch-shape sweep), small (Qwen3-0.6B
-# batch 1: fused / cuBLAS / unfused), llama (Llama-3.1-8B batch 1, 16, 64), pdl (programmatic dependent
-# launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps), prefetch (Qwen3-0.6B batch 1:
-# decode attention's first K/V tile before the qkv row on / off, with up to 64 splits, whole-row GEMV
-# tiles, graph logits, the o_proj / in-kernel split merges), wholerow (whole-row GEMV tiles: tests, Qwen3-0.6B b1
-# variants and b16 / b64, Llama-8B b1 / b16), b16attn (PDL token tests; Llama-8B b16 decode attention
-# prefetching without PDL / merging in-kernel), prefetch8b (Llama-8B b1/16 with the prefetch always, in-kernel merge, graph logits, b64), qwenbatch (Qwen3-0.6B batch 16 / 64), defaults (batch 1
-# with the current defaults vs PDL and prefill graphs off, and a greedy-token check), prep (batch 1: the decode prep
-# folded into attention on / off, the split merge in o_proj, PDL off, prefill graphs off), graphlogits (LM
-# head in the decode graph on / off; prefill graphs), graphs8b (both flags on Llama-8B), tunableop (PyTorch's GEMM
-# algorithm tuning at batch 16 / 64), baseline (transformers in the
-# same run), throughput (768 x 1024/1024), throughput_vllm_defaults (1024 seqs, 16384 tokens per step).
+# Sections (default: tests):
+#   tests        GPU tests, one step per file
+#   ktests       the kernel tests only
+#   attnsweep    decode-attention launch shapes at short contexts
+#   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS)
+#   sweep        GEMV launch-shape sweep vs cuBLAS
+#   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
+#   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
+#   llama        Llama-3.1-8B batch 1, 16, 64
+#   pdl          programmatic dependent launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps
+#   defaults     batch 1 with the current defaults vs PDL and prefill graphs off; a greedy-token check
+#   prep         batch 1: the decode prep folded into attention on / off, o_proj merge, PDL / prefill graphs off
+#   prefetch     Qwen3-0.6B batch 1: attention prefetch on / off, 64 splits, whole-row GEMV tiles, graph
+#                logits, the o_proj / in-kernel split merges
+#   wholerow     whole-row GEMV tiles: tests, Qwen3-0.6B b1 variants and b16 / b64, Llama-8B b1 / b16
+#   b16attn      PDL token tests; Llama-8B b16 attention prefetching without PDL / merging in-kernel
+#   mik          the in-kernel split merge at b4 / b16 on both shapes; TunableOp at Llama b16
+#   prefetch8b   Llama-8B b1 / b16 with the prefetch always, in-kernel merge, graph logits, b64
+#   qwenbatch    Qwen3-0.6B batch 16 / 64
+#   graphlogits  LM head in the decode graph on / off; prefill graphs
+#   graphs8b     both flags on Llama-8B
+#   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
+#   baseline     transformers in the same run
+#   throughput   768 x 1024/1024; throughput_vllm_defaults: 1024 seqs, 16384 tokens per step
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -229,6 +238,23 @@ if has b16attn; then  # the PDL greedy-token tests in full; Llama-3.1-8B batch 1
     --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
   step lat_l8_b16_pf1_mik 90 env GYRFALCON_ATTN_PREFETCH=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b16_prefetch1_merge_in_kernel.json"
+fi
+if has mik; then  # the in-kernel split merge (no reduce launch) at batch 4 / 16 on both shapes, side by side with
+  # the reduce launch (run 17: Llama-3.1-8B batch 16, 4.896 vs 4.940 ms per step); TunableOp's GEMMs at batch 16
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for M in q06:qwen3-0.6b l8:llama-3.1-8b; do
+    ck=${M%%:*} name=${M#*:}
+    for B in 4 16; do
+      lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
+      step lat_${ck}_b${B} 90 $lat --output-json "$R/latency_${name}_b${B}.json"
+      step lat_${ck}_b${B}_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
+        --output-json "$R/latency_${name}_b${B}_merge_in_kernel.json"
+    done
+  done
+  step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 \
+    PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 --batch-size 16 --input-len 128 \
+    --output-len 128 --max-num-seqs 16 --profile --output-json "$R/latency_llama-3.1-8b_b16_tunableop.json"
 fi
 if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
