@@ -20,8 +20,9 @@ partials (paged_decode_attention.DecodePartials) instead of read from x, so that
 o_proj also does the attention's split merge and the reduce launch goes (GYRFALCON_MERGE_INTO_O_PROJ=1;
 off: on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
 benchmarks/results/logs/, when each input tile looped over the splits, a chain of L2 round trips; with
-all splits loaded at once, 1.348 vs 0.693 ms, run 15: the merge's extra loads sit after the PDL wait,
-on the critical path, and with them the startup timing dropped PDL).
+all splits loaded at once, 1.348 vs 0.693 ms, run 15, slower with PDL than without (1.638 vs 1.326 ms
+at startup): the cause is not established; each program repeats the merge of every split for each of
+its K / 256 input tiles).
 """
 
 from __future__ import annotations

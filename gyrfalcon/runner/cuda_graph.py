@@ -12,9 +12,8 @@ whatever the batch size.
 
 With with_logits (GYRFALCON_GRAPH_LOGITS=1; off: on the H200 it was no faster, 0.879 vs 0.881 ms per
 Qwen3-0.6B batch-1 step, benchmarks/results/*-h200-2026-11-30-run5.json, and 0.747 vs 0.750 in run 16)
-the graph also holds
-the LM head, the greedy argmax and the write of those tokens into last_sampled, so a greedy step is
-one replay and one copy back; the runner uses the logits for any other sampling, and its sampler's
+the graph also holds the LM head, the greedy argmax and the write of those tokens into last_sampled, so
+a greedy step is one replay and one copy back; the runner uses the logits for any other sampling, and its sampler's
 tokens then overwrite last_sampled after the replay.
 """
 
