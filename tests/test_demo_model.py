@@ -6,19 +6,23 @@ scripts/finetune_demo_functions.py).
 (b) gyrfalcon's greedy tokens equal transformers' greedy generate (fp32, CPU);
 (c) greedy completions of the held-out function signatures in heldout_prompts.json are valid Python.
 
-All on CPU in float32.
+All on CPU in float32. GYRFALCON_DEMO_MODEL_DIR=<checkpoint> runs them on another checkpoint (a retrained
+candidate, before it replaces the shipped one).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "gyrfalcon" / "assets" / "demo-model"
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path(os.environ.get("GYRFALCON_DEMO_MODEL_DIR") or REPO / "gyrfalcon" / "assets" / "demo-model")
 EOS = "<|endoftext|>"
 PARITY_MAX_TOKENS = 32
 PARSE_MAX_TOKENS = 128
@@ -80,15 +84,24 @@ def test_judge_completion():
     assert judge_completion(sig, " retur", False) == "invalid"  # nothing past the signature
 
 
+def _load_finetune_script():
+    """scripts/finetune_demo_functions.py as a module, registered in sys.modules so that its parse workers
+    (forked processes) can be handed its functions."""
+    import importlib.util
+
+    if "finetune_demo_functions" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("finetune_demo_functions",
+                                                      REPO / "scripts" / "finetune_demo_functions.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["finetune_demo_functions"]
+
+
 def test_finetune_documents_are_whole_top_level_functions():
     """The second training stage's documents: each top-level function (decorators included) as written,
     none named like a held-out prompt; methods and nested functions are not documents of their own."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "finetune_demo_functions.py"
-    spec = importlib.util.spec_from_file_location("finetune_demo_functions", path)
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    ft = _load_finetune_script()
     text = ("import os\n\n\n@cache\ndef a(x):\n    def inner():\n        return 1\n    return x\n\n\n"
             "class C:\n    def m(self):\n        return 2\n\n\nasync def held(y):\n    return y\n\n\n"
             "def b():\n    pass\n")
@@ -101,12 +114,8 @@ def test_self_contained_functions():
     """The second stage's optional upweighting: functions whose every read name is bound inside them, a
     builtin, or themselves."""
     import ast
-    import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "finetune_demo_functions.py"
-    spec = importlib.util.spec_from_file_location("finetune_demo_functions", path)
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    ft = _load_finetune_script()
     src = {
         "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)": True,
         "def f(xs, *rest, key=None):\n    import os\n    out = [len(x) for x in xs]\n    return out, os.sep": True,
@@ -116,6 +125,97 @@ def test_self_contained_functions():
     }
     for text, want in src.items():
         assert ft.self_contained(ast.parse(text).body[0]) is want, text
+
+
+def test_finetune_card_sections():
+    """The second stage rewrites its own section of the model card and the samples, leaving the rest (and
+    '#' lines inside code blocks) alone; without a section of its own it goes before '## Evaluation'."""
+    ft = _load_finetune_script()
+    card = ("# m\n\n## Training\n\ntext\n\n### Second stage: old\n\nold\n\n## Evaluation\n\neval\n\n"
+            "## Greedy samples\n\n```python\n# a comment\n## not a heading\n```\n")
+    out = ft.replace_section(card, "### Second stage", "### Second stage: new\n\nnew\n", before="## Evaluation")
+    assert "old" not in out and out.count("### Second stage") == 1
+    assert out.index("### Second stage: new") < out.index("## Evaluation") < out.index("## Greedy samples")
+    out = ft.replace_section(out, "## Greedy samples", "## Greedy samples\n\nnew samples\n")
+    assert out.endswith("## Greedy samples\n\nnew samples\n") and "# a comment" not in out and "eval" in out
+    plain = "# m\n\n## Training\n\ntext\n\n## Evaluation\n\neval\n"
+    out = ft.replace_section(plain, "### Second stage", "### Second stage: x\n\nx\n", before="## Evaluation")
+    assert out == "# m\n\n## Training\n\ntext\n\n### Second stage: x\n\nx\n\n## Evaluation\n\neval\n"
+
+
+def _tiny_stage1(tmp_path):
+    """A first-stage checkpoint as the second stage reads it, with the demo model's tokenizer and prompts but
+    a 1-layer, 32-wide model; and a source root of generated files, some of them held out."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    ft = _load_finetune_script()
+    src = tmp_path / "stage1"
+    src.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"):
+        if (MODEL_DIR / name).exists():
+            shutil.copy(MODEL_DIR / name, src / name)
+    (src / "heldout_prompts.json").write_text(json.dumps(heldout_prompts()[:3]))
+    (src / "metrics.json").write_text("{}")
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    root = tmp_path / "root"
+    root.mkdir()
+    n_held = 0
+    for i in range(400):
+        if n_held >= 2 and i >= 40:
+            break
+        held = ft.T.label_hash(f"root0/m{i}.py", "split:") % 1000 < 20
+        if held and n_held >= 2:
+            continue
+        n_held += held
+        body = "".join(f'def f{i}_{j}(x, y={j}):\n    """Add {j}."""\n    z = x + y\n    return z * {i}\n\n\n'
+                       for j in range(4))
+        (root / f"m{i}.py").write_text(f"import os\n\n\n{body}class C{i}:\n    def m(self):\n        return 1\n")
+    assert n_held >= 1
+    return src, root
+
+
+def test_finetune_runs_on_device_cpu(tmp_path):
+    """The second stage end to end with --device cpu on a tiny model: seeded (the parse workers do not change
+    the result), the device recorded in metrics.json and in the model card; then --eval-only on its output."""
+    from safetensors.torch import load_file
+
+    ft = _load_finetune_script()
+    src, root = _tiny_stage1(tmp_path)
+    common = ["--model", str(src), "--device", "cpu", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+              "--eval-tokens", "300", "--eval-max-tokens", "4", "--strip-docstrings", "0.5", "--threads", "1",
+              "--roots", str(root)]
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        ft.main(common + ["--out", str(out), "--workers", str(workers)])
+        outs.append(out)
+    weights = [load_file(o / "model.safetensors") for o in outs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert all(t.dtype == torch.bfloat16 for t in weights[0].values())
+    m = json.loads((outs[0] / "metrics.json").read_text())["finetune_functions"]
+    m2 = json.loads((outs[1] / "metrics.json").read_text())["finetune_functions"]
+    assert m["device"] == "cpu" and "CPU" in m["device_name"] and m["precision"] == "fp32"
+    assert m["steps"] == 3 and m["tokens_seen"] == 3 * 2 * 32 and m["args"]["device"] == "cpu"
+    assert m["documents"] > 0 and m["docstrings_stripped"] > 0 and m["functions"] == m2["functions"]
+    assert [h["loss"] for h in m["history"]] == [h["loss"] for h in m2["history"]]
+    assert m["heldout_files_here"] == m2["heldout_files_here"] and m["heldout_files_here"]["after"]["heldout_tokens"] > 0
+    assert m["parse_eval"]["total"] == 3 and len(m["samples"]) == 5
+    card = (outs[0] / "README.md").read_text()
+    assert card.count("### Second stage") == 1 and card.count("## Greedy samples") == 1
+    assert f"on {m['device_name']} in" in card and "--device cpu" in card
+    assert "```python\ndef fib(n):" in card
+
+    res = ft.main(["--model", str(outs[0]), "--eval-only", "--device", "cpu", "--eval-tokens", "300",
+                   "--eval-max-tokens", "4", "--roots", str(root), "--eval-json", str(tmp_path / "eval.json")])
+    assert res["device"] == "cpu" and res["parse_eval"]["total"] == 3
+    assert json.loads((tmp_path / "eval.json").read_text())["heldout_files_here"]["heldout_tokens"] > 0
 
 
 def score(prompts, completions):
