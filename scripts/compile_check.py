@@ -168,7 +168,8 @@ def cases(mods):
         whole = {"GYRFALCON_GEMV_WHOLE_ROW": "1"}
         out += [(f"{name} o_proj GEMV pdl whole-row", gemv(1, hid, H * D, env=whole, pdl=True)),
                 (f"{name} down GEMV pdl whole-row", gemv(1, hid, inter, env=whole, pdl=True)),
-                (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False))]
+                (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
+                (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False))]
 
         def prep(pdl):
             def run():

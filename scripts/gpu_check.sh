@@ -20,7 +20,8 @@
 #                logits, the o_proj / in-kernel split merges
 #   wholerow     whole-row GEMV tiles: tests, Qwen3-0.6B b1 variants and b16 / b64, Llama-8B b1 / b16
 #   b16attn      PDL token tests; Llama-8B b16 attention prefetching without PDL / merging in-kernel
-#   mik          the in-kernel split merge at b4 / b16 on both shapes; TunableOp at Llama b16
+#   mik          the in-kernel split merge at b4 / b16 on both shapes; o_proj / down_proj through our kernel
+#                at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=16, its GPU token test first); TunableOp at Llama b16
 #   prefetch8b   Llama-8B b1 / b16 with the prefetch always, in-kernel merge, graph logits, b64
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   graphlogits  LM head in the decode graph on / off; prefill graphs
@@ -251,6 +252,14 @@ if has mik; then  # the in-kernel split merge (no reduce launch) at batch 4 / 16
       step lat_${ck}_b${B}_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
         --output-json "$R/latency_${name}_b${B}_merge_in_kernel.json"
     done
+  done
+  step gpu_plain_rows 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "plain-rows" -p no:cacheprovider
+  for ck in q06:qwen3-0.6b l8:llama-3.1-8b; do
+    lat="$G bench latency --model /tmp/ck/${ck%%:*} --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile"
+    step lat_${ck%%:*}_b16_plain 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 $lat \
+      --output-json "$R/latency_${ck#*:}_b16_plain_rows16.json"
+    step lat_${ck%%:*}_b16_plain_mik 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
+      --output-json "$R/latency_${ck#*:}_b16_plain_rows16_merge_in_kernel.json"
   done
   step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 \
     PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 --batch-size 16 --input-len 128 \

@@ -73,6 +73,15 @@ class GemvConfig(NamedTuple):
 GEMV_MAX_ROWS = 1
 
 
+def plain_gemm_max_rows() -> int:
+    """Rows up to which a linear layer without a norm in front (o_proj, down_proj) goes through this kernel
+    instead of cuBLAS: GEMV_MAX_ROWS, or GYRFALCON_SMALL_M_PLAIN_ROWS (at most MAX_M). An experiment: in the
+    H200 sweep (small_m_gemv_sweep-h200-2026-11-30-run2.json) the tensor-core path with 32-column tiles
+    and 4 stages beat cuBLAS (+ its split-K reduce) at 16 rows on Llama-3.1-8B's o_proj (11.98 vs 13.74
+    us) and down_proj (32.21 vs 33.11), where the norm-fused shapes lost; not yet measured in a step."""
+    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_PLAIN_ROWS", GEMV_MAX_ROWS))))
+
+
 WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps
 
 
@@ -102,10 +111,13 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
                 and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") == "1"):
             bk = next_pow2(K)
     else:
-        bn = 16
+        # 32-column tiles (64 on the widest shapes), 4 stages without SiLU-and-mul: the sweep's best on
+        # every Qwen3-0.6B / Llama-3.1-8B shape at 16 rows but Llama's qkv (small_m_gemv_sweep-h200-
+        # 2026-11-30-run2.json; 16-column tiles and 3 stages were 4-28% slower).
+        bn = 32
         while bn < 64 and N // (2 * bn) >= 132:
             bn *= 2
-        bk, nw, ns = min(256, max(16, next_pow2(K))), 4, 3
+        bk, nw, ns = min(256, max(16, next_pow2(K))), 4, (3 if silu_mul else 4)
     tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
     while ns > 1 and tile_bytes * ns > 160 * 1024:
         ns -= 1

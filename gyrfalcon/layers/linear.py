@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
-from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
-from gyrfalcon.kernels.small_m_gemv import norm_gemv_triton
+from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows
 
 
 class Linear(nn.Module):
@@ -27,14 +26,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes
-        # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark).
+        # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark). Up to
+        # small_m_rows rows (1 unless GYRFALCON_SMALL_M_PLAIN_ROWS says more).
         from gyrfalcon.layers.attention import small_m_gemv_enabled
 
         self.small_m = small_m_gemv_enabled() and not bias
+        self.small_m_rows = plain_gemm_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]"""
-        if self.small_m and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
+        if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return norm_gemv_triton(x, self.weight)[0]
         return F.linear(x, self.weight, self.bias)
 
@@ -53,6 +54,8 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shard_sizes: Dict[object, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias)
+        # qkv and gate_up at a few rows lost to cuBLAS in the sweep (plain_gemm_max_rows): single rows only.
+        self.small_m_rows = GEMV_MAX_ROWS
         self.shards: Dict[object, Tuple[int, int]] = {}
         off = 0
         for sid, size in shard_sizes.items():

@@ -85,6 +85,31 @@ def test_peeled_whole_row_launch_matches_unfused(mode, monkeypatch):
     torch.testing.assert_close(y, y_ref, rtol=3e-2, atol=3e-2)
 
 
+def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
+    """GYRFALCON_SMALL_M_PLAIN_ROWS: how many rows a norm-less Linear (o_proj, down_proj) sends through
+    this kernel (capped at 16); the merged projections (qkv, gate_up) keep single rows."""
+    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, plain_gemm_max_rows
+    from gyrfalcon.layers.linear import Linear, MergedLinear
+    monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
+    assert plain_gemm_max_rows() == GEMV_MAX_ROWS == 1
+    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "16")
+    assert plain_gemm_max_rows() == 16
+    assert Linear(8, 4).small_m_rows == 16
+    assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == 1
+    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "64")
+    assert plain_gemm_max_rows() == 16
+
+
+def test_multi_row_config_follows_the_sweep():
+    """16 rows: 32-column tiles (64 where 64-wide tiles still give >= 2 x 132 programs), 4 stages; with
+    SiLU-and-mul's two weight tiles 3, cut to 2 where 3 would pass the 160 KB shared-memory budget."""
+    from gyrfalcon.kernels.small_m_gemv import default_config
+    assert tuple(default_config(16, 4096, 4096)) == (32, 256, 4, 4)
+    assert tuple(default_config(16, 14336, 4096, silu_mul=True)) == (64, 256, 4, 2)
+    assert tuple(default_config(16, 3072, 1024, silu_mul=True)) == (32, 256, 4, 3)
+    assert tuple(default_config(16, 1024, 3072)) == (32, 256, 4, 4)
+
+
 def test_ref_against_naive_math():
     x, r, w, nw = _data(2, 8, 4, torch.float32, True)
     y, new_r = norm_gemv_ref(x, w, nw, r, 1e-6, silu_mul=True)
