@@ -8,7 +8,8 @@
 #   tests        GPU tests, one step per file
 #   ktests       the kernel tests only
 #   attnsweep    decode-attention launch shapes at short contexts
-#   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS)
+#   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
+#                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
 #   sweep        GEMV launch-shape sweep vs cuBLAS
 #   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
@@ -68,6 +69,10 @@ if has attnsweep; then  # decode-attention launch shapes at the model rows' shor
 fi
 if has attntput; then  # decode attention at the throughput benchmark's batch (64 / 256) and contexts (1-2k)
   step attn_tput 300 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput.json"
+  # A decode step where the throughput benchmark runs (batch 256, ~1k tokens of context): its kernel profile
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step lat_l8_b256 150 $G bench latency --model /tmp/ck/l8 --batch-size 256 --input-len 1024 --output-len 32 \
+    --max-num-seqs 256 --profile --output-json "$R/latency_llama-3.1-8b_b256_in1024.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
   step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
