@@ -29,7 +29,9 @@
 #   graphs8b     both flags on Llama-8B
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
-#   throughput   768 x 1024/1024; throughput_vllm_defaults: 1024 seqs, 16384 tokens per step
+#   throughput   768 x 1024/1024 (TPUT_SEQS=N: also with --max-num-seqs N, e.g. 384: two waves of 384 fit the
+#                H200's ~877k cached tokens where three of 256 run now); throughput_vllm_defaults: 1024 seqs,
+#                16384 tokens per step
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -308,6 +310,9 @@ if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+  [ -n "${TPUT_SEQS:-}" ] && step tput_l8_seqs$TPUT_SEQS 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
+    --input-len 1024 --output-len 1024 --async-scheduling --max-num-seqs "$TPUT_SEQS" \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_${TPUT_SEQS}seqs.json"
 fi
 if has throughput_vllm_defaults; then  # vLLM's batch limits on >= 70 GiB GPUs, side by side with ours
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
