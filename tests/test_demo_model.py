@@ -218,6 +218,27 @@ def test_finetune_runs_on_device_cpu(tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["heldout_files_here"]["heldout_tokens"] > 0
 
 
+def test_finetune_file_mix_replays_whole_files(tmp_path):
+    """--file-mix: part of each batch is windows of whole training files (replay of the first stage's task);
+    recorded in metrics.json and the card, epochs counted over the function rows only; seeded."""
+    ft = _load_finetune_script()
+    src, root = _tiny_stage1(tmp_path)
+    common = ["--model", str(src), "--device", "cpu", "--steps", "2", "--batch-size", "4", "--seq-len", "16",
+              "--eval-tokens", "200", "--eval-max-tokens", "2", "--threads", "1", "--workers", "1",
+              "--roots", str(root)]
+    ms = []
+    for name, extra in (("mix", ["--file-mix", "0.5"]), ("mix2", ["--file-mix", "0.5"]), ("plain", [])):
+        ft.main(common + extra + ["--out", str(tmp_path / name)])
+        ms.append(json.loads((tmp_path / name / "metrics.json").read_text())["finetune_functions"])
+    mix, mix2, plain = ms
+    assert mix["file_mix_rows"] == 2 and mix["file_mix_tokens"] > 0 and plain["file_mix_rows"] == 0
+    assert mix["epochs"] == pytest.approx(2 * 2 * 16 / mix["tokens"])
+    assert mix["tokens_seen"] == plain["tokens_seen"] == 2 * 4 * 16
+    assert [h["loss"] for h in mix["history"]] == [h["loss"] for h in mix2["history"]]
+    assert [h["loss"] for h in mix["history"]] != [h["loss"] for h in plain["history"]]
+    assert "--file-mix 0.5" in (tmp_path / "mix" / "README.md").read_text()
+
+
 def score(prompts, completions):
     """completions: [(text, finished)] -> (n_parsed, n_valid, verdicts)."""
     verdicts = [judge_completion(p["prompt"], c, fin) for p, (c, fin) in zip(prompts, completions)]

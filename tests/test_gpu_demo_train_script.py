@@ -98,6 +98,7 @@ def test_both_stages_packed_in_parts(tmp_path):
         "--compile --max-corpus-mb 400 --minutes 0.1 --total-minutes 0.2 --reserve-seconds 25")
     assert s2.startswith("scripts/finetune_demo_functions.py --model ") and "--device cuda" in s2
     assert "--strip-docstrings 0.5" in s2 and "--epochs 3 --minutes" in s2 and "--batch-size 64" in s2
+    assert "--file-mix 0.5" in s2
     parts, x = unpack(out, tmp_path)
     assert len(parts) == len(files) - 1 >= 4  # 4 x 1.3 MiB of weights in 1 MiB parts
     assert all(p.stat().st_size <= 2**20 for p in parts)
