@@ -111,9 +111,9 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
                 and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") == "1"):
             bk = next_pow2(K)
     else:
-        # 32-column tiles (64 on the widest shapes), 4 stages without SiLU-and-mul: the sweep's best on
-        # every Qwen3-0.6B / Llama-3.1-8B shape at 16 rows but Llama's qkv (small_m_gemv_sweep-h200-
-        # 2026-11-30-run2.json; 16-column tiles and 3 stages were 4-28% slower).
+        # 32-column tiles (64 on the widest shapes), 4 stages without SiLU-and-mul: at 16 rows the sweep's
+        # best on the norm-less shapes this path serves (o_proj, down_proj of Qwen3-0.6B and Llama-3.1-8B,
+        # small_m_gemv_sweep-h200-2026-11-30-run2.json), 6-21% faster than 16-column tiles with 3 stages.
         bn = 32
         while bn < 64 and N // (2 * bn) >= 132:
             bn *= 2
