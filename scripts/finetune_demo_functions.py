@@ -15,7 +15,7 @@ held-out prompts run on the training device; the output folder's README.md (the 
 
   python3 scripts/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --out /tmp/dm-ft --minutes 12
   python3 scripts/finetune_demo_functions.py --model /tmp/dm-stage1 --out /tmp/dm-stage2 --device cuda \
-      --epochs 10 --minutes 1.5 --batch-size 64 --strip-docstrings 0.5
+      --epochs 3 --minutes 1.5 --batch-size 64 --strip-docstrings 0.5 --file-mix 0.5
 Evaluate a checkpoint on this machine's held-out files and prompts without training (what the
 fine-tuning measures before / after; CPU, fp32 compute on the checkpoint's bf16 weights):
   python3 scripts/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --eval-only --device cpu
