@@ -230,19 +230,17 @@ def data_files(args, prompts):
 
 def file_stream(train_files, tok, eos, max_chars, seed):
     """Token ids [n] of a seeded sample of whole training files (up to max_chars characters), each followed
-    by <|endoftext|>, as the first stage packs its stream: what --file-mix replays."""
+    by <|endoftext|>: the first stage's own packing (T.encode_files): what --file-mix replays."""
     order = list(train_files)
     random.Random(seed + 3).shuffle(order)
-    texts, n = [], 0
-    for _, txt in order:
+    sample, n = [], 0
+    for lt in order:
         if n >= max_chars:
             break
-        texts.append(txt)
-        n += len(txt)
-    ids = []
-    for t in tok(texts, add_special_tokens=False)["input_ids"]:
-        ids.extend(t + [eos])
-    return torch.tensor(np.asarray(ids, dtype=np.int64))
+        sample.append(lt)
+        n += len(lt[1])
+    stream, _ = T.encode_files(tok.backend_tokenizer, sample, eos)
+    return torch.from_numpy(stream.astype(np.int64))
 
 
 def heldout_token_ids(held_files, tok, n_tokens):
