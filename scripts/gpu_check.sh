@@ -247,30 +247,30 @@ if has b16attn; then  # the PDL greedy-token tests in full; Llama-3.1-8B batch 1
   step lat_l8_b16_pf1_mik 90 env GYRFALCON_ATTN_PREFETCH=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b16_prefetch1_merge_in_kernel.json"
 fi
-if has mik; then  # the in-kernel split merge (no reduce launch) at batch 4 / 16 on both shapes, side by side with
-  # the reduce launch (run 17: Llama-3.1-8B batch 16, 4.896 vs 4.940 ms per step); TunableOp's GEMMs at batch 16
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for M in q06:qwen3-0.6b l8:llama-3.1-8b; do
+if has mik; then  # the in-kernel split merge (no reduce launch) at batch 16 / 4, side by side with the reduce launch
+  # (run 17: Llama-3.1-8B batch 16, 4.896 vs 4.940 ms per step); o_proj / down_proj through our kernel at batch 16;
+  # TunableOp's GEMMs at batch 16. MIK_CKS picks the checkpoints, in order (Llama first: its b16 row is the one
+  # below vLLM).
+  for M in ${MIK_CKS:-l8:llama-3.1-8b q06:qwen3-0.6b}; do
     ck=${M%%:*} name=${M#*:}
-    for B in 4 16; do
+    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
+    for B in 16 4; do
       lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
       step lat_${ck}_b${B} 90 $lat --output-json "$R/latency_${name}_b${B}.json"
       step lat_${ck}_b${B}_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
         --output-json "$R/latency_${name}_b${B}_merge_in_kernel.json"
+      [ $B = 16 ] || continue
+      step lat_${ck}_b16_plain 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 $lat \
+        --output-json "$R/latency_${name}_b16_plain_rows16.json"
+      step lat_${ck}_b16_plain_mik 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
+        --output-json "$R/latency_${name}_b16_plain_rows16_merge_in_kernel.json"
     done
   done
   step gpu_plain_rows 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "plain-rows" -p no:cacheprovider
-  for ck in q06:qwen3-0.6b l8:llama-3.1-8b; do
-    lat="$G bench latency --model /tmp/ck/${ck%%:*} --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile"
-    step lat_${ck%%:*}_b16_plain 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 $lat \
-      --output-json "$R/latency_${ck#*:}_b16_plain_rows16.json"
-    step lat_${ck%%:*}_b16_plain_mik 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
-      --output-json "$R/latency_${ck#*:}_b16_plain_rows16_merge_in_kernel.json"
-  done
-  step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 \
-    PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 --batch-size 16 --input-len 128 \
-    --output-len 128 --max-num-seqs 16 --profile --output-json "$R/latency_llama-3.1-8b_b16_tunableop.json"
+  [ -f /tmp/ck/l8/config.json ] && step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 \
+    PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 \
+    --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile \
+    --output-json "$R/latency_llama-3.1-8b_b16_tunableop.json"
 fi
 if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
