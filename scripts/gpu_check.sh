@@ -30,7 +30,8 @@
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
 #   throughput   768 x 1024/1024 (TPUT_SEQS=N: also with --max-num-seqs N, e.g. 384: two waves of 384 fit the
-#                H200's ~877k cached tokens where three of 256 run now); throughput_vllm_defaults: 1024 seqs,
+#                H200's ~877k cached tokens where three of 256 run now; TPUT_BASE=0 skips the default run);
+#                throughput_vllm_defaults: 1024 seqs,
 #                16384 tokens per step
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
@@ -308,8 +309,8 @@ if has baseline; then  # transformers (static cache + torch.compile) in the same
 fi
 if has throughput; then
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
-    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+  [ "${TPUT_BASE:-1}" = 1 ] && step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
+    --input-len 1024 --output-len 1024 --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
   [ -n "${TPUT_SEQS:-}" ] && step tput_l8_seqs$TPUT_SEQS 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
     --input-len 1024 --output-len 1024 --async-scheduling --max-num-seqs "$TPUT_SEQS" \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_${TPUT_SEQS}seqs.json"
