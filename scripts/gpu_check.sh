@@ -22,7 +22,9 @@
 #   wholerow     whole-row GEMV tiles: tests, Qwen3-0.6B b1 variants and b16 / b64, Llama-8B b1 / b16
 #   b16attn      PDL token tests; Llama-8B b16 attention prefetching without PDL / merging in-kernel
 #   mik          the in-kernel split merge at b4 / b16 on both shapes; o_proj / down_proj through our kernel
-#                at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=16, its GPU token test first); TunableOp at Llama b16
+#                at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=16); TunableOp at Llama b16 (run 21; both are defaults since)
+#   defaults7    the defaults of session 7 (plain rows, the merge from batch 8, key tiles in row layout at
+#                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
 #   prefetch8b   Llama-8B b1 / b16 with the prefetch always, in-kernel merge, graph logits, b64
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   graphlogits  LM head in the decode graph on / off; prefill graphs
@@ -267,11 +269,35 @@ if has mik; then  # the in-kernel split merge (no reduce launch) at batch 16 / 4
         --output-json "$R/latency_${name}_b16_plain_rows16_merge_in_kernel.json"
     done
   done
-  step gpu_plain_rows 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "plain-rows" -p no:cacheprovider
+  step gpu_plain_rows 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "cublas-rows or merge-in-kernel" \
+    -p no:cacheprovider
   [ -f /tmp/ck/l8/config.json ] && step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 \
     PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 \
     --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile \
     --output-json "$R/latency_llama-3.1-8b_b16_tunableop.json"
+fi
+if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the rows they touch, with the old
+  # settings side by side at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=0) and b256
+  # (GYRFALCON_DECODE_K_ROWS=0)
+  step gpu_d7_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
+    -k "with_prep or decode or gemv" -p no:cacheprovider
+  step gpu_d7_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fp32 and (cublas or merge-in or (graphs and not prefill and not logits))" \
+    -p no:cacheprovider
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
+  step lat_l8_b16 90 $l8 --batch-size 16 --max-num-seqs 16 --output-json "$R/latency_llama-3.1-8b_b16.json"
+  step lat_l8_b16_old 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=0 $l8 --batch-size 16 \
+    --max-num-seqs 16 --output-json "$R/latency_llama-3.1-8b_b16_session6_defaults.json"
+  step lat_l8_b64 90 $l8 --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_llama-3.1-8b_b64.json"
+  b256="$G bench latency --model /tmp/ck/l8 --batch-size 256 --input-len 1024 --output-len 32 --max-num-seqs 256"
+  step lat_l8_b256 90 $b256 --output-json "$R/latency_llama-3.1-8b_b256_in1024.json"
+  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  step lat_q06_b16 90 $G bench latency --model /tmp/ck/q06 --batch-size 16 --input-len 128 --output-len 128 \
+    --max-num-seqs 16 --profile --output-json "$R/latency_qwen3-0.6b_b16.json"
+  step lat_l8_b256_krows0 90 env GYRFALCON_DECODE_K_ROWS=0 $b256 \
+    --output-json "$R/latency_llama-3.1-8b_b256_in1024_krows0.json"
 fi
 if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8

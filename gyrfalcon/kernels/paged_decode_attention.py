@@ -332,6 +332,8 @@ if HAS_TRITON:
 _SM_COUNT: dict = {}
 _MERGE_COUNTERS: dict = {}
 _MAX_COUNTERS = 1 << 16  # (sequence, kv head) pairs one launch may merge in-kernel
+MERGE_IN_KERNEL_MIN_SEQS = 8  # batch from which the splits merge in-kernel by default (merge_in_kernel_default)
+_SMALL_LAUNCH_PROGRAMS = 128  # (sequence, kv head) programs up to which the launch uses 128-key tiles
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
@@ -392,10 +394,29 @@ def prefetch_splits() -> int:
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
 
 
-def k_rows() -> bool:
-    """GYRFALCON_DECODE_K_ROWS=1: key tiles load in the cache's row layout and are transposed in registers
-    (_kv_tile's K_ROWS); an experiment for the large-batch, long-context launches (not yet measured)."""
-    return os.environ.get("GYRFALCON_DECODE_K_ROWS", "0") == "1"
+def k_rows(programs: int, prefetch: bool = False) -> bool:
+    """Whether key tiles load in the cache's row layout ([keys, head_dim], as V loads) and are transposed in
+    registers (_kv_tile's K_ROWS) instead of loading the transposed tile directly. GYRFALCON_DECODE_K_ROWS=1 / 0
+    forces it; by default on for the 64-key-tile launches of many programs without the prefetch (with 2
+    stages, _decode_config): in the H200 sweep at 8 kv heads, head_dim 128 (decode_attn_tput-h200-2026-11-30-
+    run22.json) it was the best launch at batch 64 / 256 with 1-2k tokens of context, 2.8-3.6% faster than
+    the direct transposed load (batch 256, 1024 tokens: 248.3 vs 257.7 us; 2048: 482.1 vs 496.2)."""
+    env = os.environ.get("GYRFALCON_DECODE_K_ROWS")
+    if env in ("0", "1"):
+        return env == "1"
+    return programs > _SMALL_LAUNCH_PROGRAMS and not prefetch
+
+
+def merge_in_kernel_default(n_seqs: int) -> bool:
+    """Whether the last split program to finish merges the splits (no reduce launch) when the caller does not
+    say. GYRFALCON_DECODE_MERGE_IN_KERNEL=1 / 0 forces it; by default on from MERGE_IN_KERNEL_MIN_SEQS
+    sequences. Whole decode steps on the H200 (latency_*_merge_in_kernel-h200-2026-11-30-run21.json, 128-token
+    prompts): Llama-3.1-8B batch 16 4.848 vs 4.899 ms, Qwen3-0.6B batch 16 1.408 vs 1.418 and batch 4 1.352
+    vs 1.371, but Llama-3.1-8B batch 4 4.710 vs 4.636 and Qwen3-0.6B batch 1 0.920 vs 0.801 (run 15)."""
+    env = os.environ.get("GYRFALCON_DECODE_MERGE_IN_KERNEL")
+    if env in ("0", "1"):
+        return env == "1"
+    return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
@@ -412,7 +433,11 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False):
         bn, nw = (int(x) for x in env.split(","))
         return bn, nw, 3
     if head_dim <= 128:
-        return (128 if programs <= 128 else 64), (8 if prefetch else 4), 3
+        if programs <= _SMALL_LAUNCH_PROGRAMS:
+            return 128, (8 if prefetch else 4), 3
+        # Many programs: 64-key tiles; with key tiles in row layout (k_rows) 2 stages were the best
+        # (decode_attn_tput-h200-2026-11-30-run22.json, 65.7-482 us vs 66.7-484 with 3).
+        return 64, (8 if prefetch else 4), (2 if k_rows(programs, prefetch) else 3)
     return 32, 4, 3
 
 
@@ -428,7 +453,7 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    merge_in_kernel: bool = False,
+    merge_in_kernel: bool | None = None,
     min_part: int = 0,
     pdl: bool | None = None,
 ) -> torch.Tensor:
@@ -438,12 +463,13 @@ def paged_decode_attention_triton(
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
     num_stages override the launch config (tests and benchmark sweeps). Each split covers at least
     min_part keys (and one tile). merge_in_kernel=True lets the last split program to finish merge the
-    splits instead of a second launch. Both are off by default: on the H200 (benchmarks/small_m_gemv.py,
+    splits instead of a second launch; None: merge_in_kernel_default(batch), on from 8 sequences. At batch
+    1 the reduce launch wins: on the H200 (benchmarks/small_m_gemv.py,
     benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
     were as fast or faster at every shape, up to 1.5x at batch 1 with 2-8k contexts, where the
-    merging program's extra round trips through L2 cost more than the launch they save. In whole decode
-    steps (GYRFALCON_DECODE_MERGE_IN_KERNEL=1, runs 15 and 17): Qwen3-0.6B batch 1 0.920 vs 0.801 ms per
-    step, Llama-3.1-8B batch 16 4.896 vs 4.940 ms (1% faster; with >= 256-key splits, run 18, no better).
+    merging program's extra round trips through L2 cost more than the launch they save; in whole steps
+    Qwen3-0.6B batch 1 took 0.920 vs 0.801 ms per step with the in-kernel merge (run 15). From batch 8 the
+    saved launch wins (merge_in_kernel_default).
     """
     assert q.dim() == 3 and q.stride(-1) == 1
     return _launch(q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, scale, num_splits, None,
@@ -488,7 +514,7 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
-            num_warps=None, num_stages=None, merge_in_kernel=False, min_part=0, pdl=None, partials=False,
+            num_warps=None, num_stages=None, merge_in_kernel=None, min_part=0, pdl=None, partials=False,
             prefetch=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
@@ -520,7 +546,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     num_splits = max(1, int(num_splits))
     block_dv = max(16, next_pow2(dv))
     direct = num_splits == 1 and not partials
-    merge_in_kernel = merge_in_kernel or os.environ.get("GYRFALCON_DECODE_MERGE_IN_KERNEL") == "1"
+    if merge_in_kernel is None:
+        merge_in_kernel = merge_in_kernel_default(n_seqs)
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
@@ -555,7 +582,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         USE_PDL=pdl,
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
-        PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(), num_warps=nw, num_stages=ns,
+        PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
+        num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )
     if partials:

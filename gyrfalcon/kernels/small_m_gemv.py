@@ -73,13 +73,18 @@ class GemvConfig(NamedTuple):
 GEMV_MAX_ROWS = 1
 
 
+# Rows up to which a linear layer without a norm in front (o_proj, down_proj) goes through this kernel: its
+# tensor-core path with 32-column tiles and 4 stages beat cuBLAS (+ its split-K reduce) at 16 rows in the
+# H200 sweep (small_m_gemv_sweep-h200-2026-11-30-run2.json: Llama-3.1-8B's o_proj 11.98 vs 13.74 us,
+# down_proj 32.21 vs 33.11) and in whole batch-16 decode steps (latency_*_b16_plain_rows16-h200-2026-11-30-
+# run21.json: Llama-3.1-8B 4.794 vs 4.899 ms, Qwen3-0.6B 1.394 vs 1.418), where the norm-fused shapes lost.
+PLAIN_MAX_ROWS = 16
+
+
 def plain_gemm_max_rows() -> int:
-    """Rows up to which a linear layer without a norm in front (o_proj, down_proj) goes through this kernel
-    instead of cuBLAS: GEMV_MAX_ROWS, or GYRFALCON_SMALL_M_PLAIN_ROWS (at most MAX_M). An experiment: in the
-    H200 sweep (small_m_gemv_sweep-h200-2026-11-30-run2.json) the tensor-core path with 32-column tiles
-    and 4 stages beat cuBLAS (+ its split-K reduce) at 16 rows on Llama-3.1-8B's o_proj (11.98 vs 13.74
-    us) and down_proj (32.21 vs 33.11), where the norm-fused shapes lost; not yet measured in a step."""
-    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_PLAIN_ROWS", GEMV_MAX_ROWS))))
+    """Rows up to which a norm-less linear layer goes through this kernel instead of cuBLAS:
+    PLAIN_MAX_ROWS, or GYRFALCON_SMALL_M_PLAIN_ROWS (1 = only batch 1; at most MAX_M)."""
+    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_PLAIN_ROWS", PLAIN_MAX_ROWS))))
 
 
 WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps

@@ -27,7 +27,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes
         # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark). Up to
-        # small_m_rows rows (1 unless GYRFALCON_SMALL_M_PLAIN_ROWS says more).
+        # small_m_rows rows (plain_gemm_max_rows: 16, or GYRFALCON_SMALL_M_PLAIN_ROWS).
         from gyrfalcon.layers.attention import small_m_gemv_enabled
 
         self.small_m = small_m_gemv_enabled() and not bias

@@ -62,7 +62,7 @@ def ckpt(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
-                                  "merge-o-proj", "plain-rows"])
+                                  "merge-o-proj", "cublas-rows", "merge-in-kernel"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -72,8 +72,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
     (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch);
     merge-o-proj: batch-1 decode steps merge the attention splits inside o_proj's GEMV
-    (GYRFALCON_MERGE_INTO_O_PROJ=1); plain-rows: o_proj and down_proj of decode batches up to 16 rows
-    through gyrfalcon's tensor-core path instead of cuBLAS (GYRFALCON_SMALL_M_PLAIN_ROWS=16)."""
+    (GYRFALCON_MERGE_INTO_O_PROJ=1); cublas-rows: o_proj and down_proj of decode batches of 2-16 rows
+    through cuBLAS instead of gyrfalcon's tensor-core path (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is
+    16); merge-in-kernel: the attention splits merged by their last program at every batch
+    (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
@@ -81,7 +83,14 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
     monkeypatch.setenv("GYRFALCON_MERGE_INTO_O_PROJ", "1" if mode == "merge-o-proj" else "0")
-    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "16" if mode == "plain-rows" else "1")
+    if mode == "cublas-rows":
+        monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
+    else:
+        monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
+    if mode == "merge-in-kernel":
+        monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
+    else:
+        monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager

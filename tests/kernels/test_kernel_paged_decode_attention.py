@@ -113,3 +113,48 @@ def test_prefetch_splits_switch(monkeypatch):
     assert prefetch_splits() == MAX_SPLITS
     monkeypatch.setenv("GYRFALCON_DECODE_PREFETCH_SPLITS", "64")
     assert prefetch_splits() == 64
+
+
+def test_merge_and_key_layout_defaults(monkeypatch):
+    """The in-kernel merge is on from MERGE_IN_KERNEL_MIN_SEQS sequences, key tiles in row layout (with 2
+    stages) for launches of more than 128 programs without the prefetch; both env switches force either way."""
+    from gyrfalcon.kernels.paged_decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, _decode_config, k_rows,
+                                                          merge_in_kernel_default)
+    monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_K_ROWS", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    assert MERGE_IN_KERNEL_MIN_SEQS == 8
+    assert not merge_in_kernel_default(1) and not merge_in_kernel_default(4) and merge_in_kernel_default(8)
+    assert not k_rows(128) and k_rows(129) and not k_rows(512, prefetch=True)
+    assert _decode_config(128, 16 * 8) == (128, 4, 3)
+    assert _decode_config(128, 256 * 8) == (64, 4, 2)
+    assert _decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
+    monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "0")
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "0")
+    assert not merge_in_kernel_default(64) and not k_rows(2048)
+    assert _decode_config(128, 256 * 8) == (64, 4, 3)
+    monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "1")
+    assert merge_in_kernel_default(1) and k_rows(8)
+
+
+@requires_triton
+def test_triton_default_merge_at_batch_8(monkeypatch):
+    """Eight sequences split three ways: the default launch merges in-kernel (the reduce kernel is never
+    launched) and matches the reference, twice (the arrival counters are back at zero)."""
+    import sys
+
+    pda = sys.modules[paged_decode_attention_triton.__module__]  # the package re-exports a same-named function
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the reduce kernel was launched")
+
+    monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
+    monkeypatch.setattr(pda, "_decode_reduce_kernel", _NoLaunch())
+    lens = [5, 0, 40, 17, 33, 1, 48, 26]
+    q, kc, vc, bt, sl, _, _ = _batch(lens, 4, 2, 32, 4, torch.float32, fill=10**8)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
+    for _ in range(2):
+        got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=3, block_n=16, min_part=16)
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])

@@ -86,16 +86,19 @@ def test_peeled_whole_row_launch_matches_unfused(mode, monkeypatch):
 
 
 def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
-    """GYRFALCON_SMALL_M_PLAIN_ROWS: how many rows a norm-less Linear (o_proj, down_proj) sends through
-    this kernel (capped at 16); the merged projections (qkv, gate_up) keep single rows."""
-    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, plain_gemm_max_rows
+    """How many rows a norm-less Linear (o_proj, down_proj) sends through this kernel: 16 by default,
+    GYRFALCON_SMALL_M_PLAIN_ROWS otherwise (at least 1, capped at 16); the merged projections (qkv,
+    gate_up) keep single rows."""
+    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, PLAIN_MAX_ROWS, plain_gemm_max_rows
     from gyrfalcon.layers.linear import Linear, MergedLinear
     monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    assert plain_gemm_max_rows() == GEMV_MAX_ROWS == 1
-    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "16")
-    assert plain_gemm_max_rows() == 16
+    assert plain_gemm_max_rows() == PLAIN_MAX_ROWS == 16
     assert Linear(8, 4).small_m_rows == 16
-    assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == 1
+    assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == GEMV_MAX_ROWS == 1
+    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
+    assert plain_gemm_max_rows() == 1 and Linear(8, 4).small_m_rows == 1
+    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "0")
+    assert plain_gemm_max_rows() == 1
     monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "64")
     assert plain_gemm_max_rows() == 16
 
