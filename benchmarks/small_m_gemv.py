@@ -203,8 +203,9 @@ def bench_decode_attention_tput(rows):
         q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=4096, copies=4)
         kv_bytes = 2 * B * ctx * n_kv * d * 2
 
-        def timed(k_rows="0", **kw):
-            os.environ["GYRFALCON_DECODE_K_ROWS"] = k_rows
+        def timed(k_rows=None, **kw):  # k_rows None: the default launch's own choice
+            if k_rows is not None:
+                os.environ["GYRFALCON_DECODE_K_ROWS"] = k_rows
             try:
                 return graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
                     q, kc, vc, bt, sl, d ** -0.5, **kw) for kc, vc in caches], reps=3)
