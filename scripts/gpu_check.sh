@@ -14,27 +14,17 @@
 #   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
 #   llama        Llama-3.1-8B batch 1, 16, 64
-#   pdl          programmatic dependent launch off / on: tests, a layer chain, Qwen3-0.6B and Llama-8B steps
-#   defaults     batch 1 with the current defaults vs PDL and prefill graphs off; a greedy-token check
-#   prep         batch 1: the decode prep folded into attention on / off, o_proj merge, PDL / prefill graphs off
-#   prefetch     Qwen3-0.6B batch 1: attention prefetch on / off, 64 splits, whole-row GEMV tiles, graph
-#                logits, the o_proj / in-kernel split merges
-#   wholerow     whole-row GEMV tiles: tests, Qwen3-0.6B b1 variants and b16 / b64, Llama-8B b1 / b16
-#   b16attn      PDL token tests; Llama-8B b16 attention prefetching without PDL / merging in-kernel
-#   mik          the in-kernel split merge at b4 / b16 on both shapes; o_proj / down_proj through our kernel
-#                at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=16); TunableOp at Llama b16 (run 21; both are defaults since)
 #   defaults7    the defaults of session 7 (plain rows, the merge from batch 8, key tiles in row layout at
 #                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
-#   prefetch8b   Llama-8B b1 / b16 with the prefetch always, in-kernel merge, graph logits, b64
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
-#   graphlogits  LM head in the decode graph on / off; prefill graphs
-#   graphs8b     both flags on Llama-8B
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
 #   throughput   768 x 1024/1024 (TPUT_SEQS=N: also with --max-num-seqs N, e.g. 384: two waves of 384 fit the
-#                H200's ~877k cached tokens where three of 256 run now; TPUT_BASE=0 skips the default run);
-#                throughput_vllm_defaults: 1024 seqs,
-#                16384 tokens per step
+#                H200's ~877k cached tokens where three of 256 run now; TPUT_BASE=0 skips the default run)
+#   throughput_vllm_defaults   the same with vLLM's limits: 1024 seqs, 16384 tokens per step
+# One-off experiment sections whose results are recorded in benchmarks/results/ (runs 6-21: pdl, defaults, prep,
+# prefetch, wholerow, b16attn, mik, prefetch8b, graphlogits, graphs8b) were removed after commit 25672e9; run
+# them from there (git show 25672e9:scripts/gpu_check.sh).
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -111,171 +101,6 @@ if has llama; then
   step lat_l8_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $l8 --async-scheduling --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_cublas.json"
 fi
-if has graphlogits; then  # LM head + greedy argmax inside the decode graph, side by side with it outside
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  for GL in 0 1; do
-    step lat_q06_b1_graphlogits$GL 120 env GYRFALCON_GRAPH_LOGITS=$GL $q06 --async-scheduling --profile \
-      --output-json "$R/latency_qwen3-0.6b_b1_graphlogits$GL.json"
-  done
-  # Prefill replayed as a padded graph (TTFT) with the LM head in the decode graph: both flags on.
-  step lat_q06_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $q06 \
-    --async-scheduling --profile --output-json "$R/latency_qwen3-0.6b_b1_graphs_all.json"
-fi
-if has graphs8b; then  # the same two flags on the Llama-3.1-8B shape at batch 1
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  step lat_l8_b1_flags_off 120 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_flags_off.json"
-  step lat_l8_b1_graphs_all 120 env GYRFALCON_GRAPH_LOGITS=1 GYRFALCON_PREFILL_GRAPHS=1 $l8 --profile \
-    --output-json "$R/latency_llama-3.1-8b_b1_graphs_all.json"
-fi
-if has pdl; then  # programmatic dependent launch off / on: kernel chain, GPU tests, whole decode steps
-  step pdl_tests 300 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_model_gpu.py -k "not test_model_gpu or pdl" -p no:cacheprovider
-  step pdl_chain 90 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  for P in 0 1; do
-    step lat_q06_b1_pdl$P 90 env GYRFALCON_PDL=$P $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1_pdl$P.json"
-  done
-  step lat_q06_b1_prefillgraphs 90 env GYRFALCON_PDL=1 GYRFALCON_PREFILL_GRAPHS=1 $q06 --profile \
-    --output-json "$R/latency_qwen3-0.6b_b1_pdl1_prefillgraphs.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128"
-  for P in 0 1; do
-    step lat_l8_b1_pdl$P 90 env GYRFALCON_PDL=$P $l8 --batch-size 1 --max-num-seqs 1 --profile \
-      --output-json "$R/latency_llama-3.1-8b_b1_pdl$P.json"
-  done
-  for B in 16 64; do
-    step lat_l8_b${B}_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size $B --max-num-seqs $B --profile \
-      --output-json "$R/latency_llama-3.1-8b_b${B}_pdl1.json"
-  done
-fi
-if has defaults; then  # the current defaults vs PDL and prefill graphs off, batch 1, same call; PDL race check
-  step pdl_chain_test 90 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k pdl -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  step tokens_q06 90 python3 - <<'PY'
-import os, subprocess, sys, json
-code = ("import json,sys; from gyrfalcon import LLM, SamplingParams; llm = LLM('/tmp/ck/q06', max_model_len=1024); "
-        "sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True); "
-        "print(json.dumps([llm.generate([{'prompt_token_ids': list(range(7 + i, 7 + i + 50 * (i + 1)))}], sp, "
-        "use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]))")
-outs = {}
-for name, env in (("default", {}), ("serial", {"GYRFALCON_PDL": "serial"})):
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
-    outs[name] = json.loads(r.stdout.strip().splitlines()[-1])
-print("batch-1 greedy tokens (bf16, 3 prompts x 64) identical with PDL and with its kernels serialized:",
-      outs["default"] == outs["serial"])
-PY
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  step lat_q06_b1_defaults 90 $q06 --profile --output-json "$R/latency_qwen3-0.6b_b1_defaults.json"
-  step lat_q06_b1_flagsoff 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $q06 --profile \
-    --output-json "$R/latency_qwen3-0.6b_b1_pdl0_prefill0.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  step lat_l8_b1_defaults 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b1_defaults.json"
-  step lat_l8_b1_flagsoff 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $l8 --profile \
-    --output-json "$R/latency_llama-3.1-8b_b1_pdl0_prefill0.json"
-fi
-if has prep; then  # batch 1: norm + RoPE + KV store inside the decode-attention launch vs its own launch, and
-  # PDL / prefill graphs each off, side by side in one call
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for M in q06:qwen3-0.6b l8:llama-3.1-8b; do
-    ck=${M%%:*} name=${M#*:}
-    lat="$G bench latency --model /tmp/ck/$ck --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
-    step lat_${ck}_b1_defaults 90 $lat --output-json "$R/latency_${name}_b1_defaults.json"
-    step lat_${ck}_b1_prep0 90 env GYRFALCON_FUSED_DECODE_PREP=0 $lat --output-json "$R/latency_${name}_b1_prep0.json"
-    step lat_${ck}_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_${name}_b1_mergeo.json"
-    step lat_${ck}_b1_pdl0 90 env GYRFALCON_PDL=0 $lat --output-json "$R/latency_${name}_b1_pdl0.json"
-    step lat_${ck}_b1_prefill0 90 env GYRFALCON_PREFILL_GRAPHS=0 $lat --output-json "$R/latency_${name}_b1_prefill0.json"
-    step lat_${ck}_b1_pdl0_prefill0 90 env GYRFALCON_PDL=0 GYRFALCON_PREFILL_GRAPHS=0 $lat \
-      --output-json "$R/latency_${name}_b1_pdl0_prefill0.json"
-  done
-fi
-if has prefetch; then  # decode attention loading its first K/V tile (and the norm weights) before the qkv row:
-  # with PDL (the default) vs never; the LM head in the decode graph; o_proj merging the split partials; the
-  # in-kernel split merge; the kernel tests and the PDL greedy-token tests first (Qwen3-0.6B batch 1)
-  step gpu_prefetch_tests 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "with_prep or pdl_chain or gemv or decode" -p no:cacheprovider
-  step gpu_prefetch_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl or merge" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
-  step lat_q06_b1_pf 90 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch.json"
-  step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
-  step lat_q06_b1_pf64 90 env GYRFALCON_DECODE_PREFETCH_SPLITS=64 $lat \
-    --output-json "$R/latency_qwen3-0.6b_b1_prefetch_64splits.json"
-  step lat_q06_b1_row 90 env GYRFALCON_GEMV_WHOLE_ROW=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_whole_row.json"
-  step lat_q06_b1_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_graphlogits.json"
-  step lat_q06_b1_mergeo 90 env GYRFALCON_MERGE_INTO_O_PROJ=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_mergeo.json"
-  step lat_q06_b1_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
-    --output-json "$R/latency_qwen3-0.6b_b1_merge_in_kernel.json"
-fi
-if has wholerow; then  # whole-row GEMV tiles (default since run 15): GPU tests first,
-  # then Qwen3-0.6B batch 1 vs no prefetch / graph logits / no whole-row tiles, its
-  # batch 16 / 64, and the Llama-3.1-8B batch 1 / 16 rows
-  step gpu_wr_tests 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "with_prep or pdl_chain or gemv or decode" -p no:cacheprovider
-  step gpu_wr_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  lat="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
-  step lat_q06_b1 90 $lat --output-json "$R/latency_qwen3-0.6b_b1.json"
-  step lat_q06_b1_pf0 90 env GYRFALCON_ATTN_PREFETCH=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_prefetch0.json"
-  step lat_q06_b1_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $lat --output-json "$R/latency_qwen3-0.6b_b1_graphlogits.json"
-  step lat_q06_b1_row0 90 env GYRFALCON_GEMV_WHOLE_ROW=0 $lat --output-json "$R/latency_qwen3-0.6b_b1_whole_row0.json"
-  for B in 16 64; do
-    step lat_q06_b$B 90 $G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 128 --output-len 128 \
-      --max-num-seqs $B --profile --output-json "$R/latency_qwen3-0.6b_b$B.json"
-  done
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
-  for B in 1 16; do
-    step lat_l8_b${B} 90 $l8 --batch-size $B --max-num-seqs $B --output-json "$R/latency_llama-3.1-8b_b${B}.json"
-  done
-  step lat_l8_b1_pdl1 90 env GYRFALCON_PDL=1 $l8 --batch-size 1 --max-num-seqs 1 \
-    --output-json "$R/latency_llama-3.1-8b_b1_pdl1.json"
-fi
-if has b16attn; then  # the PDL greedy-token tests in full; Llama-3.1-8B batch 16 (no PDL there): decode
-  # attention prefetching its first tile anyway, merging its splits in-kernel (no reduce launch), both
-  step gpu_pdl_tokens 300 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "pdl" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  step lat_q06_b1 90 $G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 \
-    --max-num-seqs 1 --profile --output-json "$R/latency_qwen3-0.6b_b1.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile --batch-size 16 --max-num-seqs 16"
-  step lat_l8_b16 90 $l8 --output-json "$R/latency_llama-3.1-8b_b16.json"
-  step lat_l8_b16_pf1 90 env GYRFALCON_ATTN_PREFETCH=1 $l8 --output-json "$R/latency_llama-3.1-8b_b16_prefetch1.json"
-  step lat_l8_b16_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
-    --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
-  step lat_l8_b16_pf1_mik 90 env GYRFALCON_ATTN_PREFETCH=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 \
-    --output-json "$R/latency_llama-3.1-8b_b16_prefetch1_merge_in_kernel.json"
-fi
-if has mik; then  # the in-kernel split merge (no reduce launch) at batch 16 / 4, side by side with the reduce launch
-  # (run 17: Llama-3.1-8B batch 16, 4.896 vs 4.940 ms per step); o_proj / down_proj through our kernel at batch 16;
-  # TunableOp's GEMMs at batch 16. MIK_CKS picks the checkpoints, in order (Llama first: its b16 row is the one
-  # below vLLM).
-  for M in ${MIK_CKS:-l8:llama-3.1-8b q06:qwen3-0.6b}; do
-    ck=${M%%:*} name=${M#*:}
-    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
-    for B in 16 4; do
-      lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
-      step lat_${ck}_b${B} 90 $lat --output-json "$R/latency_${name}_b${B}.json"
-      step lat_${ck}_b${B}_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
-        --output-json "$R/latency_${name}_b${B}_merge_in_kernel.json"
-      [ $B = 16 ] || continue
-      step lat_${ck}_b16_plain 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 $lat \
-        --output-json "$R/latency_${name}_b16_plain_rows16.json"
-      step lat_${ck}_b16_plain_mik 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=16 GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $lat \
-        --output-json "$R/latency_${name}_b16_plain_rows16_merge_in_kernel.json"
-    done
-  done
-  step gpu_plain_rows 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "cublas-rows or merge-in-kernel" \
-    -p no:cacheprovider
-  [ -f /tmp/ck/l8/config.json ] && step lat_l8_b16_tunableop 240 env PYTORCH_TUNABLEOP_ENABLED=1 \
-    PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv $G bench latency --model /tmp/ck/l8 \
-    --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile \
-    --output-json "$R/latency_llama-3.1-8b_b16_tunableop.json"
-fi
 if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the rows they touch, with the old
   # settings side by side at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=0) and b256
   # (GYRFALCON_DECODE_K_ROWS=0)
@@ -298,20 +123,6 @@ if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the row
     --max-num-seqs 16 --profile --output-json "$R/latency_qwen3-0.6b_b16.json"
   step lat_l8_b256_krows0 90 env GYRFALCON_DECODE_K_ROWS=0 $b256 \
     --output-json "$R/latency_llama-3.1-8b_b256_in1024_krows0.json"
-fi
-if has prefetch8b; then  # Llama-3.1-8B batch 1 / 16 with the prefetch without PDL too; in-kernel merge; batch 64
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
-  for B in 1 16; do
-    step lat_l8_b${B} 90 $l8 --batch-size $B --max-num-seqs $B --output-json "$R/latency_llama-3.1-8b_b${B}.json"
-    step lat_l8_b${B}_pf1 90 env GYRFALCON_ATTN_PREFETCH=1 $l8 --batch-size $B --max-num-seqs $B \
-      --output-json "$R/latency_llama-3.1-8b_b${B}_prefetch1.json"
-  done
-  step lat_l8_b16_mik 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $l8 --batch-size 16 --max-num-seqs 16 \
-    --output-json "$R/latency_llama-3.1-8b_b16_merge_in_kernel.json"
-  step lat_l8_b16_logits 90 env GYRFALCON_GRAPH_LOGITS=1 $l8 --batch-size 16 --max-num-seqs 16 \
-    --output-json "$R/latency_llama-3.1-8b_b16_graphlogits.json"
-  step lat_l8_b64 90 $l8 --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_llama-3.1-8b_b64.json"
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
