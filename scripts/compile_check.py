@@ -116,7 +116,7 @@ def cases(mods):
     bf = torch.bfloat16
     out = []
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
-        def attn(B, dtype=bf, env=None, **kw):
+        def attn(B, dtype=bf, env=None, splits=None, **kw):
             def run():
                 with _env(env):
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
@@ -128,7 +128,7 @@ def cases(mods):
                     cs = torch.zeros(40960, D, dtype=torch.float32)
                     w = torch.ones(D, dtype=dtype)
                     return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
-                                                               D ** -0.5, None, w, w, 1e-6, **kw)
+                                                               D ** -0.5, splits, w, w, 1e-6, **kw)
             return run
         out += [(f"{name} attention b1 pdl (prefetch)", attn(1, pdl=True)),
                 (f"{name} attention b1 pdl, no prefetch", attn(1, pdl=True, prefetch=False)),
@@ -141,8 +141,11 @@ def cases(mods):
                 (f"{name} attention b16", attn(16, pdl=False)),
                 (f"{name} attention b1 pdl (prefetch), key rows", attn(1, env={"GYRFALCON_DECODE_K_ROWS": "1"},
                                                                        pdl=True)),
-                (f"{name} attention b256, key rows", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "1"}, pdl=False)),
-                (f"{name} attention b256", attn(256, pdl=False))]
+                (f"{name} attention b256 (key rows)", attn(256, pdl=False)),
+                (f"{name} attention b256, key rows off", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "0"}, pdl=False)),
+                (f"{name} attention b1 pdl (prefetch), one split", attn(1, pdl=True, splits=1)),
+                (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
+                (f"{name} attention b16, one split", attn(16, pdl=False, splits=1))]
 
         def merged(pdl):
             def run():

@@ -16,6 +16,9 @@
 #   llama        Llama-3.1-8B batch 1, 16, 64
 #   defaults7    the defaults of session 7 (plain rows, the merge from batch 8, key tiles in row layout at
 #                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
+#   short        the one-split decode graphs for short contexts (GYRFALCON_SHORT_GRAPH_CONTEXT): GPU token test,
+#                then Qwen3-0.6B b1 / b4 and Llama-8B b1 / b16 with 256 (every step of the 128 + 128 rows
+#                fits) side by side with it off
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -123,6 +126,20 @@ if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the row
     --max-num-seqs 16 --profile --output-json "$R/latency_qwen3-0.6b_b16.json"
   step lat_l8_b256_krows0 90 env GYRFALCON_DECODE_K_ROWS=0 $b256 \
     --output-json "$R/latency_llama-3.1-8b_b256_in1024_krows0.json"
+fi
+if has short; then  # one-split decode graphs where every context fits 256 tokens, side by side with them off
+  step gpu_short_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fp32 and short-graph" \
+    -p no:cacheprovider
+  for M in q06:qwen3-0.6b:1:4 l8:llama-3.1-8b:1:16; do
+    IFS=: read -r ck name b1 b2 <<< "$M"
+    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
+    for B in $b1 $b2; do
+      lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
+      step lat_${ck}_b${B} 90 $lat --output-json "$R/latency_${name}_b${B}.json"
+      step lat_${ck}_b${B}_short256 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=256 $lat \
+        --output-json "$R/latency_${name}_b${B}_short256.json"
+    done
+  done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06

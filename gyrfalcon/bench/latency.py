@@ -99,20 +99,27 @@ def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
 REPLAY_CONTEXTS = (0, 128, 256, 1024, 4096, 8192)
 
 
-def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters: int = 200) -> dict:
+def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters: int = 200,
+                       short: bool = False) -> dict:
     """{context: ms} for the decode graph replayed back to back with every row's static inputs set to
     one token at that context (blocks 0.. of the cache, contents whatever the bench left there): how
     the step's device time grows with the context, i.e. what decode attention costs in the real graph.
-    Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). Call only when the
-    engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
+    Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). short: the
+    one-split graph of that size instead (GYRFALCON_SHORT_GRAPH_CONTEXT), at the contexts it serves. Call
+    only when the engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
     found = _decode_graph(runner, batch_size)
     if found is None:
         return {}
     gr, size = found
+    graph = gr.short_graphs.get(size) if short else gr.graphs[size]
+    if graph is None:
+        return {}
     out = {}
     for ctx in contexts:
+        if short and ctx > gr.short_context:
+            continue
         if gr.inputs.set_context(size, ctx, runner.block_size, runner.num_blocks):
-            out[ctx] = _replay_ms(gr.graphs[size], iters)
+            out[ctx] = _replay_ms(graph, iters)
     gr.inputs.set_context(size, 0, runner.block_size)
     return out
 
@@ -190,6 +197,7 @@ def run_gyrfalcon(args) -> dict:
         res["profile"] = count_launches(llm, prompts[: args.batch_size])
         res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
         res["graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size)
+        res["short_graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size, short=True)
         # Those replays wrote into cache blocks that prefix caching may still map: forget them.
         llm.engine.block_manager.reset_prefix_cache()
     return res
@@ -267,6 +275,10 @@ def main(args: argparse.Namespace) -> int:
         at = g.get("graph_replay_ms_at_context") or {}
         if at:
             print("decode graph replay by context (tokens: ms): "
+                  + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
+        at = g.get("short_graph_replay_ms_at_context") or {}
+        if at:
+            print("one-split graph (GYRFALCON_SHORT_GRAPH_CONTEXT) by context (tokens: ms): "
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")

@@ -15,11 +15,17 @@ Qwen3-0.6B batch-1 step, benchmarks/results/*-h200-2026-11-30-run5.json, and 0.7
 the graph also holds the LM head, the greedy argmax and the write of those tokens into last_sampled, so
 a greedy step is one replay and one copy back; the runner uses the logits for any other sampling, and its sampler's
 tokens then overwrite last_sampled after the replay.
+
+With GYRFALCON_SHORT_GRAPH_CONTEXT=N (short_graph_context) the small sizes get a second graph whose decode
+attention runs one split per sequence: no split merge, so one launch per layer fewer. A batch whose
+contexts all fit in N tokens replays it; the main graph's splits (sized for the block table's full width,
+max_model_len) then mostly hold no keys, but the reduce launch runs anyway.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -41,6 +47,16 @@ def graph_logits_enabled() -> bool:
 
 
 MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly: their launches are small next to the GPU's work
+SHORT_GRAPH_MAX_BATCH = 32  # sizes that get a one-split graph too (larger batches fill the GPU unsplit anyway)
+
+
+def short_graph_context() -> int:
+    """GYRFALCON_SHORT_GRAPH_CONTEXT: tokens of context up to which decode batches of at most
+    SHORT_GRAPH_MAX_BATCH sequences replay the one-split graph (0, the default: no such graphs). Decode
+    attention's splits come from the block table's width (a graph must not depend on the actual lengths):
+    at batch 1 with a long max_model_len that is 16 splits and a reduce launch per layer even when the
+    context is one tile. Not yet measured on a GPU, hence off."""
+    return max(0, int(os.environ.get("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")))
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -91,7 +107,8 @@ PDL_TIMING_CONTEXT = 1024  # tokens of context in the batch-1 graphs timed for t
 
 
 def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] = None,
-                   at_context: Optional[Callable[[int], bool]] = None) -> tuple:
+                   at_context: Optional[Callable[[int], bool]] = None, pool=None,
+                   batch1_pdl: Optional[bool] = None) -> tuple:
     """Capture one CUDA graph per size. prepare(size) -> (ForwardBatch over the static inputs, step fn).
     Returns ({size: graph}, {size: step fn's outputs}, seconds). Largest first: the smaller graphs then
     fit in the memory pool the largest one reserved; each step runs once eagerly first (lazy init and
@@ -103,16 +120,21 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
     captured both ways, timed, and the faster kept; `report` (if given) receives the two times and the
     choice. at_context(ctx) (if given) points the batch-1 static inputs at one token at that context
     (False: it does not fit), so that the timing includes decode attention's work, which the prefetch
-    changes with PDL (at seq_len 0, as captured, attention reads nothing); at_context(0) restores them."""
+    changes with PDL (at seq_len 0, as captured, attention reads nothing); at_context(0) restores them.
+    pool: a memory pool to share (another ladder's). batch1_pdl True / False: capture batch 1 that way,
+    untimed (a second ladder follows the first one's choice)."""
     t0 = time.perf_counter()
     graphs: Dict[int, torch.cuda.CUDAGraph] = {}
     outputs: Dict[int, object] = {}
-    pool = None
     for size in reversed(sizes):
         fb, step = prepare(size)
-        g, out = _capture(fb, step, kv_caches, pool)
+        if size == 1 and batch1_pdl is False:
+            with pdl_disabled():
+                g, out = _capture(fb, step, kv_caches, pool)
+        else:
+            g, out = _capture(fb, step, kv_caches, pool)
         pool = g.pool()
-        if size == 1 and pdl_mode() == "auto" and pdl_possible(fb.input_ids):
+        if size == 1 and batch1_pdl is None and pdl_mode() == "auto" and pdl_possible(fb.input_ids):
             with pdl_disabled():
                 g_off, out_off = _capture(fb, step, kv_caches, pool)
             ctx = PDL_TIMING_CONTEXT if at_context is not None and at_context(PDL_TIMING_CONTEXT) else 0
@@ -244,12 +266,23 @@ class CudaGraphRunner:
         self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks_per_seq, device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, tuple] = {}
+        # The one-split ladder (short_graph_context): its sizes, and their graphs once captured.
+        short = short_graph_context()
+        self.short_context = short if 0 < short < max_model_len else 0
+        self.short_sizes = [s for s in self.sizes if s <= SHORT_GRAPH_MAX_BATCH] if self.short_context else []
+        self.short_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_outputs: Dict[int, tuple] = {}
         self.capture_seconds = 0.0
         self.pdl_choice: dict = {}  # batch-1 replay times with / without PDL and the choice (capture_ladder)
 
+    def views(self, b: int, short: bool = False) -> ForwardBatch:
+        """The static inputs of size b; short: as the one-split graphs see them."""
+        fb = self.inputs.views(b)
+        return dataclasses.replace(fb, decode_num_splits=1) if short else fb
+
     def capture(self) -> None:
-        def prepare(b):
-            fb, src = self.inputs.views(b), self.inputs.src(b)
+        def prepare(b, short=False):
+            fb, src = self.views(b, short), self.inputs.src(b)
             return fb, lambda: self._forward(fb, src)
 
         num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
@@ -259,6 +292,11 @@ class CudaGraphRunner:
 
         self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare,
                                                                          self.pdl_choice, at_context)
+        if self.short_sizes:
+            self.short_graphs, self.short_outputs, secs = capture_ladder(
+                self.short_sizes, self.kv_caches, lambda b: prepare(b, short=True),
+                pool=self.graphs[self.sizes[-1]].pool(), batch1_pdl=self.pdl_choice.get("batch1_pdl"))
+            self.capture_seconds += secs
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
         """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""
@@ -276,17 +314,24 @@ class CudaGraphRunner:
         return (len(sched_reqs) <= self.sizes[-1]
                 and all(sr.num_new_tokens == 1 for sr in sched_reqs))
 
+    def uses_short_graph(self, sched_reqs, b: int) -> bool:
+        """Whether the padded size b has a one-split graph and every context fits short_context."""
+        return (b <= SHORT_GRAPH_MAX_BATCH and b in self.short_sizes
+                and max(sr.start for sr in sched_reqs) < self.short_context)
+
     def run(self, sched_reqs, last_rows=None) -> tuple:
         """Replay the decode step of `sched_reqs`; returns views of the first n rows of
         (hidden, logits or None, greedy tokens or None). On a CPU (tests) the same padded step runs
         eagerly, which checks the static inputs and the in-graph token gather against the eager path."""
         n = len(sched_reqs)
         b = padded_size(self.sizes, n)
+        short = self.uses_short_graph(sched_reqs, b)  # a context is sr.start + 1 tokens
         self.inputs.fill(sched_reqs, b, self.block_size, last_rows)
         if self.inputs.raw.device.type != "cuda":
-            fb = self.inputs.views(b)
+            fb = self.views(b, short)
             with forward_context(fb, self.kv_caches):
                 out = self._forward(fb, self.inputs.src(b))
             return tuple(t[:n] if t is not None else None for t in out)
-        self.graphs[b].replay()
-        return tuple(t[:n] if t is not None else None for t in self.outputs[b])
+        graphs, outputs = (self.short_graphs, self.short_outputs) if short else (self.graphs, self.outputs)
+        graphs[b].replay()
+        return tuple(t[:n] if t is not None else None for t in outputs[b])

@@ -62,7 +62,8 @@ def ckpt(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
-                                  "merge-o-proj", "cublas-rows", "merge-in-kernel"])
+                                  "merge-o-proj", "cublas-rows", "merge-in-kernel",
+                                  "short-graph"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -75,7 +76,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     (GYRFALCON_MERGE_INTO_O_PROJ=1); cublas-rows: o_proj and down_proj of decode batches of 2-16 rows
     through cuBLAS instead of gyrfalcon's tensor-core path (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is
     16); merge-in-kernel: the attention splits merged by their last program at every batch
-    (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences)."""
+    (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
+    replay the one-split graphs (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
@@ -87,6 +89,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
     else:
         monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "512" if mode == "short-graph" else "0")
     if mode == "merge-in-kernel":
         monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
     else:
@@ -96,6 +99,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     if mode == "graph-logits":
         assert llm.engine.runner.graph_runner.with_logits
+    if mode == "short-graph":
+        assert llm.engine.runner.graph_runner.short_graphs
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]

@@ -183,3 +183,79 @@ def test_set_context_points_rows_at_one_token_and_restores():
     assert fb.seq_lens.tolist() == [37, 37]
     assert inputs.set_context(2, 0, 16)
     assert fb.seq_lens.tolist() == [0, 0] and fb.slot_mapping.tolist() == [-1, -1]
+
+
+def test_short_graph_ladder_and_choice(monkeypatch):
+    """GYRFALCON_SHORT_GRAPH_CONTEXT=N: the sizes up to SHORT_GRAPH_MAX_BATCH get a one-split ladder; a
+    batch replays it when every context (start + 1) fits N tokens. Off by default, and when N does not
+    fall short of max_model_len."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.runner.cuda_graph import SHORT_GRAPH_MAX_BATCH, CudaGraphRunner
+
+    def runner(max_num_seqs=64, max_model_len=1024):
+        return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
+
+    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
+    assert runner().short_sizes == [] and runner().short_context == 0
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "1024")
+    assert runner().short_sizes == []  # nothing is shorter than max_model_len
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "256")
+    r = runner()
+    assert SHORT_GRAPH_MAX_BATCH == 32 and r.short_sizes == [1, 2, 4, 8, 16, 24, 32]
+    reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
+    assert r.uses_short_graph(reqs(0, 255), 2)  # contexts 1 and 256
+    assert not r.uses_short_graph(reqs(0, 256), 2)  # context 257
+    assert not r.uses_short_graph(reqs(*range(40)), 40)  # no one-split graph of 40
+    fb = r.views(2, short=True)
+    assert fb.decode_num_splits == 1 and r.views(2).decode_num_splits is None
+    assert fb.block_tables.shape == r.views(2).block_tables.shape  # the full table: any context is correct
+
+
+def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
+    """The one-split decode step (run eagerly on a CPU, padded like the graph) for batches whose contexts
+    fit GYRFALCON_SHORT_GRAPH_CONTEXT, the main one past it: the eager path's tokens either way."""
+    from gyrfalcon import LLM
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=5)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = LLM(str(qwen3_ckpt), **kw).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "22")  # contexts reach 17 + 10 tokens
+    llm = LLM(str(qwen3_ckpt), **kw)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 5, 128, r.block_size, r.device, r.last_sampled)
+    splits = []
+    forward = r.graph_runner._forward
+    r.graph_runner._forward = lambda fb, src: splits.append(fb.decode_num_splits) or forward(fb, src)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert 1 in splits and None in splits  # both ladders served steps
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
+    """capture_ladder(batch1_pdl=False / True) captures batch 1 that way once, untimed, in the given pool."""
+    import gyrfalcon.runner.cuda_graph as cg
+    from gyrfalcon.kernels import _common
+
+    monkeypatch.setenv("GYRFALCON_PDL", "auto")
+    pools = []
+
+    def fake_capture(fb, step, kv_caches, pool):
+        pools.append(pool)
+        name = f"b{fb}-{'off' if _common._PDL_OFF[0] else 'pdl'}"
+        return _FakeGraph(name), name
+
+    monkeypatch.setattr(cg, "_capture", fake_capture)
+    monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
+    monkeypatch.setattr(cg, "time_replays", lambda graphs: pytest.fail("timed a second ladder"))
+    monkeypatch.setattr(cg.torch.cuda, "synchronize", lambda: None)
+    FB = type("FB", (), {"input_ids": torch.zeros(1), "__init__": lambda self, b: setattr(self, "b", b),
+                         "__str__": lambda self: str(self.b)})
+    for choice, want in ((False, "b1-off"), (True, "b1-pdl")):
+        pools.clear()
+        _, outputs, _ = cg.capture_ladder([1, 2], None, lambda b: (FB(b), None), pool="main-pool",
+                                          batch1_pdl=choice)
+        assert outputs == {2: "b2-pdl", 1: want} and pools[0] == "main-pool"
