@@ -171,6 +171,9 @@ def cases(mods):
         whole = {"GYRFALCON_GEMV_WHOLE_ROW": "1"}
         out += [(f"{name} o_proj GEMV pdl whole-row", gemv(1, hid, H * D, env=whole, pdl=True)),
                 (f"{name} down GEMV pdl whole-row", gemv(1, hid, inter, env=whole, pdl=True)),
+                (f"{name} qkv GEMV pdl, no peel", gemv(1, qkv_n, hid, norm=True, res=True, pdl=True, peel=False)),
+                (f"{name} gate_up GEMV pdl, no peel",
+                 gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=True, peel=False)),
                 (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False))]
 

@@ -19,6 +19,8 @@
 #   short        the one-split decode graphs for short contexts (GYRFALCON_SHORT_GRAPH_CONTEXT): GPU token test,
 #                then Qwen3-0.6B b1 / b4 and Llama-8B b1 / b16 with 256 (every step of the 128 + 128 rows
 #                fits) side by side with it off
+#   peel         PDL GEMVs without the peeled first weight tile (GYRFALCON_GEMV_PEEL=0): Llama-8B / Qwen3-0.6B
+#                batch 1 (the startup choice times PDL-without-peel against no PDL), then PDL forced with it
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -139,6 +141,18 @@ if has short; then  # one-split decode graphs where every context fits 256 token
       step lat_${ck}_b${B}_short256 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=256 $lat \
         --output-json "$R/latency_${name}_b${B}_short256.json"
     done
+  done
+fi
+if has peel; then  # run 23: Llama-8B's batch-1 graph 4.342 ms with PDL vs 4.012 without; the peeled tiles double
+  # the GEMVs' registers. Each row's JSON pdl_choice holds both startup timings.
+  for M in l8:llama-3.1-8b q06:qwen3-0.6b; do
+    IFS=: read -r ck name <<< "$M"
+    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
+    lat="$G bench latency --model /tmp/ck/$ck --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
+    step lat_${ck}_b1 90 $lat --output-json "$R/latency_${name}_b1.json"
+    step lat_${ck}_b1_peel0 90 env GYRFALCON_GEMV_PEEL=0 $lat --output-json "$R/latency_${name}_b1_peel0.json"
+    step lat_${ck}_b1_pdl1_peel0 90 env GYRFALCON_PDL=1 GYRFALCON_GEMV_PEEL=0 $lat \
+      --output-json "$R/latency_${name}_b1_pdl1_peel0.json"
   done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)

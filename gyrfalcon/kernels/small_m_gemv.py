@@ -87,6 +87,16 @@ def plain_gemm_max_rows() -> int:
     return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_PLAIN_ROWS", PLAIN_MAX_ROWS))))
 
 
+def peel_default() -> bool:
+    """Whether a PDL launch peels its first weight tile (loads it before waiting for its input):
+    GYRFALCON_GEMV_PEEL=0 turns that off, leaving PDL's early launch alone. An experiment: the peeled
+    tiles held in registers cut occupancy (scripts/compile_check.py on sm_90, registers a thread: Llama-3.1-8B's
+    qkv 208 with its whole-row tile vs 48 unpeeled, gate_up 128 vs 64; Qwen3-0.6B's 58 / 62 vs 48 / 44), which
+    may be why Llama-3.1-8B's batch-1 graph is slower with PDL (4.342 vs 4.012 ms, run 23) where
+    Qwen3-0.6B's is faster; not yet measured."""
+    return os.environ.get("GYRFALCON_GEMV_PEEL", "1") != "0"
+
+
 WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps
 
 
@@ -298,8 +308,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      peel: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
-    programmatic dependent launch (default: use_pdl(x)). peel (default: pdl): load the first weight and
-    norm-weight tiles before the input (before the PDL wait)."""
+    programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
+    load the first weight and norm-weight tiles before the input (before the PDL wait)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -311,7 +321,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     if M == 0:
         return y, r_out
     pdl = use_pdl(x) if pdl is None else pdl
-    peel = pdl if peel is None else peel
+    peel = pdl and peel_default() if peel is None else peel
     cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
     block_m = 1 if M == 1 else MAX_M
@@ -366,7 +376,7 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
         HAS_NORM=False, HAS_RES=False, SILU_MUL=False, UPCAST=interpreting(),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=max(16, cfg.block_k), NORM_BLOCK=16, USE_PDL=pdl,
-        PEEL=pdl if peel is None else peel,
+        PEEL=pdl and peel_default() if peel is None else peel,
         MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], BLOCK_S=next_pow2(parts.num_splits),
         ATT_BLOCK_N=parts.block_n,
         MIN_PART=parts.min_part, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),

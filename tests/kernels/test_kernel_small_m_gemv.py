@@ -138,3 +138,26 @@ def test_single_row_norm_over_a_row_longer_than_one_norm_block():
     y, r_new = norm_gemv_triton(x, w, nw, r, 1e-6)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
+
+
+def test_peel_switch(monkeypatch):
+    """GYRFALCON_GEMV_PEEL=0: PDL launches keep the early launch but do not peel the first weight tile (nor
+    take whole-row tiles); explicit peel= wins; without PDL nothing is peeled."""
+    import sys
+
+    mod = sys.modules[norm_gemv_triton.__module__]
+    seen = []
+
+    class _Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["PEEL"], kw["BLOCK_K"]))
+
+    monkeypatch.setattr(mod, "_norm_gemv_kernel", _Record())
+    x, w = torch.zeros(1, 3072), torch.zeros(1024, 3072, dtype=torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    for env, pdl, peel, want in (("1", True, None, (True, 4096)), ("0", True, None, (False, 1024)),
+                                 ("0", True, True, (True, 4096)), ("1", False, None, (False, 1024))):
+        monkeypatch.setenv("GYRFALCON_GEMV_PEEL", env)
+        seen.clear()
+        norm_gemv_triton(x, w, pdl=pdl, peel=peel)
+        assert seen == [want], (env, pdl, peel)
