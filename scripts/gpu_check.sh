@@ -20,7 +20,8 @@
 #                then Qwen3-0.6B b1 / b4 and Llama-8B b1 / b16 with 256 (every step of the 128 + 128 rows
 #                fits) side by side with it off
 #   peel         PDL GEMVs without the peeled first weight tile (GYRFALCON_GEMV_PEEL=0): Llama-8B / Qwen3-0.6B
-#                batch 1 (the startup choice times PDL-without-peel against no PDL), then PDL forced with it
+#                batch 1 (the startup choice times PDL-without-peel against no PDL), then PDL forced with it,
+#                and PDL forced with peeling but no whole-row tiles
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -153,6 +154,9 @@ if has peel; then  # run 23: Llama-8B's batch-1 graph 4.342 ms with PDL vs 4.012
     step lat_${ck}_b1_peel0 90 env GYRFALCON_GEMV_PEEL=0 $lat --output-json "$R/latency_${name}_b1_peel0.json"
     step lat_${ck}_b1_pdl1_peel0 90 env GYRFALCON_PDL=1 GYRFALCON_GEMV_PEEL=0 $lat \
       --output-json "$R/latency_${name}_b1_pdl1_peel0.json"
+    # Peeled, but the first tile only (no whole-row tiles: Llama's qkv at 208 registers is one of those)
+    step lat_${ck}_b1_pdl1_wholerow0 90 env GYRFALCON_PDL=1 GYRFALCON_GEMV_WHOLE_ROW=0 $lat \
+      --output-json "$R/latency_${name}_b1_pdl1_wholerow0.json"
   done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
