@@ -70,7 +70,7 @@ if HAS_TRITON:
         """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row. K_ROWS: K loads as
         [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is transposed in
-        registers, instead of loading the transposed tile directly (an experiment: GYRFALCON_DECODE_K_ROWS)."""
+        registers, instead of loading the transposed tile directly (k_rows: the large-batch launches)."""
         kpos = kstart + tl.arange(0, BLOCK_N)
         kmask = kpos < end
         phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)

@@ -316,8 +316,7 @@ class CudaGraphRunner:
 
     def uses_short_graph(self, sched_reqs, b: int) -> bool:
         """Whether the padded size b has a one-split graph and every context fits short_context."""
-        return (b <= SHORT_GRAPH_MAX_BATCH and b in self.short_sizes
-                and max(sr.start for sr in sched_reqs) < self.short_context)
+        return b in self.short_sizes and max(sr.start for sr in sched_reqs) < self.short_context
 
     def run(self, sched_reqs, last_rows=None) -> tuple:
         """Replay the decode step of `sched_reqs`; returns views of the first n rows of
