@@ -27,6 +27,8 @@
 #   baseline     transformers in the same run
 #   throughput   768 x 1024/1024 (TPUT_SEQS=N: also with --max-num-seqs N, e.g. 384: two waves of 384 fit the
 #                H200's ~877k cached tokens where three of 256 run now; TPUT_BASE=0 skips the default run)
+#   hostprof     host time per decode step by phase, and a cProfile (scripts/host_profile.py): Qwen3-0.6B
+#                b1 / b64, Llama-8B b64
 #   throughput_vllm_defaults   the same with vLLM's limits: 1024 seqs, 16384 tokens per step
 # One-off experiment sections whose results are recorded in benchmarks/results/ (runs 6-21: pdl, defaults, prep,
 # prefetch, wholerow, b16attn, mik, prefetch8b, graphlogits, graphs8b) were removed after commit 25672e9; run
@@ -187,6 +189,16 @@ if has throughput; then
   [ -n "${TPUT_SEQS:-}" ] && step tput_l8_seqs$TPUT_SEQS 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
     --input-len 1024 --output-len 1024 --async-scheduling --max-num-seqs "$TPUT_SEQS" \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_${TPUT_SEQS}seqs.json"
+fi
+if has hostprof; then  # where the host's time goes per decode step (scripts/host_profile.py)
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  for B in 1 64; do
+    step hostprof_q06_b$B 90 python3 scripts/host_profile.py --model /tmp/ck/q06 --batch-size $B \
+      --output-json "$R/host_profile_qwen3-0.6b_b$B.json"
+  done
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step hostprof_l8_b64 120 python3 scripts/host_profile.py --model /tmp/ck/l8 --batch-size 64 \
+    --output-json "$R/host_profile_llama-3.1-8b_b64.json"
 fi
 if has throughput_vllm_defaults; then  # vLLM's batch limits on >= 70 GiB GPUs, side by side with ours
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
