@@ -17,7 +17,7 @@ PromptType = Union[str, List[int], Dict[str, Any]]
 
 class LLM:
     def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None,
-                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 384,
                  max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                  enforce_eager: bool = False, tensor_parallel_size: int = 1,

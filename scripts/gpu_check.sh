@@ -16,23 +16,19 @@
 #   llama        Llama-3.1-8B batch 1, 16, 64
 #   defaults7    the defaults of session 7 (plain rows, the merge from batch 8, key tiles in row layout at
 #                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
-#   short        the one-split decode graphs for short contexts (GYRFALCON_SHORT_GRAPH_CONTEXT): GPU token test,
-#                then Qwen3-0.6B b1 / b4 and Llama-8B b1 / b16 with 256 (every step of the 128 + 128 rows
-#                fits) side by side with it off
-#   peel         PDL GEMVs without the peeled first weight tile (GYRFALCON_GEMV_PEEL=0): Llama-8B / Qwen3-0.6B
-#                batch 1 (the startup choice times PDL-without-peel against no PDL), then PDL forced with it,
-#                and PDL forced with peeling but no whole-row tiles
+#   defaults8    the defaults of session 8: GPU token tests, then Qwen3-0.6B b1 / b4 with 32-token prompts and
+#                96 output tokens (every context fits the one-split graphs' 128) with and without them
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
-#   throughput   768 x 1024/1024 (TPUT_SEQS=N: also with --max-num-seqs N, e.g. 384: two waves of 384 fit the
-#                H200's ~877k cached tokens where three of 256 run now; TPUT_BASE=0 skips the default run)
+#   throughput   768 x 1024/1024 at the default 384 sequences (TPUT_SEQS=N: also with --max-num-seqs N;
+#                TPUT_BASE=0 skips the default run)
 #   hostprof     host time per decode step by phase, and a cProfile (scripts/host_profile.py): Qwen3-0.6B
 #                b1 / b64, Llama-8B b64
 #   throughput_vllm_defaults   the same with vLLM's limits: 1024 seqs, 16384 tokens per step
 # One-off experiment sections whose results are recorded in benchmarks/results/ (runs 6-21: pdl, defaults, prep,
 # prefetch, wholerow, b16attn, mik, prefetch8b, graphlogits, graphs8b) were removed after commit 25672e9; run
-# them from there (git show 25672e9:scripts/gpu_check.sh).
+# them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -132,34 +128,16 @@ if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the row
   step lat_l8_b256_krows0 90 env GYRFALCON_DECODE_K_ROWS=0 $b256 \
     --output-json "$R/latency_llama-3.1-8b_b256_in1024_krows0.json"
 fi
-if has short; then  # one-split decode graphs where every context fits 256 tokens, side by side with them off
-  step gpu_short_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fp32 and short-graph" \
-    -p no:cacheprovider
-  for M in q06:qwen3-0.6b:1:4 l8:llama-3.1-8b:1:16; do
-    IFS=: read -r ck name b1 b2 <<< "$M"
-    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
-    for B in $b1 $b2; do
-      lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
-      step lat_${ck}_b${B} 90 $lat --output-json "$R/latency_${name}_b${B}.json"
-      step lat_${ck}_b${B}_short256 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=256 $lat \
-        --output-json "$R/latency_${name}_b${B}_short256.json"
-    done
-  done
-fi
-if has peel; then  # run 23: Llama-8B's batch-1 graph 4.342 ms with PDL vs 4.012 without; the peeled tiles raise
-  # the GEMVs' registers (qkv 208 vs 48). Each row's JSON pdl_choice holds both startup timings.
-  for M in l8:llama-3.1-8b q06:qwen3-0.6b; do
-    IFS=: read -r ck name <<< "$M"
-    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
-    lat="$G bench latency --model /tmp/ck/$ck --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
-    # (the short section, run first, may have measured the defaults already)
-    [ -f "$R/latency_${name}_b1.json" ] || step lat_${ck}_b1 90 $lat --output-json "$R/latency_${name}_b1.json"
-    step lat_${ck}_b1_peel0 90 env GYRFALCON_GEMV_PEEL=0 $lat --output-json "$R/latency_${name}_b1_peel0.json"
-    step lat_${ck}_b1_pdl1_peel0 90 env GYRFALCON_PDL=1 GYRFALCON_GEMV_PEEL=0 $lat \
-      --output-json "$R/latency_${name}_b1_pdl1_peel0.json"
-    # Peeled, but the first tile only (no whole-row tiles: Llama's qkv at 208 registers is one of those)
-    step lat_${ck}_b1_pdl1_wholerow0 90 env GYRFALCON_PDL=1 GYRFALCON_GEMV_WHOLE_ROW=0 $lat \
-      --output-json "$R/latency_${name}_b1_pdl1_wholerow0.json"
+if has defaults8; then  # session 8's defaults (runs 24-26): the one-split graphs up to 128 tokens at 1-4
+  # sequences, side by side with them off on a row whose every context fits; the GPU token tests
+  step gpu_d8_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -k "fp32 and (short-graph or (graphs and not prefill and not logits))" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  for B in 1 4; do
+    lat="$G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 32 --output-len 96 --max-num-seqs $B --profile"
+    step lat_q06_b${B}_in32 90 $lat --output-json "$R/latency_qwen3-0.6b_b${B}_in32.json"
+    step lat_q06_b${B}_in32_short0 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=0 $lat \
+      --output-json "$R/latency_qwen3-0.6b_b${B}_in32_short0.json"
   done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)

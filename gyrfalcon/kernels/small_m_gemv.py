@@ -89,11 +89,11 @@ def plain_gemm_max_rows() -> int:
 
 def peel_default() -> bool:
     """Whether a PDL launch peels its first weight tile (loads it before waiting for its input):
-    GYRFALCON_GEMV_PEEL=0 turns that off, leaving PDL's early launch alone. An experiment: the peeled
-    tiles held in registers cut occupancy (scripts/compile_check.py on sm_90, registers a thread: Llama-3.1-8B's
-    qkv 208 with its whole-row tile vs 48 unpeeled, gate_up 128 vs 64; Qwen3-0.6B's 58 / 62 vs 48 / 44), which
-    may be why Llama-3.1-8B's batch-1 graph is slower with PDL (4.342 vs 4.012 ms, run 23) where
-    Qwen3-0.6B's is faster; not yet measured."""
+    GYRFALCON_GEMV_PEEL=0 turns that off, leaving PDL's early launch alone. The peeled tiles held in
+    registers cut occupancy (scripts/compile_check.py on sm_90, registers a thread: Llama-3.1-8B's qkv 208
+    with its whole-row tile vs 48 unpeeled, gate_up 128 vs 64), but without them PDL lost its gain: on the
+    H200 (latency_*_b1_*peel0-h200-2026-11-30-run25.json, batch-1 steps) PDL without peeling ran Qwen3-0.6B
+    at 0.925 ms vs 0.740 with it, Llama-3.1-8B at 4.406 vs 4.204 without PDL. Kept for experiments."""
     return os.environ.get("GYRFALCON_GEMV_PEEL", "1") != "0"
 
 

@@ -16,10 +16,11 @@ the graph also holds the LM head, the greedy argmax and the write of those token
 a greedy step is one replay and one copy back; the runner uses the logits for any other sampling, and its sampler's
 tokens then overwrite last_sampled after the replay.
 
-With GYRFALCON_SHORT_GRAPH_CONTEXT=N (short_graph_context) the small sizes get a second graph whose decode
-attention runs one split per sequence: no split merge, so one launch per layer fewer. A batch whose
-contexts all fit in N tokens replays it; the main graph's splits (sized for the block table's full width,
-max_model_len) then mostly hold no keys, but the reduce launch runs anyway.
+The small sizes (up to SHORT_GRAPH_MAX_BATCH) get a second graph whose decode attention runs one split per
+sequence: no split merge, so one launch per layer fewer. A batch whose contexts all fit in
+GYRFALCON_SHORT_GRAPH_CONTEXT tokens (default 128: short_graph_context) replays it; the main graph's splits
+(sized for the block table's full width, max_model_len) then mostly hold no keys, but the reduce launch
+runs anyway.
 """
 
 from __future__ import annotations
@@ -47,16 +48,21 @@ def graph_logits_enabled() -> bool:
 
 
 MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly: their launches are small next to the GPU's work
-SHORT_GRAPH_MAX_BATCH = 32  # sizes that get a one-split graph too (larger batches fill the GPU unsplit anyway)
+# Sizes that get a one-split graph too. On the H200 (benchmarks/results/latency_*_short256-h200-2026-11-30-run24.json,
+# replays at 128 tokens of context) it won at batch 1 and 4 (Qwen3-0.6B b1 0.617 vs 0.645 ms, b4 1.101 vs
+# 1.171; Llama-3.1-8B b1 3.854 vs 3.939) and lost at batch 16 (Llama 4.326 vs 4.292).
+SHORT_GRAPH_MAX_BATCH = 4
+SHORT_GRAPH_CONTEXT = 128  # default tokens of context; at 256 the one-split step lost (Qwen b1 0.717 vs 0.648 ms)
 
 
 def short_graph_context() -> int:
     """GYRFALCON_SHORT_GRAPH_CONTEXT: tokens of context up to which decode batches of at most
-    SHORT_GRAPH_MAX_BATCH sequences replay the one-split graph (0, the default: no such graphs). Decode
-    attention's splits come from the block table's width (a graph must not depend on the actual lengths):
-    at batch 1 with a long max_model_len that is 16 splits and a reduce launch per layer even when the
-    context is one tile. Not yet measured on a GPU, hence off."""
-    return max(0, int(os.environ.get("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")))
+    SHORT_GRAPH_MAX_BATCH sequences replay the one-split graph (default SHORT_GRAPH_CONTEXT; 0: no such
+    graphs). The main graph launches the split kernel for the block table's full width (a graph must not
+    depend on the actual lengths) and a reduce launch per layer; within one 128-key tile the one-split
+    launch does the same work in one launch. Past it, one program per (sequence, kv head) walks every
+    tile alone, where the main graph spreads the tiles over splits: slower from 256 tokens."""
+    return max(0, int(os.environ.get("GYRFALCON_SHORT_GRAPH_CONTEXT", str(SHORT_GRAPH_CONTEXT))))
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:

@@ -77,7 +77,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     through cuBLAS instead of gyrfalcon's tensor-core path (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is
     16); merge-in-kernel: the attention splits merged by their last program at every batch
     (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
-    replay the one-split graphs (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits)."""
+    replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits;
+    the other modes replay them up to the default 128 tokens)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
@@ -89,7 +90,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
     else:
         monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "512" if mode == "short-graph" else "0")
+    if mode == "short-graph":
+        monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "512")
+    else:  # the default (128 tokens): the first steps of short prompts replay the one-split graphs
+        monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
     if mode == "merge-in-kernel":
         monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
     else:

@@ -187,8 +187,8 @@ def test_set_context_points_rows_at_one_token_and_restores():
 
 def test_short_graph_ladder_and_choice(monkeypatch):
     """GYRFALCON_SHORT_GRAPH_CONTEXT=N: the sizes up to SHORT_GRAPH_MAX_BATCH get a one-split ladder; a
-    batch replays it when every context (start + 1) fits N tokens. Off by default, and when N does not
-    fall short of max_model_len."""
+    batch replays it when every context (start + 1) fits N tokens. N is 128 by default; 0 turns it off, and
+    so does an N that does not fall short of max_model_len."""
     from types import SimpleNamespace
 
     from gyrfalcon.runner.cuda_graph import SHORT_GRAPH_MAX_BATCH, CudaGraphRunner
@@ -197,16 +197,19 @@ def test_short_graph_ladder_and_choice(monkeypatch):
         return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
 
     monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
+    assert runner().short_sizes == [1, 2, 4] and runner().short_context == 128
+    assert runner(max_model_len=128).short_sizes == []
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")
     assert runner().short_sizes == [] and runner().short_context == 0
     monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "1024")
     assert runner().short_sizes == []  # nothing is shorter than max_model_len
     monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "256")
     r = runner()
-    assert SHORT_GRAPH_MAX_BATCH == 32 and r.short_sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert SHORT_GRAPH_MAX_BATCH == 4 and r.short_sizes == [1, 2, 4]
     reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
     assert r.uses_short_graph(reqs(0, 255), 2)  # contexts 1 and 256
     assert not r.uses_short_graph(reqs(0, 256), 2)  # context 257
-    assert not r.uses_short_graph(reqs(*range(40)), 40)  # no one-split graph of 40
+    assert not r.uses_short_graph(reqs(*range(8)), 8)  # no one-split graph of 8
     fb = r.views(2, short=True)
     assert fb.decode_num_splits == 1 and r.views(2).decode_num_splits is None
     assert fb.block_tables.shape == r.views(2).block_tables.shape  # the full table: any context is correct
