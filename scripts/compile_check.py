@@ -65,7 +65,7 @@ def _harness(arch: int):
     C.HAS_TRITON, C.triton, C.tl = True, triton, tl
     C.gdc_wait, C.gdc_launch_dependents = gdc_wait, gdc_launch_dependents
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
-            for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax")}
+            for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax", "embedding")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     return mods, compiled
 
@@ -188,6 +188,13 @@ def cases(mods):
             return run
         out += [(f"{name} qkv prep pdl={p}", prep(p)) for p in (True, False)]
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
+    out.append(("greedy argmax, bf16 Qwen vocab",
+                lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))
+    E = mods["embedding"]
+    ids = torch.zeros(16, dtype=torch.int64)
+    out.append(("embedding with pending tokens, Llama width",
+                lambda: E.embedding_with_pending_triton(torch.zeros(1000, 4096, dtype=torch.bfloat16), ids,
+                                                        ids, ids)))
     return out
 
 

@@ -18,6 +18,8 @@
 #                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
 #   defaults8    the defaults of session 8: GPU token tests, then Qwen3-0.6B b1 / b4 with 32-token prompts and
 #                96 output tokens (every context fits the one-split graphs' 128) with and without them
+#   slimstep     the fused embedding lookup and bf16 greedy logits vs both off: GPU tests, Qwen3-0.6B b1 / b16
+#                / b64, Llama-8B b64
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -138,6 +140,21 @@ if has defaults8; then  # session 8's defaults (runs 24-26): the one-split graph
     step lat_q06_b${B}_in32 90 $lat --output-json "$R/latency_qwen3-0.6b_b${B}_in32.json"
     step lat_q06_b${B}_in32_short0 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=0 $lat \
       --output-json "$R/latency_qwen3-0.6b_b${B}_in32_short0.json"
+  done
+fi
+if has slimstep; then  # session 8, unmeasured: the decode graphs' embedding lookup reading pending tokens
+  # itself (kernels/embedding.py: one launch instead of five) and greedy steps without fp32 logits, side by
+  # side with both off (GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_GREEDY_LOGITS=1)
+  step gpu_slim_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "embedding or argmax" -p no:cacheprovider
+  step gpu_slim_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs and not prefill and not logits" \
+    -p no:cacheprovider
+  off="env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_GREEDY_LOGITS=1"
+  for M in q06:qwen3-0.6b:1 q06:qwen3-0.6b:16 q06:qwen3-0.6b:64 l8:llama-3.1-8b:64; do
+    IFS=: read -r ck name B <<< "$M"
+    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
+    lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
+    step lat_${ck}_b$B 90 $lat --output-json "$R/latency_${name}_b$B.json"
+    step lat_${ck}_b${B}_slim0 90 $off $lat --output-json "$R/latency_${name}_b${B}_slim0.json"
   done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)

@@ -80,6 +80,53 @@ def count_launches(llm, prompts, steps: int = 8) -> dict:
             "top_kernels": [[n[:80], c / steps, times[n] / steps] for n, c in top]}
 
 
+def profile_prefill(llm, prompts) -> dict:
+    """Kernels of one prefill step of `prompts` (every prompt in one step when max_num_batched_tokens
+    allows): GPU busy and span, the top kernels by time, and the GEMM-rate it implies (2 x the layers'
+    weights x prompt tokens / span). Where TTFT goes, next to the compute bound."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from gyrfalcon.sampling_params import SamplingParams
+
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prefill-prof-{i}", p, sp)
+    torch.cuda.synchronize()
+    # (the CPU activity where there is no GPU: the tests run this plumbing on the CPU, kernels none)
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    layer_params = sum(p.numel() for p in llm.engine.runner.model.model.layers.parameters())
+    return prefill_summary([(e.name, e.time_range.start, e.time_range.end) for e in kernels],
+                           sum(len(p) for p in prompts), layer_params)
+
+
+def prefill_summary(kernels, tokens: int, layer_params: int, top: int = 12) -> dict:
+    """kernels: [(name, start us, end us)] of one prefill step -> profile_prefill's dict ({} if none)."""
+    if not kernels:
+        return {}
+    times, counts = {}, {}
+    for name, start, end in kernels:
+        times[name] = times.get(name, 0.0) + (end - start)
+        counts[name] = counts.get(name, 0) + 1
+    span_us = max(k[2] for k in kernels) - min(k[1] for k in kernels)
+    flop = 2 * layer_params * tokens
+    names = sorted(times, key=lambda n: -times[n])[:top]
+    return {"tokens": tokens, "kernels": len(kernels), "gpu_busy_ms": sum(times.values()) / 1e3,
+            "gpu_span_ms": span_us / 1e3, "layer_tflop": flop / 1e12,
+            "layer_tflop_per_s_over_span": flop / (span_us * 1e-6) / 1e12 if span_us > 0 else 0.0,
+            "top_kernels": [[n[:80], counts[n], times[n] / 1e3] for n in names]}
+
+
 def _decode_graph(runner, batch_size: int):
     """(graph runner, captured size) that a decode step of batch_size replays; None without one."""
     gr = getattr(runner, "graph_runner", None)
@@ -198,6 +245,7 @@ def run_gyrfalcon(args) -> dict:
         res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
         res["graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size)
         res["short_graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size, short=True)
+        res["prefill_profile"] = profile_prefill(llm, prompts[: args.batch_size])
         # Those replays wrote into cache blocks that prefix caching may still map: forget them.
         llm.engine.block_manager.reset_prefix_cache()
     return res
@@ -282,5 +330,12 @@ def main(args: argparse.Namespace) -> int:
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")
+        pp = g.get("prefill_profile") or {}
+        if pp:
+            print(f"prefill of {pp['tokens']} tokens: {pp['kernels']} kernels, GPU busy {pp['gpu_busy_ms']:.2f} ms of "
+                  f"a {pp['gpu_span_ms']:.2f} ms span; the layers' GEMMs ({pp['layer_tflop']:.1f} TFLOP) at "
+                  f"{pp['layer_tflop_per_s_over_span']:.0f} TFLOP/s over the span")
+            for name, count, ms in pp["top_kernels"]:
+                print(f"  {ms:8.2f} ms {count:6d}x  {name}")
     write_json(args, {"bench": "latency", **run_info(args), "results": results})
     return 0

@@ -162,8 +162,9 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
+                last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids, src, last_sampled)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -183,13 +184,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               self.model.embed_tokens if self.tie_word_embeddings else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]"""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
+                last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]. src: [T] (decode graphs): a token with
+        src >= 0 is still on the device, at last_sampled[src]; input_ids holds a placeholder there."""
+        return self.model(input_ids, positions, src, last_sampled)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]"""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab], fp32 (fp32=False: the weights' dtype, for greedy)"""
+        return self.lm_head(hidden, fp32)
 
     def kv_cache_spec(self) -> Dict[str, int]:
         attn = self.model.layers[0].self_attn

@@ -306,9 +306,9 @@ class CudaGraphRunner:
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> tuple:
         """-> (hidden [b, hidden], logits [b, vocab] fp32 or None, greedy tokens [b] or None)"""
-        # Tokens still on the device are read from the last step's samples inside the graph.
-        ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], fb.input_ids)
-        hidden = self.model(ids, fb.positions)
+        # Tokens still on the device are read from the last step's samples inside the graph, by the
+        # embedding lookup itself (kernels/embedding.py: one launch).
+        hidden = self.model(fb.input_ids, fb.positions, src, self.last_sampled)
         if not self.with_logits:
             return hidden, None, None
         logits = self.model.compute_logits(hidden)

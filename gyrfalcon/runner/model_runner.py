@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -187,10 +188,13 @@ class ModelRunner:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
+        plain_greedy = self._plain_greedy(sample_reqs)
+        # A greedy argmax needs no fp32 copy of the logits (GYRFALCON_FP32_GREEDY_LOGITS=1: it gets one).
         if logits is None:
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(
+                hidden, fp32=not plain_greedy or os.environ.get("GYRFALCON_FP32_GREEDY_LOGITS") == "1")
         n = logits.shape[0]
-        if self._plain_greedy(sample_reqs):
+        if plain_greedy:
             if greedy is not None:
                 handle.sampled = greedy  # sampled and written to last_sampled inside the graph
             else:

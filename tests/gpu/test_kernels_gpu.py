@@ -326,3 +326,18 @@ def test_gumbel_argmax_real_vocab(S, V):
     chosen = score.gather(1, got.unsqueeze(1)).squeeze(1)
     assert torch.all(score.max(dim=-1).values - chosen <= 1e-4 * chosen.abs().clamp(min=1))
     assert (got == want).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("T,V,Hd", [(1, 151936, 1024), (16, 128256, 4096), (64, 151936, 1024)])
+def test_embedding_with_pending(T, V, Hd):
+    """The decode graphs' embedding lookup that resolves tokens still on the device: bit-exact."""
+    from gyrfalcon.kernels.embedding import (embedding_with_pending, embedding_with_pending_ref,
+                                             embedding_with_pending_triton)
+
+    weight = torch.randn(V, Hd, device=DEV, dtype=BF16)
+    ids = torch.randint(0, V, (T,), device=DEV)
+    last = torch.randint(0, V, (T,), device=DEV)
+    src = torch.where(torch.rand(T, device=DEV) < 0.5, torch.randperm(T, device=DEV), -1)
+    want = embedding_with_pending_ref(weight, ids, src, last)
+    assert torch.equal(embedding_with_pending_triton(weight, ids, src, last), want)
+    assert torch.equal(embedding_with_pending(weight, ids, src, last), want)

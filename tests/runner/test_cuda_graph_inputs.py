@@ -262,3 +262,45 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
         _, outputs, _ = cg.capture_ladder([1, 2], None, lambda b: (FB(b), None), pool="main-pool",
                                           batch1_pdl=choice)
         assert outputs == {2: "b2-pdl", 1: want} and pools[0] == "main-pool"
+
+
+def test_greedy_steps_skip_the_fp32_logits(qwen3_ckpt):
+    """Plain greedy batches ask the LM head for logits in the weights' dtype (the argmax cannot change
+    under the exact fp32 conversion); batches that sample or want logprobs get fp32."""
+    from gyrfalcon import LLM
+
+    llm = LLM(str(qwen3_ckpt), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    model = llm.engine.runner.model
+    seen = []
+    compute = model.compute_logits
+
+    def spy(hidden, fp32=True):
+        out = compute(hidden, fp32)
+        seen.append((fp32, out.dtype))
+        return out
+    model.compute_logits = spy
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and all(s == (False, torch.bfloat16) for s in seen)
+    seen.clear()
+    llm.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and all(s == (True, torch.float32) for s in seen)
+    seen.clear()
+    llm.generate(prompt, SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and all(s == (True, torch.float32) for s in seen)
+
+
+def test_lm_head_bf16_logits_give_the_fp32_argmax():
+    """The property the greedy shortcut rests on: argmax of bf16 logits == argmax of their fp32 copy, ties
+    (first index) included."""
+    from gyrfalcon.layers.embedding import LMHead
+
+    g = torch.Generator().manual_seed(0)
+    head = LMHead(300, 32)
+    head.weight.data = torch.randn(300, 32, generator=g).to(torch.bfloat16)
+    head.weight.data[7] = head.weight.data[200]  # a tie in every row: the first index must win
+    hidden = torch.randn(9, 32, generator=g).to(torch.bfloat16)
+    low, full = head(hidden, fp32=False), head(hidden)
+    assert low.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(low.argmax(-1), full.argmax(-1))
+    assert torch.equal(low.float(), full)

@@ -1,0 +1,45 @@
+"""`gyrfalcon bench latency` on the CPU (the GPU-only profile parts are exercised by scripts/gpu_check.sh):
+the table's numbers and the JSON, and the prefill profile's plumbing and arithmetic."""
+
+import json
+
+import pytest
+import torch
+
+
+def test_bench_latency_cpu_writes_json(qwen3_ckpt, tmp_path, capsys):
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
+               "--output-len", "4", "--num-iters", "1", "--max-model-len", "64", "--output-json", str(out)])
+    assert rc == 0
+    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    assert g["decode_step_ms"] > 0 and g["ttft_ms"] > 0 and g["output_tok_s"] > 0
+    assert g["e2e_s"] * 1e3 > g["ttft_ms"]
+    assert "latency: batch 2, input 8, output 4" in capsys.readouterr().out
+
+
+def test_prefill_summary_arithmetic():
+    from gyrfalcon.bench.latency import prefill_summary
+
+    assert prefill_summary([], 10, 100) == {}
+    k = [("gemm", 0.0, 600.0), ("norm", 600.0, 700.0), ("gemm", 800.0, 1400.0)]  # us; a 100 us gap
+    s = prefill_summary(k, tokens=1000, layer_params=5 * 10**8)
+    assert s["kernels"] == 3 and s["gpu_span_ms"] == pytest.approx(1.4) and s["gpu_busy_ms"] == pytest.approx(1.3)
+    assert s["layer_tflop"] == pytest.approx(1.0)  # 2 x 5e8 x 1000
+    assert s["layer_tflop_per_s_over_span"] == pytest.approx(1.0 / 1.4e-3)
+    assert s["top_kernels"][0] == ["gemm", 2, pytest.approx(1.2)]
+
+
+def test_profile_prefill_drains_the_engine(qwen3_ckpt, monkeypatch):
+    """On the CPU the profiler sees no CUDA kernels ({}), but the step it profiles and the drain after it
+    run for real: no request may be left behind."""
+    from gyrfalcon import LLM
+    from gyrfalcon.bench.latency import profile_prefill
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
+    assert profile_prefill(llm, [[3, 4, 5, 6], [7, 8, 9]]) == {}
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
