@@ -8,6 +8,7 @@ stays in the 50 MB L2 between calls, as in a model whose every layer has its own
 call is the graph's time divided by the number of calls. Bandwidth is against the 4.15 TB/s roofline.
 
 python3 benchmarks/small_m_gemv.py [--quick] [--output-json FILE]
+python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 --shapes l8_qkv l8_o l8_down   (64 rows: split-K)
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 """
 
@@ -69,14 +70,19 @@ def sweep_configs(M: int):
             yield GemvConfig(bn, bk, nw, ns)
         for bn, bk in ((8, 1024), (16, 1024), (16, 512), (32, 512)):
             yield GemvConfig(bn, bk, 8, 3)
-    else:
+    elif M <= 16:
         for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)):
             yield GemvConfig(bn, bk, nw, ns)
+    else:  # 64-row tiles: narrower K steps (the input tile fills shared memory too), and split-K
+        for bn, bk, ns, sk in itertools.product((32, 64), (64, 128), (3, 4), (1, 2, 4)):
+            yield GemvConfig(bn, bk, 4, ns, sk)
 
 
 def bench_gemv(args, rows):
     for M in args.ms:
         for name, (K, N, norm, silu) in SHAPES.items():
+            if args.shapes and name not in args.shapes:
+                continue
             wbytes = (2 * N if silu else N) * K * 2
             copies = max(2, min(64, -(-256 * 2**20 // wbytes)))
             x = torch.randn(M, K, device="cuda").bfloat16()
@@ -335,7 +341,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json")
     ap.add_argument("--quick", action="store_true", help="default launch shapes only, no sweep")
-    ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="rows (at most 64)")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="only these GEMV shapes")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")

@@ -176,6 +176,13 @@ def cases(mods):
                  gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=True, peel=False)),
                 (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False))]
+        sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
+        out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
+                (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),
+                (f"{name} down GEMM M=64 split-K 2", gemv(64, hid, inter, env=sk2, pdl=False)),
+                (f"{name} qkv GEMM M=64 split-K 2", gemv(64, qkv_n, hid, norm=True, res=True, env=sk2, pdl=False)),
+                (f"{name} gate_up GEMM M=64 split-K 2",
+                 gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
 
         def prep(pdl):
             def run():

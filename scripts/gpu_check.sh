@@ -20,6 +20,8 @@
 #                96 output tokens (every context fits the one-split graphs' 128) with and without them
 #   slimstep     the fused embedding lookup and bf16 greedy logits vs both off: GPU tests, Qwen3-0.6B b1 / b16
 #                / b64, Llama-8B b64
+#   gemm64       the GEMV kernel at 64 rows with split-K vs cuBLAS: sweep on Llama-8B shapes, Llama b64 with
+#                o_proj / down_proj through it (GYRFALCON_SMALL_M_PLAIN_ROWS=64, GYRFALCON_GEMV_SPLIT_K=1 / 2)
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -155,6 +157,18 @@ if has slimstep; then  # session 8, unmeasured: the decode graphs' embedding loo
     lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
     step lat_${ck}_b$B 90 $lat --output-json "$R/latency_${name}_b$B.json"
     step lat_${ck}_b${B}_slim0 90 $off $lat --output-json "$R/latency_${name}_b${B}_slim0.json"
+  done
+fi
+if has gemm64; then  # session 8, unmeasured: gyrfalcon's GEMV kernel at 64 rows with split-K (o_proj / down_proj
+  # through it at batch 64, GYRFALCON_SMALL_M_PLAIN_ROWS=64), against cuBLAS: the launch-shape sweep, then Llama b64
+  step gemm64_sweep 300 python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 \
+    --shapes l8_qkv l8_o l8_down l8_gate_up --output-json "$R/small_m_gemv_sweep64.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
+  step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"
+  for SK in 1 2; do
+    step lat_l8_b64_rows64_sk$SK 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=64 GYRFALCON_GEMV_SPLIT_K=$SK $l8 \
+      --output-json "$R/latency_llama-3.1-8b_b64_rows64_sk$SK.json"
   done
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)

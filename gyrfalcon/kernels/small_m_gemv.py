@@ -7,13 +7,22 @@ a GPU every launch inside a CUDA graph still costs ~2 us. Folding the norm into 
 gated activation into the gate_up GEMV turns a Llama/Qwen3 layer's
 norm, qkv, norm, gate_up, silu_and_mul into two kernels.
 
-x: [M, K] (M small, <= 16 rows per program), weight: [N, K] (nn.Linear layout).
+x: [M, K] (M small: up to MAX_M = 64 rows, one program's tile), weight: [N, K] (nn.Linear layout).
 norm_weight: [K] or None; residual: [M, K] or None (added to x before the norm; the sum is also
 returned, as the next residual). silu_mul=True: weight is [2 * I, K], gate rows first, and the output
 is silu(x W_gate^T) * (x W_up^T): [M, I].
 Returns (y, new_residual or None).
 
-The models use it for single-row inputs (GEMV_MAX_ROWS), where it beats cuBLAS; see default_config.
+The models use it for single-row inputs (GEMV_MAX_ROWS), where it beats cuBLAS, and for the norm-less
+o_proj / down_proj of up to 16 rows (PLAIN_MAX_ROWS); see default_config.
+
+Split-K (GemvConfig.split_k > 1, rows > 1): the grid gets a second axis of K slices; each program writes
+its fp32 partial [M, BLOCK_N] to a workspace and the last of a column tile's programs to arrive (an
+arrival counter, as decode attention's in-kernel merge does) sums them and runs the epilogue. It is for
+33-64-row batches, where cuBLAS reaches ~70% of the HBM roofline on Llama-3.1-8B's qkv and o_proj (96 and
+128 CTAs, fewer than the H200's 132 SMs; latency_llama-3.1-8b_b64-h200-2026-11-30-run23.json). Not yet
+measured: no model routes more than 16 rows here by default (GYRFALCON_SMALL_M_PLAIN_ROWS up to 64 and
+GYRFALCON_GEMV_SPLIT_K are the experiment's switches; benchmarks/small_m_gemv.py --ms 32 64 sweeps it).
 
 merged_heads_gemv: the same kernel with its input tiles computed from decode attention's per-split
 partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
@@ -38,7 +47,7 @@ from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wa
 from gyrfalcon.kernels.activation import silu_and_mul_ref
 from gyrfalcon.kernels.rms_norm import rms_norm_ref
 
-MAX_M = 16
+MAX_M = 64  # rows one program's tile holds (BLOCK_M: 1, else 16, 32 or 64)
 
 
 def norm_gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
@@ -58,11 +67,18 @@ def norm_gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[t
 
 
 class GemvConfig(NamedTuple):
-    """Launch shape: BLOCK_N output columns per program, BLOCK_K inputs per loop step."""
+    """Launch shape: BLOCK_N output columns per program, BLOCK_K inputs per loop step, split_k K slices
+    (programs per column tile, summed in-kernel; rows > 1 only)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
+
+
+def split_k_default() -> int:
+    """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment)."""
+    return max(1, int(os.environ.get("GYRFALCON_GEMV_SPLIT_K", "1")))
 
 
 # Rows up to which the models route a linear layer through this kernel instead of cuBLAS. On the H200
@@ -134,12 +150,14 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
             bn *= 2
         bk, nw, ns = min(256, max(16, next_pow2(K))), 4, (3 if silu_mul else 4)
     tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
+    if M > 16:  # the input tile [BLOCK_M, BLOCK_K] is no longer small next to the weight tile
+        tile_bytes += next_pow2(M) * bk * elem_size
     while ns > 1 and tile_bytes * ns > 160 * 1024:
         ns -= 1
     while bk > 64 and tile_bytes * ns > 160 * 1024:
         bk //= 2
         tile_bytes //= 2
-    return GemvConfig(bn, bk, nw, ns)
+    return GemvConfig(bn, bk, nw, ns, split_k_default() if M > 16 else 1)
 
 
 if HAS_TRITON:
@@ -199,23 +217,38 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL: tl.constexpr):
+        """[SiLU-and-mul of the gate and up accumulators, then] the store of y."""
+        if SILU_MUL:
+            # Round to the activation dtype first, as the unfused path stores gate_up before the act.
+            g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = g / (1.0 + tl.exp(-g)) * u
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
     def _norm_gemv_kernel(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
-        pacc_ptr, pml_ptr, sl_ptr, num_splits,
+        pacc_ptr, pml_ptr, sl_ptr, num_splits, ws_ptr, cnt_ptr, k_per_split,
         HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
-        BLOCK_S: tl.constexpr = 1,
+        BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
-        # Grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N output columns (and, with SILU_MUL, the
-        # matching up-projection rows N..2N) and streams their weight rows once. BLOCK_M == 1 reduces
-        # with a multiply-and-sum on the CUDA cores (no 16-row padding); BLOCK_M > 1 uses tl.dot.
+        # Grid: (cdiv(N, BLOCK_N), SPLIT_K). Each program owns BLOCK_N output columns (and, with SILU_MUL,
+        # the matching up-projection rows N..2N) and streams their weight rows once, over its K slice
+        # [pid_k * k_per_split, +k_per_split) (all of K without split-K). BLOCK_M == 1 reduces with a
+        # multiply-and-sum on the CUDA cores (no 16-row padding); BLOCK_M > 1 uses tl.dot.
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,7 +292,7 @@ if HAS_TRITON:
                     # Add in fp32, round once to the activation dtype (as the unfused add does).
                     rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
                     xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    if pid == 0:
+                    if (pid == 0) & (pid_k == 0):
                         tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
                 xf = xk.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
@@ -274,9 +307,9 @@ if HAS_TRITON:
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
-        for k0 in range(K_START, K, BLOCK_K):
+        for k0 in range(k_lo + K_START, k_hi, BLOCK_K):
             kk = k0 + ks
-            kmask = kk < K
+            kmask = kk < k_hi
             nw = 0.0
             if HAS_NORM:
                 nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -291,14 +324,29 @@ if HAS_TRITON:
             acc = _gemv_acc(acc, xk, w, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu, UPCAST, DOT_PREC, BLOCK_M)
-        if SILU_MUL:
-            # Round to the activation dtype first, as the unfused path stores gate_up before the act.
-            g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-            u = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
-            acc = g / (1.0 + tl.exp(-g)) * u
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
-
+        if SPLIT_K > 1:
+            # Partials to the workspace [SPLIT_K, BLOCK_M, n_tiles * BLOCK_N (x2 with SILU_MUL)] fp32; the
+            # last program of this column tile to arrive sums them (every thread's stores done before the
+            # release atomic; the summing program reads the others' through L2, .cg, after the acquire).
+            wcols = tl.num_programs(0) * BLOCK_N * (2 if SILU_MUL else 1)
+            wrow = rows[:, None] * wcols + cols[None, :]
+            tl.store(ws_ptr + pid_k * BLOCK_M * wcols + wrow, acc)
+            if SILU_MUL:
+                tl.store(ws_ptr + pid_k * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N, acc_up)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (or graph replay)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sk in range(SPLIT_K):
+                    acc += tl.load(ws_ptr + sk * BLOCK_M * wcols + wrow, cache_modifier=".cg")
+                    if SILU_MUL:
+                        acc_up += tl.load(ws_ptr + sk * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N,
+                                          cache_modifier=".cg")
+                _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
+        else:
+            _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
 
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                      residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
@@ -324,22 +372,48 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     peel = pdl and peel_default() if peel is None else peel
     cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
-    block_m = 1 if M == 1 else MAX_M
+    block_m = 1 if M == 1 else max(16, next_pow2(M))
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
+    bk = max(16, cfg.block_k)
+    n_tiles = triton.cdiv(N, bn)
+    split_k = cfg.split_k if block_m > 1 else 1
     dummy = x
-    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
+    ws = cnt = dummy
+    k_per_split = K
+    if split_k > 1:
+        peel = False  # the peeled tile is the first of all of K
+        k_per_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk
+        ws = torch.empty(split_k * block_m * n_tiles * bn * (2 if silu_mul else 1), dtype=torch.float32,
+                         device=x.device)
+        cnt = _split_counters(x.device, n_tiles)
+    _norm_gemv_kernel[(n_tiles, split_k)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, y, r_out if r_out is not None else dummy,
         M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         y.stride(0), r_out.stride(0) if r_out is not None else 0, float(eps),
-        dummy, dummy, dummy, 1,
+        dummy, dummy, dummy, 1, ws, cnt, k_per_split,
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=max(16, cfg.block_k),
-        NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else max(16, cfg.block_k), USE_PDL=pdl,
-        PEEL=peel, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
+        PEEL=peel, SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y, r_out
+
+
+_SPLIT_COUNTERS: dict = {}
+_MAX_SPLIT_COUNTERS = 1 << 16  # column tiles of one launch, at most (never reallocated: graphs hold it)
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per column tile, allocated once per device (the first call of a
+    decode graph's size runs eagerly before its capture) and left at zero by every split-K launch."""
+    if n > _MAX_SPLIT_COUNTERS:
+        raise ValueError(f"split-K launch of {n} column tiles: at most {_MAX_SPLIT_COUNTERS}")
+    key = (device.type, device.index)
+    if key not in _SPLIT_COUNTERS:
+        _SPLIT_COUNTERS[key] = torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTERS[key]
 
 
 def merged_heads_gemv_ref(parts, weight: torch.Tensor) -> torch.Tensor:
@@ -372,7 +446,7 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
     _norm_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         y, y, y, weight, y, y,
         1, N, K, 0, 0, weight.stride(0), y.stride(0), 0, 0.0,
-        parts.pacc, parts.pml, sl, parts.num_splits,
+        parts.pacc, parts.pml, sl, parts.num_splits, y, y, K,
         HAS_NORM=False, HAS_RES=False, SILU_MUL=False, UPCAST=interpreting(),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=max(16, cfg.block_k), NORM_BLOCK=16, USE_PDL=pdl,

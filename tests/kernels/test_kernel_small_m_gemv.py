@@ -87,7 +87,7 @@ def test_peeled_whole_row_launch_matches_unfused(mode, monkeypatch):
 
 def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     """How many rows a norm-less Linear (o_proj, down_proj) sends through this kernel: 16 by default,
-    GYRFALCON_SMALL_M_PLAIN_ROWS otherwise (at least 1, capped at 16); the merged projections (qkv,
+    GYRFALCON_SMALL_M_PLAIN_ROWS otherwise (at least 1, capped at MAX_M = 64); the merged projections (qkv,
     gate_up) keep single rows."""
     from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, PLAIN_MAX_ROWS, plain_gemm_max_rows
     from gyrfalcon.layers.linear import Linear, MergedLinear
@@ -100,17 +100,53 @@ def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "0")
     assert plain_gemm_max_rows() == 1
     monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "64")
-    assert plain_gemm_max_rows() == 16
+    assert plain_gemm_max_rows() == 64 and Linear(8, 4).small_m_rows == 64
+    monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "100")
+    assert plain_gemm_max_rows() == 64
 
 
 def test_multi_row_config_follows_the_sweep():
     """16 rows: 32-column tiles (64 where 64-wide tiles still give >= 2 x 132 programs), 4 stages; with
     SiLU-and-mul's two weight tiles 3, cut to 2 where 3 would pass the 160 KB shared-memory budget."""
     from gyrfalcon.kernels.small_m_gemv import default_config
-    assert tuple(default_config(16, 4096, 4096)) == (32, 256, 4, 4)
-    assert tuple(default_config(16, 14336, 4096, silu_mul=True)) == (64, 256, 4, 2)
-    assert tuple(default_config(16, 3072, 1024, silu_mul=True)) == (32, 256, 4, 3)
-    assert tuple(default_config(16, 1024, 3072)) == (32, 256, 4, 4)
+    assert tuple(default_config(16, 4096, 4096)) == (32, 256, 4, 4, 1)
+    assert tuple(default_config(16, 14336, 4096, silu_mul=True)) == (64, 256, 4, 2, 1)
+    assert tuple(default_config(16, 3072, 1024, silu_mul=True)) == (32, 256, 4, 3, 1)
+    assert tuple(default_config(16, 1024, 3072)) == (32, 256, 4, 4, 1)
+
+
+@pytest.mark.parametrize("M", [3, 33, 64])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["plain", "norm+res", "norm+res+silu"])
+def test_split_k_and_wide_row_tiles_match_unfused(M, split_k, mode):
+    """Up to 64 rows in one tile (BLOCK_M 16 / 64); K cut into split_k slices whose fp32 partials the last
+    program of each column tile sums (K = 200 over 32-input tiles: slices of 96, 96, 8 at split 3; a
+    split past the end of K adds zeros). Two launches in a row: the arrival counters are left at zero."""
+    silu = mode.endswith("silu")
+    x, r, w, nw = _data(M, 200, 48, torch.float32, silu)
+    kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None,
+              eps=1e-6, silu_mul=silu)
+    y_ref, r_ref = norm_gemv_ref(x, w, **kw)
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+    for _ in range(2):
+        y, r_new = norm_gemv_triton(x, w, config=GemvConfig(16, 32, 4, 2, split_k), **kw)
+        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+        if "res" in mode:
+            torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
+    if split_k > 1:
+        from gyrfalcon.kernels.small_m_gemv import _split_counters
+        assert int(_split_counters(x.device, 1)[:8].abs().sum()) == 0
+
+
+def test_split_k_config_switch(monkeypatch):
+    """GYRFALCON_GEMV_SPLIT_K sets the default split for launches of more than 16 rows (1 by default), and
+    the input tile counts against the shared-memory budget there (64 rows x 256 inputs: stages cut)."""
+    from gyrfalcon.kernels.small_m_gemv import default_config
+    monkeypatch.delenv("GYRFALCON_GEMV_SPLIT_K", raising=False)
+    assert default_config(64, 4096, 4096).split_k == 1
+    monkeypatch.setenv("GYRFALCON_GEMV_SPLIT_K", "2")
+    assert default_config(64, 4096, 4096).split_k == 2 and default_config(16, 4096, 4096).split_k == 1
+    assert tuple(default_config(64, 4096, 4096)) == (32, 256, 4, 3, 2)  # (32 + 64) x 256 x 2 B x 3 <= 160 KB
 
 
 def test_ref_against_naive_math():
@@ -124,8 +160,8 @@ def test_ref_against_naive_math():
 
 
 def test_rejects_too_many_rows_and_residual_without_norm():
-    x, r, w, nw = _data(17, 32, 16, torch.float32, False)
-    with pytest.raises(AssertionError, match="at most 16 rows"):
+    x, r, w, nw = _data(65, 32, 16, torch.float32, False)
+    with pytest.raises(AssertionError, match="at most 64 rows"):
         norm_gemv_triton(x, w)
     with pytest.raises(ValueError, match="norm_weight"):
         norm_gemv_triton(x[:2], w, residual=r[:2])
