@@ -99,6 +99,9 @@ class ModelConfig:
         return ids
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -107,8 +110,20 @@ class CacheConfig:
     # The number of KV blocks; None: derived from memory (GPU) or cpu_kv_cache_gb (CPU).
     num_gpu_blocks: Optional[int] = None
     cpu_kv_cache_gb: float = 1.0
+    # "auto": the model's dtype. "fp8" / "fp8_e4m3": K and V stored as float8 e4m3 without a scale (as
+    # vLLM's --kv-cache-dtype fp8 does for checkpoints without KV scales): half the bytes of bf16, so twice
+    # the tokens in the cache and half the bytes that decode attention reads; the values are rounded to
+    # 3 mantissa bits.
+    kv_cache_dtype: str = "auto"
+
+    def kv_torch_dtype(self, model_dtype):
+        """The cache's torch dtype for a model of `model_dtype`."""
+        import torch
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def verify(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -172,7 +187,7 @@ class EngineConfig:
                num_gpu_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
                served_model_name: Optional[Union[str, List[str]]] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
-               trust_remote_code: bool = False,
+               trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
                async_scheduling: Optional[bool] = None) -> "EngineConfig":
         if model is None:
             model = default_model_path()
@@ -186,7 +201,8 @@ class EngineConfig:
             cache_config=CacheConfig(block_size=block_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      enable_prefix_caching=enable_prefix_caching,
-                                     num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb),
+                                     num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb,
+                                     kv_cache_dtype=kv_cache_dtype),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              enable_chunked_prefill=enable_chunked_prefill,

@@ -65,7 +65,8 @@ def _harness(arch: int):
     C.HAS_TRITON, C.triton, C.tl = True, triton, tl
     C.gdc_wait, C.gdc_launch_dependents = gdc_wait, gdc_launch_dependents
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
-            for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax", "embedding")}
+            for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax", "embedding",
+                      "paged_attention", "store_kv")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     return mods, compiled
 
@@ -113,14 +114,15 @@ def cases(mods):
     """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off
     and its wide grid, the in-kernel and in-o_proj merges, batch 16, the GEMVs and the argmax."""
     A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
+    PA, S = mods["paged_attention"], mods["store_kv"]
     bf = torch.bfloat16
     out = []
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
-        def attn(B, dtype=bf, env=None, splits=None, **kw):
+        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, **kw):
             def run():
                 with _env(env):
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
-                    kc = torch.zeros(64, 16, KVH, D, dtype=dtype)
+                    kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype or dtype)
                     vc = torch.zeros_like(kc)
                     bt = torch.zeros(B, 40960 // 16, dtype=torch.int32)
                     sl = torch.ones(B, dtype=torch.int32)
@@ -146,6 +148,31 @@ def cases(mods):
                 (f"{name} attention b1 pdl (prefetch), one split", attn(1, pdl=True, splits=1)),
                 (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
                 (f"{name} attention b16, one split", attn(16, pdl=False, splits=1))]
+        f8 = torch.float8_e4m3fn
+        out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
+                (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),
+                (f"{name} attention b16 in-kernel merge, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
+                (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
+                (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
+
+        def prefill(kv_dtype):
+            def run():
+                q = torch.zeros(512, H, D, dtype=bf)
+                kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype)
+                bt = torch.zeros(4, 32, dtype=torch.int32)
+                sl = torch.full((4,), 128, dtype=torch.int32)
+                qsl = torch.arange(0, 513, 128, dtype=torch.int32)
+                return PA.paged_attention_triton(q, kc, torch.zeros_like(kc), bt, sl, qsl, D ** -0.5)
+            return run
+
+        def store(kv_dtype):
+            def run():
+                k = torch.zeros(512, KVH, D, dtype=bf)
+                kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype)
+                return S.store_kv_triton(k, k, kc, torch.zeros_like(kc), torch.zeros(512, dtype=torch.int64))
+            return run
+        out += [(f"{name} prefill attention, {t}", prefill(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
+        out += [(f"{name} KV store, {t}", store(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
 
         def merged(pdl):
             def run():
@@ -184,16 +211,17 @@ def cases(mods):
                 (f"{name} gate_up GEMM M=64 split-K 2",
                  gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
 
-        def prep(pdl):
+        def prep(pdl, kv_dtype=bf):
             def run():
                 qkv = torch.zeros(4, (H + 2 * KVH) * D, dtype=bf)
-                kc = torch.zeros(8, 16, KVH, D, dtype=bf)
+                kc = torch.zeros(8, 16, KVH, D, dtype=kv_dtype)
                 pos = torch.zeros(4, dtype=torch.int64)
                 w = torch.ones(D, dtype=bf)
                 return P.qkv_prep_triton(qkv, H, KVH, D, pos, torch.zeros(64, D), D, True, kc, torch.zeros_like(kc),
                                          pos, w, w, 1e-6, pdl=pdl)
             return run
         out += [(f"{name} qkv prep pdl={p}", prep(p)) for p in (True, False)]
+        out.append((f"{name} qkv prep, fp8 cache", prep(False, f8)))
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
     out.append(("greedy argmax, bf16 Qwen vocab",
                 lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))

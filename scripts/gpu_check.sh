@@ -22,6 +22,8 @@
 #                / b64, Llama-8B b64
 #   gemm64       the GEMV kernel at 64 rows with split-K vs cuBLAS: sweep on Llama-8B shapes, Llama b64 with
 #                o_proj / down_proj through it (GYRFALCON_SMALL_M_PLAIN_ROWS=64, GYRFALCON_GEMV_SPLIT_K=1 / 2)
+#   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
+#                twice the tokens fit) vs bf16
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -170,6 +172,18 @@ if has gemm64; then  # session 8, unmeasured: gyrfalcon's GEMV kernel at 64 rows
     step lat_l8_b64_rows64_sk$SK 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=64 GYRFALCON_GEMV_SPLIT_K=$SK $l8 \
       --output-json "$R/latency_llama-3.1-8b_b64_rows64_sk$SK.json"
   done
+fi
+if has fp8kv; then  # session 8, unmeasured: --kv-cache-dtype fp8 (K/V as float8 e4m3): GPU kernel tests, then
+  # throughput (where decode attention's KV reads dominate) and Llama b64, each side by side with bf16
+  step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
+  step lat_l8_b64_fp8 90 $l8 --kv-cache-dtype fp8 --output-json "$R/latency_llama-3.1-8b_b64_fp8kv.json"
+  step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"
+  tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  step tput_l8_fp8 300 $tp --kv-cache-dtype fp8 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv.json"
+  step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06

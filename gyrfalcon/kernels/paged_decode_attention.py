@@ -89,6 +89,9 @@ if HAS_TRITON:
     def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units."""
+        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype for the dots
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2

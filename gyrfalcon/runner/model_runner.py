@@ -52,6 +52,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.torch_dtype
+        self.kv_dtype = config.cache_config.kv_torch_dtype(self.dtype)
         t0 = time.perf_counter()
         self.model = load_model(config.model_config, config.device)
         self.load_seconds = time.perf_counter() - t0
@@ -60,8 +61,8 @@ class ModelRunner:
             spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
         self.num_blocks = self._determine_num_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.num_layers)]
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
@@ -104,7 +105,7 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _determine_num_blocks(self) -> int:

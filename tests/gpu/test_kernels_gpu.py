@@ -341,3 +341,81 @@ def test_embedding_with_pending(T, V, Hd):
     want = embedding_with_pending_ref(weight, ids, src, last)
     assert torch.equal(embedding_with_pending_triton(weight, ids, src, last), want)
     assert torch.equal(embedding_with_pending(weight, ids, src, last), want)
+
+
+# ---------------------------------------------------------------- fp8 KV cache (kv_cache_dtype="fp8")
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_ulp_close(got, want):
+    """fp8 e4m3 values equal, or one rounding step apart (the fused kernels round fp32 -> fp8 once, the
+    unfused references fp32 -> bf16 -> fp8): 3 mantissa bits, a step is 1/8 of the binade."""
+    g, w = got.float(), want.float()
+    assert torch.all((g - w).abs() <= w.abs() / 8 + 2 ** -9), (g - w).abs().max()
+
+
+def test_store_kv_fp8_rounds_like_torch():
+    k = torch.randn(4096, HKV, D, device=DEV, dtype=BF16) * 3
+    v = torch.randn(4096, HKV, D, device=DEV, dtype=BF16) * 3
+    kc = torch.zeros(512, 16, HKV, D, device=DEV, dtype=FP8)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.clone(), vc.clone()
+    slots = torch.randperm(512 * 16, device=DEV)[:4096]
+    store_kv_ref(k, v, kr, vr, slots)
+    store_kv_triton(k, v, kc, vc, slots)
+    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+
+
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (256, 1024)])
+def test_paged_decode_fp8_cache(batch, max_ctx):
+    seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    seq_lens[0] = max_ctx
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    q = torch.randn(batch, H, D, device=DEV, dtype=BF16)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, D ** -0.5)
+    torch.testing.assert_close(paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5), want, **TOL)
+
+
+def test_paged_prefill_fp8_cache():
+    q_lens, seq_lens = [512, 1, 300, 128], [512, 900, 1300, 128]
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=1300 // 16 + 1)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    q = torch.randn(sum(q_lens), H, D, device=DEV, dtype=BF16)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, D ** -0.5)
+    torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5), want, **TOL)
+
+
+@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain", "pdl-prefetch"])
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
+    """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
+    double rounding) and attends over the fp8 cache."""
+    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
+                                                          decode_attention_with_prep_triton)
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm90+")
+    batch, max_ctx, n_heads = (1 if pdl else 16), 2000, 32
+    seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    seq_lens[0] = max_ctx
+    kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16 + 1)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    pos = (sl.long() - 1).clamp(min=0)
+    slots = bt.long().gather(1, ((pos // 16)[:, None])).squeeze(1) * 16 + pos % 16
+    qkv = torch.randn(batch, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    cs = torch.cat([torch.outer(torch.arange(max_ctx + 1, device=DEV).float(), inv).cos(),
+                    torch.outer(torch.arange(max_ctx + 1, device=DEV).float(), inv).sin()], -1)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                          D ** -0.5, None, None, None, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
+                                            D ** -0.5, None, None, None, 1e-6, pdl=pdl, prefetch=prefetch)
+    _fp8_ulp_close(kc, kc_ref)
+    _fp8_ulp_close(vc, vc_ref)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -135,3 +135,27 @@ def test_prefetch_default_follows_pdl_and_the_switch(monkeypatch, env, pdl, want
     else:
         monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH", env)
     assert prefetch_default(pdl) is want
+
+
+@requires_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
+    """kv_cache_dtype fp8: the fused launch stores the new token as float8 e4m3 and attends over the fp8
+    cache, the new token included (patched from registers under prefetch): its output equals plain decode
+    attention over the cache it left behind. (The stored values themselves are checked on the GPU,
+    tests/gpu: the Triton interpreter rounds some values to fp8 wrongly, e.g. 1.96 to 1.0 where the
+    hardware and torch give 2.0.)"""
+    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_ref
+    H, KVH, D = 4, 2, 32
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.float32, True, seed=5)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    before = kc8.view(torch.uint8).clone()
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc8, vc8, slots, bt, sl, 0.2,
+                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch)
+    q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc.clone(), vc.clone(), slots, qw, kw, 1e-6)
+    want = paged_decode_attention_ref(q, kc8, vc8, bt, sl, 0.2)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    changed = (kc8.view(torch.uint8) != before).flatten(2).any(-1).nonzero().tolist()  # [block, offset]
+    stored = {(int(s) // 4, int(s) % 4) for s in slots if s >= 0}
+    assert changed and {(b, o) for b, o in changed} <= stored  # only the new tokens' slots were written

@@ -86,3 +86,17 @@ def test_triton_garbage_unused_block_table_entries():
     want = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.5)
     got = paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.5, block_m=16, block_n=16)
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_cache_matches_ref(dtype):
+    """kv_cache_dtype fp8: prefill / chunked prefill read float8 e4m3 key / value tiles, widened to the
+    query's dtype; the reference reads the same fp8 values."""
+    q_lens, seq_lens = RAGGED
+    q, kc, vc, bt, sl, qsl, _, _ = _batch(q_lens, seq_lens, 4, 2, 32, 8, torch.float32, fill=10**8)
+    kc8, vc8, q = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(dtype)
+    want = paged_attention_ref(q, kc8, vc8, bt, sl, qsl, 0.25)
+    got = paged_attention_triton(q, kc8, vc8, bt, sl, qsl, 0.25)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])

@@ -158,3 +158,25 @@ def test_triton_default_merge_at_batch_8(monkeypatch):
     for _ in range(2):
         got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=3, block_n=16, min_part=16)
         torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits,merge", [(1, None), (3, False), (3, True)])
+@pytest.mark.parametrize("k_rows", ["0", "1"])
+def test_fp8_cache_matches_ref(dtype, num_splits, merge, k_rows, monkeypatch):
+    """kv_cache_dtype fp8: the key / value tiles load as float8 e4m3 and widen to the query's dtype; the
+    reference reads the same fp8 values (so the comparison is the kernel's, not fp8's, error)."""
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", k_rows)
+    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, 4, 2, 32, 4, torch.float32, fill=10**8)
+    kc8, vc8, q = kc.to(FP8), vc.to(FP8), q.to(dtype)
+    want = paged_decode_attention_ref(q, kc8, vc8, bt, sl, 0.2)
+    got = paged_decode_attention_triton(q, kc8, vc8, bt, sl, 0.2, num_splits=num_splits, block_n=16, min_part=16,
+                                        merge_in_kernel=merge)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+    # ... and the reference itself is attention over the fp8 values read back.
+    torch.testing.assert_close(want, paged_decode_attention_ref(q, kc8.to(dtype), vc8.to(dtype), bt, sl, 0.2))

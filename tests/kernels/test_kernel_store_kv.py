@@ -59,3 +59,20 @@ def test_triton_strided_inputs_and_cast():
     # The interpreter truncates fp32 -> bf16 where torch rounds: allow one bf16 ulp.
     torch.testing.assert_close(kc2, kc, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(vc2, vc, atol=1e-2, rtol=1e-2)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_cache(dtype):
+    """kv_cache_dtype fp8: K/V are rounded to float8 e4m3 on the way in. Inputs exactly representable in
+    e4m3 (the Triton interpreter rounds some other values wrongly; tests/gpu covers rounding): the stored
+    bytes equal torch's conversion, and nothing else changes."""
+    k, v, kc, vc, slots = _case(torch.float32)
+    fp8 = torch.float8_e4m3fn
+    k, v = k.to(fp8).to(dtype), v.to(fp8).to(dtype)
+    kc8, vc8 = kc.to(fp8), vc.to(fp8)
+    kr, vr = kc8.clone(), vc8.clone()
+    store_kv_ref(k, v, kr, vr, slots)
+    store_kv_triton(k, v, kc8, vc8, slots)
+    assert torch.equal(kc8.view(torch.uint8), kr.view(torch.uint8))
+    assert torch.equal(vc8.view(torch.uint8), vr.view(torch.uint8))
