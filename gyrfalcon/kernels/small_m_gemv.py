@@ -247,8 +247,14 @@ if HAS_TRITON:
         # multiply-and-sum on the CUDA cores (no 16-row padding); BLOCK_M > 1 uses tl.dot.
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(K, k_lo + k_per_split)
+        if SPLIT_K == 1:
+            # All of K, with K itself as the bound: its divisibility (specialized by Triton) keeps the
+            # masked weight loads vectorized, which a derived bound would lose.
+            k_lo = 0
+            k_hi = K
+        else:
+            k_lo = pid_k * k_per_split
+            k_hi = tl.minimum(K, k_lo + k_per_split)
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
