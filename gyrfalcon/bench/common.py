@@ -13,6 +13,62 @@ from typing import List
 
 # H200 HBM read bandwidth measured on the benchmark machine (GPU.md): a reduction over 1 GiB.
 HBM_BYTES_PER_S = 4.15e12
+# H200 (SXM) dense bf16 tensor-core peak from NVIDIA's datasheet (989.4 TFLOP/s; fp8 doubles it).
+BF16_FLOP_PER_S = 989e12
+
+
+class StepFloor:
+    """The least time a run's scheduled steps could take on this GPU: per step, the larger of (bytes it must
+    read / HBM bandwidth) and (FLOPs / the dense bf16 peak), summed. Bytes: the weights a step reads (the
+    layers and the LM head: an untied embedding table is only gathered from) plus the K/V of every
+    scheduled sequence's context after the step. FLOPs: 2 x the layers' parameters per token run, plus
+    attention's 4 x layers x heads x head_dim per (token, context position), causal for prompt chunks.
+    A run's time over this floor is its fraction of the roofline (the throughput row's counterpart of
+    bench latency's per-step figure)."""
+
+    def __init__(self, step_weight_bytes: int, kv_bytes_per_token: int, layer_params: int,
+                 attn_flops_per_pair: int) -> None:
+        self.step_weight_bytes = step_weight_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.layer_params = layer_params
+        self.attn_flops_per_pair = attn_flops_per_pair
+        self.steps = 0
+        self.bytes = 0
+        self.flops = 0
+        self.floor_s = 0.0
+
+    @classmethod
+    def for_model(cls, model, kv_bytes_per_token: int) -> "StepFloor":
+        """From a Llama-family model of gyrfalcon's (model.model.layers, embed_tokens, lm_head)."""
+        def nbytes(params):
+            return sum(p.numel() * p.element_size() for p in params)
+        layers = list(model.model.layers.parameters())
+        head = model.lm_head.weight
+        weights = nbytes(layers) + nbytes([head]) + nbytes(model.model.norm.parameters())
+        attn = model.model.layers[0].self_attn
+        return cls(weights, kv_bytes_per_token, sum(p.numel() for p in layers),
+                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim)
+
+    def add(self, batch) -> None:
+        """One ScheduledBatch (scheduler.schedule's result)."""
+        if batch.is_empty:
+            return
+        kv = flops = 0
+        for sr in batch.reqs:
+            n, ctx = sr.num_new_tokens, sr.start + sr.num_new_tokens
+            kv += ctx * self.kv_bytes_per_token
+            # Token i of the chunk (0-based) attends to start + i + 1 positions.
+            pairs = n * sr.start + n * (n + 1) // 2
+            flops += 2 * self.layer_params * n + self.attn_flops_per_pair * pairs
+        step_bytes = self.step_weight_bytes + kv
+        self.steps += 1
+        self.bytes += step_bytes
+        self.flops += flops
+        self.floor_s += max(step_bytes / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
+
+    def report(self, elapsed_s: float) -> dict:
+        return {"steps": self.steps, "bytes_read_gb": self.bytes / 1e9, "tflop": self.flops / 1e12,
+                "floor_s": self.floor_s, "roofline_fraction": self.floor_s / elapsed_s if elapsed_s > 0 else 0.0}
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

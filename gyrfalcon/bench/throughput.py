@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import add_common_args, print_table, random_prompts, run_info, write_json
+from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args, print_table,
+                                    random_prompts, run_info, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -38,20 +39,34 @@ def run_gyrfalcon(args) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.engine.block_manager.reset_prefix_cache()
-    cuda = llm.engine.runner.device.type == "cuda"
+    runner = llm.engine.runner
+    cuda = runner.device.type == "cuda"
+    # Every step the run schedules, for the floor its bytes and FLOPs set (StepFloor).
+    floor = StepFloor.for_model(runner.model, runner.bytes_per_block // runner.block_size)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def counted():
+        batch = schedule()
+        floor.add(batch)
+        return batch
+    scheduler.schedule = counted
     if cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    if cuda:
-        torch.cuda.synchronize()
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        scheduler.schedule = schedule
     elapsed = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     return {"engine": "gyrfalcon", "startup_s": startup, "elapsed_s": elapsed,
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
-            "num_kv_blocks": llm.engine.runner.num_blocks}
+            "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed)}
 
 
 def run_hf_baseline(args) -> dict:
@@ -89,5 +104,9 @@ def main(args: argparse.Namespace) -> int:
         rows.append(["ratio", "", f"{results['ratio_output_tok_s']:.2f}x", "", ""])
     print(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}")
     print_table(rows)
+    fl = results["gyrfalcon"]["floor"]
+    print(f"roofline: {fl['steps']} steps reading {fl['bytes_read_gb']:.0f} GB and computing {fl['tflop']:.0f} TFLOP "
+          f"need >= {fl['floor_s']:.1f} s on this GPU (HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s, bf16 "
+          f"{BF16_FLOP_PER_S / 1e12:.0f} TFLOP/s): {fl['roofline_fraction']:.1%} of the roofline")
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
     return 0

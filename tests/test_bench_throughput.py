@@ -1,0 +1,39 @@
+"""`gyrfalcon bench throughput` on the CPU, and the roofline floor it reports (StepFloor)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+
+def test_step_floor_arithmetic():
+    from gyrfalcon.bench.common import BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor
+
+    f = StepFloor(step_weight_bytes=1000, kv_bytes_per_token=10, layer_params=50, attn_flops_per_pair=3)
+    f.add(SimpleNamespace(is_empty=True, reqs=[]))
+    assert f.steps == 0
+    # A decode row at context 7 (start 6, one token) and a prompt chunk of 4 tokens after 2 cached ones.
+    f.add(SimpleNamespace(is_empty=False, reqs=[SimpleNamespace(start=6, num_new_tokens=1),
+                                                 SimpleNamespace(start=2, num_new_tokens=4)]))
+    assert f.steps == 1
+    assert f.bytes == 1000 + (7 + 6) * 10
+    # GEMMs 2 x 50 per token (5 tokens); attention pairs: 7 for the decode row, 3 + 4 + 5 + 6 for the chunk.
+    assert f.flops == 2 * 50 * 5 + 3 * (7 + 18)
+    assert f.floor_s == pytest.approx(max(f.bytes / HBM_BYTES_PER_S, f.flops / BF16_FLOP_PER_S))
+    assert f.report(2 * f.floor_s)["roofline_fraction"] == pytest.approx(0.5)
+
+
+def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "tput.json"
+    rc = main(["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "6", "--input-len", "12",
+               "--output-len", "5", "--max-model-len", "64", "--max-num-seqs", "4", "--output-json", str(out)])
+    assert rc == 0
+    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    assert g["output_tok_s"] > 0 and g["elapsed_s"] > 0
+    fl = g["floor"]
+    # 6 requests, at most 4 at a time, 5 tokens each: at least 2 waves of 5 steps.
+    assert fl["steps"] >= 10 and fl["bytes_read_gb"] > 0 and fl["tflop"] > 0
+    assert 0 < fl["floor_s"] < g["elapsed_s"]
+    assert "of the roofline" in capsys.readouterr().out
