@@ -145,8 +145,8 @@ class MixedGraphRunner:
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor) -> torch.Tensor:
         """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding)."""
-        ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], fb.input_ids)
-        return self.model(ids, fb.positions)[li]
+        # Tokens still on the device come from last_sampled inside the embedding lookup (one launch).
+        return self.model(fb.input_ids, fb.positions, src, self.last_sampled)[li]
 
     def size_for(self, num_tokens: int, num_seqs: int) -> Optional[int]:
         i = bisect.bisect_left(self.sizes, max(num_tokens, 1))
