@@ -28,7 +28,7 @@
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
 #   throughput   768 x 1024/1024 at the default 384 sequences (TPUT_SEQS=N: also with --max-num-seqs N;
-#                TPUT_BASE=0 skips the default run)
+#                TPUT_EXTRA="flags": also with those engine flags; TPUT_BASE=0 skips the default run)
 #   hostprof     host time per decode step by phase, and a cProfile (scripts/host_profile.py): Qwen3-0.6B
 #                b1 / b64, Llama-8B b64
 #   throughput_vllm_defaults   the same with vLLM's limits: 1024 seqs, 16384 tokens per step
@@ -212,6 +212,10 @@ if has throughput; then
   [ -n "${TPUT_SEQS:-}" ] && step tput_l8_seqs$TPUT_SEQS 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
     --input-len 1024 --output-len 1024 --async-scheduling --max-num-seqs "$TPUT_SEQS" \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_${TPUT_SEQS}seqs.json"
+  # TPUT_EXTRA="--max-num-batched-tokens 16384" (say): one more run with those engine flags
+  [ -n "${TPUT_EXTRA:-}" ] && step tput_l8_extra 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 \
+    --input-len 1024 --output-len 1024 --async-scheduling $TPUT_EXTRA \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_extra.json"
 fi
 if has hostprof; then  # where the host's time goes per decode step (scripts/host_profile.py)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
