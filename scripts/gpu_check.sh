@@ -24,6 +24,7 @@
 #                o_proj / down_proj through it (GYRFALCON_SMALL_M_PLAIN_ROWS=64, GYRFALCON_GEMV_SPLIT_K=1 / 2)
 #   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
 #                twice the tokens fit) vs bf16
+#   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
 #   baseline     transformers in the same run
@@ -184,6 +185,16 @@ if has fp8kv; then  # session 8, unmeasured: --kv-cache-dtype fp8 (K/V as float8
   step tput_l8_fp8 300 $tp --kv-cache-dtype fp8 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv.json"
   step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
+fi
+if has sampled; then  # the rows as vLLM's bench latency / throughput ran them: temperature 1.0 (top-p 1.0), not greedy
+  for M in q06:qwen3-0.6b:1 l8:llama-3.1-8b:1 l8:llama-3.1-8b:16 l8:llama-3.1-8b:64; do
+    IFS=: read -r ck name B <<< "$M"
+    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
+    step lat_${ck}_b${B}_t1 90 $G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 \
+      --max-num-seqs $B --temperature 1.0 --profile --output-json "$R/latency_${name}_b${B}_temp1.json"
+  done
+  step tput_l8_t1 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --async-scheduling --temperature 1.0 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_temp1.json"
 fi
 if has qwenbatch; then  # Qwen3-0.6B batch 16 / 64 (vLLM 0.26.0 on this H200: 5,291 / 15,080 output tok/s, GPU.md)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06

@@ -73,6 +73,8 @@ class StepFloor:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); vLLM's bench latency / throughput sample at 1.0 (top-p 1.0)")
     p.add_argument("--baseline", choices=["hf"], default=None,
                    help="also run Hugging Face transformers on the same checkpoint and print ratios")
 

@@ -42,7 +42,7 @@ def kv_bytes_per_token(runner) -> int:
     return runner.bytes_per_block // runner.block_size
 
 
-def count_launches(llm, prompts, steps: int = 8) -> dict:
+def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> dict:
     """CUDA kernels per decode step (and per layer), from a profiled run of `steps` decode steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -50,7 +50,7 @@ def count_launches(llm, prompts, steps: int = 8) -> dict:
     from gyrfalcon.sampling_params import SamplingParams
 
     engine = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"prof-{i}", p, sp)
     engine.step()  # prefill
@@ -202,7 +202,7 @@ def run_gyrfalcon(args) -> dict:
     cuda = runner.device.type == "cuda"
 
     def timed(max_tokens: int) -> float:
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -241,7 +241,7 @@ def run_gyrfalcon(args) -> dict:
         "num_kv_blocks": runner.num_blocks,
     }
     if args.profile and cuda:
-        res["profile"] = count_launches(llm, prompts[: args.batch_size])
+        res["profile"] = count_launches(llm, prompts[: args.batch_size], temperature=args.temperature)
         res["graph_replay_ms"] = replay_only_ms(runner, args.batch_size)
         res["graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size)
         res["short_graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size, short=True)
@@ -303,7 +303,8 @@ def main(args: argparse.Namespace) -> int:
                      f"{g['roofline_step_ms'] / b['decode_step_ms']:.1%}"])
         results["ratio_output_tok_s"] = g["output_tok_s"] / b["output_tok_s"]
         rows.append(["ratio", "", "", f"{results['ratio_output_tok_s']:.2f}x", "", ""])
-    print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len}; "
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len}, {sampling}; "
           f"startup {g['startup_s']:.1f} s (load {g['load_s']:.1f} s, graphs {g['graph_capture_s']:.1f} s); "
           f"weights {g['weight_bytes'] / 1e9:.2f} GB, KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)

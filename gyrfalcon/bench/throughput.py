@@ -36,7 +36,7 @@ def run_gyrfalcon(args) -> dict:
     startup = time.perf_counter() - t0
     vocab = llm.config.model_config.hf_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, vocab, args.seed)]
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.engine.block_manager.reset_prefix_cache()
     runner = llm.engine.runner
@@ -102,7 +102,8 @@ def main(args: argparse.Namespace) -> int:
     if "baseline" in results:
         results["ratio_output_tok_s"] = results["gyrfalcon"]["output_tok_s"] / results["baseline"]["output_tok_s"]
         rows.append(["ratio", "", f"{results['ratio_output_tok_s']:.2f}x", "", ""])
-    print(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}")
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    print(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, {sampling}")
     print_table(rows)
     fl = results["gyrfalcon"]["floor"]
     print(f"roofline: {fl['steps']} steps reading {fl['bytes_read_gb']:.0f} GB and computing {fl['tflop']:.0f} TFLOP "
