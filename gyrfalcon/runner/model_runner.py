@@ -343,7 +343,7 @@ class ModelRunner:
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_top_k=any(p.top_k > 0 for p in params),
             need_min_p=any(p.min_p > 0.0 for p in params),
-            seeds=ints[1], offsets=ints[2])
+            seeds=ints[1], offsets=ints[2], unit_temperature=all(t == 1.0 for t in temps))
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             md.output_token_ids = [r.output_token_ids for r in reqs]
             md.prompt_token_ids = [r.prompt_token_ids for r in reqs]

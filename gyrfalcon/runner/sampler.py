@@ -51,6 +51,8 @@ class SamplingMetadata:
     # logit_bias of every row, flattened: logits[rows[j], ids[j]] += values[j] (None when no row has one).
     logit_bias: Optional[tuple] = None  # (rows [N] int64, ids [N] int64, values [N] fp32)
     max_num_logprobs: Optional[int] = None  # top-N logprobs to return (None: none asked)
+    # Every row samples at temperature exactly 1.0 (vLLM's benchmarks do): the division is skipped.
+    unit_temperature: bool = False
 
 
 @dataclass
@@ -126,12 +128,16 @@ class Sampler:
             logits.index_put_((rows, ids), values, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
-        greedy = greedy_argmax(logits)
+        # (Each shortcut below skips launches whose result is not used or would not change anything.)
+        greedy = None if md.all_random else greedy_argmax(logits)
         if md.all_greedy:
             sampled = greedy
         else:
-            temp = md.temperature.clamp(min=1e-5).unsqueeze(1)
-            scaled = apply_top_k_top_p_min_p(logits / temp, md)
+            if md.all_random and md.unit_temperature:
+                scaled = logits  # x / 1.0 == x exactly
+            else:
+                scaled = logits / md.temperature.clamp(min=1e-5).unsqueeze(1)
+            scaled = apply_top_k_top_p_min_p(scaled, md)
             random = gumbel_argmax(scaled.contiguous(), md.seeds, md.offsets)
             sampled = random if md.all_random else torch.where(md.temperature < 1e-5, greedy, random)
         out = SamplerOutput(sampled=sampled)

@@ -131,3 +131,30 @@ def test_min_tokens_mask_and_logprobs_are_raw():
     assert out.sampled_rank.item() == 2
     assert out.top_ids[0].tolist() == [0, 1]
     torch.testing.assert_close(out.top_logprobs[0], raw[:2])
+
+
+def test_unit_temperature_shortcut_draws_the_same_tokens():
+    """unit_temperature (every row at 1.0) skips the division, and all_random the greedy argmax: the same
+    tokens as the general path, which divides by 1.0 exactly."""
+    logits = torch.randn(6, V) * 3
+    seeds, offsets = [7] * 6, list(range(6))
+    general = Sampler()(logits.clone(), md_for(6, 1.0, seeds=seeds, offsets=offsets))
+    short = Sampler()(logits.clone(), md_for(6, 1.0, seeds=seeds, offsets=offsets, unit_temperature=True))
+    assert torch.equal(general.sampled, short.sampled)
+
+
+def test_runner_marks_unit_temperature(qwen3_ckpt):
+    from gyrfalcon import LLM
+    from gyrfalcon.sampling_params import SamplingParams
+
+    llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=2)
+    runner = llm.engine.runner
+    seen = []
+    build = runner._sampling_metadata
+    runner._sampling_metadata = lambda reqs: seen.append(build(reqs).unit_temperature) or build(reqs)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert seen and all(seen)
+    seen.clear()
+    llm.generate(prompt, SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert seen and not any(seen)
