@@ -354,6 +354,7 @@ if HAS_TRITON:
         else:
             _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
 
+
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                      residual: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
                      block_n: Optional[int] = None, block_k: Optional[int] = None,
