@@ -149,11 +149,11 @@ if has defaults8; then  # session 8's defaults (runs 24-26): the one-split graph
 fi
 if has slimstep; then  # session 8, unmeasured: the decode graphs' embedding lookup reading pending tokens
   # itself (kernels/embedding.py: one launch instead of five) and greedy steps without fp32 logits, side by
-  # side with both off (GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_GREEDY_LOGITS=1)
+  # side with both off (GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1)
   step gpu_slim_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "embedding or argmax" -p no:cacheprovider
   step gpu_slim_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs and not prefill and not logits" \
     -p no:cacheprovider
-  off="env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_GREEDY_LOGITS=1"
+  off="env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1"
   for M in q06:qwen3-0.6b:1 q06:qwen3-0.6b:16 q06:qwen3-0.6b:64 l8:llama-3.1-8b:64; do
     IFS=: read -r ck name B <<< "$M"
     [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck

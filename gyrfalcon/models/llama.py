@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, src, last_sampled)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab], fp32 (fp32=False: the weights' dtype, for greedy)"""
+        """hidden: [N, hidden] -> logits [N, vocab], fp32 (fp32=False: the weights' dtype; runner.launch)"""
         return self.lm_head(hidden, fp32)
 
     def kv_cache_spec(self) -> Dict[str, int]:

@@ -189,13 +189,12 @@ class ModelRunner:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
-        plain_greedy = self._plain_greedy(sample_reqs)
-        # A greedy argmax needs no fp32 copy of the logits (GYRFALCON_FP32_GREEDY_LOGITS=1: it gets one).
+        # Logits in the weights' dtype: a greedy argmax or a bare draw needs no fp32 copy, and the Sampler
+        # makes one where it does need it (GYRFALCON_FP32_LOGITS=1: always fp32, as before).
         if logits is None:
-            logits = self.model.compute_logits(
-                hidden, fp32=not plain_greedy or os.environ.get("GYRFALCON_FP32_GREEDY_LOGITS") == "1")
+            logits = self.model.compute_logits(hidden, fp32=os.environ.get("GYRFALCON_FP32_LOGITS") == "1")
         n = logits.shape[0]
-        if plain_greedy:
+        if self._plain_greedy(sample_reqs):
             if greedy is not None:
                 handle.sampled = greedy  # sampled and written to last_sampled inside the graph
             else:

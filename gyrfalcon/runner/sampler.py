@@ -116,8 +116,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: [S, V] fp32 -> SamplerOutput."""
-        logits = logits.float()
+        """logits: [S, V] (fp32, or the model's dtype) -> SamplerOutput."""
+        # fp32 wherever the logits are rewritten, filtered or reported. A bare draw (greedy, or temperature
+        # 1.0 without filters) reads them as they come: the argmax and Gumbel kernels widen each value to
+        # fp32 exactly, so the tokens are those of an fp32 copy, without the copy's launch.
+        bare = (md.max_num_logprobs is None and md.min_tokens_mask is None and md.logit_bias is None
+                and md.output_token_ids is None and not (md.need_top_k or md.need_top_p or md.need_min_p)
+                and (md.all_greedy or (md.all_random and md.unit_temperature)))
+        if not bare:
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.min_tokens_mask is not None:
             for i, ids in enumerate(md.min_tokens_mask):

@@ -264,30 +264,37 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
         assert outputs == {2: "b2-pdl", 1: want} and pools[0] == "main-pool"
 
 
-def test_greedy_steps_skip_the_fp32_logits(qwen3_ckpt):
-    """Plain greedy batches ask the LM head for logits in the weights' dtype (the argmax cannot change
-    under the exact fp32 conversion); batches that sample or want logprobs get fp32."""
+def test_steps_take_logits_in_the_weights_dtype(qwen3_ckpt, monkeypatch):
+    """The LM head gives bf16 logits for every step (a greedy argmax or a bare Gumbel draw reads them as
+    they are; the Sampler converts where it rewrites, filters or reports); GYRFALCON_FP32_LOGITS=1: fp32.
+    The tokens are the same either way."""
     from gyrfalcon import LLM
 
-    llm = LLM(str(qwen3_ckpt), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
-    model = llm.engine.runner.model
-    seen = []
-    compute = model.compute_logits
-
-    def spy(hidden, fp32=True):
-        out = compute(hidden, fp32)
-        seen.append((fp32, out.dtype))
-        return out
-    model.compute_logits = spy
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert seen and all(s == (False, torch.bfloat16) for s in seen)
-    seen.clear()
-    llm.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert seen and all(s == (True, torch.float32) for s in seen)
-    seen.clear()
-    llm.generate(prompt, SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert seen and all(s == (True, torch.float32) for s in seen)
+    cases = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True)]
+    runs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("GYRFALCON_FP32_LOGITS", env)
+        llm = LLM(str(qwen3_ckpt), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+        model = llm.engine.runner.model
+        seen = []
+        compute = model.compute_logits
+
+        def spy(hidden, fp32=True):
+            out = compute(hidden, fp32)
+            seen.append(out.dtype)
+            return out
+        model.compute_logits = spy
+        runs[env] = [llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0] for sp in cases]
+        assert seen and set(seen) == {torch.bfloat16 if env == "0" else torch.float32}
+    for a, b in zip(runs["0"], runs["1"]):
+        assert a.token_ids == b.token_ids
+    lp0, lp1 = runs["0"][3].logprobs, runs["1"][3].logprobs
+    assert [sorted(d) for d in lp0] == [sorted(d) for d in lp1]
+    assert all(d0[t].logprob == d1[t].logprob for d0, d1 in zip(lp0, lp1) for t in d0)
 
 
 def test_lm_head_bf16_logits_give_the_fp32_argmax():
