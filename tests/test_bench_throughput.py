@@ -37,3 +37,10 @@ def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     assert fl["steps"] >= 10 and fl["bytes_read_gb"] > 0 and fl["tflop"] > 0
     assert 0 < fl["floor_s"] < g["elapsed_s"]
     assert "of the roofline" in capsys.readouterr().out
+
+
+def test_hf_sampling_kwargs():
+    from gyrfalcon.bench.common import hf_sampling_kwargs
+
+    assert hf_sampling_kwargs(0.0) == {"do_sample": False}
+    assert hf_sampling_kwargs(1.0) == {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}

@@ -79,6 +79,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="also run Hugging Face transformers on the same checkpoint and print ratios")
 
 
+def hf_sampling_kwargs(temperature: float) -> dict:
+    """transformers generate's arguments for the benchmark's --temperature: greedy at 0, else sampling
+    at that temperature with top-k and top-p off (as gyrfalcon's and vLLM's benchmarks draw)."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]]:
     import random
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, print_table, random_prompts,
+from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, hf_sampling_kwargs, print_table, random_prompts,
                                     run_info, write_json)
 
 
@@ -267,8 +267,8 @@ def run_hf_baseline(args) -> dict:
     def timed(n: int) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                             **hf_sampling_kwargs(args.temperature))
         torch.cuda.synchronize()
         assert out.shape[1] == ids.shape[1] + n
         return time.perf_counter() - t

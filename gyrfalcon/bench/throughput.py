@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args, print_table,
-                                    random_prompts, run_info, write_json)
+from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args,
+                                    hf_sampling_kwargs, print_table, random_prompts, run_info, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +83,7 @@ def run_hf_baseline(args) -> dict:
     for i in range(0, len(prompts), args.hf_batch_size):
         ids = torch.tensor(prompts[i:i + args.hf_batch_size], device="cuda")
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                             min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+                             min_new_tokens=args.output_len, pad_token_id=0, **hf_sampling_kwargs(args.temperature))
         n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
