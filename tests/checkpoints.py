@@ -6,7 +6,6 @@ tokenizer is a byte-level BPE trained here on local text with a chat template.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

@@ -14,7 +14,6 @@ gets their decoded text instead.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 

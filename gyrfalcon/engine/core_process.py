@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, List, Optional
 
 import msgpack

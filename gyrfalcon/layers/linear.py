@@ -7,7 +7,7 @@ checkpoint tensor into its rows of the fused weight.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F

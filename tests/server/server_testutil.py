@@ -7,9 +7,7 @@ and its engine core too if it is somehow still there), so no test leaves a proce
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
