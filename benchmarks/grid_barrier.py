@@ -25,6 +25,7 @@ import triton.language as tl
 
 from gyrfalcon.bench.common import run_info
 from gyrfalcon.kernels._common import gdc_launch_dependents, gdc_wait
+from small_m_gemv import graph_time_us  # a sibling script (benchmarks/ is sys.path[0] when run as one)
 
 
 @triton.jit
@@ -55,30 +56,6 @@ def _persistent_kernel(buf_ptr, counter_ptr, rounds, NPROG: tl.constexpr):
         tl.debug_barrier()
 
 
-def _graph_us(fn, rounds: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(rounds):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / rounds)
-    return sorted(times)[2]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2000)
@@ -90,10 +67,12 @@ def main() -> int:
     n = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros(n, dtype=torch.float32, device="cuda")
     res = {"programs": n, "rounds": args.rounds}
-    res["kernel_boundary_us"] = _graph_us(lambda: _step_kernel[(n,)](buf, USE_PDL=False, num_warps=4), args.rounds)
+    # One graph of `rounds` dependent launches: its time per call is the time per step.
+    res["kernel_boundary_us"] = graph_time_us([lambda: _step_kernel[(n,)](buf, USE_PDL=False, num_warps=4)],
+                                              reps=args.rounds)
     if gdc_wait is not None and torch.cuda.get_device_capability()[0] >= 9:
-        res["kernel_boundary_pdl_us"] = _graph_us(
-            lambda: _step_kernel[(n,)](buf, USE_PDL=True, num_warps=4, launch_pdl=True), args.rounds)
+        res["kernel_boundary_pdl_us"] = graph_time_us(
+            [lambda: _step_kernel[(n,)](buf, USE_PDL=True, num_warps=4, launch_pdl=True)], reps=args.rounds)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     _persistent_kernel[(n,)](buf, counter, 10, NPROG=n, num_warps=4)  # compile, and check it returns
     torch.cuda.synchronize()
