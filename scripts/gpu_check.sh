@@ -25,6 +25,8 @@
 #   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
 #                twice the tokens fit) vs bf16
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
+#   gapcheck     the measured decode step vs the graph alone: step clocks, GYRFALCON_GC_FREEZE=1, Qwen b1 with
+#                the in-kernel merge of the splits
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -196,6 +198,18 @@ if has sampled; then  # the rows as vLLM's bench latency / throughput ran them: 
   done
   step tput_l8_t1 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --temperature 1.0 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_temp1.json"
+fi
+if has gapcheck; then  # the measured decode step vs the graph replayed back to back: the step clock of each
+  # run (bench latency's step_clock: intervals between engine steps, GC time), with the collector frozen after
+  # startup (GYRFALCON_GC_FREEZE=1), and Qwen3-0.6B b1 with the in-kernel merge of the splits forced on
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
+  step lat_q06_b1 90 $q --output-json "$R/latency_qwen3-0.6b_b1.json"
+  step lat_q06_b1_gcfreeze 90 env GYRFALCON_GC_FREEZE=1 $q --output-json "$R/latency_qwen3-0.6b_b1_gcfreeze.json"
+  step lat_q06_b1_merge1 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $q --output-json "$R/latency_qwen3-0.6b_b1_merge1.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
+  step lat_l8_b64_gcfreeze 90 env GYRFALCON_GC_FREEZE=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_gcfreeze.json"
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

@@ -20,6 +20,49 @@ def test_bench_latency_cpu_writes_json(qwen3_ckpt, tmp_path, capsys):
     assert "latency: batch 2, input 8, output 4, greedy" in capsys.readouterr().out
 
 
+def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):
+    """The step clock counts the engine steps of the median full run and splits its wall time."""
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "8", "--num-iters", "1", "--max-model-len", "64", "--output-json", str(out)]) == 0
+    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    sc = g["step_clock"]
+    # Async scheduling is off on the CPU: one step for the prefill, then one per further token.
+    assert sc["steps"] == 8
+    assert len(sc["first_intervals_ms"]) == 3 and 0 < sc["median_ms"] <= sc["p90_ms"] <= sc["max_ms"]
+    assert sc["steady_excess_ms"] >= 0 and sc["tail_ms"] >= 0
+    # The steps and the tail fit inside the run that the e2e time measured.
+    assert sum(sc["first_intervals_ms"]) + sc["median_ms"] * 4 <= g["e2e_s"] * 1e3 * 1.5
+    assert "engine steps of the median run: 8" in capsys.readouterr().out
+
+
+def test_step_clock_sums_gc_time():
+    """A collection that runs inside a watched call is timed, by generation."""
+    import gc
+
+    from gyrfalcon.bench.latency import StepClock
+
+    class FakeEngine:
+        def step(self):
+            return []
+
+    eng = FakeEngine()
+    clock = StepClock(eng)
+
+    def run():
+        for _ in range(5):
+            eng.step()
+        gc.collect(1)
+        return "done"
+
+    assert clock.watch(run) == "done"
+    assert eng.step.__func__ is FakeEngine.step  # unwrapped afterwards
+    assert len(clock.runs[0][1]) == 5 and clock.runs[0][3].get(1, 0) > 0
+    assert gc.callbacks.count(clock._on_gc) == 0
+
+
 def test_bench_latency_cpu_sampled(qwen3_ckpt, tmp_path, capsys):
     """--temperature 1.0: vLLM's bench latency samples (temperature 1.0, top-p 1.0), not greedy."""
     from gyrfalcon.cli import main

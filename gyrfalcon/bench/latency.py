@@ -185,6 +185,73 @@ def _replay_ms(graph, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+class StepClock:
+    """Where a generate's wall time goes between its engine steps: the host time at which each
+    `engine.step()` returns, and the time the cyclic garbage collector ran, over the runs it watches.
+
+    With async scheduling a step returns once the step before it is done on the device, so in steady
+    state the interval between returns is the device's step time plus any stall; comparing the median
+    interval with the graph replayed back to back, and summing the intervals' excess over the median
+    (GC pauses, the first steps, the end), says what the e2e step time carries beyond the graph.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.runs: list = []  # per watched run: (start, [step return times], end, gc seconds by generation)
+        self._gc_start = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if not self.runs:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            gcs = self.runs[-1][3]
+            gen = info.get("generation", 2)
+            gcs[gen] = gcs.get(gen, 0.0) + time.perf_counter() - self._gc_start
+            self._gc_start = None
+
+    def watch(self, fn):
+        """Run fn() with every engine step timed; return what fn returns."""
+        import gc
+
+        steps: list = []
+        self.runs.append([time.perf_counter(), steps, None, {}])
+        inner = self.engine.step
+
+        def step():
+            out = inner()
+            steps.append(time.perf_counter())
+            return out
+
+        self.engine.step = step
+        gc.callbacks.append(self._on_gc)
+        try:
+            return fn()
+        finally:
+            gc.callbacks.remove(self._on_gc)
+            del self.engine.step  # back to the class's method
+            self.runs[-1][2] = time.perf_counter()
+
+    def summary(self, run: int) -> dict:
+        """Milliseconds: the first intervals (start to step 1 is the prefill's launch), the steady
+        median / p90 / max, the summed excess of the steady intervals over their median, the tail from
+        the last step to the end of generate, and the GC time by generation."""
+        start, steps, end, gcs = self.runs[run]
+        if len(steps) < 4:
+            return {}
+        iv = [(b - a) * 1e3 for a, b in zip([start] + steps[:-1], steps)]
+        steady = sorted(iv[3:-1]) or sorted(iv)
+        med = steady[len(steady) // 2]
+        return {
+            "steps": len(steps), "first_intervals_ms": [round(x, 3) for x in iv[:3]],
+            "median_ms": med, "p90_ms": steady[int(0.9 * (len(steady) - 1))], "max_ms": steady[-1],
+            "steady_excess_ms": sum(x - med for x in iv[3:-1] if x > med),
+            "last_interval_ms": iv[-1], "tail_ms": (end - steps[-1]) * 1e3,
+            "gc_ms": {str(g): t * 1e3 for g, t in sorted(gcs.items())},
+        }
+
+
 def run_gyrfalcon(args) -> dict:
     import torch
 
@@ -201,12 +268,15 @@ def run_gyrfalcon(args) -> dict:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     cuda = runner.device.type == "cuda"
 
-    def timed(max_tokens: int) -> float:
+    clock = StepClock(llm.engine)
+
+    def timed(max_tokens: int, watch: bool = False) -> float:
         sp = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        outs = llm.generate(inputs, sp, use_tqdm=False)
+        gen = lambda: llm.generate(inputs, sp, use_tqdm=False)  # noqa: E731
+        outs = clock.watch(gen) if watch else gen()
         if cuda:
             torch.cuda.synchronize()
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
@@ -221,9 +291,10 @@ def run_gyrfalcon(args) -> dict:
         llm.engine.block_manager.reset_prefix_cache()
         ttfts.append(timed(1))
         llm.engine.block_manager.reset_prefix_cache()
-        totals.append(timed(args.output_len))
+        totals.append(timed(args.output_len, watch=True))
     ttft = sorted(ttfts)[len(ttfts) // 2]
     total = sorted(totals)[len(totals) // 2]
+    median_run = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     step_s = (total - ttft) / max(args.output_len - 1, 1)
     wbytes = weight_bytes(runner.model)
     avg_ctx = args.input_len + args.output_len / 2
@@ -239,6 +310,7 @@ def run_gyrfalcon(args) -> dict:
         "weight_bytes": wbytes, "kv_bytes_per_step": kvbytes,
         "roofline_step_ms": roof_step * 1e3, "roofline_fraction": roof_step / step_s,
         "num_kv_blocks": runner.num_blocks,
+        "step_clock": clock.summary(median_run),
     }
     if args.profile and cuda:
         res["profile"] = count_launches(llm, prompts[: args.batch_size], temperature=args.temperature)
@@ -321,6 +393,13 @@ def main(args: argparse.Namespace) -> int:
         if g.get("graph_replay_ms"):
             print(f"decode graph replayed back to back: {g['graph_replay_ms']:.3f} ms/step "
                   f"(host-free floor; measured step {g['decode_step_ms']:.3f} ms)")
+    sc = g.get("step_clock") or {}
+    if sc:
+        print(f"engine steps of the median run: {sc['steps']}, first intervals {sc['first_intervals_ms']} ms, "
+              f"steady median {sc['median_ms']:.3f} / p90 {sc['p90_ms']:.3f} / max {sc['max_ms']:.3f} ms, "
+              f"excess over the median {sc['steady_excess_ms']:.2f} ms, last {sc['last_interval_ms']:.3f} ms, "
+              f"tail {sc['tail_ms']:.2f} ms, GC {sc['gc_ms']} ms")
+    if "profile" in g:
         at = g.get("graph_replay_ms_at_context") or {}
         if at:
             print("decode graph replay by context (tokens: ms): "
