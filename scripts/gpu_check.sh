@@ -25,8 +25,8 @@
 #   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
 #                twice the tokens fit) vs bf16
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
-#   gapcheck     the measured decode step vs the graph alone: step clocks, GYRFALCON_GC_FREEZE=1, Qwen b1 with
-#                the in-kernel merge of the splits
+#   rows9        several heads per fused_qkv_prep program in prefills vs one (GYRFALCON_QKV_PREP_HEADS=1), and the
+#                rows on the final commit of session 9
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -38,7 +38,8 @@
 #   throughput_vllm_defaults   the same with vLLM's limits: 1024 seqs, 16384 tokens per step
 # One-off experiment sections whose results are recorded in benchmarks/results/ (runs 6-21: pdl, defaults, prep,
 # prefetch, wholerow, b16attn, mik, prefetch8b, graphlogits, graphs8b) were removed after commit 25672e9; run
-# them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6.
+# them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6;
+# run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -199,17 +200,29 @@ if has sampled; then  # the rows as vLLM's bench latency / throughput ran them: 
   step tput_l8_t1 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --temperature 1.0 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_temp1.json"
 fi
-if has gapcheck; then  # the measured decode step vs the graph replayed back to back: the step clock of each
-  # run (bench latency's step_clock: intervals between engine steps, GC time), with the collector frozen after
-  # startup (GYRFALCON_GC_FREEZE=1), and Qwen3-0.6B b1 with the in-kernel merge of the splits forced on
+if has rows9; then  # session 9: several heads per fused_qkv_prep program in prefills (TTFT; A/B with
+  # GYRFALCON_QKV_PREP_HEADS=1), then the rows on the final commit: Qwen3-0.6B b1 / b16 / b64, Llama-8B b1 / b16 / b64
+  # (b64 also with the session-8 slim step off), throughput
+  step gpu_prep_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/kernels/test_kernel_fused_qkv_prep.py \
+    -k "qkv_prep or several_heads" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --profile"
-  step lat_q06_b1 90 $q --output-json "$R/latency_qwen3-0.6b_b1.json"
-  step lat_q06_b1_gcfreeze 90 env GYRFALCON_GC_FREEZE=1 $q --output-json "$R/latency_qwen3-0.6b_b1_gcfreeze.json"
-  step lat_q06_b1_merge1 90 env GYRFALCON_DECODE_MERGE_IN_KERNEL=1 $q --output-json "$R/latency_qwen3-0.6b_b1_merge1.json"
+  for B in 1 16 64; do
+    step lat_q06_b$B 90 $G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 128 --output-len 128 \
+      --max-num-seqs $B --profile --output-json "$R/latency_qwen3-0.6b_b$B.json"
+  done
+  step lat_q06_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $G bench latency --model /tmp/ck/q06 --batch-size 64 \
+    --input-len 128 --output-len 128 --max-num-seqs 64 --profile --output-json "$R/latency_qwen3-0.6b_b64_heads1.json"
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 1 16 64; do
+    step lat_l8_b$B 90 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
+      --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
+  done
   l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
-  step lat_l8_b64_gcfreeze 90 env GYRFALCON_GC_FREEZE=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_gcfreeze.json"
+  step lat_l8_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_heads1.json"
+  step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
+    --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
+  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

@@ -5,9 +5,7 @@ Token ids in, token ids out: text is the front end's business (LLM, or the HTTP 
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 from typing import List, Optional
 
 from gyrfalcon.engine.block_manager import BlockManager
@@ -43,12 +41,6 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        if os.environ.get("GYRFALCON_GC_FREEZE") == "1":
-            # Move everything alive after startup (modules, weights' wrappers, captured graphs) out of
-            # the cyclic collector's sight, so that a full collection during serving walks only the
-            # objects requests create. Opt-in until measured (scripts/gpu_check.sh gapcheck).
-            gc.collect()
-            gc.freeze()
 
     def validate_prompt(self, prompt_token_ids: List[int]) -> None:
         n = len(prompt_token_ids)

@@ -13,6 +13,7 @@ k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -100,19 +101,23 @@ if HAS_TRITON:
         eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+        HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        """Program (token, group): HEADS q heads of the token (groups 0..cdiv(NUM_HEADS, HEADS)-1), or HEADS
+        of its kv heads (the groups after), as one [HEADS, BLOCK_D] tile."""
         if USE_PDL:
             gdc_launch_dependents()
         tok = tl.program_id(0)
-        h = tl.program_id(1)  # 0..NUM_HEADS-1: q heads; then kv heads
+        g = tl.program_id(1)
+        NQG: tl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
         # Positions (a step input), the RoPE table and the norm weights do not come from the previous
-        # kernel: with PDL they load while it finishes.
+        # kernel: with PDL they load while it finishes. One RoPE row serves all HEADS heads.
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         partner, cos, sin, sign, rot = _rope_tables(d, dmask, cs_ptr + pos * stride_cs, ROT, IS_NEOX)
-        is_q = h < NUM_HEADS
+        is_q = g < NQG
         if is_q:
             wd, wp = _norm_weights(qw_ptr, d, partner, dmask, HAS_QW)
         else:
@@ -120,35 +125,60 @@ if HAS_TRITON:
         if USE_PDL:
             gdc_wait()  # qkv is the previous kernel's output
         row = qkv_ptr + tok * stride_qkv_t
-        kvh = h - NUM_HEADS
-        col0 = h * HEAD_DIM  # q heads then k heads sit back to back in the row
-        offs = (col0 + d)[None, :]
-        poffs = (col0 + partner)[None, :]
+        # The group's heads: q heads h, or kv heads kvh (columns after the q heads: q | k | v).
+        hr = tl.arange(0, HEADS)
         m2 = dmask[None, :]
         if is_q:
-            y = _norm_rope(row, offs, poffs, m2, wd, wp, cos, sin, sign, rot, eps, HAS_QW, HEAD_DIM)
-            tl.store(q_out_ptr + tok * stride_qo_t + h * stride_qo_h + d[None, :],
+            h = g * HEADS + hr
+            m2 = m2 & (h < NUM_HEADS)[:, None]
+            col0 = h * HEAD_DIM
+            y = _norm_rope(row, col0[:, None] + d[None, :], col0[:, None] + partner[None, :], m2, wd, wp,
+                           cos, sin, sign, rot, eps, HAS_QW, HEAD_DIM)
+            tl.store(q_out_ptr + tok * stride_qo_t + h[:, None] * stride_qo_h + d[None, :],
                      y.to(q_out_ptr.dtype.element_ty), mask=m2)
         else:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
-                y = _norm_rope(row, offs, poffs, m2, wd, wp, cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
+                kvh = (g - NQG) * HEADS + hr
+                m2 = m2 & (kvh < NUM_KV_HEADS)[:, None]
+                col0 = (NUM_HEADS + kvh) * HEAD_DIM
+                y = _norm_rope(row, col0[:, None] + d[None, :], col0[:, None] + partner[None, :], m2, wd, wp,
+                               cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
-                tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh * stride_kc_head + d[None, :],
-                         y.to(kc_ptr.dtype.element_ty), mask=m2)
-                v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=dmask, other=0.0)
-                tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh * stride_vc_head + d,
-                         v.to(vc_ptr.dtype.element_ty), mask=dmask)
+                tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh[:, None] * stride_kc_head
+                         + d[None, :], y.to(kc_ptr.dtype.element_ty), mask=m2)
+                v = tl.load(row + (col0 + NUM_KV_HEADS * HEAD_DIM)[:, None] + d[None, :], mask=m2, other=0.0)
+                tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh[:, None] * stride_vc_head
+                         + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=m2)
+
+
+# Tokens from which a program takes several heads (prefill): one head per program leaves ~400k one-warp
+# programs for 8k tokens of Llama-8B, latency-bound at ~4x the bytes' time (run 29: 200 us per layer).
+MULTI_HEAD_MIN_TOKENS = 256
+MAX_HEADS_PER_PROGRAM = 8
+
+
+def heads_per_program(num_tokens: int, num_heads: int) -> int:
+    """Heads each program takes: 1 for small batches (decode-sized: more programs, more parallelism),
+    up to MAX_HEADS_PER_PROGRAM from MULTI_HEAD_MIN_TOKENS tokens. GYRFALCON_QKV_PREP_HEADS=N forces N
+    (a power of two)."""
+    forced = os.environ.get("GYRFALCON_QKV_PREP_HEADS")
+    if forced:
+        return max(1, int(forced))
+    if num_tokens < MULTI_HEAD_MIN_TOKENS:
+        return 1
+    return min(MAX_HEADS_PER_PROGRAM, next_pow2(num_heads))
 
 
 def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                    eps: float = 1e-6, pdl: Optional[bool] = None) -> torch.Tensor:
+                    eps: float = 1e-6, pdl: Optional[bool] = None, heads: Optional[int] = None) -> torch.Tensor:
     """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe). pdl: launch with
-    programmatic dependent launch (default: use_pdl(qkv))."""
+    programmatic dependent launch (default: use_pdl(qkv)). heads: heads per program, a power of two
+    (default: heads_per_program)."""
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert cos_sin_cache.stride(-1) == 1
     T = qkv.shape[0]
@@ -157,7 +187,9 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         return q_out
     dummy = qkv  # a valid pointer for the absent norm weights (never read)
     pdl = use_pdl(qkv) if pdl is None else pdl
-    _qkv_prep_kernel[(T, num_heads + num_kv_heads)](
+    heads = heads_per_program(T, num_heads) if heads is None else heads
+    groups = -(-num_heads // heads) + -(-num_kv_heads // heads)
+    _qkv_prep_kernel[(T, groups)](
         qkv, q_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
@@ -168,7 +200,8 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=rotary_dim,
         IS_NEOX=bool(is_neox), BLOCK_SIZE=k_cache.shape[1],
         HAS_QW=q_norm_weight is not None, HAS_KW=k_norm_weight is not None,
-        BLOCK_D=max(16, next_pow2(head_dim)), USE_PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
+        BLOCK_D=max(16, next_pow2(head_dim)), HEADS=heads, USE_PDL=pdl,
+        num_warps=(1 if head_dim <= 128 else 2) if heads == 1 else 4,
         **pdl_launch_kwargs(pdl),
     )
     return q_out
@@ -184,4 +217,4 @@ def qkv_prep(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
               k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
 
 
-__all__ = ["qkv_prep", "qkv_prep_ref", "qkv_prep_triton", "interpreting"]
+__all__ = ["heads_per_program", "qkv_prep", "qkv_prep_ref", "qkv_prep_triton", "interpreting"]

@@ -129,6 +129,33 @@ def test_silu_and_mul():
 # ---------------------------------------------------------------- attention
 
 
+@pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("heads", [None, 1])
+def test_qkv_prep_prefill(n_heads, norm, heads):
+    """fused_qkv_prep at a prefill's size (2,048 tokens: several heads per program by default) against the
+    unfused references, bf16, RoPE theta 500k over 8k positions."""
+    from gyrfalcon.kernels.fused_qkv_prep import heads_per_program, qkv_prep_ref, qkv_prep_triton
+
+    T, nb, bs = 2048, 160, 16
+    assert heads is not None or heads_per_program(T, n_heads) > 1
+    qkv = torch.randn(T, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
+    pos = torch.randint(0, 8192, (T,), device=DEV)
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    freqs = torch.outer(torch.arange(8192, device=DEV).float(), inv)
+    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[::97] = -1
+    qw = (1 + 0.3 * torch.randn(D, device=DEV)).to(BF16) if norm else None
+    kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(BF16) if norm else None
+    kc1, vc1 = (torch.zeros(nb, bs, HKV, D, device=DEV, dtype=BF16) for _ in range(2))
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    want = qkv_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc1, vc1, slots, qw, kw, 1e-6)
+    got = qkv_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc2, vc2, slots, qw, kw, 1e-6, heads=heads)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(kc2, kc1, **TOL)
+    torch.testing.assert_close(vc2, vc1, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (128, 32, 32), (64, 16, 4), (256, 16, 2)])
 def test_paged_attention_ragged(head_dim, n_heads, n_kv):
     # Fresh prefill, chunked prefill over a cached prefix, decode rows and speculative verify rows.

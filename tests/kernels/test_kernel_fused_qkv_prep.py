@@ -41,6 +41,32 @@ def test_fused_matches_unfused(T, H, KVH, D, rot, is_neox, norm, dtype):
     assert q_tri.shape == (T, H, D)
 
 
+@pytest.mark.parametrize("T,H,KVH,D,rot", [(5, 4, 2, 32, 32), (3, 6, 2, 64, 32), (2, 8, 2, 128, 128),
+                                           (3, 3, 3, 16, 16)])
+@pytest.mark.parametrize("heads", [2, 4, 8])
+@pytest.mark.parametrize("norm", [True, False])
+def test_several_heads_per_program(T, H, KVH, D, rot, heads, norm):
+    """Programs that take `heads` heads of a token (prefill-sized batches), including groups that run past
+    the last q or kv head (6 q heads in groups of 4, 2 kv heads in a group of 8)."""
+    qkv, pos, cs, slots, qw, kw, (kc1, vc1, kc2, vc2) = _case(T, H, KVH, D, rot, torch.float32, norm)
+    q_ref = qkv_prep_ref(qkv, H, KVH, D, pos, cs, rot, True, kc1, vc1, slots, qw, kw, 1e-6)
+    q_tri = qkv_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc2, vc2, slots, qw, kw, 1e-6, heads=heads)
+    torch.testing.assert_close(q_tri, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc2, kc1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vc2, vc1, rtol=0, atol=0)
+
+
+def test_heads_per_program_choice(monkeypatch):
+    from gyrfalcon.kernels.fused_qkv_prep import MULTI_HEAD_MIN_TOKENS, heads_per_program
+
+    monkeypatch.delenv("GYRFALCON_QKV_PREP_HEADS", raising=False)
+    assert heads_per_program(1, 32) == 1 and heads_per_program(MULTI_HEAD_MIN_TOKENS - 1, 32) == 1
+    assert heads_per_program(MULTI_HEAD_MIN_TOKENS, 32) == 8 and heads_per_program(8192, 2) == 2
+    assert heads_per_program(8192, 6) == 8  # next power of two, capped
+    monkeypatch.setenv("GYRFALCON_QKV_PREP_HEADS", "1")
+    assert heads_per_program(8192, 32) == 1
+
+
 def test_ref_against_naive_math():
     """The reference itself: q head 0 of token 0 by hand (norm, then rotate_half)."""
     T, H, KVH, D = 1, 1, 1, 8
