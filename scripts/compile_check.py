@@ -211,17 +211,19 @@ def cases(mods):
                 (f"{name} gate_up GEMM M=64 split-K 2",
                  gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
 
-        def prep(pdl, kv_dtype=bf):
+        def prep(pdl, kv_dtype=bf, tokens=4):
             def run():
-                qkv = torch.zeros(4, (H + 2 * KVH) * D, dtype=bf)
+                qkv = torch.zeros(tokens, (H + 2 * KVH) * D, dtype=bf)
                 kc = torch.zeros(8, 16, KVH, D, dtype=kv_dtype)
-                pos = torch.zeros(4, dtype=torch.int64)
+                pos = torch.zeros(tokens, dtype=torch.int64)
                 w = torch.ones(D, dtype=bf)
                 return P.qkv_prep_triton(qkv, H, KVH, D, pos, torch.zeros(64, D), D, True, kc, torch.zeros_like(kc),
                                          pos, w, w, 1e-6, pdl=pdl)
             return run
         out += [(f"{name} qkv prep pdl={p}", prep(p)) for p in (True, False)]
         out.append((f"{name} qkv prep, fp8 cache", prep(False, f8)))
+        # A prefill's size: several heads per program (fused_qkv_prep.heads_per_program).
+        out.append((f"{name} qkv prep, 512-token prefill", prep(False, tokens=512)))
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
     out.append(("greedy argmax, bf16 Qwen vocab",
                 lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))

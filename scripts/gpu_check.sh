@@ -206,23 +206,25 @@ if has rows9; then  # session 9: several heads per fused_qkv_prep program in pre
   step gpu_prep_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/kernels/test_kernel_fused_qkv_prep.py \
     -k "qkv_prep or several_heads" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  for B in 1 16 64; do
-    step lat_q06_b$B 90 $G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 128 --output-len 128 \
-      --max-num-seqs $B --profile --output-json "$R/latency_qwen3-0.6b_b$B.json"
-  done
-  step lat_q06_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $G bench latency --model /tmp/ck/q06 --batch-size 64 \
-    --input-len 128 --output-len 128 --max-num-seqs 64 --profile --output-json "$R/latency_qwen3-0.6b_b64_heads1.json"
+  q="$G bench latency --model /tmp/ck/q06 --input-len 128 --output-len 128 --profile"
+  step lat_q06_b64 90 $q --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_qwen3-0.6b_b64.json"
+  step lat_q06_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $q --batch-size 64 --max-num-seqs 64 \
+    --output-json "$R/latency_qwen3-0.6b_b64_heads1.json"
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 1 16 64; do
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
+  step lat_l8_b64 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b64.json"
+  step lat_l8_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_heads1.json"
+  for B in 1 16; do
+    step lat_q06_b$B 90 $q --batch-size $B --max-num-seqs $B --output-json "$R/latency_qwen3-0.6b_b$B.json"
+  done
+  for B in 1 16; do
     step lat_l8_b$B 90 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
       --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
   done
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
-  step lat_l8_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_heads1.json"
-  step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
-    --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
   step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+  step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
+    --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

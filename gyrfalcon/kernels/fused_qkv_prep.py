@@ -127,30 +127,30 @@ if HAS_TRITON:
         row = qkv_ptr + tok * stride_qkv_t
         # The group's heads: q heads h, or kv heads kvh (columns after the q heads: q | k | v).
         hr = tl.arange(0, HEADS)
-        m2 = dmask[None, :]
+        # (Each branch names its own mask: compiled Triton does not let a branch retype an outer variable.)
         if is_q:
             h = g * HEADS + hr
-            m2 = m2 & (h < NUM_HEADS)[:, None]
-            col0 = h * HEAD_DIM
-            y = _norm_rope(row, col0[:, None] + d[None, :], col0[:, None] + partner[None, :], m2, wd, wp,
+            mq = (h < NUM_HEADS)[:, None] & dmask[None, :]
+            qcol = h * HEAD_DIM
+            y = _norm_rope(row, qcol[:, None] + d[None, :], qcol[:, None] + partner[None, :], mq, wd, wp,
                            cos, sin, sign, rot, eps, HAS_QW, HEAD_DIM)
             tl.store(q_out_ptr + tok * stride_qo_t + h[:, None] * stride_qo_h + d[None, :],
-                     y.to(q_out_ptr.dtype.element_ty), mask=m2)
+                     y.to(q_out_ptr.dtype.element_ty), mask=mq)
         else:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
                 kvh = (g - NQG) * HEADS + hr
-                m2 = m2 & (kvh < NUM_KV_HEADS)[:, None]
-                col0 = (NUM_HEADS + kvh) * HEAD_DIM
-                y = _norm_rope(row, col0[:, None] + d[None, :], col0[:, None] + partner[None, :], m2, wd, wp,
-                               cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
+                mk = (kvh < NUM_KV_HEADS)[:, None] & dmask[None, :]
+                kcol = (NUM_HEADS + kvh) * HEAD_DIM
+                yk = _norm_rope(row, kcol[:, None] + d[None, :], kcol[:, None] + partner[None, :], mk, wd, wp,
+                                cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
                 tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh[:, None] * stride_kc_head
-                         + d[None, :], y.to(kc_ptr.dtype.element_ty), mask=m2)
-                v = tl.load(row + (col0 + NUM_KV_HEADS * HEAD_DIM)[:, None] + d[None, :], mask=m2, other=0.0)
+                         + d[None, :], yk.to(kc_ptr.dtype.element_ty), mask=mk)
+                v = tl.load(row + (kcol + NUM_KV_HEADS * HEAD_DIM)[:, None] + d[None, :], mask=mk, other=0.0)
                 tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh[:, None] * stride_vc_head
-                         + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=m2)
+                         + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
 # Tokens from which a program takes several heads (prefill): one head per program leaves ~400k one-warp
