@@ -63,8 +63,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            tokens = [request.token_id_at(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids(i * bs, (i + 1) * bs)))
 
     def get_computed_blocks(self, request: Request) -> List[int]:
         """The cached blocks that hold a prefix of `request`'s tokens (not yet referenced).

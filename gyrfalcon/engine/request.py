@@ -82,6 +82,16 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
+    def token_ids(self, lo: int, hi: int) -> List[int]:
+        """Tokens lo..hi-1 of prompt + outputs, without building the whole concatenation (all_token_ids
+        copies a long prompt for every call: per block hashed, per row of every eager step)."""
+        n = len(self.prompt_token_ids)
+        if hi <= n:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= n:
+            return self.output_token_ids[lo - n:hi - n]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -85,13 +85,9 @@ def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, i
         req = sr.request
         s, e = int(qsl[i]), int(qsl[i + 1])
         start = int(starts[i])
-        n_prompt = req.num_prompt_tokens
         # The tokens to run: the rest of the prompt and/or outputs (recompute after preemption).
         known = min(e - s, req.num_tokens - start)
-        if start + known <= n_prompt:
-            input_ids[s:s + known] = req.prompt_token_ids[start:start + known]
-        else:
-            input_ids[s:s + known] = req.all_token_ids[start:start + known]
+        input_ids[s:s + known] = req.token_ids(start, start + known)
         if known < e - s:  # the last token is still on the device
             assert known == e - s - 1 and last_rows is not None, "only a decode token can be in flight"
             input_ids[e - 1] = 0

@@ -83,3 +83,28 @@ def test_same_content_twice_keeps_one_cache_entry():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8
+
+
+def test_token_ids_slices_prompt_and_outputs():
+    """Request.token_ids(lo, hi) is all_token_ids[lo:hi] on either side of the prompt's end and across it."""
+    r = req("a", [10, 11, 12, 13, 14])
+    r.output_token_ids += [20, 21, 22]
+    full = r.all_token_ids
+    for lo in range(9):
+        for hi in range(lo, 9):
+            assert r.token_ids(lo, hi) == full[lo:hi], (lo, hi)
+
+
+def test_block_hashes_cover_outputs():
+    """A block that spans the prompt's end hashes the same tokens as a prompt that holds them all: a
+    later request with that prompt hits the cache."""
+    bm = BlockManager(16, 4)
+    r = req("a", [1, 2, 3, 4, 5, 6])
+    assert bm.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    r.output_token_ids += [7, 8]
+    assert bm.allocate_slots(r, 2)  # registers the blocks full after this step: tokens 0-3 and 4-7
+    r.num_computed_tokens = 8
+    bm.free(r)
+    r2 = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(bm.get_computed_blocks(r2)) == 2
