@@ -27,6 +27,7 @@
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   rows9        several heads per fused_qkv_prep program in prefills vs one (GYRFALCON_QKV_PREP_HEADS=1), and the
 #                rows on the final commit of session 9
+#   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -225,6 +226,24 @@ if has rows9; then  # session 9: several heads per fused_qkv_prep program in pre
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
   step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
+fi
+if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side in one call: the throughput row and
+  # Llama-8B b64. AB_OLD: a folder holding the older gyrfalcon/ package, AB_OLD_COMMIT: its hash. Prepare it here and
+  # carry it: git archive 6e030e4 gyrfalcon | (mkdir -p .ab/6e030e4 && tar -x -C .ab/6e030e4); carry [".ab"]
+  if [ -z "${AB_OLD:-}" ] || [ ! -d "$AB_OLD/gyrfalcon" ]; then
+    echo "=== tputab: AB_OLD must name a folder that holds an older gyrfalcon/ package"
+  else
+    # (run from the old folder: the working directory comes first on sys.path, before PYTHONPATH)
+    old="env -C $PWD/$AB_OLD PYTHONPATH=$PWD/$AB_OLD:$PYTHONPATH GYRFALCON_COMMIT=${AB_OLD_COMMIT:-old}"
+    [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+    $old python3 -c "import gyrfalcon, sys; print('old tree:', gyrfalcon.__file__)"
+    l8="bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
+    step lat_l8_b64_new 90 $G $l8 --output-json "$R/latency_llama-3.1-8b_b64_new.json"
+    step lat_l8_b64_old 90 $old $G $l8 --output-json "$R/latency_llama-3.1-8b_b64_old.json"
+    tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+    step tput_l8_old 300 $old $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_old.json"
+    step tput_l8_new 300 $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_new.json"
+  fi
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"
