@@ -36,7 +36,31 @@ def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     # 6 requests, at most 4 at a time, 5 tokens each: at least 2 waves of 5 steps.
     assert fl["steps"] >= 10 and fl["bytes_read_gb"] > 0 and fl["tflop"] > 0
     assert 0 < fl["floor_s"] < g["elapsed_s"]
-    assert "of the roofline" in capsys.readouterr().out
+    # Every step is charged to its kind: both kinds ran, and their steps, floors and wall times add up.
+    bk = g["by_kind"]
+    assert set(bk) == {"decode", "prefill"}
+    assert sum(d["steps"] for d in bk.values()) == fl["steps"]
+    assert sum(d["floor_s"] for d in bk.values()) == pytest.approx(fl["floor_s"])
+    assert 0 < sum(d["wall_s"] for d in bk.values()) <= g["elapsed_s"]
+    assert 1 <= bk["decode"]["mean_rows"] <= 4
+    printed = capsys.readouterr().out
+    assert "of the roofline" in printed and "decode steps:" in printed
+
+
+def test_step_floor_by_kind():
+    """Intervals between read-backs are charged to the steps in launch order, split by kind."""
+    from gyrfalcon.bench.common import StepFloor
+
+    f = StepFloor(step_weight_bytes=1000, kv_bytes_per_token=10, layer_params=50, attn_flops_per_pair=3)
+    row = lambda start, n: SimpleNamespace(start=start, num_new_tokens=n)  # noqa: E731
+    f.add(SimpleNamespace(is_empty=False, reqs=[row(0, 8), row(0, 8)]))  # prefill
+    f.add(SimpleNamespace(is_empty=False, reqs=[row(8, 1), row(8, 1)]))  # decode
+    f.add(SimpleNamespace(is_empty=False, reqs=[row(9, 1), row(0, 4)]))  # a decode row with a chunk
+    bk = f.by_kind(10.0, [10.5, 10.6, 11.0])
+    assert bk["prefill"]["steps"] == 2 and bk["prefill"]["wall_s"] == pytest.approx(0.5 + 0.4)
+    assert bk["decode"]["steps"] == 1 and bk["decode"]["wall_s"] == pytest.approx(0.1)
+    assert bk["decode"]["mean_rows"] == 2 and bk["decode"]["ms_per_step"] == pytest.approx(100.0)
+    assert bk["decode"]["floor_s"] == pytest.approx(f.step_log[1][2])
 
 
 def test_hf_sampling_kwargs():

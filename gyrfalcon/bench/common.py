@@ -36,6 +36,9 @@ class StepFloor:
         self.bytes = 0
         self.flops = 0
         self.floor_s = 0.0
+        # Per step, in schedule order: (kind, rows, floor seconds); kind "decode" (every row one token) or
+        # "prefill" (some row runs a prompt chunk). StepFloor.by_kind splits a run's wall time with it.
+        self.step_log: list = []
 
     @classmethod
     def for_model(cls, model, kv_bytes_per_token: int) -> "StepFloor":
@@ -61,10 +64,33 @@ class StepFloor:
             pairs = n * sr.start + n * (n + 1) // 2
             flops += 2 * self.layer_params * n + self.attn_flops_per_pair * pairs
         step_bytes = self.step_weight_bytes + kv
+        step_floor = max(step_bytes / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
         self.steps += 1
         self.bytes += step_bytes
         self.flops += flops
-        self.floor_s += max(step_bytes / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
+        self.floor_s += step_floor
+        kind = "decode" if all(sr.num_new_tokens == 1 for sr in batch.reqs) else "prefill"
+        self.step_log.append((kind, len(batch.reqs), step_floor))
+
+    def by_kind(self, start: float, done: list) -> dict:
+        """Wall time and floor per kind of step. done: the host time at which each step's tokens were read
+        back, in launch order (the engine completes steps in order); start: when the run began. The
+        interval that ends at a step's read-back is charged to it: under async scheduling the next step is
+        already queued, so the intervals are the device's step times, as long as the host keeps up."""
+        out: dict = {}
+        prev = start
+        for (kind, rows, fl), t in zip(self.step_log, done):
+            d = out.setdefault(kind, {"steps": 0, "rows": 0, "wall_s": 0.0, "floor_s": 0.0})
+            d["steps"] += 1
+            d["rows"] += rows
+            d["wall_s"] += t - prev
+            d["floor_s"] += fl
+            prev = t
+        for d in out.values():
+            d["mean_rows"] = d["rows"] / d["steps"]
+            d["roofline_fraction"] = d["floor_s"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
+            d["ms_per_step"] = d["wall_s"] / d["steps"] * 1e3
+        return out
 
     def report(self, elapsed_s: float) -> dict:
         return {"steps": self.steps, "bytes_read_gb": self.bytes / 1e9, "tflop": self.flops / 1e12,

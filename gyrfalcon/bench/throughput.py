@@ -51,6 +51,15 @@ def run_gyrfalcon(args) -> dict:
         floor.add(batch)
         return batch
     scheduler.schedule = counted
+    # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
+    complete, done = runner.complete, []
+
+    def timed_complete(handle):
+        out = complete(handle)
+        if not handle.batch.is_empty:
+            done.append(time.perf_counter())
+        return out
+    runner.complete = timed_complete
     if cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -60,13 +69,15 @@ def run_gyrfalcon(args) -> dict:
             torch.cuda.synchronize()
     finally:
         scheduler.schedule = schedule
+        del runner.complete  # back to the class's method
     elapsed = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     return {"engine": "gyrfalcon", "startup_s": startup, "elapsed_s": elapsed,
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
-            "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed)}
+            "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
+            "by_kind": floor.by_kind(t, done)}
 
 
 def run_hf_baseline(args) -> dict:
@@ -109,5 +120,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"roofline: {fl['steps']} steps reading {fl['bytes_read_gb']:.0f} GB and computing {fl['tflop']:.0f} TFLOP "
           f"need >= {fl['floor_s']:.1f} s on this GPU (HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s, bf16 "
           f"{BF16_FLOP_PER_S / 1e12:.0f} TFLOP/s): {fl['roofline_fraction']:.1%} of the roofline")
+    for kind, d in sorted(results["gyrfalcon"]["by_kind"].items()):
+        print(f"  {kind} steps: {d['steps']} ({d['mean_rows']:.0f} sequences on average), {d['wall_s']:.1f} s, "
+              f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
     return 0
