@@ -20,9 +20,12 @@ Split-K (GemvConfig.split_k > 1, rows > 1): the grid gets a second axis of K sli
 its fp32 partial [M, BLOCK_N] to a workspace and the last of a column tile's programs to arrive (an
 arrival counter, as decode attention's in-kernel merge does) sums them and runs the epilogue. It is for
 33-64-row batches, where cuBLAS reaches ~70% of the HBM roofline on Llama-3.1-8B's qkv and o_proj (96 and
-128 CTAs, fewer than the H200's 132 SMs; latency_llama-3.1-8b_b64-h200-2026-11-30-run23.json). Not yet
-measured: no model routes more than 16 rows here by default (GYRFALCON_SMALL_M_PLAIN_ROWS up to 64 and
-GYRFALCON_GEMV_SPLIT_K are the experiment's switches; benchmarks/small_m_gemv.py --ms 32 64 sweeps it).
+128 CTAs, fewer than the H200's 132 SMs; latency_llama-3.1-8b_b64-h200-2026-11-30-run23.json). Measured
+and left off (run 30): at 64 rows the sweep's best launch shapes only tie cuBLAS on the norm-less shapes
+(o_proj 13.3 vs 12.1 us, down_proj 35.7 vs 37.1) and lose 4x where the RMSNorm is fused (qkv 81 vs 19);
+routing o_proj / down_proj of Llama-8B batch 64 here (GYRFALCON_SMALL_M_PLAIN_ROWS=64) made the step
+5.542 ms with split-K 1 and 5.875 with 2, vs 5.436 on cuBLAS. No model routes more than 16 rows here by
+default; GYRFALCON_SMALL_M_PLAIN_ROWS (up to 64) and GYRFALCON_GEMV_SPLIT_K stay as the experiment's switches.
 
 merged_heads_gemv: the same kernel with its input tiles computed from decode attention's per-split
 partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
