@@ -162,10 +162,10 @@ MAX_HEADS_PER_PROGRAM = 8
 def heads_per_program(num_tokens: int, num_heads: int) -> int:
     """Heads each program takes: 1 for small batches (decode-sized: more programs, more parallelism),
     up to MAX_HEADS_PER_PROGRAM from MULTI_HEAD_MIN_TOKENS tokens. GYRFALCON_QKV_PREP_HEADS=N forces N
-    (a power of two)."""
+    (rounded up to a power of two: the program's head axis is a tl.arange)."""
     forced = os.environ.get("GYRFALCON_QKV_PREP_HEADS")
     if forced:
-        return max(1, int(forced))
+        return next_pow2(max(1, int(forced)))
     if num_tokens < MULTI_HEAD_MIN_TOKENS:
         return 1
     return min(MAX_HEADS_PER_PROGRAM, next_pow2(num_heads))

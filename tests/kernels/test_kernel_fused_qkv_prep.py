@@ -65,6 +65,8 @@ def test_heads_per_program_choice(monkeypatch):
     assert heads_per_program(8192, 6) == 8  # next power of two, capped
     monkeypatch.setenv("GYRFALCON_QKV_PREP_HEADS", "1")
     assert heads_per_program(8192, 32) == 1
+    monkeypatch.setenv("GYRFALCON_QKV_PREP_HEADS", "3")
+    assert heads_per_program(8192, 32) == 4
 
 
 def test_ref_against_naive_math():
