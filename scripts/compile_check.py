@@ -210,6 +210,12 @@ def cases(mods):
                 (f"{name} qkv GEMM M=64 split-K 2", gemv(64, qkv_n, hid, norm=True, res=True, env=sk2, pdl=False)),
                 (f"{name} gate_up GEMM M=64 split-K 2",
                  gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
+        # The norm's rstd applied after the loop (ONE_PASS, rows > 1): batch-16 qkv / gate_up (GYRFALCON_NORM_GEMV_ROWS).
+        for pdl in (True, False):
+            out += [(f"{name} qkv GEMM M=16 one-pass norm pdl={pdl}",
+                     gemv(16, qkv_n, hid, norm=True, res=True, pdl=pdl)),
+                    (f"{name} gate_up GEMM M=16 one-pass norm pdl={pdl}",
+                     gemv(16, inter, hid, silu=True, norm=True, res=True, pdl=pdl))]
 
         def prep(pdl, kv_dtype=bf, tokens=4):
             def run():

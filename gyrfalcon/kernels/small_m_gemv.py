@@ -79,6 +79,13 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
 
 
+def one_pass_norm_default() -> bool:
+    """Whether a launch of 2+ rows with a norm scales by the rows' rstd after its loop (ONE_PASS) instead of
+    computing it in a first pass over the input: GYRFALCON_GEMV_ONE_PASS_NORM=0 turns it off. Single rows
+    keep the first pass (one load covers the whole row; that path is the tuned batch-1 one)."""
+    return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM", "1") != "0"
+
+
 def split_k_default() -> int:
     """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment)."""
     return max(1, int(os.environ.get("GYRFALCON_GEMV_SPLIT_K", "1")))
@@ -98,6 +105,16 @@ GEMV_MAX_ROWS = 1
 # down_proj 32.21 vs 33.11) and in whole batch-16 decode steps (latency_*_b16_plain_rows16-h200-2026-11-30-
 # run21.json: Llama-3.1-8B 4.794 vs 4.899 ms, Qwen3-0.6B 1.394 vs 1.418), where the norm-fused shapes lost.
 PLAIN_MAX_ROWS = 16
+
+
+def norm_gemv_rows() -> Tuple[int, int]:
+    """(qkv, gate_up): rows up to which a decoder layer runs [residual add +] RMSNorm + that projection through
+    this kernel (one launch) instead of the RMSNorm kernel and cuBLAS. GEMV_MAX_ROWS (single rows) by default;
+    GYRFALCON_NORM_GEMV_ROWS=N (qkv) and GYRFALCON_NORM_GEMV_GATE_UP_ROWS=N (gate_up + SiLU-and-mul) raise
+    them, at most MAX_M: the experiment for the one-pass norm (ONE_PASS) at batch 4-64, not yet timed."""
+    def rows(name: str) -> int:
+        return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get(name, GEMV_MAX_ROWS))))
+    return rows("GYRFALCON_NORM_GEMV_ROWS"), rows("GYRFALCON_NORM_GEMV_GATE_UP_ROWS")
 
 
 def plain_gemm_max_rows() -> int:
@@ -209,6 +226,23 @@ if HAS_TRITON:
         return xk
 
     @triton.jit
+    def _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, stride_ro,
+                              write_res, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """ONE_PASS's input tile: (x [+ residual] times the norm weight only, in the weight dtype; the rows'
+        sums of squares over this tile, fp32 [BLOCK_M]). The row scale rstd is applied to the accumulators
+        after the loop. write_res: this program also stores the new residual's tile."""
+        m2 = rmask[:, None] & kmask[None, :]
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+        if HAS_RES:
+            # Add in fp32, round once to the activation dtype (as the unfused add does).
+            rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+            xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if write_res:
+                tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
+        xf = xk.to(tl.float32)
+        return (xf * nw[None, :]).to(OUT_DTYPE), tl.sum(xf * xf, axis=1)
+
+    @triton.jit
     def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += xk [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T."""
         if BLOCK_M == 1:
@@ -240,7 +274,7 @@ if HAS_TRITON:
         NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
-        BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1,
+        BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -287,7 +321,12 @@ if HAS_TRITON:
             gdc_launch_dependents()
             gdc_wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-        if HAS_NORM:
+        # ONE_PASS (with HAS_NORM): no pass 1. RMSNorm scales each row by one number, so the loop below runs
+        # on x * norm_weight, sums the squares of the x tiles it loads anyway, and scales the accumulators
+        # by rstd at the end: the norm costs no extra trip over K (pass 1 is a chain of K / BLOCK_K loads
+        # ahead of the first weight tile, which made the fused norm lose to cuBLAS at 4-64 rows).
+        ss1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM and not ONE_PASS:
             # Pass 1 over the (short) input rows: the sum of squares, and the new residual. NORM_BLOCK
             # covers the whole row when it fits (one round trip instead of a chain of K / BLOCK_K: every
             # program repeats this prologue, so its latency adds to each program's time).
@@ -310,9 +349,14 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         K_START: tl.constexpr = BLOCK_K if PEEL else 0
         if PEEL:
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw0, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
-                              pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
-                              MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
+            if ONE_PASS and HAS_NORM:
+                xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw0, rows, rmask, ks, kmask0, stride_x,
+                                                stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
+                ss1 += ssk
+            else:
+                xk = _gemv_x_tile(x_ptr, r_ptr, nw0, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
+                                  pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
+                                  MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
             acc = _gemv_acc(acc, xk, w0, UPCAST, DOT_PREC, BLOCK_M)
             if SILU_MUL:
                 acc_up = _gemv_acc(acc_up, xk, wu0, UPCAST, DOT_PREC, BLOCK_M)
@@ -322,9 +366,14 @@ if HAS_TRITON:
             nw = 0.0
             if HAS_NORM:
                 nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            xk = _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
-                              pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
-                              MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
+            if ONE_PASS and HAS_NORM:
+                xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw, rows, rmask, kk, kmask, stride_x,
+                                                stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
+                ss1 += ssk
+            else:
+                xk = _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
+                                  pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES,
+                                  w_ptr.dtype.element_ty, MERGE_X, HEAD_D, BLOCK_DV, BLOCK_S)
             wmask = cmask[:, None] & kmask[None, :]
             # Both weight tiles are loaded before either is used, so that their latencies overlap.
             w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
@@ -342,19 +391,34 @@ if HAS_TRITON:
             tl.store(ws_ptr + pid_k * BLOCK_M * wcols + wrow, acc)
             if SILU_MUL:
                 tl.store(ws_ptr + pid_k * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N, acc_up)
+            # ONE_PASS: this slice's sums of squares too, after the accumulators: [n_tiles, SPLIT_K, BLOCK_M].
+            ss_base = ws_ptr + SPLIT_K * BLOCK_M * wcols + pid * SPLIT_K * BLOCK_M
+            if ONE_PASS and HAS_NORM:
+                tl.store(ss_base + pid_k * BLOCK_M + rows, ss1)
             tl.debug_barrier()
             done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
             if done == SPLIT_K - 1:
                 tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (or graph replay)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                ss_all = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for sk in range(SPLIT_K):
                     acc += tl.load(ws_ptr + sk * BLOCK_M * wcols + wrow, cache_modifier=".cg")
                     if SILU_MUL:
                         acc_up += tl.load(ws_ptr + sk * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N,
                                           cache_modifier=".cg")
+                    if ONE_PASS and HAS_NORM:
+                        ss_all += tl.load(ss_base + sk * BLOCK_M + rows, cache_modifier=".cg")
+                if ONE_PASS and HAS_NORM:
+                    r_all = 1.0 / tl.sqrt(ss_all / K + eps)
+                    acc = acc * r_all[:, None]
+                    acc_up = acc_up * r_all[:, None]
                 _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
         else:
+            if ONE_PASS and HAS_NORM:
+                r1 = 1.0 / tl.sqrt(ss1 / K + eps)
+                acc = acc * r1[:, None]
+                acc_up = acc_up * r1[:, None]
             _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
 
 
@@ -363,11 +427,14 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      block_n: Optional[int] = None, block_k: Optional[int] = None,
                      config: Optional[GemvConfig] = None,
                      pdl: Optional[bool] = None,
-                     peel: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     peel: Optional[bool] = None,
+                     one_pass: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
-    load the first weight and norm-weight tiles before the input (before the PDL wait)."""
+    load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
+    one_pass_norm_default() for 2+ rows with a norm): the row scale of the norm applied after the loop
+    instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -387,14 +454,15 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     bk = max(16, cfg.block_k)
     n_tiles = triton.cdiv(N, bn)
     split_k = cfg.split_k if block_m > 1 else 1
+    one_pass = norm_weight is not None and block_m > 1 and one_pass_norm_default() if one_pass is None else one_pass
     dummy = x
     ws = cnt = dummy
     k_per_split = K
     if split_k > 1:
         peel = False  # the peeled tile is the first of all of K
         k_per_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk
-        ws = torch.empty(split_k * block_m * n_tiles * bn * (2 if silu_mul else 1), dtype=torch.float32,
-                         device=x.device)
+        ws = torch.empty(split_k * block_m * n_tiles * bn * (2 if silu_mul else 1)
+                         + (n_tiles * split_k * block_m if one_pass else 0), dtype=torch.float32, device=x.device)
         cnt = _split_counters(x.device, n_tiles)
     _norm_gemv_kernel[(n_tiles, split_k)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -406,7 +474,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
-        PEEL=peel, SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
+        PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 

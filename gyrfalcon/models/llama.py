@@ -13,7 +13,7 @@ from torch import nn
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
-from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS
+from gyrfalcon.kernels.small_m_gemv import norm_gemv_rows
 from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
@@ -124,10 +124,13 @@ class LlamaDecoderLayer(nn.Module):
         # biases are not part of that kernel.
         self.small_m_gemv = small_m_gemv_enabled() and self.self_attn.qkv_proj.bias is None \
             and self.mlp.gate_up_proj.bias is None
+        # Rows up to which each norm folds into the GEMV after it (single rows unless
+        # GYRFALCON_NORM_GEMV_ROWS / GYRFALCON_NORM_GEMV_GATE_UP_ROWS raise them).
+        self.norm_rows_qkv, self.norm_rows_gate_up = norm_gemv_rows()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.small_m_gemv and hidden.shape[0] <= GEMV_MAX_ROWS:
+        if self.small_m_gemv and hidden.shape[0] <= max(self.norm_rows_qkv, self.norm_rows_gate_up):
             return self._forward_small_m(positions, hidden, residual)
         # The residual stream is carried separately so each norm fuses the preceding add.
         if residual is None:
@@ -142,13 +145,25 @@ class LlamaDecoderLayer(nn.Module):
     def _forward_small_m(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Same math, fewer launches: [add +] norm + qkv in one kernel, norm + gate_up + SiLU-and-mul
-        in another."""
+        in another (each where the batch fits its norm_gemv_rows; otherwise the norm, then the layer)."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps)
-        residual = hidden if residual is None else new_residual
+        rows = hidden.shape[0]
+        if rows <= self.norm_rows_qkv:
+            qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps)
+            residual = hidden if residual is None else new_residual
+        else:
+            if residual is None:
+                residual, normed = hidden, ln1(hidden)
+            else:
+                normed, residual = ln1(hidden, residual)
+            qkv = self.self_attn.qkv_proj(normed)
         hidden = self.self_attn(positions, None, qkv=qkv)
-        act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
-                                  silu_mul=True)
+        if rows <= self.norm_rows_gate_up:
+            act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
+                                      silu_mul=True)
+        else:
+            normed, residual = ln2(hidden, residual)
+            act = self.mlp.act(self.mlp.gate_up_proj(normed))
         return self.mlp.down_proj(act), residual
 
 

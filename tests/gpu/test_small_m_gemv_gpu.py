@@ -18,8 +18,10 @@ SHAPES = {  # (K, N, silu): Llama-3.1-8B's qkv, o, gate_up, down; Qwen3-0.6B's q
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("M", [1, 8, 16])
-def test_matches_reference(name, M):
+@pytest.mark.parametrize("M,one_pass", [(1, None), (8, None), (16, None), (16, False), (64, None)])
+def test_matches_reference(name, M, one_pass):
+    """Default launch shapes; rows > 1 with a norm apply its rstd after the loop (one pass) unless
+    one_pass=False."""
     K, N, silu = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -29,7 +31,7 @@ def test_matches_reference(name, M):
     norm = name.endswith(("qkv", "gate_up"))
     kw = dict(norm_weight=nw if norm else None, residual=r if norm else None, silu_mul=silu)
     y_ref, r_ref = norm_gemv_ref(x, w, **kw)
-    y, r_new = norm_gemv_triton(x, w, **kw)
+    y, r_new = norm_gemv_triton(x, w, one_pass=one_pass, **kw)
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
     if norm:
         torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)

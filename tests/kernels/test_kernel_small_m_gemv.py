@@ -197,3 +197,29 @@ def test_peel_switch(monkeypatch):
         seen.clear()
         norm_gemv_triton(x, w, pdl=pdl, peel=peel)
         assert seen == [want], (env, pdl, peel)
+
+
+@pytest.mark.parametrize("M", [3, 16])
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("peel", [False, True])
+@pytest.mark.parametrize("mode", ["norm", "norm+res", "norm+res+silu"])
+def test_one_pass_norm_matches_unfused(M, one_pass, peel, mode):
+    """Rows > 1 with a norm: the rows' rstd applied after the loop (one pass over the input, the default)
+    or from a first pass (GYRFALCON_GEMV_ONE_PASS_NORM=0), with and without the peeled first tile."""
+    silu = mode.endswith("silu")
+    x, r, w, nw = _data(M, 200, 48, torch.float32, silu)
+    kw = dict(norm_weight=nw, residual=r if "res" in mode else None, eps=1e-6, silu_mul=silu)
+    y_ref, r_ref = norm_gemv_ref(x, w, **kw)
+    y, r_new = norm_gemv_triton(x, w, block_n=16, block_k=32, peel=peel, one_pass=one_pass, **kw)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    if "res" in mode:
+        torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
+
+
+def test_one_pass_norm_switch(monkeypatch):
+    from gyrfalcon.kernels.small_m_gemv import one_pass_norm_default
+
+    monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM", raising=False)
+    assert one_pass_norm_default()
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM", "0")
+    assert not one_pass_norm_default()

@@ -176,3 +176,18 @@ def test_small_m_gemv_path_parity(tiny_ckpt, hf_refs, monkeypatch):
     for step, entry in enumerate(out.outputs[0].logprobs):
         got = torch.tensor([entry[t].logprob for t in range(vocab)])
         torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_rows,gate_up_rows", [(16, 1), (1, 16), (16, 16), (3, 8)])
+def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_up_rows):
+    """GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS route multi-row batches (decode batches and short prompt
+    chunks) through the norm-into-GEMV code for qkv, gate_up or both, the rest through the norm and the
+    layer: same tokens as transformers."""
+    monkeypatch.setenv("GYRFALCON_NORM_GEMV_ROWS", str(qkv_rows))
+    monkeypatch.setenv("GYRFALCON_NORM_GEMV_GATE_UP_ROWS", str(gate_up_rows))
+    _, _, refs = hf_refs
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert (layer.norm_rows_qkv, layer.norm_rows_gate_up) == (qkv_rows, gate_up_rows)
+    outs = _greedy(llm, [r[0] for r in refs])
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
