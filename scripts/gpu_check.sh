@@ -27,6 +27,8 @@
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   rows9        several heads per fused_qkv_prep program in prefills vs one (GYRFALCON_QKV_PREP_HEADS=1), and the
 #                rows on the final commit of session 9
+#   normrows     the one-pass norm in the GEMV at 8-64 rows: sweep vs RMSNorm + cuBLAS, Llama b16 / b64 with qkv
+#                (GYRFALCON_NORM_GEMV_ROWS) and gate_up (GYRFALCON_NORM_GEMV_GATE_UP_ROWS) through it
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
@@ -226,6 +228,23 @@ if has rows9; then  # session 9: several heads per fused_qkv_prep program in pre
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
   step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
+fi
+if has normrows; then  # session 9, unmeasured: the one-pass norm (small_m_gemv ONE_PASS) at 8-64 rows against RMSNorm +
+  # cuBLAS (the sweep), then batch-16 / 64 steps with qkv (GYRFALCON_NORM_GEMV_ROWS) and gate_up (_GATE_UP_ROWS) through it
+  step gpu_norm_kernels 120 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -p no:cacheprovider
+  step gpu_norm_tokens 200 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 python3 -m pytest -q \
+    tests/gpu/test_model_gpu.py -k "graphs and not prefill and not logits" -p no:cacheprovider
+  step norm_sweep 200 python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 64 \
+    --shapes l8_qkv l8_gate_up q06_qkv q06_gate_up --output-json "$R/small_m_gemv_sweep_one_pass.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 16 64; do
+    l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
+    step lat_l8_b$B 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
+    step lat_l8_b${B}_normqkv 90 env GYRFALCON_NORM_GEMV_ROWS=$B $l8 --profile \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_normqkv.json"
+    step lat_l8_b${B}_normboth 90 env GYRFALCON_NORM_GEMV_ROWS=$B GYRFALCON_NORM_GEMV_GATE_UP_ROWS=$B $l8 \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_normboth.json"
+  done
 fi
 if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side in one call: the throughput row and
   # Llama-8B b64. AB_OLD: a folder holding the older gyrfalcon/ package, AB_OLD_COMMIT: its hash. Prepare it here and
