@@ -29,6 +29,7 @@
 #                rows on the final commit of session 9
 #   normrows     the one-pass norm in the GEMV at 8-64 rows: sweep vs RMSNorm + cuBLAS, Llama b16 / b64 with qkv
 #                (GYRFALCON_NORM_GEMV_ROWS) and gate_up (GYRFALCON_NORM_GEMV_GATE_UP_ROWS) through it
+#   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
@@ -245,6 +246,10 @@ if has normrows; then  # session 9, unmeasured: the one-pass norm (small_m_gemv 
     step lat_l8_b${B}_normboth 90 env GYRFALCON_NORM_GEMV_ROWS=$B GYRFALCON_NORM_GEMV_GATE_UP_ROWS=$B $l8 \
       --output-json "$R/latency_llama-3.1-8b_b${B}_normboth.json"
   done
+fi
+if has prefillsweep; then  # prefill attention's launch shapes on batches of short prompts (64 x 128 tokens: the b64 TTFT)
+  step prefill_short_sweep 150 python3 benchmarks/kernels.py --prefill-short-sweep \
+    --output-json "$R/prefill_attention_short_sweep.json"
 fi
 if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side in one call: the throughput row and
   # Llama-8B b64. AB_OLD: a folder holding the older gyrfalcon/ package, AB_OLD_COMMIT: its hash. Prepare it here and
