@@ -204,6 +204,20 @@ if HAS_TRITON:
         return x.to(OUT_DTYPE)[None, :]
 
     @triton.jit
+    def _load_x_res(x_ptr, r_ptr, r_out_ptr, rows, rmask, kk, kmask, stride_x, stride_r, stride_ro, write_res,
+                    HAS_RES: tl.constexpr):
+        """Input tile [BLOCK_M, BLOCK_K] of x (+ residual: added in fp32, rounded once to the activation
+        dtype, as the unfused add does); write_res: this program also stores the new residual's tile."""
+        m2 = rmask[:, None] & kmask[None, :]
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+        if HAS_RES:
+            rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+            xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if write_res:
+                tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
+        return xk
+
+    @triton.jit
     def _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                      pacc_ptr, pml_ptr, n_active, num_splits,
                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -216,11 +230,7 @@ if HAS_TRITON:
             xk = _merged_x_tile(pacc_ptr, pml_ptr, kk, kmask, n_active, num_splits, HEAD_D, BLOCK_DV, BLOCK_S,
                                 OUT_DTYPE)
         else:
-            m2 = rmask[:, None] & kmask[None, :]
-            xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-            if HAS_RES:
-                rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xk = _load_x_res(x_ptr, r_ptr, x_ptr, rows, rmask, kk, kmask, stride_x, stride_r, 0, False, HAS_RES)
             if HAS_NORM:
                 xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(OUT_DTYPE)
         return xk
@@ -230,17 +240,17 @@ if HAS_TRITON:
                               write_res, HAS_RES: tl.constexpr, OUT_DTYPE: tl.constexpr):
         """ONE_PASS's input tile: (x [+ residual] times the norm weight only, in the weight dtype; the rows'
         sums of squares over this tile, fp32 [BLOCK_M]). The row scale rstd is applied to the accumulators
-        after the loop. write_res: this program also stores the new residual's tile."""
-        m2 = rmask[:, None] & kmask[None, :]
-        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-        if HAS_RES:
-            # Add in fp32, round once to the activation dtype (as the unfused add does).
-            rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-            xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if write_res:
-                tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
+        after the loop (_apply_rstd). write_res: this program also stores the new residual's tile."""
+        xk = _load_x_res(x_ptr, r_ptr, r_out_ptr, rows, rmask, kk, kmask, stride_x, stride_r, stride_ro, write_res,
+                         HAS_RES)
         xf = xk.to(tl.float32)
         return (xf * nw[None, :]).to(OUT_DTYPE), tl.sum(xf * xf, axis=1)
+
+    @triton.jit
+    def _apply_rstd(acc, acc_up, ss, K, eps):
+        """ONE_PASS's end: both accumulators [BLOCK_M, BLOCK_N] times each row's rstd, from its sum of squares."""
+        r = 1.0 / tl.sqrt(ss / K + eps)
+        return acc * r[:, None], acc_up * r[:, None]
 
     @triton.jit
     def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -321,9 +331,9 @@ if HAS_TRITON:
             gdc_launch_dependents()
             gdc_wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-        # ONE_PASS (with HAS_NORM): no pass 1. RMSNorm scales each row by one number, so the loop below runs
-        # on x * norm_weight, sums the squares of the x tiles it loads anyway, and scales the accumulators
-        # by rstd at the end: the norm costs no extra trip over K (pass 1 is a chain of K / BLOCK_K loads
+        # ONE_PASS (set only with HAS_NORM): no pass 1. RMSNorm scales each row by one number, so the loop
+        # below runs on x * norm_weight, sums the squares of the x tiles it loads anyway, and scales the
+        # accumulators by rstd at the end: the norm costs no extra trip over K (pass 1 is a chain of K / BLOCK_K loads
         # ahead of the first weight tile, which made the fused norm lose to cuBLAS at 4-64 rows).
         ss1 = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_NORM and not ONE_PASS:
@@ -334,14 +344,8 @@ if HAS_TRITON:
             kn = tl.arange(0, NORM_BLOCK)
             for k0 in range(0, K, NORM_BLOCK):
                 kk = k0 + kn
-                m2 = rmask[:, None] & (kk[None, :] < K)
-                xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-                if HAS_RES:
-                    # Add in fp32, round once to the activation dtype (as the unfused add does).
-                    rk = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    if (pid == 0) & (pid_k == 0):
-                        tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], xk, mask=m2)
+                xk = _load_x_res(x_ptr, r_ptr, r_out_ptr, rows, rmask, kk, kk < K, stride_x, stride_r, stride_ro,
+                                 (pid == 0) & (pid_k == 0), HAS_RES)
                 xf = xk.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -349,7 +353,7 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         K_START: tl.constexpr = BLOCK_K if PEEL else 0
         if PEEL:
-            if ONE_PASS and HAS_NORM:
+            if ONE_PASS:
                 xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw0, rows, rmask, ks, kmask0, stride_x,
                                                 stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
                 ss1 += ssk
@@ -366,7 +370,7 @@ if HAS_TRITON:
             nw = 0.0
             if HAS_NORM:
                 nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            if ONE_PASS and HAS_NORM:
+            if ONE_PASS:
                 xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw, rows, rmask, kk, kmask, stride_x,
                                                 stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
                 ss1 += ssk
@@ -393,7 +397,7 @@ if HAS_TRITON:
                 tl.store(ws_ptr + pid_k * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N, acc_up)
             # ONE_PASS: this slice's sums of squares too, after the accumulators: [n_tiles, SPLIT_K, BLOCK_M].
             ss_base = ws_ptr + SPLIT_K * BLOCK_M * wcols + pid * SPLIT_K * BLOCK_M
-            if ONE_PASS and HAS_NORM:
+            if ONE_PASS:
                 tl.store(ss_base + pid_k * BLOCK_M + rows, ss1)
             tl.debug_barrier()
             done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
@@ -407,18 +411,14 @@ if HAS_TRITON:
                     if SILU_MUL:
                         acc_up += tl.load(ws_ptr + sk * BLOCK_M * wcols + wrow + tl.num_programs(0) * BLOCK_N,
                                           cache_modifier=".cg")
-                    if ONE_PASS and HAS_NORM:
+                    if ONE_PASS:
                         ss_all += tl.load(ss_base + sk * BLOCK_M + rows, cache_modifier=".cg")
-                if ONE_PASS and HAS_NORM:
-                    r_all = 1.0 / tl.sqrt(ss_all / K + eps)
-                    acc = acc * r_all[:, None]
-                    acc_up = acc_up * r_all[:, None]
+                if ONE_PASS:
+                    acc, acc_up = _apply_rstd(acc, acc_up, ss_all, K, eps)
                 _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
         else:
-            if ONE_PASS and HAS_NORM:
-                r1 = 1.0 / tl.sqrt(ss1 / K + eps)
-                acc = acc * r1[:, None]
-                acc_up = acc_up * r1[:, None]
+            if ONE_PASS:
+                acc, acc_up = _apply_rstd(acc, acc_up, ss1, K, eps)
             _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
 
 
@@ -454,7 +454,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     bk = max(16, cfg.block_k)
     n_tiles = triton.cdiv(N, bn)
     split_k = cfg.split_k if block_m > 1 else 1
-    one_pass = norm_weight is not None and block_m > 1 and one_pass_norm_default() if one_pass is None else one_pass
+    # (ONE_PASS only with a norm: the kernel checks ONE_PASS alone.)
+    one_pass = norm_weight is not None and (block_m > 1 and one_pass_norm_default() if one_pass is None else one_pass)
     dummy = x
     ws = cnt = dummy
     k_per_split = K

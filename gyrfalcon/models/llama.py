@@ -13,8 +13,7 @@ from torch import nn
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
-from gyrfalcon.kernels.small_m_gemv import norm_gemv_rows
-from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv
+from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
                                         merge_into_o_proj_enabled, small_m_gemv_enabled)
