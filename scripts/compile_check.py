@@ -155,14 +155,15 @@ def cases(mods):
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
 
-        def prefill(kv_dtype):
-            def run():
+        def prefill(kv_dtype, max_query_len=None):
+            def run():  # (max_query_len None: the 512 tokens bound it, so the short-query tiles)
                 q = torch.zeros(512, H, D, dtype=bf)
                 kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype)
                 bt = torch.zeros(4, 32, dtype=torch.int32)
                 sl = torch.full((4,), 128, dtype=torch.int32)
                 qsl = torch.arange(0, 513, 128, dtype=torch.int32)
-                return PA.paged_attention_triton(q, kc, torch.zeros_like(kc), bt, sl, qsl, D ** -0.5)
+                return PA.paged_attention_triton(q, kc, torch.zeros_like(kc), bt, sl, qsl, D ** -0.5,
+                                                 max_query_len=max_query_len)
             return run
 
         def store(kv_dtype):
@@ -172,6 +173,9 @@ def cases(mods):
                 return S.store_kv_triton(k, k, kc, torch.zeros_like(kc), torch.zeros(512, dtype=torch.int64))
             return run
         out += [(f"{name} prefill attention, {t}", prefill(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
+        # A long prompt's tiles (a host max_query_len above paged_attention.SHORT_QUERY).
+        out += [(f"{name} prefill attention, long-query tiles, {t}", prefill(dt, 2048))
+                for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
         out += [(f"{name} KV store, {t}", store(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
 
         def merged(pdl):

@@ -31,6 +31,9 @@
 #                (GYRFALCON_NORM_GEMV_ROWS) and gate_up (GYRFALCON_NORM_GEMV_GATE_UP_ROWS) through it
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
+#   mixed10      a throughput run's mixed step (prompt chunks beside ~290 decoders) profiled beside its halves
+#                (benchmarks/mixed_step.py); prefill attention's short-query tiles: GPU tests, Llama b64 and
+#                Qwen b16 TTFT with them and without (GYRFALCON_PREFILL_SHORT_TILES=0)
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -268,6 +271,22 @@ if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side 
     step tput_l8_old 300 $old $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_old.json"
     step tput_l8_new 300 $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_new.json"
   fi
+fi
+if has mixed10; then  # session 10: where the throughput run's prefill steps go; the short-query prefill tiles
+  step gpu_short_tiles 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
+    -k "paged_attention or qkv_prep or matches_reference" -p no:cacheprovider
+  step gpu_prefill_tokens 180 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "prefill" -p no:cacheprovider
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step mixed_step 120 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --output-json "$R/mixed_step_llama-3.1-8b.json"
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
+  step lat_l8_b64 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b64.json"
+  step lat_l8_b64_longtiles 90 env GYRFALCON_PREFILL_SHORT_TILES=0 $l8 --profile \
+    --output-json "$R/latency_llama-3.1-8b_b64_longtiles.json"
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16"
+  step lat_q06_b16 60 $q06 --output-json "$R/latency_qwen3-0.6b_b16.json"
+  step lat_q06_b16_longtiles 60 env GYRFALCON_PREFILL_SHORT_TILES=0 $q06 \
+    --output-json "$R/latency_qwen3-0.6b_b16_longtiles.json"
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

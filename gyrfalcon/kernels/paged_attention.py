@@ -11,6 +11,8 @@ Returns o: [num_tokens, num_heads, head_dim_v] in q.dtype.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
@@ -225,14 +227,28 @@ if HAS_TRITON:
         )
 
 
-def _prefill_config(head_dim: int, group: int):
+SHORT_QUERY = 512  # queries up to this long take _prefill_config's short-query tiles
+
+
+def _prefill_config(head_dim: int, group: int, max_query_len: int | None = None):
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages), chosen from shapes only (no autotune:
-    autotuning would benchmark inside CUDA-graph capture and differ between runs)."""
+    autotuning would benchmark inside CUDA-graph capture and differ between runs). max_query_len: the
+    longest query of the launch when the host knows it (a bound on it is enough)."""
     if head_dim <= 64:
         return 128, 64, 4, 2
     if head_dim <= 128:
+        # H200 prefill-short sweep (run 1 of 2026-12-01, Llama-8B heads): with queries of up to 512
+        # tokens, 32-key tiles and 3 stages win (64 x 128 tokens 98.8 vs 124.4 us, 16 x 128 32.7 vs
+        # 37.3, 4 x 512 58.2 vs 59.0) and lose on one 2048-token prompt (155.5 vs 142.9).
+        if max_query_len is not None and max_query_len <= SHORT_QUERY and short_query_tiles():
+            return 64, 32, 4, 3
         return 64, 64, 4, 2  # H200 sweep (bf16, 32/8 heads, 8k causal): best of 6 configs
     return 64, 32, 8, 2
+
+
+def short_query_tiles() -> bool:
+    """GYRFALCON_PREFILL_SHORT_TILES=0: the long-prompt tiles for every launch (an A/B switch)."""
+    return os.environ.get("GYRFALCON_PREFILL_SHORT_TILES", "1") != "0"
 
 
 def paged_attention_triton(
@@ -254,7 +270,8 @@ def paged_attention_triton(
     """Triton flash-attention over the paged cache; same contract as paged_attention_ref.
 
     The grid is sized from shapes alone (num_tokens // BLOCK_Q + num_seqs q blocks), so no host sync
-    happens and max_query_len / max_seq_len are accepted but not needed. block_m / block_n override
+    happens; max_query_len (a host int, or None: num_tokens bounds it) picks the short-query tiles,
+    max_seq_len is accepted but not needed. block_m / block_n override
     the tile sizes (tests use small ones to cover many tiles cheaply); num_warps / num_stages
     likewise override the launch config (benchmarks sweep them).
     """
@@ -269,7 +286,8 @@ def paged_attention_triton(
     o = torch.empty(num_tokens, n_heads, dv, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return o
-    bm, bn, nw, ns = _prefill_config(max(dk, dv), group)
+    # Without a host-side max_query_len, the token count bounds every query (no sync to learn more).
+    bm, bn, nw, ns = _prefill_config(max(dk, dv), group, num_tokens if max_query_len is None else max_query_len)
     bm, bn, nw, ns = block_m or bm, block_n or bn, num_warps or nw, num_stages or ns
     group_p2 = next_pow2(group)
     # BLOCK_Q tokens x GROUP heads per program; at least 16 rows for tl.dot.

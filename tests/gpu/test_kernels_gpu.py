@@ -172,6 +172,21 @@ def test_paged_attention_ragged(head_dim, n_heads, n_kv):
     torch.testing.assert_close(paged_attention(q, kc, vc, bt, sl, qsl, scale, 1500, 8192), want, **TOL)
 
 
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (128, 16, 8)])
+def test_paged_attention_short_queries(head_dim, n_heads, n_kv):
+    # Queries of at most paged_attention.SHORT_QUERY tokens take their own tiles: batches of short fresh
+    # prompts, a 512-token chunk over a cached prefix, decode and verify rows.
+    q_lens = [128] * 8 + [512, 1, 4, 77]
+    seq_lens = [128] * 8 + [3000, 4097, 260, 77]
+    kc, vc, bt = _paged(seq_lens, n_kv, head_dim, 16)
+    q = torch.randn(sum(q_lens), n_heads, head_dim, device=DEV, dtype=BF16)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    scale = head_dim ** -0.5
+    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale)
+    torch.testing.assert_close(paged_attention(q, kc, vc, bt, sl, qsl, scale, 512, 4097), want, **TOL)
+
+
 def test_paged_attention_matches_sdpa_fresh_prefill():
     # Independent check against PyTorch's own causal attention on dense K/V.
     T = 4096

@@ -67,6 +67,28 @@ def test_triton_head_dims(head_dim, block_size):
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
 
 
+def test_prefill_tiles_by_query_length(monkeypatch):
+    from gyrfalcon.kernels.paged_attention import SHORT_QUERY, _prefill_config
+
+    short, long_ = _prefill_config(128, 4, SHORT_QUERY), _prefill_config(128, 4, SHORT_QUERY + 1)
+    assert short != long_ and short[1] < long_[1]  # short queries: fewer keys per tile
+    assert _prefill_config(128, 4, None) == long_  # nothing known: the long-prompt tiles
+    monkeypatch.setenv("GYRFALCON_PREFILL_SHORT_TILES", "0")
+    assert _prefill_config(128, 4, 16) == long_
+
+
+@requires_triton
+@pytest.mark.parametrize("max_query_len", [None, 7, 4096], ids=["bound_by_tokens", "short", "long_tiles"])
+def test_triton_head_dim_128_short_and_long_tiles(max_query_len):
+    # Both tile choices of head_dim 128 on the same ragged batch (a max_query_len above the real one is a
+    # valid bound, so 4096 forces the long-prompt tiles on it).
+    q_lens, seq_lens = [7, 1, 3], [40, 70, 3]
+    q, kc, vc, bt, sl, qsl, _, _ = _batch(q_lens, seq_lens, 8, 2, 128, 16, torch.bfloat16)
+    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, 128 ** -0.5)
+    got = paged_attention_triton(q, kc, vc, bt, sl, qsl, 128 ** -0.5, max_query_len=max_query_len)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
+
+
 @requires_triton
 def test_triton_default_tiles_non_pow2_group_and_v_dim():
     # 6 query heads per kv head (not a power of two) and a V head dim different from K's.

@@ -1,0 +1,147 @@
+"""Where a throughput run's prefill steps go: one step that mixes prompt chunks with many decoding sequences,
+profiled by kernel, beside its two halves run alone (the same prompts' prefill with no decoders, and a
+decode step of the same decoders).
+
+The throughput row (768 x 1024/1024, bench throughput) spends about a third of its time in ~100 such
+steps at ~43% of their floor (run 2 of 2026-12-01: 267 ms each for ~7.9k prompt tokens beside ~290
+decoders), against ~74% for its decode steps. If the mixed step costs about what its halves cost, the
+lever is the GEMMs' rate; if it costs more, the excess is in how the decoders ride along (their
+attention runs in the prefill kernel, one query per sequence).
+
+python3 benchmarks/mixed_step.py --model DIR [--decoders 288] [--prompts 8] [--input-len 1024]
+    [--max-num-seqs 384] [--output-json FILE]
+On a CPU (the tests) it profiles CPU ops instead of CUDA kernels, which checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gyrfalcon.bench.common import random_prompts, run_info
+from gyrfalcon.llm import LLM
+from gyrfalcon.sampling_params import SamplingParams
+
+
+def _profiled_step(engine, label: str) -> dict:
+    """Run one engine step under the profiler: wall ms (synchronized), device busy / span ms, top kernels."""
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if cuda:
+        torch.cuda.synchronize()
+    schedule, seen = engine.scheduler.schedule, []
+
+    def recorded():
+        seen.append(schedule())
+        return seen[-1]
+    engine.scheduler.schedule = recorded
+    t0 = time.perf_counter()
+    try:
+        with profile(activities=acts) as prof:
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        del engine.scheduler.schedule  # back to the class's method
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    # What the step held: sequences that decoded one token, and the prompt tokens of the others.
+    decode_rows = sum(1 for sr in seen[0].reqs if sr.num_new_tokens == 1)
+    prompt_tokens = sum(sr.num_new_tokens for sr in seen[0].reqs if sr.num_new_tokens > 1)
+    want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    evs = [e for e in prof.events() if e.device_type == want
+           and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    times, counts = {}, {}
+    for e in evs:
+        times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
+        counts[e.name] = counts.get(e.name, 0) + 1
+    span = (max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)) / 1e3 if evs else 0.0
+    top = sorted(times, key=lambda n: -times[n])[:10]
+    out = {"label": label, "decode_rows": decode_rows, "prompt_tokens": prompt_tokens,
+           "wall_ms": wall_ms, "kernels": len(evs),
+           "busy_ms": sum(times.values()) / 1e3 if cuda else None, "span_ms": span if cuda else None,
+           "top": [[n[:80], counts[n], round(times[n] / 1e3, 3)] for n in top]}
+    busy = f"busy {out['busy_ms']:.2f} ms of a {span:.2f} ms span, " if cuda else ""
+    print(f"{label}: {decode_rows} decode rows, {prompt_tokens} prompt tokens; wall {wall_ms:.2f} ms, "
+          f"{busy}{len(evs)} events", flush=True)
+    for n, c, ms in out["top"]:
+        print(f"    {ms:9.3f} ms {c:5d}x  {n}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--decoders", type=int, default=288)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=384)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    # Synchronous steps: each profiled step is one launch and its own read-back (async scheduling overlaps the
+    # host's bookkeeping with the device, which does not change the kernels a step runs).
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=False)
+    engine = llm.engine
+    vocab = llm.config.model_config.hf_config.vocab_size
+    budget = llm.config.scheduler_config.max_num_batched_tokens
+    if args.prompts * args.input_len > budget:
+        print(f"--prompts x --input-len ({args.prompts * args.input_len}) exceeds the step's token budget "
+              f"({budget}): the prompts would not fit one step", file=sys.stderr)
+        return 2
+    prompts = random_prompts(args.decoders + 2 * args.prompts + 2, args.input_len, vocab, args.seed)
+    warm, fresh_a, fresh_b = prompts[:2], prompts[2:2 + args.prompts], prompts[2 + args.prompts:2 + 2 * args.prompts]
+    decoders = prompts[2 + 2 * args.prompts:]
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True), use_tqdm=False)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    # 1. The prompts alone: one prefill step, no decoders.
+    for i, p in enumerate(fresh_a):
+        engine.add_request(f"alone-{i}", p, one)
+    results = {"prefill_alone": _profiled_step(engine, f"prefill alone ({args.prompts} x {args.input_len})")}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # 2. Decoders: prefill them (unprofiled), then one decode step of all of them alone.
+    max_new = llm.config.model_config.max_model_len - args.input_len - 8
+    long = SamplingParams(temperature=0, max_tokens=max(16, min(512, max_new)), ignore_eos=True)
+    for i, p in enumerate(decoders):
+        engine.add_request(f"dec-{i}", p, long)
+    for _ in range(10_000):  # until every decoder's prompt is in the cache
+        engine.step()
+        reqs = engine.scheduler.running
+        if not engine.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+            break
+    engine.step()  # every decoder has its first token now
+    results["decode_alone"] = _profiled_step(engine, f"decode alone ({len(decoders)} sequences)")
+
+    # 3. The other prompts beside the same decoders: one mixed step.
+    for i, p in enumerate(fresh_b):
+        engine.add_request(f"mixed-{i}", p, one)
+    results["mixed"] = _profiled_step(engine, f"mixed ({args.prompts} x {args.input_len} + {len(decoders)} decoders)")
+    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort_request(r.request_id)
+    a, d, m = (results[k]["span_ms"] if torch.cuda.is_available() else results[k]["wall_ms"]
+               for k in ("prefill_alone", "decode_alone", "mixed"))
+    results["excess_ms"] = m - (a + d)
+    print(f"mixed step {m:.2f} ms vs prefill alone {a:.2f} + decode alone {d:.2f} = {a + d:.2f} ms: "
+          f"excess {m - a - d:+.2f} ms", flush=True)
+    payload = {**run_info(args), "decoders": len(decoders), "prompts": args.prompts, "input_len": args.input_len,
+               "token_budget": budget, "results": results}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
