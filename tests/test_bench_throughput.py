@@ -43,6 +43,10 @@ def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     assert sum(d["floor_s"] for d in bk.values()) == pytest.approx(fl["floor_s"])
     assert 0 < sum(d["wall_s"] for d in bk.values()) <= g["elapsed_s"]
     assert 1 <= bk["decode"]["mean_rows"] <= 4
+    # Host time per phase of each kind's steps (a real run: every phase took some time).
+    for d in bk.values():
+        assert set(d["host_ms_per_step"]) == {"schedule", "launch", "complete"}
+        assert all(v > 0 for v in d["host_ms_per_step"].values())
     printed = capsys.readouterr().out
     assert "of the roofline" in printed and "decode steps:" in printed
 
@@ -61,6 +65,10 @@ def test_step_floor_by_kind():
     assert bk["decode"]["steps"] == 1 and bk["decode"]["wall_s"] == pytest.approx(0.1)
     assert bk["decode"]["mean_rows"] == 2 and bk["decode"]["ms_per_step"] == pytest.approx(100.0)
     assert bk["decode"]["floor_s"] == pytest.approx(f.step_log[1][2])
+    host = {"launch": [0.002, 0.004, 0.008]}
+    bk = f.by_kind(10.0, [10.5, 10.6, 11.0], host)
+    assert bk["prefill"]["host_ms_per_step"] == {"launch": pytest.approx(5.0)}  # (2 + 8) / 2 steps
+    assert bk["decode"]["host_ms_per_step"] == {"launch": pytest.approx(4.0)}
 
 
 def test_hf_sampling_kwargs():

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 # H200 HBM read bandwidth measured on the benchmark machine (GPU.md): a reduction over 1 GiB.
 HBM_BYTES_PER_S = 4.15e12
@@ -72,24 +72,32 @@ class StepFloor:
         kind = "decode" if all(sr.num_new_tokens == 1 for sr in batch.reqs) else "prefill"
         self.step_log.append((kind, len(batch.reqs), step_floor))
 
-    def by_kind(self, start: float, done: list) -> dict:
+    def by_kind(self, start: float, done: list, host: Optional[dict] = None) -> dict:
         """Wall time and floor per kind of step. done: the host time at which each step's tokens were read
         back, in launch order (the engine completes steps in order); start: when the run began. The
         interval that ends at a step's read-back is charged to it: under async scheduling the next step is
-        already queued, so the intervals are the device's step times, as long as the host keeps up."""
+        already queued, so the intervals are the device's step times, as long as the host keeps up.
+        host: {phase: [seconds per step, in schedule order]} (schedule, launch, complete), reported as the
+        mean ms per step of each kind: a launch that takes as long as the device's step waited on it."""
         out: dict = {}
         prev = start
-        for (kind, rows, fl), t in zip(self.step_log, done):
+        for i, ((kind, rows, fl), t) in enumerate(zip(self.step_log, done)):
             d = out.setdefault(kind, {"steps": 0, "rows": 0, "wall_s": 0.0, "floor_s": 0.0})
             d["steps"] += 1
             d["rows"] += rows
             d["wall_s"] += t - prev
             d["floor_s"] += fl
+            for phase, times in (host or {}).items():
+                if i < len(times):
+                    d.setdefault("host_s", {}).setdefault(phase, 0.0)
+                    d["host_s"][phase] += times[i]
             prev = t
         for d in out.values():
             d["mean_rows"] = d["rows"] / d["steps"]
             d["roofline_fraction"] = d["floor_s"] / d["wall_s"] if d["wall_s"] > 0 else 0.0
             d["ms_per_step"] = d["wall_s"] / d["steps"] * 1e3
+            if "host_s" in d:
+                d["host_ms_per_step"] = {k: v / d["steps"] * 1e3 for k, v in d.pop("host_s").items()}
         return out
 
     def report(self, elapsed_s: float) -> dict:

@@ -46,18 +46,36 @@ def run_gyrfalcon(args) -> dict:
     scheduler = llm.engine.scheduler
     schedule = scheduler.schedule
 
+    # Host seconds per non-empty step in each phase (schedule, launch, complete: the read-back's wait), in
+    # schedule order like floor.step_log.
+    host = {"schedule": [], "launch": [], "complete": []}
+
     def counted():
+        t0 = time.perf_counter()
         batch = schedule()
+        if not batch.is_empty:
+            host["schedule"].append(time.perf_counter() - t0)
         floor.add(batch)
         return batch
     scheduler.schedule = counted
+    launch = runner.launch
+
+    def timed_launch(batch):
+        t0 = time.perf_counter()
+        handle = launch(batch)
+        if not batch.is_empty:
+            host["launch"].append(time.perf_counter() - t0)
+        return handle
+    runner.launch = timed_launch
     # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
     complete, done = runner.complete, []
 
     def timed_complete(handle):
+        t0 = time.perf_counter()
         out = complete(handle)
         if not handle.batch.is_empty:
             done.append(time.perf_counter())
+            host["complete"].append(done[-1] - t0)
         return out
     runner.complete = timed_complete
     if cuda:
@@ -69,7 +87,7 @@ def run_gyrfalcon(args) -> dict:
             torch.cuda.synchronize()
     finally:
         scheduler.schedule = schedule
-        del runner.complete  # back to the class's method
+        del runner.complete, runner.launch  # back to the class's methods
     elapsed = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -77,7 +95,7 @@ def run_gyrfalcon(args) -> dict:
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
-            "by_kind": floor.by_kind(t, done)}
+            "by_kind": floor.by_kind(t, done, host)}
 
 
 def run_hf_baseline(args) -> dict:
@@ -123,5 +141,7 @@ def main(args: argparse.Namespace) -> int:
     for kind, d in sorted(results["gyrfalcon"]["by_kind"].items()):
         print(f"  {kind} steps: {d['steps']} ({d['mean_rows']:.0f} sequences on average), {d['wall_s']:.1f} s, "
               f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
+        if "host_ms_per_step" in d:
+            print("    host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["host_ms_per_step"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
     return 0
