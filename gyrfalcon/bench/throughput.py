@@ -78,6 +78,7 @@ def run_gyrfalcon(args) -> dict:
             host["complete"].append(done[-1] - t0)
         return out
     runner.complete = timed_complete
+    before = torch.cuda.memory_stats() if cuda else {}
     if cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -89,13 +90,20 @@ def run_gyrfalcon(args) -> dict:
         scheduler.schedule = schedule
         del runner.complete, runner.launch  # back to the class's methods
     elapsed = time.perf_counter() - t
+    # The caching allocator's retries (a failed cudaMalloc, all cached blocks freed, which syncs the device,
+    # then a second try) and its device allocations during the run: either in a run's steps stalls the host.
+    alloc = {}
+    if cuda:
+        st = torch.cuda.memory_stats()
+        alloc = {k: st.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                              "num_device_free", "num_ooms")}
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     return {"engine": "gyrfalcon", "startup_s": startup, "elapsed_s": elapsed,
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
-            "by_kind": floor.by_kind(t, done, host)}
+            "by_kind": floor.by_kind(t, done, host), "allocator": alloc}
 
 
 def run_hf_baseline(args) -> dict:
@@ -143,5 +151,7 @@ def main(args: argparse.Namespace) -> int:
               f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
         if "host_ms_per_step" in d:
             print("    host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["host_ms_per_step"].items()))
+    if results["gyrfalcon"]["allocator"]:
+        print("  allocator during the run: " + ", ".join(f"{k} {v}" for k, v in results["gyrfalcon"]["allocator"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
     return 0
