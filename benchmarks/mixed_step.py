@@ -9,7 +9,10 @@ lever is the GEMMs' rate; if it costs more, the excess is in how the decoders ri
 attention runs in the prefill kernel, one query per sequence).
 
 python3 benchmarks/mixed_step.py --model DIR [--decoders 288] [--prompts 8] [--input-len 1024]
-    [--max-num-seqs 384] [--output-json FILE]
+    [--max-num-seqs 384] [--sync-debug] [--output-json FILE]
+--sync-debug: torch.cuda.set_sync_debug_mode("warn") during the profiled steps, so every operation that
+makes the host wait on the device is printed with its stack (bench throughput's prefill steps hold the host
+150-240 ms in launch(), run 36).
 On a CPU (the tests) it profiles CPU ops instead of CUDA kernels, which checks the plumbing only.
 """
 
@@ -28,6 +31,9 @@ from gyrfalcon.llm import LLM
 from gyrfalcon.sampling_params import SamplingParams
 
 
+SYNC_DEBUG = False  # --sync-debug on a GPU: warn at every host-device sync inside the profiled steps
+
+
 def _profiled_step(engine, label: str) -> dict:
     """Run one engine step under the profiler: wall ms (synchronized), device busy / span ms, top kernels."""
     cuda = torch.cuda.is_available()
@@ -35,19 +41,30 @@ def _profiled_step(engine, label: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     schedule, seen = engine.scheduler.schedule, []
+    launch, launch_s = engine.runner.launch, []
 
     def recorded():
         seen.append(schedule())
         return seen[-1]
-    engine.scheduler.schedule = recorded
+
+    def timed_launch(batch):
+        t = time.perf_counter()
+        handle = launch(batch)
+        launch_s.append(time.perf_counter() - t)
+        return handle
+    engine.scheduler.schedule, engine.runner.launch = recorded, timed_launch
     t0 = time.perf_counter()
     try:
         with profile(activities=acts) as prof:
+            if SYNC_DEBUG:
+                torch.cuda.set_sync_debug_mode("warn")
             engine.step()
+            if SYNC_DEBUG:
+                torch.cuda.set_sync_debug_mode("default")
             if cuda:
                 torch.cuda.synchronize()
     finally:
-        del engine.scheduler.schedule  # back to the class's method
+        del engine.scheduler.schedule, engine.runner.launch  # back to the classes' methods
     wall_ms = (time.perf_counter() - t0) * 1e3
     # What the step held: sequences that decoded one token, and the prompt tokens of the others.
     decode_rows = sum(1 for sr in seen[0].reqs if sr.num_new_tokens == 1)
@@ -62,12 +79,14 @@ def _profiled_step(engine, label: str) -> dict:
     span = (max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)) / 1e3 if evs else 0.0
     top = sorted(times, key=lambda n: -times[n])[:10]
     out = {"label": label, "decode_rows": decode_rows, "prompt_tokens": prompt_tokens,
-           "wall_ms": wall_ms, "kernels": len(evs),
+           "wall_ms": wall_ms, "launch_ms": launch_s[0] * 1e3, "kernels": len(evs),
            "busy_ms": sum(times.values()) / 1e3 if cuda else None, "span_ms": span if cuda else None,
            "top": [[n[:80], counts[n], round(times[n] / 1e3, 3)] for n in top]}
     busy = f"busy {out['busy_ms']:.2f} ms of a {span:.2f} ms span, " if cuda else ""
+    # launch_ms: the host's time to queue the step; near the device's span it means launch() waited on the
+    # device (a sync), far below it that the host ran ahead.
     print(f"{label}: {decode_rows} decode rows, {prompt_tokens} prompt tokens; wall {wall_ms:.2f} ms, "
-          f"{busy}{len(evs)} events", flush=True)
+          f"launch {out['launch_ms']:.2f} ms, {busy}{len(evs)} events", flush=True)
     for n, c, ms in out["top"]:
         print(f"    {ms:9.3f} ms {c:5d}x  {n}")
     return out
@@ -82,6 +101,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sync-debug", action="store_true")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -102,6 +122,8 @@ def main() -> int:
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4,
                                                                           ignore_eos=True), use_tqdm=False)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    global SYNC_DEBUG
+    SYNC_DEBUG = args.sync_debug and torch.cuda.is_available()
 
     # 1. The prompts alone: one prefill step, no decoders.
     for i, p in enumerate(fresh_a):

@@ -140,18 +140,25 @@ class SchedulerConfig:
     # vs 9,508 with 256 and 8,656 with 512 (which preempts: 512 x 2048 tokens outgrow the ~877k cached ones);
     # benchmarks/results/throughput_*-h200-2026-11-30-run2{5,6}.json.
     max_num_seqs: int = 384
-    max_num_batched_tokens: Optional[int] = None  # None: max(8192, max_model_len) capped sensibly
+    # None: 8192 tokens per step; 16384 for the offline LLM API on a GPU (vLLM's LLM class defaults to the
+    # same on large GPUs). Where prompts arrive in waves, every prefill step costs more than its GEMMs (the
+    # host is held ~150-240 ms in a prefill step's launch, run 36), so half as many steps win: 768
+    # Llama-3.1-8B requests of 1024 + 1024 tokens on the H200 ran at 10,095 output tok/s with 16384 vs 9,267
+    # with 8192 in one call (benchmarks/results/throughput_*-h200-2026-12-01-run36.json). A server keeps
+    # 8192: a larger prefill step stalls every running stream's next token for longer.
+    max_num_batched_tokens: Optional[int] = None
+    offline: bool = False  # the engine of the offline LLM API (see max_num_batched_tokens)
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before reading back step N's tokens (overlaps host and device).
     # None: on for a GPU (measured 1.18x at Qwen3-0.6B batch 1 on the H200), off on a CPU, whose
     # forward runs synchronously on the host and has nothing to overlap.
     async_scheduling: Optional[bool] = None
 
-    def resolve(self, max_model_len: int) -> None:
+    def resolve(self, max_model_len: int, device: str = "cpu") -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 8192
+            self.max_num_batched_tokens = 16384 if self.offline and device == "cuda" else 8192
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}.")
@@ -189,7 +196,7 @@ class EngineConfig:
                served_model_name: Optional[Union[str, List[str]]] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
-               async_scheduling: Optional[bool] = None) -> "EngineConfig":
+               async_scheduling: Optional[bool] = None, offline: bool = False) -> "EngineConfig":
         if model is None:
             model = default_model_path()
             if model is None:
@@ -207,7 +214,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              enable_chunked_prefill=enable_chunked_prefill,
-                                             async_scheduling=async_scheduling),
+                                             async_scheduling=async_scheduling, offline=offline),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device, enforce_eager=enforce_eager)
         cfg.resolve()
@@ -222,7 +229,7 @@ class EngineConfig:
         self.model_config.resolve(self.device)
         self.cache_config.verify()
         self.parallel_config.verify()
-        self.scheduler_config.resolve(self.model_config.max_model_len)
+        self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"
         if os.environ.get("GYRFALCON_ENFORCE_EAGER") == "1":

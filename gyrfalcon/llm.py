@@ -33,7 +33,7 @@ class LLM:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
             tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code,
-            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype)
+            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, offline=True)
         mc = self.config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))

@@ -34,6 +34,9 @@
 #   mixed10      a throughput run's mixed step (prompt chunks beside ~290 decoders) profiled beside its halves
 #                (benchmarks/mixed_step.py); prefill attention's short-query tiles: GPU tests, Llama b64 and
 #                Qwen b16 TTFT with them and without (GYRFALCON_PREFILL_SHORT_TILES=0)
+#   stall        what holds the host in a prefill step's launch (150-240 ms in run 36's throughput run): the mixed
+#                step with torch's sync debug mode (every host-device sync printed with its stack), then
+#                throughput at 384 prompts (all in one wave) with its host time per phase
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -287,6 +290,13 @@ if has mixed10; then  # session 10: where the throughput run's prefill steps go;
   step lat_q06_b16 60 $q06 --output-json "$R/latency_qwen3-0.6b_b16.json"
   step lat_q06_b16_longtiles 60 env GYRFALCON_PREFILL_SHORT_TILES=0 $q06 \
     --output-json "$R/latency_qwen3-0.6b_b16_longtiles.json"
+fi
+if has stall; then  # session 10's lead for the throughput row: prefill steps' launch() holds the host ~150+ ms
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
+    --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
+  step tput_l8_384 120 $G bench throughput --model /tmp/ck/l8 --num-prompts 384 --input-len 1024 --output-len 1024 \
+    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_384x1024_async.json"
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

@@ -270,3 +270,22 @@ def test_logit_bias_out_of_vocabulary_submits_nothing(llm):
     with pytest.raises(ValueError, match=str(vocab)):
         llm.generate(["a", "b"], SamplingParams(logit_bias={vocab: 1}), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("offline,device,want", [(True, "cuda", 16384), (True, "cpu", 8192), (False, "cuda", 8192)])
+def test_default_token_budget(offline, device, want):
+    """The offline LLM on a GPU defaults to 16384 tokens per step, a server (and any CPU engine) to 8192; an
+    explicit budget is kept."""
+    from gyrfalcon.config import SchedulerConfig
+
+    sc = SchedulerConfig(offline=offline)
+    sc.resolve(max_model_len=4096, device=device)
+    assert sc.max_num_batched_tokens == want
+    sc = SchedulerConfig(offline=offline, max_num_batched_tokens=1000)
+    sc.resolve(max_model_len=4096, device=device)
+    assert sc.max_num_batched_tokens == 1000
+
+
+def test_llm_engine_is_offline(llm):
+    assert llm.config.scheduler_config.offline
+    assert llm.config.scheduler_config.max_num_batched_tokens == 8192  # the CPU engine of the tests

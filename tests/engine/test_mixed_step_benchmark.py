@@ -28,5 +28,6 @@ def test_mixed_step_benchmark_runs(tmp_path, qwen3_ckpt):
         "prefill alone (2 x 24)", "decode alone (3 sequences)", "mixed (2 x 24 + 3 decoders)"]
     assert [(steps[k]["decode_rows"], steps[k]["prompt_tokens"]) for k in ("prefill_alone", "decode_alone", "mixed")] \
         == [(0, 48), (3, 0), (3, 48)]
+    assert all(0 < steps[k]["launch_ms"] <= steps[k]["wall_ms"] for k in ("prefill_alone", "decode_alone", "mixed"))
     assert all(steps[k]["wall_ms"] > 0 and steps[k]["kernels"] > 0 for k in ("prefill_alone", "decode_alone", "mixed"))
     assert "mixed step" in r.stdout
