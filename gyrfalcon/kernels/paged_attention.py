@@ -156,7 +156,9 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         return acc, m_new, l_i
 
-    @triton.jit
+    # The sequence count changes from batch to batch: not specialized on (1, a multiple of 16 and the rest
+    # would each compile their own variant, mid-run; it only bounds the search for a program's sequence).
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _paged_prefill_kernel(
         q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         scale_log2, num_seqs,

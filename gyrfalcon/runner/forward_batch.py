@@ -120,28 +120,45 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
 
     # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
     # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables
-    # B*W] as int32 packed two per word. (Each copy costs a launch on a slow host.)
-    S, P, W = len(sample_rows), len(pending_rows), max_blocks
-    n64, n32 = 3 * T + S + 2 * P, (B + 1) + B + B * W
-    host = torch.empty(n64 + -(-n32 // 2), dtype=torch.int64, pin_memory=device.type == "cuda")
+    # B*W] as int32 packed two per word. (Each copy costs a launch on a slow host.) Every section starts on
+    # 16 bytes (int64 sections padded to an even length, int32 ones to a multiple of 4): Triton compiles a
+    # kernel per pointer alignment, so a section whose offset followed the token count would compile new
+    # variants in the middle of a run (tests/runner/test_jit_specialization.py). For the same reason the
+    # block table's width (its row stride, an integer Triton specializes on) is padded to a multiple of 16.
+    S, P, W = len(sample_rows), len(pending_rows), -(-max_blocks // 16) * 16
+    sizes64 = (T, T, T, S, P, P)
+    sizes32 = (B + 1, B, B * W)
+    offs64, offs32, o = [], [], 0
+    for n in sizes64:
+        offs64.append(o)
+        o += n + (n & 1)
+    n64 = o
+    o = 0
+    for n in sizes32:
+        offs32.append(o)
+        o += -(-n // 4) * 4
+    n32 = o
+    host = torch.empty(n64 + n32 // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
     h64 = host.numpy()
     h32 = h64[n64:].view(np.int32)
-    o = 0
-    for arr in (input_ids, positions, slot_mapping, sample_rows, pending_rows, pending_src):
+    for o, arr in zip(offs64, (input_ids, positions, slot_mapping, sample_rows, pending_rows, pending_src)):
         h64[o:o + len(arr)] = arr
-        o += len(arr)
-    h32[:B + 1] = qsl
-    h32[B + 1:2 * B + 1] = seq_lens
-    h32[2 * B + 1:n32] = block_tables.reshape(-1)
+    for o, arr in zip(offs32[:2], (qsl, seq_lens)):
+        h32[o:o + len(arr)] = arr
+    bt = h32[offs32[2]:offs32[2] + B * W].reshape(B, W)
+    bt[:, :max_blocks] = block_tables
+    bt[:, max_blocks:] = 0
     dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
     d32 = dev[n64:].view(torch.int32)
-    ids = dev[:T]
+    i_ids, i_pos, i_slot, i_sample, i_prow, i_psrc = offs64
+    i_qsl, i_sl, i_bt = offs32
+    ids = dev[i_ids:i_ids + T]
     if pending_rows:
-        ids[dev[3 * T + S:3 * T + S + P]] = last_sampled[dev[3 * T + S + P:n64]]
+        ids[dev[i_prow:i_prow + P]] = last_sampled[dev[i_psrc:i_psrc + P]]
     return ForwardBatch(
-        input_ids=ids, positions=dev[T:2 * T], slot_mapping=dev[2 * T:3 * T],
-        query_start_loc=d32[:B + 1], seq_lens=d32[B + 1:2 * B + 1],
-        block_tables=d32[2 * B + 1:n32].view(B, W), logits_indices=dev[3 * T:3 * T + S],
+        input_ids=ids, positions=dev[i_pos:i_pos + T], slot_mapping=dev[i_slot:i_slot + T],
+        query_start_loc=d32[i_qsl:i_qsl + B + 1], seq_lens=d32[i_sl:i_sl + B],
+        block_tables=d32[i_bt:i_bt + B * W].view(B, W), logits_indices=dev[i_sample:i_sample + S],
         is_decode=bool(B > 0 and (q_lens == 1).all()),
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
         num_seqs=B)
