@@ -3,7 +3,7 @@ profiled by kernel, beside its two halves run alone (the same prompts' prefill w
 decode step of the same decoders).
 
 The throughput row (768 x 1024/1024, bench throughput) spends about a third of its time in ~100 such
-steps at ~43% of their floor (run 2 of 2026-12-01: 267 ms each for ~7.9k prompt tokens beside ~290
+steps at ~43% of their floor (run 34, 2026-12-01: 267 ms each for ~7.9k prompt tokens beside ~290
 decoders), against ~74% for its decode steps. If the mixed step costs about what its halves cost, the
 lever is the GEMMs' rate; if it costs more, the excess is in how the decoders ride along (their
 attention runs in the prefill kernel, one query per sequence).
