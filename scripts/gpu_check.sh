@@ -37,6 +37,8 @@
 #   stall        what holds the host in a prefill step's launch (150-240 ms in run 36's throughput run): the mixed
 #                step with torch's sync debug mode (every host-device sync printed with its stack), then
 #                throughput at 384 prompts (all in one wave) with its host time per phase
+#   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
+#                second, with Triton's cache warm from the first)
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -297,6 +299,14 @@ if has stall; then  # session 10's lead for the throughput row: prefill steps' l
     --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
   step tput_l8_384 120 $G bench throughput --model /tmp/ck/l8 --num-prompts 384 --input-len 1024 --output-len 1024 \
     --async-scheduling --output-json "$R/throughput_llama-3.1-8b_384x1024_async.json"
+fi
+if has budgetab; then  # the offline default token budget: 8192 / 16384 / 16384 / 8192 in one call
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for run in a_8192 b_16384 c_16384 d_8192; do
+    step tput_l8_$run 150 $G $tp --max-num-batched-tokens ${run#*_} \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_budget_$run.json"
+  done
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"
