@@ -239,7 +239,7 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int | None = None)
     if head_dim <= 64:
         return 128, 64, 4, 2
     if head_dim <= 128:
-        # H200 prefill-short sweep (run 1 of 2026-12-01, Llama-8B heads): with queries of up to 512
+        # H200 prefill-short sweep (run 33, 2026-12-01, Llama-8B heads): with queries of up to 512
         # tokens, 32-key tiles and 3 stages win (64 x 128 tokens 98.8 vs 124.4 us, 16 x 128 32.7 vs
         # 37.3, 4 x 512 58.2 vs 59.0) and lose on one 2048-token prompt (155.5 vs 142.9).
         if max_query_len is not None and max_query_len <= SHORT_QUERY and short_query_tiles():
