@@ -76,3 +76,27 @@ def test_hf_sampling_kwargs():
 
     assert hf_sampling_kwargs(0.0) == {"do_sample": False}
     assert hf_sampling_kwargs(1.0) == {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def test_bench_throughput_launch_phases(qwen3_ckpt, tmp_path, capsys):
+    """--launch-phases times the host inside each eager launch (CPU: every step is eager) and puts the model back
+    as it was."""
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "tput.json"
+    rc = main(["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "4", "--input-len", "12",
+               "--output-len", "3", "--max-model-len", "64", "--max-num-seqs", "4", "--launch-phases",
+               "--output-json", str(out)])
+    assert rc == 0
+    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    lp = g["launch_phases"]
+    assert set(lp) == {"decode", "prefill"}
+    assert lp["prefill"]["steps"] == g["by_kind"]["prefill"]["steps"]
+    for d in lp.values():
+        assert d["build_ms"] > 0 and d["layers_ms"] > 0 and 0 < d["max_gap_ms"] <= d["layers_ms"]
+        assert d["to_first_layer_ms"] >= 0 and d["after_forward_ms"] > 0
+        assert 0 <= d["max_gap_layer"] < 2 and sum(d["gap_layers"].values()) == d["steps"]  # the tiny model: 2 layers
+    assert "eager prefill launches" in capsys.readouterr().out
+    import gyrfalcon.runner.model_runner as mr
+    from gyrfalcon.runner.forward_batch import build_forward_batch
+    assert mr.build_forward_batch is build_forward_batch  # unwrapped again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Optional
 
 from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args,
                                     hf_sampling_kwargs, print_table, random_prompts, run_info, write_json)
@@ -21,6 +22,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--launch-phases", action="store_true",
+                   help="time the host's phases inside each eager step's launch (building the inputs, each "
+                        "decoder layer's launches, what follows the forward): where launch() spends or waits")
     add_common_args(p)
 
 
@@ -62,11 +66,16 @@ def run_gyrfalcon(args) -> dict:
 
     def timed_launch(batch):
         t0 = time.perf_counter()
+        if phases is not None:
+            phases.begin(t0)
         handle = launch(batch)
         if not batch.is_empty:
             host["launch"].append(time.perf_counter() - t0)
+            if phases is not None:
+                phases.end(len(host["launch"]) - 1)
         return handle
     runner.launch = timed_launch
+    phases = LaunchPhases(runner) if getattr(args, "launch_phases", False) else None
     # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
     complete, done = runner.complete, []
 
@@ -89,6 +98,8 @@ def run_gyrfalcon(args) -> dict:
     finally:
         scheduler.schedule = schedule
         del runner.complete, runner.launch  # back to the class's methods
+        if phases is not None:
+            phases.remove()
     elapsed = time.perf_counter() - t
     # The caching allocator's retries (a failed cudaMalloc, all cached blocks freed, which syncs the device,
     # then a second try) and its device allocations during the run: either in a run's steps stalls the host.
@@ -103,7 +114,90 @@ def run_gyrfalcon(args) -> dict:
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
-            "by_kind": floor.by_kind(t, done, host), "allocator": alloc}
+            "by_kind": floor.by_kind(t, done, host), "allocator": alloc,
+            "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {}}
+
+
+class LaunchPhases:
+    """Host timestamps inside the runner's eager launches (steps that replay a graph run no layer forward and
+    are not recorded): when the inputs were built, when each decoder layer's forward began, when the model's
+    forward ended. A launch whose time sits in one gap waits there (a host-device sync, or a full launch
+    queue); spread evenly over the layers, it is the host's own launch cost."""
+
+    def __init__(self, runner) -> None:
+        import gyrfalcon.runner.model_runner as mr
+
+        self._mr, self._build = mr, mr.build_forward_batch
+        self._model = runner.model
+        self._layers = list(runner.model.model.layers)
+        self._cur: Optional[dict] = None
+        self.steps: dict = {}  # launch index -> record
+
+        def build(*a, **kw):
+            out = self._build(*a, **kw)
+            if self._cur is not None:
+                self._cur["built"] = time.perf_counter()
+            return out
+        mr.build_forward_batch = build
+        fwd = runner.model.forward
+
+        def forward(*a, **kw):
+            out = fwd(*a, **kw)
+            if self._cur is not None:
+                self._cur["forward_end"] = time.perf_counter()
+            return out
+        runner.model.forward = forward
+        for layer in self._layers:
+            layer.forward = self._stamped(layer.forward)
+
+    def _stamped(self, f):
+        def g(*a, **kw):
+            if self._cur is not None:
+                self._cur["layers"].append(time.perf_counter())
+            return f(*a, **kw)
+        return g
+
+    def begin(self, t0: float) -> None:
+        self._cur = {"t0": t0, "layers": []}
+
+    def end(self, index: int) -> None:
+        rec, self._cur = self._cur, None
+        if rec is not None and rec["layers"] and "built" in rec:
+            rec["t1"] = time.perf_counter()
+            self.steps[index] = rec
+
+    def remove(self) -> None:
+        self._mr.build_forward_batch = self._build
+        del self._model.forward
+        for layer in self._layers:
+            del layer.forward
+
+    def by_kind(self, step_log: list) -> dict:
+        """Mean ms per eager step of each kind (step_log: StepFloor's, in launch order)."""
+        out: dict = {}
+        for i, rec in self.steps.items():
+            if i >= len(step_log):
+                continue
+            d = out.setdefault(step_log[i][0], {"steps": 0, "build_ms": 0.0, "to_first_layer_ms": 0.0,
+                                                "layers_ms": 0.0, "max_gap_ms": 0.0, "after_forward_ms": 0.0,
+                                                "gap_layers": {}})
+            ts = rec["layers"] + [rec.get("forward_end", rec["layers"][-1])]
+            gaps = [b - a for a, b in zip(ts, ts[1:])]
+            worst = max(range(len(gaps)), key=gaps.__getitem__)
+            d["steps"] += 1
+            d["build_ms"] += (rec["built"] - rec["t0"]) * 1e3
+            d["to_first_layer_ms"] += (rec["layers"][0] - rec["built"]) * 1e3
+            d["layers_ms"] += (ts[-1] - ts[0]) * 1e3
+            d["max_gap_ms"] += gaps[worst] * 1e3
+            d["after_forward_ms"] += (rec["t1"] - ts[-1]) * 1e3
+            # The gap after layer i's start is that layer's launches (the last: up to the forward's end).
+            d["gap_layers"][worst] = d["gap_layers"].get(worst, 0) + 1
+        for d in out.values():
+            for k in ("build_ms", "to_first_layer_ms", "layers_ms", "max_gap_ms", "after_forward_ms"):
+                d[k] /= d["steps"]
+            d["max_gap_layer"] = max(d["gap_layers"], key=d["gap_layers"].get)
+            d["gap_layers"] = {str(k): v for k, v in sorted(d["gap_layers"].items())}
+        return out
 
 
 def run_hf_baseline(args) -> dict:
@@ -151,6 +245,10 @@ def main(args: argparse.Namespace) -> int:
               f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
         if "host_ms_per_step" in d:
             print("    host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["host_ms_per_step"].items()))
+    for kind, d in sorted(results["gyrfalcon"]["launch_phases"].items()):
+        print(f"  eager {kind} launches ({d['steps']}), host ms: build inputs {d['build_ms']:.2f}, to the first layer "
+              f"{d['to_first_layer_ms']:.2f}, layers {d['layers_ms']:.2f} (the longest one {d['max_gap_ms']:.2f}, "
+              f"most often layer {d['max_gap_layer']}), after the forward {d['after_forward_ms']:.2f}")
     if results["gyrfalcon"]["allocator"]:
         print("  allocator during the run: " + ", ".join(f"{k} {v}" for k, v in results["gyrfalcon"]["allocator"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
