@@ -40,6 +40,9 @@
 #                launch (--launch-phases: building the inputs, each layer's launches, after the forward)
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
+#   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
+#                at a time vs in parallel threads (GYRFALCON_PARALLEL_COMPILE=1, runner/precompile.py), ABAB;
+#                GPU token tests with the parallel compile
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -308,6 +311,16 @@ if has budgetab; then  # the offline default token budget: 8192 / 16384 / 16384 
     step tput_l8_$run 150 $G $tp --max-num-batched-tokens ${run#*_} \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_budget_$run.json"
   done
+fi
+if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first run started in 32.6 s, later ones 13-14
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_0 b_1 c_0 d_1; do
+    step cold_l8_$run 120 env TRITON_CACHE_DIR="$(mktemp -d)" GYRFALCON_PARALLEL_COMPILE=${run#*_} $G bench latency \
+      --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 8 \
+      --output-json "$R/latency_llama-3.1-8b_b1_coldstart_parallel${run#*_}_$run.json"
+  done
+  step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
+    pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"

@@ -39,6 +39,7 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.runner.forward_batch import ForwardBatch
+from gyrfalcon.runner.precompile import ladder_warmup_steps, parallel_compile_enabled, precompile
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
     t0 = time.perf_counter()
     graphs: Dict[int, torch.cuda.CUDAGraph] = {}
     outputs: Dict[int, object] = {}
+    if parallel_compile_enabled():  # (runner/precompile.py)
+        precompile(ladder_warmup_steps(sizes, kv_caches, prepare, batch1_pdl))
     for size in reversed(sizes):
         fb, step = prepare(size)
         if size == 1 and batch1_pdl is False:
