@@ -27,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gyrfalcon.bench.common import random_prompts, run_info
+from gyrfalcon.bench.latency import prefill_summary
 from gyrfalcon.llm import LLM
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -70,19 +71,15 @@ def _profiled_step(engine, label: str) -> dict:
     decode_rows = sum(1 for sr in seen[0].reqs if sr.num_new_tokens == 1)
     prompt_tokens = sum(sr.num_new_tokens for sr in seen[0].reqs if sr.num_new_tokens > 1)
     want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    evs = [e for e in prof.events() if e.device_type == want
+    evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == want
            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    times, counts = {}, {}
-    for e in evs:
-        times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
-        counts[e.name] = counts.get(e.name, 0) + 1
-    span = (max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)) / 1e3 if evs else 0.0
-    top = sorted(times, key=lambda n: -times[n])[:10]
+    layer_params = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
+    summ = prefill_summary(evs, decode_rows + prompt_tokens, layer_params, top=10)
     out = {"label": label, "decode_rows": decode_rows, "prompt_tokens": prompt_tokens,
            "wall_ms": wall_ms, "launch_ms": launch_s[0] * 1e3, "kernels": len(evs),
-           "busy_ms": sum(times.values()) / 1e3 if cuda else None, "span_ms": span if cuda else None,
-           "top": [[n[:80], counts[n], round(times[n] / 1e3, 3)] for n in top]}
-    busy = f"busy {out['busy_ms']:.2f} ms of a {span:.2f} ms span, " if cuda else ""
+           "busy_ms": summ.get("gpu_busy_ms") if cuda else None, "span_ms": summ.get("gpu_span_ms") if cuda else None,
+           "top": summ.get("top_kernels", [])}
+    busy = f"busy {out['busy_ms']:.2f} ms of a {out['span_ms']:.2f} ms span, " if cuda else ""
     # launch_ms: the host's time to queue the step; near the device's span it means launch() waited on the
     # device (a sync), far below it that the host ran ahead.
     print(f"{label}: {decode_rows} decode rows, {prompt_tokens} prompt tokens; wall {wall_ms:.2f} ms, "

@@ -242,7 +242,7 @@ if has rows9; then  # session 9: several heads per fused_qkv_prep program in pre
   step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
     --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
 fi
-if has normrows; then  # session 9, unmeasured: the one-pass norm (small_m_gemv ONE_PASS) at 8-64 rows against RMSNorm +
+if has normrows; then  # session 9, measured in run 33 (it lost): the one-pass norm (small_m_gemv ONE_PASS) at 8-64 rows against RMSNorm +
   # cuBLAS (the sweep), then batch-16 / 64 steps with qkv (GYRFALCON_NORM_GEMV_ROWS) and gate_up (_GATE_UP_ROWS) through it
   step gpu_norm_kernels 120 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -p no:cacheprovider
   step gpu_norm_tokens 200 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 python3 -m pytest -q \

@@ -75,7 +75,7 @@ def run_gyrfalcon(args) -> dict:
                 phases.end(len(host["launch"]) - 1)
         return handle
     runner.launch = timed_launch
-    phases = LaunchPhases(runner) if getattr(args, "launch_phases", False) else None
+    phases = LaunchPhases(runner) if args.launch_phases else None
     # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
     complete, done = runner.complete, []
 

@@ -111,7 +111,8 @@ def norm_gemv_rows() -> Tuple[int, int]:
     """(qkv, gate_up): rows up to which a decoder layer runs [residual add +] RMSNorm + that projection through
     this kernel (one launch) instead of the RMSNorm kernel and cuBLAS. GEMV_MAX_ROWS (single rows) by default;
     GYRFALCON_NORM_GEMV_ROWS=N (qkv) and GYRFALCON_NORM_GEMV_GATE_UP_ROWS=N (gate_up + SiLU-and-mul) raise
-    them, at most MAX_M: the experiment for the one-pass norm (ONE_PASS) at batch 4-64, not yet timed."""
+    them, at most MAX_M: the experiment for the one-pass norm (ONE_PASS) at batch 4-64, which lost (H200, run 33:
+    Llama-3.1-8B batch 16 at 7.12 ms per step with qkv through it vs 4.79 ms)."""
     def rows(name: str) -> int:
         return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get(name, GEMV_MAX_ROWS))))
     return rows("GYRFALCON_NORM_GEMV_ROWS"), rows("GYRFALCON_NORM_GEMV_GATE_UP_ROWS")

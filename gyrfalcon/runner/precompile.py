@@ -3,8 +3,8 @@
 Capturing a ladder runs each size's step once eagerly first (cuda_graph._capture), and the first launch
 of each kernel variant compiles it on the calling thread (MLIR passes, LLVM, ptxas), one variant after
 another. On the GPU machine's host with an empty Triton cache that is most of a cold start: Llama-3.1-8B
-with 384 sequences started in 32.6 s on a fresh machine, 12.8-14 s with the cache warm
-(benchmarks/results/throughput_*-h200-2026-12-01-run36.json). Here every size's step runs once with each
+with 384 sequences started in 32.6 s on a fresh machine, 14.0 s in the next run of the same call, its
+cache warm (benchmarks/results/throughput_*-h200-2026-12-01-run36.json). Here every size's step runs once with each
 Triton launch turned into a compile-only warmup inside triton.AsyncCompileMode, which hands the compiles
 to a thread pool (Triton's compiler passes release the GIL, ptxas is a subprocess); leaving the block
 waits for them all, and the capture's own eager run then finds every variant compiled. The steps' torch

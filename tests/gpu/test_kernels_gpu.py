@@ -156,17 +156,22 @@ def test_qkv_prep_prefill(n_heads, norm, heads):
     torch.testing.assert_close(vc2, vc1, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (128, 32, 32), (64, 16, 4), (256, 16, 2)])
-def test_paged_attention_ragged(head_dim, n_heads, n_kv):
-    # Fresh prefill, chunked prefill over a cached prefix, decode rows and speculative verify rows.
-    q_lens = [1500, 1024, 1, 1, 4, 700]
-    seq_lens = [1500, 6000, 8192, 37, 900, 700]
+def _ragged_batch(q_lens, seq_lens, head_dim, n_heads, n_kv):
+    """(q, k cache, v cache, block tables, seq_lens, query_start_loc, scale, the reference output) of a
+    ragged batch over a paged cache of 16-token blocks."""
     kc, vc, bt = _paged(seq_lens, n_kv, head_dim, 16)
     q = torch.randn(sum(q_lens), n_heads, head_dim, device=DEV, dtype=BF16)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = head_dim ** -0.5
-    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale)
+    return q, kc, vc, bt, sl, qsl, scale, paged_attention_ref(q, kc, vc, bt, sl, qsl, scale)
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (128, 32, 32), (64, 16, 4), (256, 16, 2)])
+def test_paged_attention_ragged(head_dim, n_heads, n_kv):
+    # Fresh prefill, chunked prefill over a cached prefix, decode rows and speculative verify rows.
+    q, kc, vc, bt, sl, qsl, scale, want = _ragged_batch([1500, 1024, 1, 1, 4, 700],
+                                                        [1500, 6000, 8192, 37, 900, 700], head_dim, n_heads, n_kv)
     got = paged_attention_triton(q, kc, vc, bt, sl, qsl, scale)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(paged_attention(q, kc, vc, bt, sl, qsl, scale, 1500, 8192), want, **TOL)
@@ -176,14 +181,8 @@ def test_paged_attention_ragged(head_dim, n_heads, n_kv):
 def test_paged_attention_short_queries(head_dim, n_heads, n_kv):
     # Queries of at most paged_attention.SHORT_QUERY tokens take their own tiles: batches of short fresh
     # prompts, a 512-token chunk over a cached prefix, decode and verify rows.
-    q_lens = [128] * 8 + [512, 1, 4, 77]
-    seq_lens = [128] * 8 + [3000, 4097, 260, 77]
-    kc, vc, bt = _paged(seq_lens, n_kv, head_dim, 16)
-    q = torch.randn(sum(q_lens), n_heads, head_dim, device=DEV, dtype=BF16)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    scale = head_dim ** -0.5
-    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, scale)
+    q, kc, vc, bt, sl, qsl, scale, want = _ragged_batch([128] * 8 + [512, 1, 4, 77],
+                                                        [128] * 8 + [3000, 4097, 260, 77], head_dim, n_heads, n_kv)
     torch.testing.assert_close(paged_attention(q, kc, vc, bt, sl, qsl, scale, 512, 4097), want, **TOL)
 
 
