@@ -380,6 +380,12 @@ def main(args: argparse.Namespace) -> int:
           f"startup {g['startup_s']:.1f} s (load {g['load_s']:.1f} s, graphs {g['graph_capture_s']:.1f} s); "
           f"weights {g['weight_bytes'] / 1e9:.2f} GB, KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)
+    if g["decode_step_ms"] <= 0:
+        # TTFT and the full runs are timed apart, so at a few output tokens on a busy host one slow TTFT run
+        # can exceed a whole full run: the difference is then noise, not a step time.
+        print(f"warning: the full runs ({g['e2e_s'] * 1e3:.2f} ms) took no longer than TTFT "
+              f"({g['ttft_ms']:.2f} ms): the decode steps are below this measurement's noise; "
+              "raise --output-len or --num-iters")
     pc = g.get("pdl_choice") or {}
     if pc:
         print(f"batch-1 decode graph at startup ({pc.get('batch1_context', 0)} tokens of context): "
