@@ -19,7 +19,13 @@ def test_bench_latency_cpu_writes_json(qwen3_ckpt, tmp_path, capsys):
     g = json.loads(out.read_text())["results"]["gyrfalcon"]
     assert g["decode_step_ms"] > 0 and g["ttft_ms"] > 0 and g["output_tok_s"] > 0
     assert g["e2e_s"] * 1e3 > g["ttft_ms"]
-    assert "latency: batch 2, input 8, output 16, greedy" in capsys.readouterr().out
+    # The startup's phases (a CPU runner has no device init and no graphs) add up to the measured startup.
+    ph = g["startup_phases"]
+    assert list(ph) == ["load", "kv_sizing", "kv_alloc", "other"] and min(ph.values()) >= 0
+    assert sum(ph.values()) == pytest.approx(g["startup_s"]) and ph["load"] == g["load_s"]
+    printed = capsys.readouterr().out
+    assert "latency: batch 2, input 8, output 16, greedy" in printed
+    assert f"startup {g['startup_s']:.1f} s: load {ph['load']:.1f}, kv_sizing" in printed
 
 
 def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):

@@ -169,3 +169,16 @@ def print_table(rows: List[List[str]]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
+def startup_phases(llm, startup_s: float) -> dict:
+    """Seconds of each startup phase of `llm` (the runner's: device_init, load, kv_sizing, kv_alloc,
+    decode_graphs, prefill_graphs), and "other": the rest of startup_s (config, tokenizer, engine set-up)."""
+    phases = dict(llm.engine.runner.startup_phases)
+    phases["other"] = max(0.0, startup_s - sum(phases.values()))
+    return phases
+
+
+def format_startup(startup_s: float, phases: dict) -> str:
+    return f"startup {startup_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, hf_sampling_kwargs, print_table, random_prompts,
-                                    run_info, write_json)
+from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, format_startup, hf_sampling_kwargs, print_table,
+                                    random_prompts, run_info, startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -301,7 +301,8 @@ def run_gyrfalcon(args) -> dict:
     kvbytes = int(args.batch_size * avg_ctx * kv_bytes_per_token(runner))
     roof_step = (wbytes + kvbytes) / HBM_BYTES_PER_S
     res = {
-        "engine": "gyrfalcon", "startup_s": startup, "load_s": runner.load_seconds,
+        "engine": "gyrfalcon", "startup_s": startup, "startup_phases": startup_phases(llm, startup),
+        "load_s": runner.load_seconds,
         "graph_capture_s": runner.graph_runner.capture_seconds if runner.graph_runner else 0.0,
         "pdl_choice": dict(runner.graph_runner.pdl_choice) if runner.graph_runner else {},
         "ttft_ms": ttft * 1e3, "decode_step_ms": step_s * 1e3, "e2e_s": total,
@@ -380,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
           f"startup {g['startup_s']:.1f} s (load {g['load_s']:.1f} s, graphs {g['graph_capture_s']:.1f} s); "
           f"weights {g['weight_bytes'] / 1e9:.2f} GB, KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)
+    print(format_startup(g["startup_s"], g["startup_phases"]))
     if g["decode_step_ms"] <= 0:
         # TTFT and the full runs are timed apart, so at a few output tokens on a busy host one slow TTFT run
         # can exceed a whole full run: the difference is then noise, not a step time.

@@ -10,8 +10,9 @@ import argparse
 import time
 from typing import Optional
 
-from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args,
-                                    hf_sampling_kwargs, print_table, random_prompts, run_info, write_json)
+from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args, format_startup,
+                                    hf_sampling_kwargs, print_table, random_prompts, run_info, startup_phases,
+                                    write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -110,7 +111,8 @@ def run_gyrfalcon(args) -> dict:
                                                               "num_device_free", "num_ooms")}
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
-    return {"engine": "gyrfalcon", "startup_s": startup, "elapsed_s": elapsed,
+    return {"engine": "gyrfalcon", "startup_s": startup, "startup_phases": startup_phases(llm, startup),
+            "elapsed_s": elapsed,
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
@@ -236,6 +238,7 @@ def main(args: argparse.Namespace) -> int:
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
     print(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, {sampling}")
     print_table(rows)
+    print(format_startup(results["gyrfalcon"]["startup_s"], results["gyrfalcon"]["startup_phases"]))
     fl = results["gyrfalcon"]["floor"]
     print(f"roofline: {fl['steps']} steps reading {fl['bytes_read_gb']:.0f} GB and computing {fl['tflop']:.0f} TFLOP "
           f"need >= {fl['floor_s']:.1f} s on this GPU (HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s, bf16 "

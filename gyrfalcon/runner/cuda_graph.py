@@ -289,11 +289,13 @@ class CudaGraphRunner:
         fb = self.inputs.views(b)
         return dataclasses.replace(fb, decode_num_splits=1) if short else fb
 
-    def capture(self) -> None:
-        def prepare(b, short=False):
-            fb, src = self.views(b, short), self.inputs.src(b)
-            return fb, lambda: self._forward(fb, src)
+    def prepare(self, b: int, short: bool = False):
+        """(ForwardBatch over the static inputs of size b, the step a graph of that size captures)."""
+        fb, src = self.views(b, short), self.inputs.src(b)
+        return fb, lambda: self._forward(fb, src)
 
+    def capture(self) -> None:
+        prepare = self.prepare
         num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
 
         def at_context(ctx):  # only before any request exists: it writes into cache blocks 0..

@@ -136,12 +136,14 @@ class MixedGraphRunner:
     def seqs_for(self, t: int) -> int:
         return min(t, self.max_seqs)
 
-    def capture(self) -> None:
-        def prepare(t):  # every sequence empty during capture
-            fb, src, li = self.inputs.views(t, self.seqs_for(t))
-            return fb, lambda: self._forward(fb, src, li)
+    def prepare(self, t: int):
+        """(ForwardBatch over the static inputs of t tokens, every sequence empty as during capture, the step a
+        graph of that size captures)."""
+        fb, src, li = self.inputs.views(t, self.seqs_for(t))
+        return fb, lambda: self._forward(fb, src, li)
 
-        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare)
+    def capture(self) -> None:
+        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, self.prepare)
 
     def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor) -> torch.Tensor:
         """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -17,6 +18,7 @@ from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner, prefill_graphs_enabled
+from gyrfalcon.runner.precompile import parallel_compile_enabled, precompile
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,24 @@ class RunnerOutput:
     prompt_logprobs: Optional[List[Optional[list]]] = None
 
 
+def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
+    """The largest step a startup runs eagerly (ModelRunner's activation profile): one prompt of n tokens
+    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows.
+    benchmarks/startup_compiles.py runs it too."""
+    blocks = -(-n // block_size)
+    fb = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64, device=device),
+        positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        logits_indices=torch.arange(min(n, sample_rows), device=device),
+        is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1)
+    with torch.inference_mode(), forward_context(fb, caches):
+        hidden = model(fb.input_ids, fb.positions)
+        model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
+
+
 class ModelRunner:
     def __init__(self, config) -> None:
         self.config = config
@@ -53,17 +73,24 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.torch_dtype
         self.kv_dtype = config.cache_config.kv_torch_dtype(self.dtype)
-        t0 = time.perf_counter()
+        # Seconds of each startup phase (benchmarks print them: what a cold start spends where).
+        self.startup_phases: Dict[str, float] = {}
+        clock = self._phase_clock()
+        if self.device.type == "cuda":
+            torch.zeros(1, device=self.device)  # the CUDA context, apart from the load
+            clock("device_init")
         self.model = load_model(config.model_config, config.device)
-        self.load_seconds = time.perf_counter() - t0
+        self.load_seconds = clock("load")
         spec = self.model.kv_cache_spec()
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
         self.num_blocks = self._determine_num_blocks()
+        clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.num_layers)]
+        clock("kv_alloc")
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()
@@ -83,10 +110,12 @@ class ModelRunner:
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
                 with_logits=graph_logits_enabled())
             self.graph_runner.capture()
+            clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager and prefill_graphs_enabled():
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
+            clock("prefill_graphs")
         max_len = config.model_config.max_model_len
         logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens; maximum "
                     "concurrency for %d-token requests: %.2fx); CUDA graphs: %s", self.load_seconds,
@@ -95,6 +124,20 @@ class ModelRunner:
                     self.num_blocks * self.block_size / max_len,
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
+
+    def _phase_clock(self):
+        """clock(name) -> seconds since the last call (or creation), also stored in startup_phases[name]; on a
+        GPU after a sync, so that a phase's queued work counts in that phase."""
+        last = [time.perf_counter()]
+
+        def clock(name: str) -> float:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.startup_phases[name] = now - last[0]
+            last[0] = now
+            return self.startup_phases[name]
+        return clock
 
     def _mixed_graph_runner(self) -> MixedGraphRunner:
         sc = self.config.scheduler_config
@@ -133,23 +176,15 @@ class ModelRunner:
         shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
                   for _ in range(self.num_layers)]
+        step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
+        if parallel_compile_enabled():  # its kernels compile in threads first (runner/precompile.py)
+            precompile([step])
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        dev = self.device
-        fb = ForwardBatch(
-            input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            positions=torch.arange(n, device=dev), slot_mapping=torch.arange(n, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).unsqueeze(0),
-            logits_indices=torch.arange(min(n, sc.max_num_seqs), device=dev),
-            is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1)
-        with torch.inference_mode(), forward_context(fb, caches):
-            hidden = self.model(fb.input_ids, fb.positions)
-            self.model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
+        step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del caches, hidden
+        del caches, step
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 

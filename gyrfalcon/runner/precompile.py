@@ -1,14 +1,21 @@
-"""Compile the Triton kernels a CUDA-graph ladder will launch in parallel threads, before capturing it.
+"""Compile the Triton kernels a startup phase will launch in parallel threads, before running it.
 
 Capturing a ladder runs each size's step once eagerly first (cuda_graph._capture), and the first launch
-of each kernel variant compiles it on the calling thread (MLIR passes, LLVM, ptxas), one variant after
-another. On the GPU machine's host with an empty Triton cache that is most of a cold start: Llama-3.1-8B
-with 384 sequences started in 32.6 s on a fresh machine, 14.0 s in the next run of the same call, its
-cache warm (benchmarks/results/throughput_*-h200-2026-12-01-run36.json). Here every size's step runs once with each
-Triton launch turned into a compile-only warmup inside triton.AsyncCompileMode, which hands the compiles
-to a thread pool (Triton's compiler passes release the GIL, ptxas is a subprocess); leaving the block
-waits for them all, and the capture's own eager run then finds every variant compiled. The steps' torch
-ops run as usual, on whatever the Triton outputs hold: a graph step reads nothing back on the host.
+of each kernel variant compiles it on the calling thread (MLIR passes, LLVM, ptxas), then builds its
+launcher (Triton 3.6, the GPU machine's: a C extension per argument signature, through the C compiler),
+one variant after another. On the GPU machine's host with an empty Triton cache that is most of a cold
+start: Llama-3.1-8B with 384 sequences started in 32.6 s on a fresh machine, 14.0 s in the next run of the
+same call, its cache warm (benchmarks/results/throughput_*-h200-2026-12-01-run36.json). A startup compiles
+33 variants (benchmarks/startup_compiles.py counts them on a CPU: 5 in the activation profile's prefill, 24
+in the decode ladder, 4 in the one-split and prefill ladders).
+
+Here each step runs once with each Triton launch turned into a compile-only warmup inside
+triton.AsyncCompileMode, which hands the compiles to a thread pool (Triton's compiler passes release the
+GIL, ptxas is a subprocess); leaving the block waits for them all, then the new kernels' launchers are
+built in the same pool, and the phase's own eager run finds every variant compiled and its launcher in the
+cache. The steps' torch ops run as usual, on whatever the Triton outputs hold: a graph step reads nothing
+back on the host. The activation profile (model_runner) and each graph ladder (cuda_graph.capture_ladder)
+precompile this way.
 
 Off by default until measured: GYRFALCON_PARALLEL_COMPILE=1 turns it on (scripts/gpu_check.sh coldstart
 times cold starts both ways, each with an empty Triton cache).
@@ -34,15 +41,19 @@ def parallel_compile_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def compile_only():
+def compile_only(results: Optional[list] = None):
     """Inside, every Triton JIT launch (kernel[grid](...)) compiles or finds its variant and returns
-    without launching (JITFunction.run with warmup=True)."""
+    without launching (JITFunction.run with warmup=True); `results` (if given) collects what each returned:
+    a CompiledKernel, or inside an AsyncCompileMode a FutureKernel for a new compile."""
     from triton.runtime.jit import JITFunction
 
     orig = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        return orig(self, *args, grid=grid, warmup=True, **kwargs)
+        k = orig(self, *args, grid=grid, warmup=True, **kwargs)
+        if results is not None:
+            results.append(k)
+        return k
     JITFunction.run = run
     try:
         yield
@@ -71,21 +82,51 @@ def ladder_warmup_steps(sizes: List[int], kv_caches, prepare, batch1_pdl: Option
     return out
 
 
-def precompile(steps: Iterable[Callable], workers: Optional[int] = None) -> float:
-    """Run each step with its Triton launches as compile-only warmups, the compiles spread over `workers`
-    threads (default: the CPU count, at most 16); returns the seconds it took, compiles included."""
+def build_launchers(kernels: List, pool, launcher_cls=None) -> int:
+    """Build each compiled kernel's launcher in `pool`'s threads; returns how many were built.
+
+    A compiled kernel makes its launcher at its first real launch (CompiledKernel._init_handles). Triton 3.6,
+    the GPU machine's, generates a C extension per argument signature there and builds it with the C compiler
+    (about 0.45 s each on this 2-core CI host, one after another on the main thread at startup); newer Tritons
+    use one generic launcher and build nothing. Either way the result lands in Triton's cache, so building
+    them here, in parallel, leaves the main thread's later _init_handles a cache hit."""
+    kernels = [k for k in kernels if hasattr(k, "metadata") and getattr(k, "_run", None) is None]
+    if kernels and launcher_cls is None:
+        from triton.runtime import driver
+        launcher_cls = driver.active.launcher_cls
+
+    def build(k):
+        launcher_cls(k.src, k.metadata)
+    futures = [pool.submit(build, k) for k in kernels]
+    for f in futures:
+        f.result()
+    return len(futures)
+
+
+def precompile(steps: Iterable[Callable], workers: Optional[int] = None, launcher_cls=None) -> float:
+    """Run each step with its Triton launches as compile-only warmups, the compiles, then the new kernels'
+    launchers, spread over `workers` threads (default: the CPU count, at most 16); returns the seconds it
+    took. launcher_cls: the driver's (tests pass their own)."""
     import triton
 
     t0 = time.perf_counter()
-    mode = getattr(triton, "AsyncCompileMode", None)
+    mode_cls = getattr(triton, "AsyncCompileMode", None)
     workers = workers or min(16, os.cpu_count() or 1)
-    with ThreadPoolExecutor(workers) as pool, (mode(pool) if mode is not None else contextlib.nullcontext()), \
-            compile_only():
-        n = 0
-        for step in steps:
-            step()
-            n += 1
+    launched: list = []
+    with ThreadPoolExecutor(workers) as pool:
+        with (mode_cls(pool) if mode_cls is not None else contextlib.nullcontext()), compile_only(launched):
+            n = 0
+            for step in steps:
+                step()
+                n += 1
+        # Leaving the mode waited for every compile: each FutureKernel now holds its CompiledKernel.
+        future_cls = getattr(triton, "FutureKernel", ())
+        kernels = {id(k): k for k in (r.kernel if isinstance(r, future_cls) else r for r in launched)
+                   if k is not None}
+        t1 = time.perf_counter()
+        launchers = build_launchers(list(kernels.values()), pool, launcher_cls)
     secs = time.perf_counter() - t0
-    logger.info("compiled the Triton kernels of %d warm-up runs in %.1f s (%d threads%s)", n, secs, workers,
-                "" if mode is not None else "; this Triton has no AsyncCompileMode, so one at a time")
+    logger.info("compiled the Triton kernels of %d warm-up runs in %.1f s, then %d launchers in %.1f s (%d threads%s)",
+                n, t1 - t0, launchers, secs - (t1 - t0), workers,
+                "" if mode_cls is not None else "; this Triton has no AsyncCompileMode, so one at a time")
     return secs

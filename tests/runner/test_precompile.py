@@ -58,3 +58,36 @@ def test_precompile_turns_launches_into_async_warmups(monkeypatch):
     assert secs >= 0
     assert seen == [((1, 2), (4,), True, {"num_warps": 4}, True)] * 2
     assert JITFunction.run is fake_run  # compile_only undone
+
+
+def test_precompile_builds_the_new_kernels_launchers_in_its_threads(monkeypatch):
+    """Each kernel compiled inside the AsyncCompileMode gets its launcher built in a pool thread (Triton 3.6
+    builds a C extension there, at the first launch otherwise); a kernel that has its launcher is left alone."""
+    import threading
+
+    class Kernel:
+        def __init__(self, name, has_launcher=False):
+            self.src, self.metadata, self._run = name, {"name": name}, (object() if has_launcher else None)
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        import inspect
+
+        from triton.runtime._async_compile import active_mode
+        name = args[0]
+        mode = active_mode.get()
+        # (key, compile_fn, finalize_fn) in Triton 3.6; newer ones add a cleanup_fn
+        extra = [lambda *a: None] * (len(inspect.signature(mode.submit).parameters) - 3)
+        return mode.submit(name, lambda: Kernel(name, has_launcher=name == "loaded"), lambda k: None, *extra)
+    monkeypatch.setattr(JITFunction, "run", fake_run)
+    kernel = object.__new__(JITFunction)
+    built = []
+
+    def launcher_cls(src, metadata):
+        assert metadata == {"name": src}
+        built.append((src, threading.current_thread() is not threading.main_thread()))
+
+    def step():
+        for name in ("a", "b", "a", "loaded"):  # "a" twice: one compile, one launcher
+            JITFunction.run(kernel, name, grid=(1,), warmup=False)
+    precompile([step], workers=2, launcher_cls=launcher_cls)
+    assert sorted(built) == [("a", True), ("b", True)]

@@ -1,0 +1,215 @@
+"""Which Triton kernel variants a GPU startup compiles, counted on a machine without a GPU.
+
+Triton compiles one variant per kernel and specialization of its launch: the constexprs' values, and for the
+other arguments a pointer's 16-byte alignment or an integer being 1 or a multiple of 16. With an empty
+Triton cache a startup compiles every variant its eager runs launch, one after another: the activation
+profile's prefill, then each captured size's warm-up run (the decode-graph ladder, batch 1 with and without
+PDL, the one-split decode ladder, the prefill-graph ladder). On the GPU machine's host that was most of a
+cold start: Llama-3.1-8B with 384 sequences started in 32.6 s on a fresh machine and 14.0 s with the cache
+warm (run 36).
+
+Here those same runs execute on the CPU through the runners' own `prepare` steps (runner/precompile.py's
+ladder_warmup_steps, the list a startup warms up), with every Triton launch recorded instead of run (under
+the interpreter, as tests/runner/test_jit_specialization.py computes specializations) and the GEMMs
+returning empty outputs, so a census takes seconds at any model's real shape. It prints the distinct
+variants per kernel and per startup phase, and which sizes of each ladder brought new ones: the list to
+shorten when cold starts are too slow. The count is exact for the specialization; whether a variant costs
+0.1 or 1 s to compile is the GPU machine's business.
+
+python3 benchmarks/startup_compiles.py --preset llama-3.1-8b --max-num-seqs 384 [--output-json FILE]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import: launches become InterpretedFunction.run
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter, defaultdict  # noqa: E402
+
+import torch  # noqa: E402
+
+NUM_LAYERS = 2  # the first layer differs (no residual into its norm); every later one repeats the second
+
+
+def _signature(fn, params, dns, dnsoa, bound):
+    """The specialization a JIT launch with these arguments compiles for: constexprs by value, the rest as
+    Triton keys them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    sig = []
+    for name, p in params.items():
+        if name not in bound:
+            continue
+        v = bound[name]
+        if "constexpr" in str(p.annotation):
+            sig.append((name, v))
+        elif name in dns:
+            sig.append((name, type(v).__name__))
+        else:
+            sig.append((name,) + tuple(native_specialize_impl(BaseBackend, v, False, True, name not in dnsoa)))
+    return tuple(sig)
+
+
+@contextlib.contextmanager
+def recorded_launches(seen: dict):
+    """Inside, every Triton launch adds (kernel name, specialization) to `seen` (first phase that asked for it)
+    and runs nothing; kernels launched with launch_pdl carry ("launch_pdl", True) in their key."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    orig = InterpretedFunction.run
+    phase = [None]
+
+    def run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        params = inspect.signature(self.fn).parameters
+        dns = set(self.kwargs.get("do_not_specialize") or ())
+        dnsoa = set(self.kwargs.get("do_not_specialize_on_alignment") or ())
+        key = _signature(self.fn, params, dns, dnsoa, bound)
+        key += tuple((k, v) for k, v in sorted(kwargs.items()) if k in ("num_warps", "num_stages", "launch_pdl"))
+        seen.setdefault((self.fn.__name__, key), phase[0])
+    InterpretedFunction.run = run
+    try:
+        yield phase
+    finally:
+        InterpretedFunction.run = orig
+
+
+@contextlib.contextmanager
+def gpu_dispatch():
+    """The model's layers take their GPU paths on CPU tensors: use_triton and pdl_possible answer as on an
+    H200 (bound by name in many modules, so patched in each), decode attention sees the H200's 132 SMs, and
+    torch GEMMs return empty outputs of the right shape (cuBLAS compiles nothing; the CPU would take minutes
+    at real widths)."""
+    import torch.nn.functional as F
+
+    import importlib
+
+    from gyrfalcon.kernels import _common as C
+
+    pda = importlib.import_module("gyrfalcon.kernels.paged_decode_attention")  # (the package exports a function so named)
+
+    def pdl_possible(t):
+        return C.gdc_wait is not None and not C._PDL_OFF[0] and C.pdl_mode() != "0"
+
+    def linear(x, w, b=None):
+        return torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)
+
+    def matmul(a, b, *, out=None):
+        return torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype)
+
+    patches = [(F, "linear", linear), (torch, "matmul", matmul), (pda, "_sm_count", lambda device: 132)]
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("gyrfalcon") and mod is not None:
+            if getattr(mod, "use_triton", None) is C.use_triton:
+                patches.append((mod, "use_triton", lambda t: C.HAS_TRITON))
+            if getattr(mod, "pdl_possible", None) is C.pdl_possible:
+                patches.append((mod, "pdl_possible", pdl_possible))
+    old = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, v in patches:
+        setattr(m, a, v)
+    try:
+        yield
+    finally:
+        for m, a, v in old:
+            setattr(m, a, v)
+
+
+def census(preset: str, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+           block_size: int = 16) -> dict:
+    """{"variants": [(kernel, phase)], "by_phase": {phase: n}, "by_kernel": {kernel: n},
+    "new_at": {ladder: {size: n new}}} of the startup of `preset` with these limits."""
+    # Every module whose functions take the GPU path must be imported before gpu_dispatch() patches them.
+    from gyrfalcon.bench.make_checkpoint import build_config
+    from gyrfalcon.models.registry import resolve_model_class
+    from gyrfalcon.runner import precompile
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
+    from gyrfalcon.runner.mixed_graph import MixedGraphRunner, prefill_graphs_enabled
+    from gyrfalcon.runner.model_runner import profile_step
+
+    cfg = build_config(preset, num_layers=NUM_LAYERS)
+    torch.set_default_dtype(torch.bfloat16)
+    model = resolve_model_class(cfg)(cfg, max_position=max_model_len).eval()  # torch.empty weights
+    torch.set_default_dtype(torch.float32)
+    spec = model.kv_cache_spec()
+    # Block counts only move pointers, never a launch's specialization.
+    shape = (64, block_size, spec["num_kv_heads"], spec["head_dim"])
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+          for _ in range(spec["num_layers"])]
+    last_sampled = torch.zeros(max(max_num_seqs, 8), dtype=torch.int64)
+    cpu = torch.device("cpu")
+    seen: dict = {}
+    new_at: dict = defaultdict(dict)
+
+    def run_ladder(name, sizes, prepare, batch1_pdl):
+        steps = precompile.ladder_warmup_steps(sizes, kv, prepare, batch1_pdl)
+        # ladder_warmup_steps goes largest first, batch 1 last (twice where both PDL ways are captured).
+        labels = [s for s in reversed(sizes) for _ in range(2 if s == 1 and len(steps) > len(sizes) else 1)]
+        for size, step in zip(labels, steps):
+            n0 = len(seen)
+            phase[0] = name
+            step()
+            new_at[name][size] = new_at[name].get(size, 0) + len(seen) - n0
+
+    with gpu_dispatch(), recorded_launches(seen) as phase, torch.inference_mode():
+        phase[0] = "activation profile prefill"
+        n = min(max_num_batched_tokens, max_model_len)
+        caches = [(torch.zeros((-(-n // block_size), block_size, spec["num_kv_heads"], spec["head_dim"]),
+                               dtype=torch.bfloat16),) * 2 for _ in range(spec["num_layers"])]
+        profile_step(model, n, max_num_seqs, caches, block_size, cpu)
+        del caches
+        gr = CudaGraphRunner(model, kv, max_num_seqs, max_model_len, block_size, cpu, last_sampled,
+                             with_logits=graph_logits_enabled())
+        run_ladder("decode graphs", gr.sizes, gr.prepare, None)
+        if gr.short_sizes:
+            # The one-split ladder follows the timed batch-1 choice; PDL (Qwen3-0.6B's) compiles its variants.
+            run_ladder("one-split decode graphs", gr.short_sizes, lambda b: gr.prepare(b, short=True), True)
+        if prefill_graphs_enabled():
+            mg = MixedGraphRunner(model, kv, max_num_batched_tokens, max_num_seqs, max_model_len, block_size, cpu,
+                                  last_sampled)
+            run_ladder("prefill graphs", mg.sizes, mg.prepare, None)
+    variants = sorted(((k[0], p) for k, p in seen.items()))
+    return {"variants": [list(v) for v in variants],
+            "by_phase": dict(Counter(p for _, p in variants)),
+            "by_kernel": dict(Counter(k for k, _ in variants).most_common()),
+            "new_at": {ladder: {str(s): c for s, c in sorted(d.items()) if c} for ladder, d in new_at.items()}}
+
+
+def main(argv=None) -> int:
+    from gyrfalcon.bench.make_checkpoint import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--max-num-seqs", type=int, default=384)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    res = census(args.preset, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
+    secs = time.perf_counter() - t0
+    total = len(res["variants"])
+    print(f"startup of {args.preset} ({args.max_num_seqs} sequences, {args.max_num_batched_tokens} tokens per step, "
+          f"max_model_len {args.max_model_len}): {total} Triton kernel variants to compile (census in {secs:.1f} s)")
+    print("by phase (where each variant is first launched): "
+          + ", ".join(f"{ph} {n}" for ph, n in res["by_phase"].items()))
+    print("by kernel: " + ", ".join(f"{k} {n}" for k, n in res["by_kernel"].items()))
+    for ladder, d in res["new_at"].items():
+        print(f"{ladder}, new variants by size: " + ", ".join(f"{s}: {c}" for s, c in d.items()))
+    if args.output_json:
+        from gyrfalcon.bench.common import run_info
+        with open(args.output_json, "w") as f:
+            json.dump({**run_info(args), "total_variants": total, "census_s": secs, **res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
