@@ -103,10 +103,11 @@ def build_launchers(kernels: List, pool, launcher_cls=None) -> int:
     return len(futures)
 
 
-def precompile(steps: Iterable[Callable], workers: Optional[int] = None, launcher_cls=None) -> float:
+def precompile(steps: Iterable[Callable], workers: Optional[int] = None, launcher_cls=None) -> dict:
     """Run each step with its Triton launches as compile-only warmups, the compiles, then the new kernels'
-    launchers, spread over `workers` threads (default: the CPU count, at most 16); returns the seconds it
-    took. launcher_cls: the driver's (tests pass their own)."""
+    launchers, spread over `workers` threads (default: the CPU count, at most 16). Returns {"steps",
+    "kernels" (compiled or found), "launchers" (built), "compile_s", "launcher_s", "seconds"}. launcher_cls:
+    the driver's (tests and benchmarks/startup_compiles.py pass their own)."""
     import triton
 
     t0 = time.perf_counter()
@@ -129,4 +130,5 @@ def precompile(steps: Iterable[Callable], workers: Optional[int] = None, launche
     logger.info("compiled the Triton kernels of %d warm-up runs in %.1f s, then %d launchers in %.1f s (%d threads%s)",
                 n, t1 - t0, launchers, secs - (t1 - t0), workers,
                 "" if mode_cls is not None else "; this Triton has no AsyncCompileMode, so one at a time")
-    return secs
+    return {"steps": n, "kernels": len(kernels), "launchers": launchers, "compile_s": t1 - t0,
+            "launcher_s": secs - (t1 - t0), "seconds": secs}

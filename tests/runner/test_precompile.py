@@ -54,8 +54,8 @@ def test_precompile_turns_launches_into_async_warmups(monkeypatch):
 
     def step():
         assert JITFunction.run(kernel, 1, 2, grid=(4,), warmup=False, num_warps=4) == "kernel"
-    secs = precompile([step, step], workers=2)
-    assert secs >= 0
+    stats = precompile([step, step], workers=2)
+    assert stats["steps"] == 2 and stats["launchers"] == 0 and stats["seconds"] >= stats["compile_s"] >= 0
     assert seen == [((1, 2), (4,), True, {"num_warps": 4}, True)] * 2
     assert JITFunction.run is fake_run  # compile_only undone
 
@@ -89,5 +89,6 @@ def test_precompile_builds_the_new_kernels_launchers_in_its_threads(monkeypatch)
     def step():
         for name in ("a", "b", "a", "loaded"):  # "a" twice: one compile, one launcher
             JITFunction.run(kernel, name, grid=(1,), warmup=False)
-    precompile([step], workers=2, launcher_cls=launcher_cls)
+    stats = precompile([step], workers=2, launcher_cls=launcher_cls)
     assert sorted(built) == [("a", True), ("b", True)]
+    assert stats["kernels"] == 3 and stats["launchers"] == 2

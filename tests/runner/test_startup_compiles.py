@@ -39,3 +39,19 @@ def test_startup_census(tmp_path):
     assert res["new_at"]["decode graphs"]["1"] >= 10
     assert len(variants) <= VARIANT_BUDGET, r.stdout
     assert f"{len(variants)} Triton kernel variants to compile" in r.stdout
+
+
+def test_precompile_compiles_exactly_the_census_variants_for_sm90(tmp_path):
+    """--compile-threads: runner/precompile.py compiles the same startup steps for sm_90 for real (a fake device,
+    an empty Triton cache, two threads); it compiles as many kernels as the census counted variants, and
+    hands each to the launcher builder."""
+    out = tmp_path / "census.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "startup_compiles.py"), "--preset", "qwen3-0.6b",
+                        "--max-num-seqs", "16", "--compile-threads", "2", "--output-json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (c,) = res["compile"]
+    assert c["threads"] == 2 and c["kernels"] == res["total_variants"] == c["launchers"]
+    assert c["seconds"] >= c["compile_s"] > 0
