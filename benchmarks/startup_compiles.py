@@ -292,7 +292,9 @@ def main(argv=None) -> int:
     if args.output_json:
         from gyrfalcon.bench.common import run_info
         with open(args.output_json, "w") as f:
-            json.dump({**run_info(args), "total_variants": total, "census_s": secs, **res}, f, indent=1)
+            import triton
+            json.dump({**run_info(args), "triton": triton.__version__, "total_variants": total, "census_s": secs,
+                       **res}, f, indent=1)
     return 0
 
 
