@@ -45,10 +45,34 @@ def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     assert 1 <= bk["decode"]["mean_rows"] <= 4
     # Host time per phase of each kind's steps (a real run: every phase took some time).
     for d in bk.values():
-        assert set(d["host_ms_per_step"]) == {"schedule", "launch", "complete"}
-        assert all(v > 0 for v in d["host_ms_per_step"].values())
+        hm = d["host_ms_per_step"]
+        assert set(hm) == {"schedule", "launch", "complete", "gc_schedule", "gc_launch", "gc_complete"}
+        assert all(hm[k] > 0 for k in ("schedule", "launch", "complete"))
+        assert all(hm[f"gc_{k}"] <= hm[k] for k in ("schedule", "launch", "complete"))
+    assert set(g["gc"]) == {"collections", "ms", "elsewhere_ms"}
     printed = capsys.readouterr().out
-    assert "of the roofline" in printed and "decode steps:" in printed
+    assert "of the roofline" in printed and "decode steps:" in printed and "garbage collector:" in printed
+
+
+def test_gc_clock_charges_pauses_to_the_phase_and_step():
+    import gc
+
+    from gyrfalcon.bench.throughput import GCClock
+
+    host = {"schedule": [0.1, 0.1, 0.1], "launch": [0.1, 0.1, 0.1], "complete": [0.1, 0.1, 0.1]}
+    with GCClock(host) as clock:
+        with clock.inside("launch", 1):
+            gc.collect()
+        gc.collect()  # outside any phase
+        with clock.inside("complete", 2):
+            gc.collect(0)
+    gc.collect()  # after the run: not counted
+    per = clock.per_step()
+    assert [t > 0 for t in per["gc_launch"]] == [False, True, False]
+    assert [t > 0 for t in per["gc_complete"]] == [False, False, True]
+    assert per["gc_schedule"] == [0.0, 0.0, 0.0]
+    s = clock.summary()
+    assert s["collections"] == {"0": 1, "2": 2} and s["elsewhere_ms"] > 0
 
 
 def test_step_floor_by_kind():

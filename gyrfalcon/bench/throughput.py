@@ -7,6 +7,8 @@ runs transformers' eager generate over the same prompts in batches of --hf-batch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import time
 from typing import Optional
 
@@ -52,12 +54,15 @@ def run_gyrfalcon(args) -> dict:
     schedule = scheduler.schedule
 
     # Host seconds per non-empty step in each phase (schedule, launch, complete: the read-back's wait), in
-    # schedule order like floor.step_log.
+    # schedule order like floor.step_log; and the garbage collector's pauses inside each phase, charged to the
+    # step that phase handles (a full collection over the run's millions of token ids stalls the host).
     host = {"schedule": [], "launch": [], "complete": []}
+    gc_clock = GCClock(host)
 
     def counted():
         t0 = time.perf_counter()
-        batch = schedule()
+        with gc_clock.inside("schedule", len(host["schedule"])):
+            batch = schedule()
         if not batch.is_empty:
             host["schedule"].append(time.perf_counter() - t0)
         floor.add(batch)
@@ -69,7 +74,8 @@ def run_gyrfalcon(args) -> dict:
         t0 = time.perf_counter()
         if phases is not None:
             phases.begin(t0)
-        handle = launch(batch)
+        with gc_clock.inside("launch", len(host["launch"])):
+            handle = launch(batch)
         if not batch.is_empty:
             host["launch"].append(time.perf_counter() - t0)
             if phases is not None:
@@ -82,7 +88,8 @@ def run_gyrfalcon(args) -> dict:
 
     def timed_complete(handle):
         t0 = time.perf_counter()
-        out = complete(handle)
+        with gc_clock.inside("complete", len(done)):
+            out = complete(handle)
         if not handle.batch.is_empty:
             done.append(time.perf_counter())
             host["complete"].append(done[-1] - t0)
@@ -93,7 +100,8 @@ def run_gyrfalcon(args) -> dict:
         torch.cuda.synchronize()
     t = time.perf_counter()
     try:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        with gc_clock:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
         if cuda:
             torch.cuda.synchronize()
     finally:
@@ -116,8 +124,63 @@ def run_gyrfalcon(args) -> dict:
             "requests_per_s": len(outs) / elapsed, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_in + n_out) / elapsed, "num_preemptions": llm.engine.scheduler.num_preemptions_total,
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
-            "by_kind": floor.by_kind(t, done, host), "allocator": alloc,
+            "by_kind": floor.by_kind(t, done, {**host, **gc_clock.per_step()}), "gc": gc_clock.summary(),
+            "allocator": alloc,
             "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {}}
+
+
+class GCClock:
+    """The garbage collector's pauses during a run: per generation, and inside the engine's host phases.
+    inside(phase, step) marks the host as handling `step` in `phase` (schedule, launch, complete); a pause
+    that ends there is charged to gc_<phase> of that step, any other to "elsewhere"."""
+
+    def __init__(self, host: dict) -> None:
+        self.host = host
+        self.where = None
+        self.start = 0.0
+        self.by_gen: dict = {}
+        self.by_phase: dict = {}  # {phase: {step: seconds}}
+        self.elsewhere = 0.0
+
+    def _on_gc(self, event: str, info: dict) -> None:
+        if event == "start":
+            self.start = time.perf_counter()
+            return
+        dt = time.perf_counter() - self.start
+        g = self.by_gen.setdefault(info["generation"], [0, 0.0])
+        g[0] += 1
+        g[1] += dt
+        if self.where is None:
+            self.elsewhere += dt
+        else:
+            steps = self.by_phase.setdefault(self.where[0], {})
+            steps[self.where[1]] = steps.get(self.where[1], 0.0) + dt
+
+    @contextlib.contextmanager
+    def inside(self, phase: str, step: int):
+        prev, self.where = self.where, (phase, step)
+        try:
+            yield
+        finally:
+            self.where = prev
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+    def per_step(self) -> dict:
+        """{"gc_schedule" / "gc_launch" / "gc_complete": [seconds per step, in step order]}."""
+        n = len(self.host["launch"])
+        return {f"gc_{ph}": [self.by_phase.get(ph, {}).get(i, 0.0) for i in range(n)]
+                for ph in ("schedule", "launch", "complete")}
+
+    def summary(self) -> dict:
+        return {"collections": {str(g): c for g, (c, _) in sorted(self.by_gen.items())},
+                "ms": {str(g): t * 1e3 for g, (_, t) in sorted(self.by_gen.items())},
+                "elsewhere_ms": self.elsewhere * 1e3}
 
 
 class LaunchPhases:
@@ -248,6 +311,10 @@ def main(args: argparse.Namespace) -> int:
               f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
         if "host_ms_per_step" in d:
             print("    host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["host_ms_per_step"].items()))
+    gcs = results["gyrfalcon"]["gc"]
+    print("  garbage collector: " + ", ".join(f"gen {g}: {c} collections, {gcs['ms'][g]:.1f} ms"
+                                              for g, c in gcs["collections"].items())
+          + f"; {gcs['elsewhere_ms']:.1f} ms outside the engine's phases")
     for kind, d in sorted(results["gyrfalcon"]["launch_phases"].items()):
         print(f"  eager {kind} launches ({d['steps']}), host ms: build inputs {d['build_ms']:.2f}, to the first layer "
               f"{d['to_first_layer_ms']:.2f}, layers {d['layers_ms']:.2f} (the longest one {d['max_gap_ms']:.2f}, "
