@@ -36,8 +36,9 @@
 #                Qwen b16 TTFT with them and without (GYRFALCON_PREFILL_SHORT_TILES=0)
 #   stall        what holds the host in a prefill step's launch (150-240 ms in run 36's throughput run): the mixed
 #                step with torch's sync debug mode (every host-device sync printed with its stack), then
-#                throughput at 384 prompts (all in one wave) with its host time per phase and inside each eager
-#                launch (--launch-phases: building the inputs, each layer's launches, after the forward)
+#                throughput at 768 prompts with its host time per phase, the garbage collector's pauses, and
+#                the host time inside each eager launch (--launch-phases: building the inputs, each layer's
+#                launches, after the forward)
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
@@ -301,8 +302,10 @@ if has stall; then  # session 10's lead for the throughput row: prefill steps' l
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
     --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
-  step tput_l8_384 120 $G bench throughput --model /tmp/ck/l8 --num-prompts 384 --input-len 1024 --output-len 1024 \
-    --async-scheduling --launch-phases --output-json "$R/throughput_llama-3.1-8b_384x1024_async.json"
+  # 768 prompts: with 384 (run 37) every prefill step came in the first wave, beside few decoders, and took
+  # 197 ms, near its GPU time; the excess (282 ms per prefill step in run 36) is in the later ones.
+  step tput_l8_768 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --async-scheduling --launch-phases --output-json "$R/throughput_llama-3.1-8b_768x1024_async_phases.json"
 fi
 if has budgetab; then  # the offline default token budget: 8192 / 16384 / 16384 / 8192 in one call
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
