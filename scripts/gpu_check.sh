@@ -44,6 +44,7 @@
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
 #                at a time vs in parallel threads (GYRFALCON_PARALLEL_COMPILE=1, runner/precompile.py), ABAB;
 #                GPU token tests with the parallel compile
+#   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -324,6 +325,18 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
   done
   step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
     pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
+fi
+if has graphlogits64; then  # LM head + greedy argmax inside the decode graph at Llama-8B b16 / b64, where the eager
+  # LM head and argmax add ~280 us plus their launches to the 4.94 ms graph (b64, run 32); at b1 it was a wash
+  # (run 16: Qwen3-0.6B 0.747 vs 0.750 ms). Off / on / on / off per batch size.
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 64 16; do
+    for run in a_0 b_1 c_1 d_0; do
+      step lat_l8_b${B}_graphlogits_$run 90 env GYRFALCON_GRAPH_LOGITS=${run#*_} $G bench latency --model /tmp/ck/l8 \
+        --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B \
+        --output-json "$R/latency_llama-3.1-8b_b${B}_graphlogits${run#*_}_$run.json"
+    done
+  done
 fi
 if has barrier; then  # a kernel boundary in a graph (plain / PDL) vs a grid barrier in a persistent kernel
   step grid_barrier 60 python3 benchmarks/grid_barrier.py --output-json "$R/grid_barrier.json"
