@@ -106,13 +106,14 @@ def gpu_dispatch():
     H200 (bound by name in many modules, so patched in each), decode attention sees the H200's 132 SMs, and
     torch GEMMs return empty outputs of the right shape (cuBLAS compiles nothing; the CPU would take minutes
     at real widths)."""
-    import torch.nn.functional as F
-
     import importlib
+
+    import torch.nn.functional as F
 
     from gyrfalcon.kernels import _common as C
 
-    pda = importlib.import_module("gyrfalcon.kernels.paged_decode_attention")  # (the package exports a function so named)
+    # (importlib: the kernels package exports a function of the same name as this module)
+    pda = importlib.import_module("gyrfalcon.kernels.paged_decode_attention")
 
     def pdl_possible(t):
         return C.gdc_wait is not None and not C._PDL_OFF[0] and C.pdl_mode() != "0"

@@ -55,7 +55,8 @@ def run_gyrfalcon(args) -> dict:
 
     # Host seconds per non-empty step in each phase (schedule, launch, complete: the read-back's wait), in
     # schedule order like floor.step_log; and the garbage collector's pauses inside each phase, charged to the
-    # step that phase handles (a full collection over the run's millions of token ids stalls the host).
+    # step that phase handles (a full collection walks every live container of the run: requests, their token
+    # lists, outputs; on the GPU machine's slow host that could stall a step).
     host = {"schedule": [], "launch": [], "complete": []}
     gc_clock = GCClock(host)
 
