@@ -44,6 +44,7 @@
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
 #                at a time vs in parallel threads (GYRFALCON_PARALLEL_COMPILE=1, runner/precompile.py), ABAB;
 #                GPU token tests with the parallel compile
+#   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
@@ -325,6 +326,9 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
   done
   step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
     pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
+fi
+if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
+  step prefill_gemm_m 90 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
 fi
 if has graphlogits64; then  # LM head + greedy argmax inside the decode graph at Llama-8B b16 / b64, where the eager
   # LM head and argmax add ~280 us plus their launches to the 4.94 ms graph (b64, run 32); at b1 it was a wash

@@ -1,0 +1,102 @@
+"""cuBLAS's rate on a prefill step's GEMMs as the token count M varies: a round M (a multiple of 128 or 256)
+against the odd ones a throughput run's mixed steps have (8,192 prompt tokens plus ~290 decoders, say).
+
+The throughput row's mixed prefill steps ran their GEMMs at ~660 TFLOP/s (benchmarks/mixed_step.py, run 35),
+a 64 x 128-token prefill's at ~740. If odd M costs cuBLAS a poorer kernel, padding an eager step's token
+count to the next round M (the padded rows computed and dropped) would pay back more than the rows cost.
+Each of the model's four layer GEMMs (qkv, o_proj, gate_up, down) is timed alone at every M, with CUDA
+events, median of --reps after a warm-up, and the step's sum compared with the round M just above it.
+
+python3 benchmarks/prefill_gemm_m.py [--preset llama-3.1-8b] [--ms 8192 8479 8576 16384 16763 16896]
+    [--reps 20] [--output-json FILE]
+On a CPU (the tests) it times torch's CPU GEMMs at the --ms given, which checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from gyrfalcon.bench.common import run_info
+from gyrfalcon.bench.make_checkpoint import build_config
+
+
+def layer_gemms(cfg) -> dict:
+    """{name: (K, N)} of one decoder layer's GEMMs: x [M, K] @ W^T [K, N]."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return {"qkv": (h, q + 2 * kv), "o_proj": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+
+def time_ms(fn, reps: int, cuda: bool) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def round_up(m: int, to: int) -> int:
+    return -(-m // to) * to
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--ms", type=int, nargs="+", default=[8192, 8479, 8576, 8704, 16384, 16763, 16768, 16896])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gemms = layer_gemms(build_config(args.preset, num_layers=1))
+    weights = {name: torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for name, (k, n) in gemms.items()}
+    rows = []
+    for m in args.ms:
+        row = {"M": m, "ms": {}, "tflop_s": {}}
+        for name, (k, n) in gemms.items():
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ms = time_ms(lambda: torch.nn.functional.linear(x, weights[name]), args.reps, cuda)
+            row["ms"][name] = ms
+            row["tflop_s"][name] = 2 * m * k * n / (ms * 1e-3) / 1e12
+            del x
+        row["layer_ms"] = sum(row["ms"].values())
+        row["layer_tflop_s"] = 2 * m * sum(k * n for k, n in gemms.values()) / (row["layer_ms"] * 1e-3) / 1e12
+        rows.append(row)
+        print(f"M {m:6d}: layer GEMMs {row['layer_ms']:.3f} ms, {row['layer_tflop_s']:.0f} TFLOP/s ("
+              + ", ".join(f"{nm} {row['tflop_s'][nm]:.0f}" for nm in gemms) + ")")
+    # Each M against the round M's measured above it: would padding to them be cheaper?
+    by_m = {r["M"]: r for r in rows}
+    for r in rows:
+        for to in (128, 256):
+            up = round_up(r["M"], to)
+            if up != r["M"] and up in by_m:
+                r[f"padded_to_{to}_ms"] = by_m[up]["layer_ms"]
+                print(f"M {r['M']}: {r['layer_ms']:.3f} ms as is, {by_m[up]['layer_ms']:.3f} ms padded to {up} "
+                      f"({by_m[up]['layer_ms'] / r['layer_ms']:.3f}x)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({**run_info(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "gemms": gemms,
+                       "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
