@@ -44,6 +44,8 @@
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
 #                at a time vs in parallel threads (GYRFALCON_PARALLEL_COMPILE=1, runner/precompile.py), ABAB;
 #                GPU token tests with the parallel compile
+#   budgetgraph  throughput with the budget-filling mixed steps replayed as one CUDA graph (GYRFALCON_BUDGET_GRAPH=1)
+#                vs eager, and the GPU token test of that graph
 #   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
@@ -326,6 +328,17 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
   done
   step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
     pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
+fi
+if has budgetgraph; then  # the throughput row with its budget-filling mixed steps replayed as one graph
+  # (GYRFALCON_BUDGET_GRAPH=1, runner/mixed_graph.py) vs eager, then its GPU token test
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for run in a_1 b_0; do
+    step tput_l8_budgetgraph_$run 170 env GYRFALCON_BUDGET_GRAPH=${run#*_} $G $tp \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_budgetgraph${run#*_}_$run.json"
+  done
+  step gpu_tokens_budget_graph 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k full_budget_graph \
+    -p no:cacheprovider
 fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
   step prefill_gemm_m 90 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"

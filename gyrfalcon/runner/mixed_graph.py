@@ -28,12 +28,25 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.runner.cuda_graph import capture_ladder
 from gyrfalcon.runner.forward_batch import ForwardBatch, HostBatch
 
-MAX_SEQS = 32  # sequences per captured graph; a step with more runs eagerly
-MAX_TOKENS = 512  # the top of the token ladder: larger prefills are GPU-bound anyway
+MAX_SEQS = 32  # sequences per captured graph of the ladder; a step with more runs eagerly
+MAX_TOKENS = 512  # the top of the token ladder
+# A step padded into the full-budget graph must hold at least this share of its tokens: padding costs GEMM work.
+FULL_STEP_MIN_FRACTION = 0.95
 
 
 def prefill_graphs_enabled() -> bool:
     return os.environ.get("GYRFALCON_PREFILL_GRAPHS", "1") != "0"
+
+
+def budget_graph_enabled() -> bool:
+    """GYRFALCON_BUDGET_GRAPH=1: also capture one graph of the whole token budget (max_num_batched_tokens tokens,
+    max_num_seqs sequences). A throughput run's mixed steps fill the budget exactly (chunked prefill), and
+    each ran eagerly in 200-280 ms where its kernels alone take ~190 (run 36 vs benchmarks/mixed_step.py,
+    run 35) while the host spent ~170 ms launching a 32-layer step (bench throughput's host time in
+    launch()). Replayed as a graph, the host's launch cost is one call. Its activations stay reserved in the
+    graphs' memory pool beside the eager steps' (a few GB at 8-16k tokens, inside the 1 -
+    gpu_memory_utilization share the KV cache leaves). Off until measured (gpu_check.sh budgetgraph)."""
+    return os.environ.get("GYRFALCON_BUDGET_GRAPH", "0") == "1"
 
 
 def token_sizes(max_num_batched_tokens: int, top: int = MAX_TOKENS) -> List[int]:
@@ -126,15 +139,23 @@ class MixedGraphRunner:
         self.last_sampled = last_sampled
         self.block_size = block_size
         self.device = device
-        self.sizes = token_sizes(max_num_batched_tokens)
+        self.sizes = token_sizes(max_num_batched_tokens, MAX_TOKENS)
         self.max_seqs = min(MAX_SEQS, max_num_seqs)
-        self.inputs = MixedInputs(self.sizes[-1], self.max_seqs, -(-max_model_len // block_size), device)
+        # The full-budget graph (budget_graph_enabled): its own size past the ladder, room for every sequence.
+        self.full_tokens = max_num_batched_tokens if budget_graph_enabled() and max_num_batched_tokens > self.sizes[-1] \
+            else 0
+        self.full_seqs = max_num_seqs
+        if self.full_tokens:
+            self.sizes.append(self.full_tokens)
+        seqs = max(self.seqs_for(t) for t in self.sizes)
+        self.inputs = MixedInputs(self.sizes[-1], seqs, -(-max_model_len // block_size), device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def seqs_for(self, t: int) -> int:
-        return min(t, self.max_seqs)
+        """Sequences the graph of t tokens has room for."""
+        return self.full_seqs if t == self.full_tokens else min(t, self.max_seqs)
 
     def prepare(self, t: int):
         """(ForwardBatch over the static inputs of t tokens, every sequence empty as during capture, the step a
@@ -151,10 +172,16 @@ class MixedGraphRunner:
         return self.model(fb.input_ids, fb.positions, src, self.last_sampled)[li]
 
     def size_for(self, num_tokens: int, num_seqs: int) -> Optional[int]:
-        i = bisect.bisect_left(self.sizes, max(num_tokens, 1))
-        if i == len(self.sizes) or num_seqs > self.seqs_for(self.sizes[i]):
-            return None
-        return self.sizes[i]
+        """The graph a step of these counts replays (None: it runs eagerly): the smallest ladder size that
+        holds it, else the full-budget graph if the step fills at least FULL_STEP_MIN_FRACTION of it."""
+        n = max(num_tokens, 1)
+        for t in self.sizes[bisect.bisect_left(self.sizes, n):]:
+            if num_seqs > self.seqs_for(t):
+                continue
+            if t == self.full_tokens and n < FULL_STEP_MIN_FRACTION * t:
+                return None
+            return t
+        return None
 
     def can_run(self, sched_reqs) -> bool:
         return self.size_for(sum(sr.num_new_tokens for sr in sched_reqs), len(sched_reqs)) is not None

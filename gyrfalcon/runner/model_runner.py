@@ -17,7 +17,7 @@ from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
-from gyrfalcon.runner.mixed_graph import MixedGraphRunner, prefill_graphs_enabled
+from gyrfalcon.runner.mixed_graph import MixedGraphRunner, budget_graph_enabled, prefill_graphs_enabled
 from gyrfalcon.runner.precompile import parallel_compile_enabled, precompile
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
@@ -160,6 +160,10 @@ class ModelRunner:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak()
+        if not self.config.enforce_eager and prefill_graphs_enabled() and budget_graph_enabled():
+            # The full-budget prefill graph keeps a step's activations in its pool for good, beside the eager
+            # steps' own: room for both.
+            peak *= 2
         budget = total * cc.gpu_memory_utilization - (total - free) - peak
         if budget < self.bytes_per_block:
             raise RuntimeError(

@@ -229,3 +229,29 @@ def test_prompt_logprobs_and_logit_bias_fp32(ckpt):
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100}),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [forced] * 6
+
+
+def test_full_budget_graph_tokens_match_eager_fp32(ckpt, monkeypatch):
+    """GYRFALCON_BUDGET_GRAPH=1: steps that fill (>= 95% of) a 1,024-token budget, prompt chunks beside
+    decodes, replay the full-budget prefill graph; greedy tokens identical to the eager engine's in fp32."""
+    path, _ = ckpt
+    prompts = random_prompts(24, 300, 100000, 1)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=64,
+              num_gpu_blocks_override=1024)
+    want = LLM(str(path), enforce_eager=True, **kw).generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)
+    monkeypatch.setenv("GYRFALCON_BUDGET_GRAPH", "1")
+    monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1")
+    llm = LLM(str(path), **kw)
+    mg = llm.engine.runner.mixed_graph_runner
+    assert mg.full_tokens == 1024 and 1024 in mg.graphs
+    used = []
+    run = mg.run
+    mg.run = lambda hb: used.append(mg.size_for(hb.num_tokens, hb.num_seqs)) or run(hb)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert used.count(1024) >= 3, used
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
