@@ -9,6 +9,7 @@ from gyrfalcon.config import EngineConfig
 from gyrfalcon.engine.engine import Engine
 from gyrfalcon.output_processor import OutputProcessor
 from gyrfalcon.outputs import RequestOutput
+from gyrfalcon.runner.model_runner import start_device_init
 from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.tokenizer import encode, load_tokenizer, render_chat
 
@@ -26,6 +27,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
+        start_device_init(device)  # the CUDA context, while the config and tokenizer load
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,

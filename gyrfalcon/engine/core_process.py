@@ -336,7 +336,9 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
         try:
             from gyrfalcon.config import EngineConfig
             from gyrfalcon.engine.engine import Engine
+            from gyrfalcon.runner.model_runner import start_device_init
 
+            start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
             config = EngineConfig.create(spec["model"], **spec["engine_args"])
             _set_cpu_threads(config.device)
             eos = spec.get("eos_token_ids")

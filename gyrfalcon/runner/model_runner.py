@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -46,6 +47,24 @@ class RunnerOutput:
     logprobs: List[Optional[tuple]]
     # Per scheduled request asking for prompt_logprobs: entries for prompt tokens start + 1, start + 2, ...
     prompt_logprobs: Optional[List[Optional[list]]] = None
+
+
+def start_device_init(device: str) -> Optional[threading.Thread]:
+    """Begin creating the CUDA context in a background thread when `device` ("cuda", or "auto" on a machine with
+    a GPU) will need one, so that it overlaps what precedes the runner (transformers' import and the config,
+    the tokenizer); returns the thread, or None. Nothing waits for it: the runner's first CUDA call finds the
+    context made, or blocks in torch's lazy CUDA init until it is (that init is locked)."""
+    if device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return None
+
+    def init():
+        try:
+            torch.empty(1, device="cuda")
+        except Exception:  # the runner's own first CUDA call reports whatever this hit
+            logger.debug("early CUDA context creation failed", exc_info=True)
+    t = threading.Thread(target=init, name="gyrfalcon-device-init", daemon=True)
+    t.start()
+    return t
 
 
 def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
