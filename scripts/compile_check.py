@@ -118,13 +118,15 @@ def cases(mods):
     bf = torch.bfloat16
     out = []
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
-        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, **kw):
+        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, **kw):
             def run():
                 with _env(env):
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
                     kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype or dtype)
                     vc = torch.zeros_like(kc)
                     bt = torch.zeros(B, 40960 // 16, dtype=torch.int32)
+                    if graph_table:  # the decode graphs' column-major table (cuda_graph.DecodeInputs)
+                        bt = torch.zeros(40960 // 16, max(B, 16), dtype=torch.int32).t()[:B]
                     sl = torch.ones(B, dtype=torch.int32)
                     pos = torch.zeros(B, dtype=torch.int64)
                     cs = torch.zeros(40960, D, dtype=torch.float32)
@@ -147,7 +149,9 @@ def cases(mods):
                 (f"{name} attention b256, key rows off", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "0"}, pdl=False)),
                 (f"{name} attention b1 pdl (prefetch), one split", attn(1, pdl=True, splits=1)),
                 (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
-                (f"{name} attention b16, one split", attn(16, pdl=False, splits=1))]
+                (f"{name} attention b16, one split", attn(16, pdl=False, splits=1)),
+                (f"{name} attention b1 pdl (prefetch), graph block table", attn(1, pdl=True, graph_table=True)),
+                (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True))]
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),

@@ -64,16 +64,18 @@ if HAS_TRITON:
     from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _norm_weights, _rope_tables
 
     @triton.jit
-    def _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
+    def _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
                  BLOCK_SIZE: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  K_ROWS: tl.constexpr = False):
         """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
-        V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row. K_ROWS: K loads as
+        V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row, whose entries are s_bt_blk apart
+        (1 in a row-major table; the decode graphs' table is column-major, see cuda_graph.DecodeInputs). K_ROWS:
+        K loads as
         [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is transposed in
         registers, instead of loading the transposed tile directly (k_rows: the large-batch launches)."""
         kpos = kstart + tl.arange(0, BLOCK_N)
         kmask = kpos < end
-        phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        phys = tl.load(bt_row + (kpos // BLOCK_SIZE) * s_bt_blk, mask=kmask, other=0).to(tl.int64)
         off = kpos % BLOCK_SIZE
         if K_ROWS:
             k = tl.trans(tl.load(kc_ptr + (phys * s_kb + off * s_ko + kvh * s_kh)[:, None] + dk[None, :],
@@ -133,7 +135,7 @@ if HAS_TRITON:
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, o_ptr, pacc_ptr, pml_ptr, count_ptr,
         scale_log2, num_splits,
         s_qb, s_qh, s_ob, s_oh,
-        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt,
+        s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt, s_bt_blk,
         pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, s_cs, eps,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -187,8 +189,8 @@ if HAS_TRITON:
         dv = tl.arange(0, BLOCK_DV)
         bt_row = bt_ptr + b.to(tl.int64) * s_bt
         if PREFETCH:
-            kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
-                                             s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
+            kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, start, end, kvh, s_kb, s_ko, s_kh,
+                                             s_vb, s_vo, s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
         if PREP:
             # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
@@ -243,8 +245,8 @@ if HAS_TRITON:
                 m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
-            kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo,
-                                         s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
+            kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh,
+                                         s_vb, s_vo, s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
@@ -575,7 +577,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         float(scale) * _LOG2E, num_splits,
         s_qb, s_qh, o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
         pos, cs, slot, qw, kw, s_cs, float(eps),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,

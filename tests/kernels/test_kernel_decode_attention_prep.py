@@ -159,3 +159,24 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
     changed = (kc8.view(torch.uint8) != before).flatten(2).any(-1).nonzero().tolist()  # [block, offset]
     stored = {(int(s) // 4, int(s) % 4) for s in slots if s >= 0}
     assert changed and {(b, o) for b, o in changed} <= stored  # only the new tokens' slots were written
+
+
+@requires_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_with_a_column_major_block_table(num_splits, prefetch):
+    """The decode graphs' column-major block table (runner/cuda_graph.DecodeInputs), the prefetched tile
+    included: the same output and cache writes as with the row-major table."""
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, 4, 2, 32, 32, torch.float32, True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    n, w = bt.shape
+    buf = torch.full((w + 4, n + 2), 10**6, dtype=bt.dtype, device=bt.device)
+    buf[:w, :n] = bt.t()
+    bt_cols = buf.t()[:n]
+    args = dict(num_splits=num_splits, block_n=16, min_part=16, prefetch=prefetch)
+    want = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc, vc, slots, bt, sl, 32 ** -0.5,
+                                             q_norm_weight=qw, k_norm_weight=kw, **args)
+    got = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc2, vc2, slots, bt_cols, sl,
+                                            32 ** -0.5, q_norm_weight=qw, k_norm_weight=kw, **args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)

@@ -180,3 +180,30 @@ def test_fp8_cache_matches_ref(dtype, num_splits, merge, k_rows, monkeypatch):
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     # ... and the reference itself is attention over the fp8 values read back.
     torch.testing.assert_close(want, paged_decode_attention_ref(q, kc8.to(dtype), vc8.to(dtype), bt, sl, 0.2))
+
+
+def _column_major(bt, width=None):
+    """The same table as a [n, W] view of a column-major buffer (strides (1, n_max)), as the decode graphs hold
+    it (runner/cuda_graph.DecodeInputs): block j of row i at j * n_max + i, stale entries past each row's
+    blocks (they must never be read)."""
+    n, w = bt.shape
+    n_max, W = n + 3, max(width or w, w)
+    buf = torch.full((W, n_max), 10**6, dtype=bt.dtype, device=bt.device)
+    buf[:w, :n] = bt.t()
+    view = buf.t()[:n]
+    assert view.stride() == (1, n_max) and view.shape == (n, W)
+    return view
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits,merge", [(1, True), (3, False), (3, True)])
+@pytest.mark.parametrize("k_rows", ["0", "1"])
+def test_column_major_block_table(dtype, num_splits, merge, k_rows, monkeypatch):
+    """A block table whose entries are a column apart (the decode graphs' layout) gives the row-major result."""
+    monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", k_rows)
+    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, 4, 2, 32, 4, dtype, fill=10**8)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2)
+    got = paged_decode_attention_triton(q, kc, vc, _column_major(bt, width=bt.shape[1] + 5), sl, 0.2,
+                                        num_splits=num_splits, block_n=16, min_part=16, merge_in_kernel=merge)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])

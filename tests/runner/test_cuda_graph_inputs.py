@@ -65,6 +65,24 @@ def test_decode_inputs_match_eager_forward_batch():
     assert fb.slot_mapping[3].item() == -1 and fb.seq_lens[3].item() == 0
 
 
+def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row():
+    """The graphs read a [b, W] view with strides (1, B); a step copies the first w columns (w: its widest
+    row), w * B entries, not b * W: the device entries past them keep what they held."""
+    bs = 4
+    sched = _decode_reqs(bs)  # rows of 2, 5 and 3 blocks
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    inputs.raw.view(torch.int32).fill_(-7)
+    inputs.fill(sched, 4, bs)
+    fb = inputs.views(4)
+    assert fb.block_tables.shape == (4, 6) and fb.block_tables.stride() == (1, 8)
+    flat = inputs.i32[2 * 8 + 1:]
+    w = max(len(sr.request.block_ids) for sr in sched)
+    # (the copy is in int64 words: one int32 past the prefix may come along)
+    assert w == 5 and (flat[w * 8 + 1:] == -7).all() and not (flat[:w * 8] == -7).any()
+    for i, sr in enumerate(sched):
+        assert flat[i:w * 8:8][:len(sr.request.block_ids)].tolist() == sr.request.block_ids
+
+
 def test_decode_inputs_reuse_clears_old_rows():
     bs = 4
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
