@@ -46,6 +46,7 @@
 #                GPU token tests with the parallel compile
 #   budgetgraph  throughput with the budget-filling mixed steps replayed as one CUDA graph (GYRFALCON_BUDGET_GRAPH=1)
 #                vs eager, and the GPU token test of that graph
+#   btcolumns    decode graphs' block table column-major (default) vs row-major sent whole, Llama-8B b64 ABBA, b384
 #   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
@@ -339,6 +340,18 @@ if has budgetgraph; then  # the throughput row with its budget-filling mixed ste
   done
   step gpu_tokens_budget_graph 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k full_budget_graph \
     -p no:cacheprovider
+fi
+if has btcolumns; then  # the decode graphs' column-major block table (a step sends its used columns) vs the
+  # row-major one sent whole (GYRFALCON_DECODE_BT_COLUMNS=0: 2.1 MB per step at b64, 12.6 MB at b384)
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for B in 64 384; do
+    runs="a_1 b_0 c_0 d_1"; [ $B = 384 ] && runs="a_1 b_0"
+    for run in $runs; do
+      step lat_l8_b${B}_btcolumns_$run 100 env GYRFALCON_DECODE_BT_COLUMNS=${run#*_} $G bench latency \
+        --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B \
+        --output-json "$R/latency_llama-3.1-8b_b${B}_btcolumns${run#*_}_$run.json"
+    done
+  done
 fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
   step prefill_gemm_m 90 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"

@@ -176,12 +176,14 @@ class DecodeInputs:
     strides (1, B)), so the blocks a step uses, the first w of every sequence, are one contiguous prefix of
     w * B entries: a step sends that prefix, not b * W entries. W follows max_model_len (8,192 blocks for
     Llama-3.1-8B's 131,072 tokens), so at 384 sequences a full-width copy was 12.6 MB per decode step, ahead of
-    the graph in the stream; the prefix is ~0.2 MB at 2,048 tokens of context.
+    the graph in the stream; the prefix is ~0.2 MB at 2,048 tokens of context. GYRFALCON_DECODE_BT_COLUMNS=0
+    keeps the row-major table and its full-width copy (the A/B of gpu_check.sh btcolumns).
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         B, W = max_batch, max_blocks_per_seq
         self.B, self.W = B, W
+        self.columns = os.environ.get("GYRFALCON_DECODE_BT_COLUMNS", "1") != "0"
         n32 = B + (B + 1) + B * W
         self._words = 4 * B + -(-n32 // 2)  # int64 words: the int32 part packed two per word
         self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
@@ -206,7 +208,7 @@ class DecodeInputs:
         return ForwardBatch(
             input_ids=self.i64[:b], positions=self.i64[B:B + b], slot_mapping=self.i64[2 * B:2 * B + b],
             seq_lens=self.i32[:b], query_start_loc=self.i32[B:B + b + 1],
-            block_tables=self.i32[2 * B + 1:].view(W, B).t()[:b],
+            block_tables=(self.i32[2 * B + 1:].view(W, B).t() if self.columns else self.i32[2 * B + 1:].view(B, W))[:b],
             logits_indices=torch.arange(b, device=self.i64.device), is_decode=True,
             max_query_len=1, max_seq_len=W, num_seqs=b)
 
@@ -242,7 +244,8 @@ class DecodeInputs:
         n = len(sched_reqs)
         self._turn ^= 1
         hraw, n64, n32 = self._staging[self._turn]
-        bt = n32[2 * B + 1:].reshape(W, B)  # column-major: bt[j, i] is block j of row i
+        # Column-major: bt[j, i] is block j of row i (row-major with GYRFALCON_DECODE_BT_COLUMNS=0: bt[i, j]).
+        bt = n32[2 * B + 1:].reshape(W, B) if self.columns else n32[2 * B + 1:].reshape(B, W).T
         w = 1
         for i, sr in enumerate(sched_reqs):
             req = sr.request
@@ -266,7 +269,7 @@ class DecodeInputs:
         n32[n:b] = 0
         # One copy, up to the last block-table column in use: entries past a row's own blocks, or in rows past n,
         # are never read (seq_lens bounds every read; padding rows have seq_len 0).
-        words = 4 * B + -(-(2 * B + 1 + w * B) // 2)
+        words = 4 * B + -(-(2 * B + 1 + (w * B if self.columns else b * W)) // 2)
         self.raw[:words].copy_(hraw[:words], non_blocking=True)
         return n
 

@@ -45,7 +45,14 @@ def _decode_reqs(block_size):
     return reqs
 
 
-def test_decode_inputs_match_eager_forward_batch():
+@pytest.fixture(params=["1", "0"], ids=["bt-columns", "bt-rows"])
+def bt_layout(request, monkeypatch):
+    """Both layouts of the decode graphs' block table (GYRFALCON_DECODE_BT_COLUMNS; columns by default)."""
+    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", request.param)
+    return request.param
+
+
+def test_decode_inputs_match_eager_forward_batch(bt_layout):
     bs = 4
     sched = _decode_reqs(bs)
     eager = build_forward_batch(sched, bs, torch.device("cpu"))
@@ -74,13 +81,27 @@ def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row():
     inputs.raw.view(torch.int32).fill_(-7)
     inputs.fill(sched, 4, bs)
     fb = inputs.views(4)
-    assert fb.block_tables.shape == (4, 6) and fb.block_tables.stride() == (1, 8)
+    assert inputs.columns and fb.block_tables.shape == (4, 6) and fb.block_tables.stride() == (1, 8)
     flat = inputs.i32[2 * 8 + 1:]
     w = max(len(sr.request.block_ids) for sr in sched)
     # (the copy is in int64 words: one int32 past the prefix may come along)
     assert w == 5 and (flat[w * 8 + 1:] == -7).all() and not (flat[:w * 8] == -7).any()
     for i, sr in enumerate(sched):
         assert flat[i:w * 8:8][:len(sr.request.block_ids)].tolist() == sr.request.block_ids
+
+
+def test_row_major_block_table_switch(monkeypatch):
+    """GYRFALCON_DECODE_BT_COLUMNS=0: the row-major table, [b, W] with strides (W, 1), sent whole."""
+    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", "0")
+    sched = _decode_reqs(4)
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    inputs.raw.view(torch.int32).fill_(-7)
+    inputs.fill(sched, 4, 4)
+    fb = inputs.views(4)
+    assert not inputs.columns and fb.block_tables.stride() == (6, 1)
+    for i, sr in enumerate(sched):
+        assert fb.block_tables[i, :len(sr.request.block_ids)].tolist() == sr.request.block_ids
+    assert not (inputs.i32[2 * 8 + 1:2 * 8 + 1 + 4 * 6] == -7).any()  # all b rows, full width
 
 
 def test_decode_inputs_reuse_clears_old_rows():
@@ -111,7 +132,7 @@ def test_decode_inputs_mark_tokens_still_on_the_device():
 
 @pytest.mark.parametrize("with_logits", [False, True], ids=["hidden", "logits-in-graph"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, async_scheduling):
+def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, async_scheduling, bt_layout):
     """The decode-graph step (static inputs padded to the ladder, tokens still in flight gathered from
     last_sampled inside the step, optionally the LM head and greedy argmax too), run eagerly on a CPU:
     the same tokens and logprobs as the eager path, greedy and seeded sampling alike."""
