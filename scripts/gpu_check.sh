@@ -331,11 +331,12 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
     pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
 fi
 if has budgetgraph; then  # the throughput row with its budget-filling mixed steps replayed as one graph
-  # (GYRFALCON_BUDGET_GRAPH=1, runner/mixed_graph.py) vs eager, then its GPU token test
+  # (GYRFALCON_BUDGET_GRAPH=1, runner/mixed_graph.py) vs eager, then its GPU token test; both runs with
+  # --launch-phases, so the eager one is also stall's throughput run
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
   for run in a_1 b_0; do
-    step tput_l8_budgetgraph_$run 170 env GYRFALCON_BUDGET_GRAPH=${run#*_} $G $tp \
+    step tput_l8_budgetgraph_$run 170 env GYRFALCON_BUDGET_GRAPH=${run#*_} $G $tp --launch-phases \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_budgetgraph${run#*_}_$run.json"
   done
   step gpu_tokens_budget_graph 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k full_budget_graph \
