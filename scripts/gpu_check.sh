@@ -39,6 +39,7 @@
 #                throughput at 768 prompts with its host time per phase, the garbage collector's pauses, and
 #                the host time inside each eager launch (--launch-phases: building the inputs, each layer's
 #                launches, after the forward)
+#   syncdebug    stall's mixed step alone (budgetgraph's eager run has the throughput run's phases)
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
@@ -303,10 +304,13 @@ if has mixed10; then  # session 10: where the throughput run's prefill steps go;
   step lat_q06_b16_longtiles 60 env GYRFALCON_PREFILL_SHORT_TILES=0 $q06 \
     --output-json "$R/latency_qwen3-0.6b_b16_longtiles.json"
 fi
-if has stall; then  # session 10's lead for the throughput row: prefill steps' launch() holds the host ~150+ ms
+if has stall || has syncdebug; then  # session 10's lead for the throughput row: prefill steps' launch() holds the
+  # host ~150+ ms (syncdebug: the mixed step with every host-device sync printed, without the throughput run)
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
     --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
+fi
+if has stall; then
   # 768 prompts: with 384 (run 37) every prefill step came in the first wave, beside few decoders, and took
   # 197 ms, near its GPU time; the excess (282 ms per prefill step in run 36) is in the later ones.
   step tput_l8_768 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
