@@ -69,10 +69,10 @@ if HAS_TRITON:
                  K_ROWS: tl.constexpr = False):
         """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row, whose entries are s_bt_blk apart
-        (1 in a row-major table; the decode graphs' table is column-major, see cuda_graph.DecodeInputs). K_ROWS:
-        K loads as
-        [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is transposed in
-        registers, instead of loading the transposed tile directly (k_rows: the large-batch launches)."""
+        (1 in a row-major table; the decode graphs' table is column-major, see cuda_graph.DecodeInputs).
+        K_ROWS: K loads as [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is
+        transposed in registers, instead of loading the transposed tile directly (k_rows: the large-batch
+        launches)."""
         kpos = kstart + tl.arange(0, BLOCK_N)
         kmask = kpos < end
         phys = tl.load(bt_row + (kpos // BLOCK_SIZE) * s_bt_blk, mask=kmask, other=0).to(tl.int64)

@@ -205,10 +205,11 @@ class DecodeInputs:
     def views(self, b: int) -> ForwardBatch:
         """A ForwardBatch over the first b rows of the device buffers (what a graph captures)."""
         B, W = self.B, self.W
+        table = self.i32[2 * B + 1:]
+        table = table.view(W, B).t() if self.columns else table.view(B, W)
         return ForwardBatch(
             input_ids=self.i64[:b], positions=self.i64[B:B + b], slot_mapping=self.i64[2 * B:2 * B + b],
-            seq_lens=self.i32[:b], query_start_loc=self.i32[B:B + b + 1],
-            block_tables=(self.i32[2 * B + 1:].view(W, B).t() if self.columns else self.i32[2 * B + 1:].view(B, W))[:b],
+            seq_lens=self.i32[:b], query_start_loc=self.i32[B:B + b + 1], block_tables=table[:b],
             logits_indices=torch.arange(b, device=self.i64.device), is_decode=True,
             max_query_len=1, max_seq_len=W, num_seqs=b)
 

@@ -1,5 +1,6 @@
 """CUDA graphs for the steps that are not pure decode: prefills and chunked prefills (mixed with decode
-tokens) of up to a few hundred tokens.
+tokens) of up to a few hundred tokens, and optionally (GYRFALCON_BUDGET_GRAPH=1, budget_graph_enabled) the
+steps that fill the whole token budget.
 
 Eagerly, such a step launches every layer's kernels from Python: on a slow host (~24 us per launch,
 more for a Triton launch) a 128-token prefill of a 32-layer model spends far longer launching than
@@ -142,8 +143,8 @@ class MixedGraphRunner:
         self.sizes = token_sizes(max_num_batched_tokens, MAX_TOKENS)
         self.max_seqs = min(MAX_SEQS, max_num_seqs)
         # The full-budget graph (budget_graph_enabled): its own size past the ladder, room for every sequence.
-        self.full_tokens = max_num_batched_tokens if budget_graph_enabled() and max_num_batched_tokens > self.sizes[-1] \
-            else 0
+        full = budget_graph_enabled() and max_num_batched_tokens > self.sizes[-1]
+        self.full_tokens = max_num_batched_tokens if full else 0
         self.full_seqs = max_num_seqs
         if self.full_tokens:
             self.sizes.append(self.full_tokens)
