@@ -327,9 +327,14 @@ fi
 if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first run started in 32.6 s, later ones 13-14
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for run in a_0 b_1 c_0 d_1; do
-    step cold_l8_$run 120 env TRITON_CACHE_DIR="$(mktemp -d)" GYRFALCON_PARALLEL_COMPILE=${run#*_} $G bench latency \
+    cache="$(mktemp -d)"
+    step cold_l8_$run 120 env TRITON_CACHE_DIR="$cache" GYRFALCON_PARALLEL_COMPILE=${run#*_} $G bench latency \
       --model /tmp/ck/l8 --batch-size 1 --input-len 128 --output-len 8 \
       --output-json "$R/latency_llama-3.1-8b_b1_coldstart_parallel${run#*_}_$run.json"
+    # What the run compiled, against benchmarks/startup_compiles.py's census of the startup (33 variants at the
+    # default 384 sequences); the benchmark's own steps add a few (the eager LM head's argmax, say)
+    echo "=== cold_l8_$run compiled $(find "$cache" -name '*.cubin' | wc -l) kernels," \
+      "$(find "$cache" -name '__triton_launcher*.so' | wc -l) launchers"
   done
   step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
     pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
