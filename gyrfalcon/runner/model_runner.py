@@ -53,8 +53,11 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     """Begin creating the CUDA context in a background thread when `device` ("cuda", or "auto" on a machine with
     a GPU) will need one, so that it overlaps what precedes the runner (transformers' import and the config,
     the tokenizer); returns the thread, or None. Nothing waits for it: the runner's first CUDA call finds the
-    context made, or blocks in torch's lazy CUDA init until it is (that init is locked)."""
-    if device not in ("auto", "cuda") or not torch.cuda.is_available():
+    context made, or blocks in torch's lazy CUDA init until it is (that init is locked).
+    GYRFALCON_EARLY_DEVICE_INIT=0 leaves the context to the runner (not yet timed on the GPU machine: the
+    startup phases of bench latency / throughput show device_init and the rest)."""
+    if device not in ("auto", "cuda") or os.environ.get("GYRFALCON_EARLY_DEVICE_INIT", "1") == "0" \
+            or not torch.cuda.is_available():
         return None
 
     def init():

@@ -38,3 +38,5 @@ def test_nothing_without_a_gpu_or_on_the_cpu(monkeypatch):
     assert model_runner.start_device_init("auto") is None and model_runner.start_device_init("cuda") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model_runner.start_device_init("cpu") is None
+    monkeypatch.setenv("GYRFALCON_EARLY_DEVICE_INIT", "0")
+    assert model_runner.start_device_init("cuda") is None
