@@ -44,9 +44,8 @@ def scheduled(prompts: int, input_len: int, decoders: int, context: int, block_s
 
 
 def main(argv=None) -> int:
-    from gyrfalcon.bench.make_checkpoint import PRESETS, build_config
+    from gyrfalcon.bench.make_checkpoint import PRESETS
     from gyrfalcon.forward_context import forward_context
-    from gyrfalcon.models.registry import resolve_model_class
     from gyrfalcon.runner.forward_batch import build_forward_batch
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -61,13 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
 
-    cfg = build_config(args.preset)
-    torch.set_default_dtype(torch.bfloat16)
-    model = resolve_model_class(cfg)(cfg, max_position=max(4096, args.context + 1)).eval()  # torch.empty weights
-    torch.set_default_dtype(torch.float32)
+    model, kv = sc.shape_model(args.preset, max(4096, args.context + 1))
     spec = model.kv_cache_spec()
-    kv = [(torch.zeros(64, 16, spec["num_kv_heads"], spec["head_dim"], dtype=torch.bfloat16),) * 2
-          for _ in range(spec["num_layers"])]
     reqs = scheduled(args.prompts, args.input_len, args.decoders, args.context)
     last_sampled = torch.zeros(len(reqs) + 8, dtype=torch.int64)
     embedding = torch.nn.functional.embedding

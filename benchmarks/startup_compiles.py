@@ -10,7 +10,7 @@ warm (run 36).
 
 Here those same runs execute on the CPU through the runners' own `prepare` steps (runner/precompile.py's
 ladder_warmup_steps, the list a startup warms up), with every Triton launch recorded instead of run (under
-the interpreter, as tests/runner/test_jit_specialization.py computes specializations) and the GEMMs
+the interpreter, keyed by kernels/_specialization.launch_signature as the JIT tests key them) and the GEMMs
 returning empty outputs, so a census takes seconds at any model's real shape. It prints the distinct
 variants per kernel and per startup phase, and which sizes of each ladder brought new ones: the list to
 shorten when cold starts are too slow. The count is exact for the specialization; whether a variant costs
@@ -42,7 +42,6 @@ else:
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -55,42 +54,19 @@ import torch  # noqa: E402
 NUM_LAYERS = 2  # the first layer differs (no residual into its norm); every later one repeats the second
 
 
-def _signature(fn, params, dns, dnsoa, bound):
-    """The specialization a JIT launch with these arguments compiles for: constexprs by value, the rest as
-    Triton keys them."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    sig = []
-    for name, p in params.items():
-        if name not in bound:
-            continue
-        v = bound[name]
-        if "constexpr" in str(p.annotation):
-            sig.append((name, v))
-        elif name in dns:
-            sig.append((name, type(v).__name__))
-        else:
-            sig.append((name,) + tuple(native_specialize_impl(BaseBackend, v, False, True, name not in dnsoa)))
-    return tuple(sig)
-
-
 @contextlib.contextmanager
 def recorded_launches(seen: dict):
     """Inside, every Triton launch adds (kernel name, specialization) to `seen` (first phase that asked for it)
     and runs nothing; kernels launched with launch_pdl carry ("launch_pdl", True) in their key."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    from gyrfalcon.kernels._specialization import launch_signature
+
     orig = InterpretedFunction.run
     phase = [None]
 
     def run(self, *args, grid, warmup, **kwargs):
-        bound = dict(zip(self.arg_names, args))
-        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
-        params = inspect.signature(self.fn).parameters
-        dns = set(self.kwargs.get("do_not_specialize") or ())
-        dnsoa = set(self.kwargs.get("do_not_specialize_on_alignment") or ())
-        key = _signature(self.fn, params, dns, dnsoa, bound)
+        key = launch_signature(self, args, kwargs)
         key += tuple((k, v) for k, v in sorted(kwargs.items()) if k in ("num_warps", "num_stages", "launch_pdl"))
         seen.setdefault((self.fn.__name__, key), phase[0])
     InterpretedFunction.run = run
@@ -141,27 +117,36 @@ def gpu_dispatch():
             setattr(m, a, v)
 
 
+def shape_model(preset: str, max_model_len: int, num_layers=None, block_size: int = 16):
+    """(model, kv_caches) of a preset's real widths on the CPU: bf16 torch.empty weights (nothing to fill, as
+    nothing reads them for real here) and a small bf16 paged cache per layer (block counts only move pointers,
+    never a launch's specialization)."""
+    from gyrfalcon.bench.make_checkpoint import build_config
+    from gyrfalcon.models.registry import resolve_model_class
+
+    cfg = build_config(preset, num_layers=num_layers)
+    torch.set_default_dtype(torch.bfloat16)
+    model = resolve_model_class(cfg)(cfg, max_position=max_model_len).eval()
+    torch.set_default_dtype(torch.float32)
+    spec = model.kv_cache_spec()
+    shape = (64, block_size, spec["num_kv_heads"], spec["head_dim"])
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+          for _ in range(spec["num_layers"])]
+    return model, kv
+
+
 def startup_steps(preset: str, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   block_size: int = 16) -> List[Tuple[str, int, Callable]]:
     """[(phase, size, step)]: the eager runs of a GPU startup of `preset` with these limits, in its order (the
     activation profile's prefill, then each ladder's warm-up runs as runner/precompile.py lists them), on CPU
     tensors. Call the steps inside gpu_dispatch()."""
-    from gyrfalcon.bench.make_checkpoint import build_config
-    from gyrfalcon.models.registry import resolve_model_class
     from gyrfalcon.runner import precompile
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
     from gyrfalcon.runner.mixed_graph import MixedGraphRunner, prefill_graphs_enabled
     from gyrfalcon.runner.model_runner import profile_step
 
-    cfg = build_config(preset, num_layers=NUM_LAYERS)
-    torch.set_default_dtype(torch.bfloat16)
-    model = resolve_model_class(cfg)(cfg, max_position=max_model_len).eval()  # torch.empty weights
-    torch.set_default_dtype(torch.float32)
+    model, kv = shape_model(preset, max_model_len, NUM_LAYERS, block_size)
     spec = model.kv_cache_spec()
-    # Block counts only move pointers, never a launch's specialization.
-    shape = (64, block_size, spec["num_kv_heads"], spec["head_dim"])
-    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
-          for _ in range(spec["num_layers"])]
     last_sampled = torch.zeros(max(max_num_seqs, 8), dtype=torch.int64)
     cpu = torch.device("cpu")
     n = min(max_num_batched_tokens, max_model_len)

@@ -102,7 +102,7 @@ class ModelRunner:
             torch.zeros(1, device=self.device)  # the CUDA context, apart from the load
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
-        self.load_seconds = clock("load")
+        clock("load")
         spec = self.model.kv_cache_spec()
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
@@ -146,6 +146,10 @@ class ModelRunner:
                     self.num_blocks * self.block_size / max_len,
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
+
+    @property
+    def load_seconds(self) -> float:
+        return self.startup_phases["load"]
 
     def _phase_clock(self):
         """clock(name) -> seconds since the last call (or creation), also stored in startup_phases[name]; on a

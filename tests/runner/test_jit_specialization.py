@@ -10,7 +10,6 @@ launch itself skipped) on ForwardBatches of many shapes, and every kernel must s
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -21,30 +20,14 @@ from gyrfalcon.runner.forward_batch import build_forward_batch
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from gyrfalcon.kernels._specialization import launch_signature  # noqa: E402
+
 try:
     from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
 except ImportError:  # pragma: no cover - an older Triton
     native_specialize_impl = None
 
 pytestmark = pytest.mark.skipif(native_specialize_impl is None, reason="needs Triton's native_specialize_impl")
-
-
-def _signature(fn, dns, dnsoa, bound):
-    """The specialization a JIT launch with these arguments compiles for (constexprs by value)."""
-    params = inspect.signature(fn).parameters
-    sig = []
-    for name, p in params.items():
-        if name not in bound:
-            continue
-        v = bound[name]
-        if "constexpr" in str(p.annotation):
-            sig.append((name, "tl.constexpr", v))  # a declared constexpr (an int equal to 1 reads "constexpr")
-        elif name in dns:
-            sig.append((name, type(v).__name__))
-        else:
-            sig.append((name,) + tuple(native_specialize_impl(BaseBackend, v, False, True, name not in dnsoa)))
-    return tuple(sig)
 
 
 @pytest.fixture
@@ -53,11 +36,7 @@ def launches(monkeypatch):
     seen: dict = {}
 
     def run(self, *args, grid, warmup, **kwargs):
-        bound = dict(zip(self.arg_names, args))
-        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
-        dns = set(self.kwargs.get("do_not_specialize") or ())
-        dnsoa = set(self.kwargs.get("do_not_specialize_on_alignment") or ())
-        seen.setdefault(self.fn.__name__, set()).add(_signature(self.fn, dns, dnsoa, bound))
+        seen.setdefault(self.fn.__name__, set()).add(launch_signature(self, args, kwargs))
     monkeypatch.setattr(InterpretedFunction, "run", run)
     return seen
 
