@@ -13,13 +13,18 @@ python3 benchmarks/mixed_step.py --model DIR [--decoders 288] [--prompts 8] [--i
 --sync-debug: torch.cuda.set_sync_debug_mode("warn") during the profiled steps, so every operation that
 makes the host wait on the device is printed with its stack (bench throughput's prefill steps hold the host
 150-240 ms in launch(), run 36).
+--cprofile: each profiled step also under cProfile; the functions that held the host longest (own time) are
+printed and stored. A wait on the device that the sync debug mode does not see (run 38: none reported while
+the mixed step's launch() took 201 ms of its 197 ms on the device) shows up as one C call's own time.
 On a CPU (the tests) it profiles CPU ops instead of CUDA kernels, which checks the plumbing only.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 
@@ -33,6 +38,18 @@ from gyrfalcon.sampling_params import SamplingParams
 
 
 SYNC_DEBUG = False  # --sync-debug on a GPU: warn at every host-device sync inside the profiled steps
+CPROFILE = False  # --cprofile: the profiled steps under cProfile too
+
+
+def _top_own_time(prof: cProfile.Profile, n: int = 12) -> list:
+    """[(function, calls, own ms, cumulative ms)] of the n functions with the most own time."""
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, calls, tt, ct, _) in st.stats.items():
+        where = name if file == "~" else f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})"
+        rows.append((where, calls, tt * 1e3, ct * 1e3))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:n]
 
 
 def _profiled_step(engine, label: str) -> dict:
@@ -54,12 +71,17 @@ def _profiled_step(engine, label: str) -> dict:
         launch_s.append(time.perf_counter() - t)
         return handle
     engine.scheduler.schedule, engine.runner.launch = recorded, timed_launch
+    cprof = cProfile.Profile() if CPROFILE else None
     t0 = time.perf_counter()
     try:
         with profile(activities=acts) as prof:
             if SYNC_DEBUG:
                 torch.cuda.set_sync_debug_mode("warn")
+            if cprof is not None:
+                cprof.enable()
             engine.step()
+            if cprof is not None:
+                cprof.disable()
             if SYNC_DEBUG:
                 torch.cuda.set_sync_debug_mode("default")
             if cuda:
@@ -86,6 +108,11 @@ def _profiled_step(engine, label: str) -> dict:
           f"launch {out['launch_ms']:.2f} ms, {busy}{len(evs)} events", flush=True)
     for n, c, ms in out["top"]:
         print(f"    {ms:9.3f} ms {c:5d}x  {n}")
+    if cprof is not None:
+        out["host_own_time"] = _top_own_time(cprof)
+        print("  host functions by own time (cProfile):")
+        for where, calls, tt, ct in out["host_own_time"]:
+            print(f"    {tt:9.3f} ms own, {ct:9.3f} ms cumulative {calls:6d}x  {where}")
     return out
 
 
@@ -99,6 +126,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sync-debug", action="store_true")
+    ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -119,8 +147,9 @@ def main() -> int:
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4,
                                                                           ignore_eos=True), use_tqdm=False)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    global SYNC_DEBUG
+    global SYNC_DEBUG, CPROFILE
     SYNC_DEBUG = args.sync_debug and torch.cuda.is_available()
+    CPROFILE = args.cprofile
 
     # 1. The prompts alone: one prefill step, no decoders.
     for i, p in enumerate(fresh_a):

@@ -40,6 +40,8 @@
 #                the host time inside each eager launch (--launch-phases: building the inputs, each layer's
 #                launches, after the forward)
 #   syncdebug    stall's mixed step alone (budgetgraph's eager run has the throughput run's phases)
+#   mixedprof    the mixed step under cProfile: which call holds the host in launch()
+#   gcfreeze     throughput with the collector frozen after startup (default on a GPU) vs not, launch phases
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
@@ -315,6 +317,21 @@ if has stall || has syncdebug; then  # session 10's lead for the throughput row:
   step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
     --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
 fi
+if has mixedprof; then  # run 38: the mixed step's launch() took 201 ms of its 197 ms on the device with no sync
+  # reported by the sync debug mode; cProfile names the call that holds the host
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step mixed_step_cprofile 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --cprofile \
+    --output-json "$R/mixed_step_llama-3.1-8b_cprofile.json"
+fi
+if has gcfreeze; then  # the collector frozen after startup (the default on a GPU) vs not (GYRFALCON_GC_FREEZE=0):
+  # the throughput row, both with --launch-phases (the prefill launches' time after the forward, split at the LM head)
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for run in a_0 b_1; do
+    step tput_l8_gcfreeze_$run 150 env GYRFALCON_GC_FREEZE=${run#*_} $G $tp --launch-phases \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_gcfreeze${run#*_}_$run.json"
+  done
+fi
 if has stall; then
   # 768 prompts: with 384 (run 37) every prefill step came in the first wave, beside few decoders, and took
   # 197 ms, near its GPU time; the excess (282 ms per prefill step in run 36) is in the later ones.
@@ -341,8 +358,8 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
     echo "=== cold_l8_$run compiled $(find "$cache" -name '*.cubin' | wc -l) kernels," \
       "$(find "$cache" -name '__triton_launcher*.so' | wc -l) launchers"
   done
-  step gpu_tokens_parallel_compile 200 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
-    pytest -q tests/gpu/test_model_gpu.py -k "graphs and not logits" -p no:cacheprovider
+  step gpu_tokens_parallel_compile 150 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
+    pytest -q tests/gpu/test_model_gpu.py -k "llama and graphs and not logits" -p no:cacheprovider
 fi
 if has budgetgraph; then  # the throughput row with its budget-filling mixed steps replayed as one graph
   # (GYRFALCON_BUDGET_GRAPH=1, runner/mixed_graph.py) vs eager, then its GPU token test; both runs with

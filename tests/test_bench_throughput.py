@@ -119,6 +119,7 @@ def test_bench_throughput_launch_phases(qwen3_ckpt, tmp_path, capsys):
     for d in lp.values():
         assert d["build_ms"] > 0 and d["layers_ms"] > 0 and 0 < d["max_gap_ms"] <= d["layers_ms"]
         assert d["to_first_layer_ms"] >= 0 and d["after_forward_ms"] > 0
+        assert 0 < d["lm_head_ms"] < d["after_forward_ms"]  # the LM head's call is stamped inside that phase
         assert 0 <= d["max_gap_layer"] < 2 and sum(d["gap_layers"].values()) == d["steps"]  # the tiny model: 2 layers
     assert "eager prefill launches" in capsys.readouterr().out
     import gyrfalcon.runner.model_runner as mr

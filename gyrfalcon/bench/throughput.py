@@ -213,6 +213,14 @@ class LaunchPhases:
                 self._cur["forward_end"] = time.perf_counter()
             return out
         runner.model.forward = forward
+        logits_fn = runner.model.compute_logits
+
+        def compute_logits(*a, **kw):
+            out = logits_fn(*a, **kw)
+            if self._cur is not None:
+                self._cur["logits_end"] = time.perf_counter()
+            return out
+        runner.model.compute_logits = compute_logits
         for layer in self._layers:
             layer.forward = self._stamped(layer.forward)
 
@@ -234,7 +242,7 @@ class LaunchPhases:
 
     def remove(self) -> None:
         self._mr.build_forward_batch = self._build
-        del self._model.forward
+        del self._model.forward, self._model.compute_logits
         for layer in self._layers:
             del layer.forward
 
@@ -246,6 +254,7 @@ class LaunchPhases:
                 continue
             d = out.setdefault(step_log[i][0], {"steps": 0, "build_ms": 0.0, "to_first_layer_ms": 0.0,
                                                 "layers_ms": 0.0, "max_gap_ms": 0.0, "after_forward_ms": 0.0,
+                                                "lm_head_ms": 0.0,
                                                 "gap_layers": {}})
             ts = rec["layers"] + [rec.get("forward_end", rec["layers"][-1])]
             gaps = [b - a for a, b in zip(ts, ts[1:])]
@@ -256,10 +265,12 @@ class LaunchPhases:
             d["layers_ms"] += (ts[-1] - ts[0]) * 1e3
             d["max_gap_ms"] += gaps[worst] * 1e3
             d["after_forward_ms"] += (rec["t1"] - ts[-1]) * 1e3
+            # of which: from the forward's end to the LM head's return (the rows' gather and the head's GEMM)
+            d["lm_head_ms"] += (rec.get("logits_end", ts[-1]) - ts[-1]) * 1e3
             # The gap after layer i's start is that layer's launches (the last: up to the forward's end).
             d["gap_layers"][worst] = d["gap_layers"].get(worst, 0) + 1
         for d in out.values():
-            for k in ("build_ms", "to_first_layer_ms", "layers_ms", "max_gap_ms", "after_forward_ms"):
+            for k in ("build_ms", "to_first_layer_ms", "layers_ms", "max_gap_ms", "after_forward_ms", "lm_head_ms"):
                 d[k] /= d["steps"]
             d["max_gap_layer"] = max(d["gap_layers"], key=d["gap_layers"].get)
             d["gap_layers"] = {str(k): v for k, v in sorted(d["gap_layers"].items())}
@@ -319,7 +330,8 @@ def main(args: argparse.Namespace) -> int:
     for kind, d in sorted(results["gyrfalcon"]["launch_phases"].items()):
         print(f"  eager {kind} launches ({d['steps']}), host ms: build inputs {d['build_ms']:.2f}, to the first layer "
               f"{d['to_first_layer_ms']:.2f}, layers {d['layers_ms']:.2f} (the longest one {d['max_gap_ms']:.2f}, "
-              f"most often layer {d['max_gap_layer']}), after the forward {d['after_forward_ms']:.2f}")
+              f"most often layer {d['max_gap_layer']}), after the forward {d['after_forward_ms']:.2f} (of which to the "
+              f"LM head's return {d['lm_head_ms']:.2f})")
     if results["gyrfalcon"]["allocator"]:
         print("  allocator during the run: " + ", ".join(f"{k} {v}" for k, v in results["gyrfalcon"]["allocator"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})

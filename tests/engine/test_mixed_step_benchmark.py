@@ -17,7 +17,7 @@ def test_mixed_step_benchmark_runs(tmp_path, qwen3_ckpt):
     out = tmp_path / "mixed.json"
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mixed_step.py"), "--model", str(qwen3_ckpt),
                         "--decoders", "3", "--prompts", "2", "--input-len", "24", "--max-num-seqs", "8",
-                        "--output-json", str(out)],
+                        "--cprofile", "--output-json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -31,3 +31,8 @@ def test_mixed_step_benchmark_runs(tmp_path, qwen3_ckpt):
     assert all(0 < steps[k]["launch_ms"] <= steps[k]["wall_ms"] for k in ("prefill_alone", "decode_alone", "mixed"))
     assert all(steps[k]["wall_ms"] > 0 and steps[k]["kernels"] > 0 for k in ("prefill_alone", "decode_alone", "mixed"))
     assert "mixed step" in r.stdout
+    # --cprofile: the host's functions by own time, longest first, within the step's wall time
+    for k in ("prefill_alone", "decode_alone", "mixed"):
+        own = [row[2] for row in steps[k]["host_own_time"]]
+        assert own and own == sorted(own, reverse=True) and 0 < sum(own) <= steps[k]["wall_ms"] * 1.05
+    assert "host functions by own time" in r.stdout
