@@ -50,7 +50,7 @@
 #   budgetgraph  throughput with the budget-filling mixed steps replayed as one CUDA graph (GYRFALCON_BUDGET_GRAPH=1)
 #                vs eager, and the GPU token test of that graph
 #   btcolumns    decode graphs' block table column-major (default) vs row-major sent whole, Llama-8B b384 with
-#                1024-token prompts ABBA, b64 AB
+#                512-token prompts ABBA, b64 AB
 #   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
@@ -377,14 +377,14 @@ fi
 if has btcolumns; then  # the decode graphs' column-major block table (a step sends its used columns) vs the
   # row-major one sent whole (GYRFALCON_DECODE_BT_COLUMNS=0: 2.1 MB per step at b64, 12.6 MB at b384)
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  # b384 with 1024-token prompts (the throughput row's decode steps: 384 sequences, 1-2k tokens of context, whose
-  # decode steps ran at 30.2-31.4 ms in run 38 against 28.2-28.4 in run 36) ABBA, then the b64 row AB
-  for BI in 384:1024 64:128; do
-    B=${BI%:*} I=${BI#*:}
+  # b384 with 512-token prompts (the throughput row's decode steps hold 384 sequences; they ran at 30.2-31.4 ms in
+  # run 38 against 28.2-28.4 in run 36) ABBA, 2 timed runs each, then the b64 row AB
+  for BI in 384:512:64 64:128:128; do
+    B=${BI%%:*} I=${BI#*:}; O=${I#*:} I=${I%:*}
     runs="a_1 b_0 c_0 d_1"; [ $B = 64 ] && runs="a_1 b_0"
     for run in $runs; do
       step lat_l8_b${B}_btcolumns_$run 100 env GYRFALCON_DECODE_BT_COLUMNS=${run#*_} $G bench latency \
-        --model /tmp/ck/l8 --batch-size $B --input-len $I --output-len 128 --max-num-seqs $B \
+        --model /tmp/ck/l8 --batch-size $B --input-len $I --output-len $O --max-num-seqs $B --num-iters 2 \
         --output-json "$R/latency_llama-3.1-8b_b${B}_in${I}_btcolumns${run#*_}_$run.json"
     done
   done
