@@ -14,7 +14,7 @@ python3 benchmarks/mixed_step.py --model DIR [--decoders 288] [--prompts 8] [--i
 makes the host wait on the device is printed with its stack (bench throughput's prefill steps hold the host
 150-240 ms in launch(), run 36).
 --cprofile: each profiled step also under cProfile; the functions that held the host longest (own time) are
-printed and stored. A wait on the device that the sync debug mode does not see (run 38: none reported while
+printed and stored. A wait on the device that the sync debug mode does not see (run 39: none reported while
 the mixed step's launch() took 201 ms of its 197 ms on the device) shows up as one C call's own time.
 On a CPU (the tests) it profiles CPU ops instead of CUDA kernels, which checks the plumbing only.
 """

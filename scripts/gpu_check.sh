@@ -318,7 +318,7 @@ if has stall || has syncdebug; then  # session 10's lead for the throughput row:
   step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
     --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
 fi
-if has mixedprof; then  # run 38: the mixed step's launch() took 201 ms of its 197 ms on the device with no sync
+if has mixedprof; then  # run 39: the mixed step's launch() took 201 ms of its 197 ms on the device with no sync
   # reported by the sync debug mode; cProfile names the call that holds the host
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   step mixed_step_cprofile 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --cprofile \
@@ -378,7 +378,7 @@ if has btcolumns; then  # the decode graphs' column-major block table (a step se
   # row-major one sent whole (GYRFALCON_DECODE_BT_COLUMNS=0: 2.1 MB per step at b64, 12.6 MB at b384)
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   # b384 with 512-token prompts (the throughput row's decode steps hold 384 sequences; they ran at 30.2-31.4 ms in
-  # run 38 against 28.2-28.4 in run 36) ABBA, 2 timed runs each, then the b64 row AB
+  # runs 39-40 against 28.2-28.4 in run 36) ABBA, 2 timed runs each, then the b64 row AB
   for BI in 384:512:64 64:128:128; do
     B=${BI%%:*} I=${BI#*:}; O=${I#*:} I=${I%:*}
     runs="a_1 b_0 c_0 d_1"; [ $B = 64 ] && runs="a_1 b_0"

@@ -172,18 +172,20 @@ class DecodeInputs:
     int32 part: [seq_lens B | query_start_loc B+1 | block_tables W*B]   (W = max blocks per seq)
     Both parts are views of one buffer, so a step's inputs go to the device in one copy.
 
-    The block table is column-major (block j of sequence i at j * B + i; the graphs see a [b, W] view with
-    strides (1, B)), so the blocks a step uses, the first w of every sequence, are one contiguous prefix of
-    w * B entries: a step sends that prefix, not b * W entries. W follows max_model_len (8,192 blocks for
-    Llama-3.1-8B's 131,072 tokens), so at 384 sequences a full-width copy was 12.6 MB per decode step, ahead of
-    the graph in the stream; the prefix is ~0.2 MB at 2,048 tokens of context. GYRFALCON_DECODE_BT_COLUMNS=0
-    keeps the row-major table and its full-width copy (the A/B of gpu_check.sh btcolumns).
+    The block table is row-major ([b, W], strides (W, 1)) and a step sends all b * W entries; W follows
+    max_model_len (8,192 blocks for Llama-3.1-8B's 131,072 tokens: 12.6 MB per decode step at 384 sequences).
+    GYRFALCON_DECODE_BT_COLUMNS=1 makes it column-major (block j of sequence i at j * B + i; the graphs see a
+    [b, W] view with strides (1, B)), so the blocks a step uses, the first w of every sequence, are one
+    contiguous prefix of w * B entries and a step sends only that (~0.2 MB at 2,048 tokens of context). It
+    measured slower on the H200 (run 41, gpu_check.sh btcolumns, Llama-3.1-8B): 18.40 / 18.65 ms per decode
+    step against 18.03 / 18.17 row-major at 384 sequences of 512-576 tokens (ABBA), 5.44 against 5.40 ms at
+    64: the attention kernel's strided reads of the block ids cost more than the copy saves, so it stays off.
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         B, W = max_batch, max_blocks_per_seq
         self.B, self.W = B, W
-        self.columns = os.environ.get("GYRFALCON_DECODE_BT_COLUMNS", "1") != "0"
+        self.columns = os.environ.get("GYRFALCON_DECODE_BT_COLUMNS", "0") == "1"
         n32 = B + (B + 1) + B * W
         self._words = 4 * B + -(-n32 // 2)  # int64 words: the int32 part packed two per word
         self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
@@ -245,7 +247,7 @@ class DecodeInputs:
         n = len(sched_reqs)
         self._turn ^= 1
         hraw, n64, n32 = self._staging[self._turn]
-        # Column-major: bt[j, i] is block j of row i (row-major with GYRFALCON_DECODE_BT_COLUMNS=0: bt[i, j]).
+        # Row-major: bt[i, j] is block j of row i (column-major with GYRFALCON_DECODE_BT_COLUMNS=1: bt[j, i]).
         bt = n32[2 * B + 1:].reshape(W, B) if self.columns else n32[2 * B + 1:].reshape(B, W).T
         w = 1
         for i, sr in enumerate(sched_reqs):

@@ -18,7 +18,7 @@ back on the host. The activation profile (model_runner) and each graph ladder (c
 precompile this way.
 
 On by default (GYRFALCON_PARALLEL_COMPILE=0 turns it off): with an empty Triton cache, Llama-3.1-8B's startup
-took 21.9 / 22.6 s with it against 33.7 / 33.3 s without, ABAB in one call on the H200 (run 38, gpu_check
+took 21.9 / 22.6 s with it against 33.7 / 33.3 s without, ABAB in one call on the H200 (run 40, gpu_check
 coldstart; decode graphs' capture 8.1-8.6 s against 17.0-17.5 s); greedy tokens matched transformers with it.
 """
 

@@ -47,7 +47,7 @@ def _decode_reqs(block_size):
 
 @pytest.fixture(params=["1", "0"], ids=["bt-columns", "bt-rows"])
 def bt_layout(request, monkeypatch):
-    """Both layouts of the decode graphs' block table (GYRFALCON_DECODE_BT_COLUMNS; columns by default)."""
+    """Both layouts of the decode graphs' block table (GYRFALCON_DECODE_BT_COLUMNS; rows by default)."""
     monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", request.param)
     return request.param
 
@@ -72,9 +72,10 @@ def test_decode_inputs_match_eager_forward_batch(bt_layout):
     assert fb.slot_mapping[3].item() == -1 and fb.seq_lens[3].item() == 0
 
 
-def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row():
-    """The graphs read a [b, W] view with strides (1, B); a step copies the first w columns (w: its widest
-    row), w * B entries, not b * W: the device entries past them keep what they held."""
+def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row(monkeypatch):
+    """GYRFALCON_DECODE_BT_COLUMNS=1: the graphs read a [b, W] view with strides (1, B); a step copies the first
+    w columns (w: its widest row), w * B entries, not b * W: the device entries past them keep what they held."""
+    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", "1")
     bs = 4
     sched = _decode_reqs(bs)  # rows of 2, 5 and 3 blocks
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
@@ -90,9 +91,10 @@ def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row():
         assert flat[i:w * 8:8][:len(sr.request.block_ids)].tolist() == sr.request.block_ids
 
 
-def test_row_major_block_table_switch(monkeypatch):
-    """GYRFALCON_DECODE_BT_COLUMNS=0: the row-major table, [b, W] with strides (W, 1), sent whole."""
-    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", "0")
+def test_row_major_block_table_by_default(monkeypatch):
+    """By default (and with GYRFALCON_DECODE_BT_COLUMNS=0) the table is row-major, [b, W] with strides (W, 1),
+    sent whole."""
+    monkeypatch.delenv("GYRFALCON_DECODE_BT_COLUMNS", raising=False)
     sched = _decode_reqs(4)
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
     inputs.raw.view(torch.int32).fill_(-7)
@@ -188,6 +190,7 @@ def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, wan
         return _FakeGraph(name), name
 
     monkeypatch.setattr(cg, "_capture", fake_capture)
+    monkeypatch.setenv("GYRFALCON_PARALLEL_COMPILE", "0")  # the fake steps have no kernels to precompile
     monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
     timed = []
     monkeypatch.setattr(cg, "time_replays", lambda graphs: timed.append([g.name for g in graphs]) or list(ms))
@@ -291,6 +294,7 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
         return _FakeGraph(name), name
 
     monkeypatch.setattr(cg, "_capture", fake_capture)
+    monkeypatch.setenv("GYRFALCON_PARALLEL_COMPILE", "0")  # the fake steps have no kernels to precompile
     monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
     monkeypatch.setattr(cg, "time_replays", lambda graphs: pytest.fail("timed a second ladder"))
     monkeypatch.setattr(cg.torch.cuda, "synchronize", lambda: None)
