@@ -41,6 +41,8 @@
 #                launches, after the forward)
 #   syncdebug    stall's mixed step alone (budgetgraph's eager run has the throughput run's phases)
 #   mixedprof    the mixed step under cProfile: which call holds the host in launch()
+#   timeline     the device's idle time over a window of a throughput run's steps from its first mixed prefill
+#                step (--gpu-timeline), at 16,384 and 8,192 tokens per step
 #   gcfreeze     throughput with the collector frozen after startup (default on a GPU) vs not, launch phases
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
@@ -331,6 +333,17 @@ if has gcfreeze; then  # the collector frozen after startup (the default on a GP
   for run in a_0 b_1; do
     step tput_l8_gcfreeze_$run 150 env GYRFALCON_GC_FREEZE=${run#*_} $G $tp --launch-phases \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_gcfreeze${run#*_}_$run.json"
+  done
+fi
+if has timeline; then  # does the device idle in a throughput run's mixed prefill steps? Its kernels over a window of
+  # steps from the first mixed one beside >= 256 decoders (bench throughput --gpu-timeline), at 16,384 tokens per step
+  # (6 steps) and 8,192 (12)
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for bn in 16384:6 8192:12; do
+    step tput_l8_timeline_${bn%:*} 150 $G $tp --max-num-batched-tokens ${bn%:*} --gpu-timeline ${bn#*:} \
+      --gpu-timeline-decoders 256 \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_timeline_${bn%:*}.json"
   done
 fi
 if has stall; then

@@ -125,3 +125,39 @@ def test_bench_throughput_launch_phases(qwen3_ckpt, tmp_path, capsys):
     import gyrfalcon.runner.model_runner as mr
     from gyrfalcon.runner.forward_batch import build_forward_batch
     assert mr.build_forward_batch is build_forward_batch  # unwrapped again
+
+
+def test_busy_span_gaps_unions_overlapping_kernels():
+    from gyrfalcon.bench.throughput import busy_span_gaps
+
+    # (start us, end us, name): b overlaps a, c sits inside b, then a 500 us gap, d; then 2 ms before e
+    ev = [(0, 1000, "a"), (500, 3000, "b"), (1000, 2000, "c"), (3500, 4000, "d"), (6000, 6100, "e")]
+    busy, span, gaps = busy_span_gaps(ev)
+    assert busy == pytest.approx(3.0 + 0.5 + 0.1) and span == pytest.approx(6.1)
+    assert gaps == [(pytest.approx(2.0), "d", "e"), (pytest.approx(0.5), "b", "d")]
+    assert busy_span_gaps([]) == (0.0, 0.0, [])
+
+
+def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys):
+    """--gpu-timeline N: a window of N steps from the first one that runs prompt tokens beside decoding
+    sequences (on a CPU the profiler records CPU ops: the plumbing only)."""
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "tput.json"
+    # 16 tokens per step: the second prompt's chunks run beside the first one's decoding
+    rc = main(["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "3", "--input-len", "12",
+               "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+               "--gpu-timeline", "3", "--output-json", str(out)])
+    assert rc == 0
+    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    tl = g["gpu_timeline"]
+    assert tl["first_step"] >= 1 and tl["steps"][0] == "prefill" and len(tl["steps"]) == 3
+    assert len(tl["host_launch_ms"]) == 3 and tl["kernels"] > 0
+    assert 0 < tl["busy_ms"] <= tl["span_ms"] + 1e-6 and tl["idle_ms"] == pytest.approx(tl["span_ms"] - tl["busy_ms"])
+    assert tl["first_step_decoders"] >= 1
+    assert "device timeline over 3 steps" in capsys.readouterr().out
+    # No step of this run holds 4 decoders beside a prompt chunk: no window, nothing recorded
+    rc = main(["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "3", "--input-len", "12",
+               "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+               "--gpu-timeline", "3", "--gpu-timeline-decoders", "4", "--output-json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"] == {}

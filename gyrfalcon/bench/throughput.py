@@ -28,6 +28,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-phases", action="store_true",
                    help="time the host's phases inside each eager step's launch (building the inputs, each "
                         "decoder layer's launches, what follows the forward): where launch() spends or waits")
+    p.add_argument("--gpu-timeline", type=int, default=0, metavar="N",
+                   help="record the device's kernels over N steps from the first step that runs prompt tokens beside "
+                        "decoding sequences (a mixed prefill step): how long the device sat idle between kernels, "
+                        "and where")
+    p.add_argument("--gpu-timeline-decoders", type=int, default=1, metavar="D",
+                   help="the window starts at the first mixed step with at least D decoding sequences")
     add_common_args(p)
 
 
@@ -72,6 +78,8 @@ def run_gyrfalcon(args) -> dict:
     launch = runner.launch
 
     def timed_launch(batch):
+        if timeline is not None:
+            timeline.before_launch(batch, len(host["launch"]))
         t0 = time.perf_counter()
         if phases is not None:
             phases.begin(t0)
@@ -84,6 +92,7 @@ def run_gyrfalcon(args) -> dict:
         return handle
     runner.launch = timed_launch
     phases = LaunchPhases(runner) if args.launch_phases else None
+    timeline = GpuTimeline(args.gpu_timeline, cuda, args.gpu_timeline_decoders) if args.gpu_timeline > 0 else None
     # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
     complete, done = runner.complete, []
 
@@ -94,6 +103,8 @@ def run_gyrfalcon(args) -> dict:
         if not handle.batch.is_empty:
             done.append(time.perf_counter())
             host["complete"].append(done[-1] - t0)
+            if timeline is not None:
+                timeline.after_complete(len(done))
         return out
     runner.complete = timed_complete
     before = torch.cuda.memory_stats() if cuda else {}
@@ -110,6 +121,8 @@ def run_gyrfalcon(args) -> dict:
         del runner.complete, runner.launch  # back to the class's methods
         if phases is not None:
             phases.remove()
+        if timeline is not None:
+            timeline.stop()
     elapsed = time.perf_counter() - t
     # The caching allocator's retries (a failed cudaMalloc, all cached blocks freed, which syncs the device,
     # then a second try) and its device allocations during the run: either in a run's steps stalls the host.
@@ -127,7 +140,87 @@ def run_gyrfalcon(args) -> dict:
             "num_kv_blocks": llm.engine.runner.num_blocks, "floor": floor.report(elapsed),
             "by_kind": floor.by_kind(t, done, {**host, **gc_clock.per_step()}), "gc": gc_clock.summary(),
             "allocator": alloc,
-            "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {}}
+            "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {},
+            "gpu_timeline": timeline.report(floor.step_log, host) if timeline is not None else {}}
+
+
+def busy_span_gaps(events: list) -> tuple:
+    """events: [(start us, end us, name)] sorted by start, possibly overlapping (concurrent streams) ->
+    (busy ms: the union of the intervals, span ms: first start to last end, gaps: [(idle ms, name of the
+    kernel that ended the busy stretch, name of the one that began the next)], longest first)."""
+    busy, gaps = 0.0, []
+    end, prev_name = None, None  # the end of the busy stretch so far, and the kernel that ends it
+    for start, stop, name in events:
+        if end is not None and start > end:
+            gaps.append(((start - end) / 1e3, prev_name, name))
+        if end is None or start > end:
+            busy += (stop - start) / 1e3
+        elif stop > end:
+            busy += (stop - end) / 1e3
+        if end is None or stop > end:
+            end, prev_name = stop, name
+    span = (end - events[0][0]) / 1e3 if events else 0.0
+    gaps.sort(key=lambda g: -g[0])
+    return busy, span, gaps
+
+
+class GpuTimeline:
+    """The device's kernels over a window of n steps of the run, from the first step that runs prompt tokens
+    beside at least min_decoders decoding sequences: the busy time (union of kernel intervals), the span from the first kernel to
+    the last, and the longest idle gaps with the kernels around them. A step whose host time exceeds its
+    device time shows as gaps; a host that only waits while the device works leaves none. (torch.profiler with
+    CUDA activity only: no host-side op recording to slow the host being measured. On a CPU it records CPU ops,
+    which checks the plumbing only.)"""
+
+    def __init__(self, n: int, cuda: bool, min_decoders: int = 1) -> None:
+        self.n, self.cuda, self.min_decoders = n, cuda, max(1, min_decoders)
+        self.first: Optional[int] = None  # launch index of the window's first step
+        self.first_decoders = 0
+        self.prof = None
+        self.events: list = []
+
+    def before_launch(self, batch, index: int) -> None:
+        if self.first is not None or batch.is_empty:
+            return
+        prompt = any(sr.num_new_tokens > 1 for sr in batch.reqs)
+        decoding = sum(1 for sr in batch.reqs if sr.num_new_tokens == 1)
+        if prompt and decoding >= self.min_decoders:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.first, self.first_decoders = index, decoding
+            self.prof = profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
+            self.prof.start()
+
+    def after_complete(self, completed: int) -> None:
+        """completed: steps read back so far; the window ends when its last step's tokens are back."""
+        if self.prof is not None and self.first is not None and completed >= self.first + self.n:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.stop()
+        want = torch.autograd.DeviceType.CUDA if self.cuda else torch.autograd.DeviceType.CPU
+        self.events = sorted((e.time_range.start, e.time_range.end, e.name) for e in self.prof.events()
+                             if e.device_type == want)
+        self.prof = None
+
+    def report(self, step_log: list, host: dict, top: int = 6) -> dict:
+        """Times in ms; gaps: [(idle ms, kernel before, kernel after)], longest first."""
+        if self.first is None or not self.events:
+            return {}
+        last = min(self.first + self.n, len(step_log), len(host["launch"]))
+        busy, span, gaps = busy_span_gaps(self.events)
+        return {"first_step": self.first, "first_step_decoders": self.first_decoders, "steps": [step_log[i][0] for i in range(self.first, last)],
+                "host_launch_ms": [host["launch"][i] * 1e3 for i in range(self.first, last)],
+                "host_complete_ms": [host["complete"][i] * 1e3 for i in range(self.first, min(last, len(host["complete"])))],
+                "kernels": len(self.events), "span_ms": span, "busy_ms": busy, "idle_ms": span - busy,
+                "idle_gaps_over_0_1ms": sum(1 for g in gaps if g[0] > 0.1),
+                "longest_gaps": [[round(g[0], 3), g[1][:60], g[2][:60]] for g in gaps[:top]]}
 
 
 class GCClock:
@@ -332,6 +425,17 @@ def main(args: argparse.Namespace) -> int:
               f"{d['to_first_layer_ms']:.2f}, layers {d['layers_ms']:.2f} (the longest one {d['max_gap_ms']:.2f}, "
               f"most often layer {d['max_gap_layer']}), after the forward {d['after_forward_ms']:.2f} (of which to the "
               f"LM head's return {d['lm_head_ms']:.2f})")
+    tl = results["gyrfalcon"]["gpu_timeline"]
+    if tl:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted({k: tl["steps"].count(k) for k in tl["steps"]}.items()))
+        print(f"  device timeline over {len(tl['steps'])} steps from step {tl['first_step']} (beside "
+              f"{tl['first_step_decoders']} decoders; {kinds}): "
+              f"{tl['kernels']} kernels, busy {tl['busy_ms']:.2f} of {tl['span_ms']:.2f} ms, idle {tl['idle_ms']:.2f} ms "
+              f"({tl['idle_gaps_over_0_1ms']} gaps over 0.1 ms)")
+        print("    host launch ms: " + ", ".join(f"{x:.1f}" for x in tl["host_launch_ms"])
+              + "; complete ms: " + ", ".join(f"{x:.1f}" for x in tl["host_complete_ms"]))
+        for ms, a, b in tl["longest_gaps"]:
+            print(f"    idle {ms:.3f} ms between {a} and {b}")
     if results["gyrfalcon"]["allocator"]:
         print("  allocator during the run: " + ", ".join(f"{k} {v}" for k, v in results["gyrfalcon"]["allocator"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
