@@ -10,6 +10,7 @@ call is the graph's time divided by the number of calls. Bandwidth is against th
 python3 benchmarks/small_m_gemv.py [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 --shapes l8_qkv l8_o l8_down   (64 rows: split-K)
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
+python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
 """
 
 from __future__ import annotations
@@ -238,6 +239,75 @@ def bench_decode_attention_tput(rows):
         del caches
 
 
+def kv_pool(pool_blocks, device, n_kv=8, d=128, block=16, seed=0, dtype=torch.bfloat16):
+    """A run's whole K/V cache for one layer: (k_cache, v_cache), each [pool_blocks, block, n_kv, d]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(pool_blocks, block, n_kv, d, generator=g, device=device).to(dtype) for _ in range(2))
+
+
+def real_decode_inputs(B, ctx, pool, scattered, n_heads=32, seed=0):
+    """A decode step's attention inputs as a throughput run holds them (Llama-3.1-8B's shape by default): B
+    sequences of ctx tokens in `pool` (kv_pool: the run's whole cache, not just the blocks in use), whose
+    blocks are consecutive (scattered=False) or drawn at random from the pool (scattered=True: what a long
+    run's block manager hands out); the new token at position ctx - 1 (its slot in its last block); the fused
+    kernel's qkv row and a llama-style RoPE table.
+    -> dict(qkv [B, (H + 2 KV) d], positions [B], cos_sin [ctx, d], slots [B], bt [B, W], seq_lens [B],
+    k_cache, v_cache, n_heads, n_kv, d)."""
+    kc, vc = pool
+    pool_blocks, block, n_kv, d = kc.shape
+    device = kc.device
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per = -(-ctx // block)
+    assert B * per <= pool_blocks, (B, per, pool_blocks)
+    ids = torch.randperm(pool_blocks, generator=g)[:B * per] if scattered else torch.arange(B * per)
+    bt = ids.to(torch.int32).view(B, per).to(device)
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    pos = seq_lens.long() - 1
+    slots = bt.long().gather(1, (pos // block)[:, None]).squeeze(1) * block + pos % block
+    qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(device=device, dtype=kc.dtype)
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(ctx).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(device)
+    return dict(qkv=qkv, positions=pos, cos_sin=cos_sin, slots=slots, bt=bt, seq_lens=seq_lens, k_cache=kc,
+                v_cache=vc, n_heads=n_heads, n_kv=n_kv, d=d)
+
+
+def bench_decode_attention_real(rows, pool_blocks: int = 54835):
+    """Decode attention at the throughput row's batches and contexts as the run holds them, each step apart:
+    consecutive blocks (as --attn-tput, which reached 100-104% of the 4.15 TB/s figure at b256 / 1k in run 22)
+    vs blocks scattered over the run's whole pool (54,835 blocks: Llama-3.1-8B's KV cache on the H200), one
+    token past a tile (ctx 1025), and the kernel the decode graphs run (q/k RoPE and the KV store fused in,
+    decode_attention_with_prep). mixed_step.py's decode step of 288 sequences at 1,025 tokens spent 365 us per
+    layer in it (run 40), 80% of that figure: which of these costs the difference?"""
+    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
+                                                          paged_decode_attention_triton)
+
+    # Two pools of 1.8 GB each for K and V (7.2 GB): calls alternate between them, so nothing stays in L2
+    pools = [kv_pool(pool_blocks, "cuda", seed=i) for i in range(2)]
+    for B, ctx in itertools.product((288, 384), (1024, 1025, 2047)):
+        res = {}
+        for scattered in (False, True):
+            ins = [real_decode_inputs(B, ctx, pool, scattered, seed=i) for i, pool in enumerate(pools)]
+            d = ins[0]["d"]
+            q = [x["qkv"][:, :x["n_heads"] * d].reshape(B, x["n_heads"], d).contiguous() for x in ins]
+            tag = "scattered" if scattered else "consecutive"
+            res[f"attention_{tag}"] = graph_time_us([
+                lambda x=x, qq=qq: paged_decode_attention_triton(qq, x["k_cache"], x["v_cache"], x["bt"],
+                                                                 x["seq_lens"], d ** -0.5) for x, qq in zip(ins, q)],
+                reps=3)
+            res[f"with_prep_{tag}"] = graph_time_us([
+                lambda x=x: decode_attention_with_prep_triton(
+                    x["qkv"], x["n_heads"], x["n_kv"], d, x["positions"], x["cos_sin"], d, True, x["k_cache"],
+                    x["v_cache"], x["slots"], x["bt"], x["seq_lens"], d ** -0.5) for x in ins], reps=3)
+        kv_bytes = 2 * B * ctx * ins[0]["n_kv"] * d * 2
+        frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+        rows.append({"B": B, "ctx": ctx, "pool_blocks": pool_blocks, "kv_bytes": kv_bytes,
+                     **{k + "_us": round(v, 2) for k, v in res.items()},
+                     **{k + "_frac_hbm": round(frac(v), 3) for k, v in res.items()}})
+        print(f"attn real B={B:3d} ctx={ctx:5d}: " + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()),
+              flush=True)
+
+
 def bench_pdl_chain(rows):
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 (norm+qkv GEMV, q/k-norm+rope+KV store,
     attention over 256 tokens, o GEMV, norm+gate_up+SiLU GEMV, down GEMV), layer after layer on distinct
@@ -348,6 +418,9 @@ def main() -> None:
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
     ap.add_argument("--attn-tput", action="store_true",
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
+    ap.add_argument("--attn-real", action="store_true",
+                    help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
+                         "whole KV pool, one token past a tile, the fused-prep kernel")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
@@ -364,6 +437,9 @@ def main() -> None:
     if args.attn_tput:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_tput(attn_rows)
+    if args.attn_real:
+        args.skip_gemv = args.skip_attention = True
+        bench_decode_attention_real(attn_rows)
     if not args.skip_gemv:
         bench_gemv(args, gemv_rows)
     if not args.skip_attention:

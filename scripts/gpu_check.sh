@@ -41,6 +41,8 @@
 #                launches, after the forward)
 #   syncdebug    stall's mixed step alone (budgetgraph's eager run has the throughput run's phases)
 #   mixedprof    the mixed step under cProfile: which call holds the host in launch()
+#   attnreal     decode attention on a throughput run's layout: scattered blocks over the whole pool, ctx one past
+#                a tile, the fused-prep kernel (small_m_gemv.py --attn-real)
 #   timeline     the device's idle time over a window of a throughput run's steps from its first mixed prefill
 #                step (--gpu-timeline), at 16,384 and 8,192 tokens per step
 #   gcfreeze     throughput with the collector frozen after startup (default on a GPU) vs not, launch phases
@@ -334,6 +336,10 @@ if has gcfreeze; then  # the collector frozen after startup (the default on a GP
     step tput_l8_gcfreeze_$run 150 env GYRFALCON_GC_FREEZE=${run#*_} $G $tp --launch-phases \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_gcfreeze${run#*_}_$run.json"
   done
+fi
+if has attnreal; then  # decode attention as a throughput run holds it (consecutive vs scattered blocks over the whole
+  # 54,835-block pool, ctx 1024 / 1025 / 2047, plain and fused-prep kernels) at 288 and 384 sequences
+  step attn_real 150 python3 benchmarks/small_m_gemv.py --attn-real --output-json "$R/attn_real.json"
 fi
 if has timeline; then  # does the device idle in a throughput run's mixed prefill steps? Its kernels over a window of
   # steps from the first mixed one beside >= 256 decoders (bench throughput --gpu-timeline), at 16,384 tokens per step
