@@ -5,10 +5,14 @@ The throughput row's mixed prefill steps ran their GEMMs at ~660 TFLOP/s (benchm
 a 64 x 128-token prefill's at ~740. If odd M costs cuBLAS a poorer kernel, padding an eager step's token
 count to the next round M (the padded rows computed and dropped) would pay back more than the rows cost.
 Each of the model's four layer GEMMs (qkv, o_proj, gate_up, down) is timed alone at every M, with CUDA
-events, median of --reps after a warm-up, and the step's sum compared with the round M just above it.
+events, and the step's sum compared with the round M just above it. The Ms are timed in --rounds rounds, in
+alternating order (forward, then backward, ...), --reps per GEMM and round, and each GEMM's time is the
+median over all of them: run 38 timed them once each in order, and the rate fell from 770 TFLOP/s at the
+first M to 668 at the fourth, a drift (the GPU's clocks under sustained GEMMs?) that a one-pass order
+charges to the later Ms. Each round's layer time per M is kept, so the drift shows.
 
 python3 benchmarks/prefill_gemm_m.py [--preset llama-3.1-8b] [--ms 8192 8479 8576 16384 16763 16896]
-    [--reps 20] [--output-json FILE]
+    [--reps 20] [--rounds 4] [--output-json FILE]
 On a CPU (the tests) it times torch's CPU GEMMs at the --ms given, which checks the plumbing only.
 """
 
@@ -34,7 +38,7 @@ def layer_gemms(cfg) -> dict:
     return {"qkv": (h, q + 2 * kv), "o_proj": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
 
 
-def time_ms(fn, reps: int, cuda: bool) -> float:
+def times_ms(fn, reps: int, cuda: bool) -> list:
     fn()
     times = []
     for _ in range(reps):
@@ -49,7 +53,7 @@ def time_ms(fn, reps: int, cuda: bool) -> float:
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def round_up(m: int, to: int) -> int:
@@ -61,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--ms", type=int, nargs="+", default=[8192, 8479, 8576, 8704, 16384, 16763, 16768, 16896])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -68,20 +73,32 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     gemms = layer_gemms(build_config(args.preset, num_layers=1))
     weights = {name: torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for name, (k, n) in gemms.items()}
+    inputs = {m: {name: torch.randn(m, k, device=dev, dtype=dtype) for name, (k, _) in gemms.items()}
+              for m in args.ms}
+    samples = {m: {name: [] for name in gemms} for m in args.ms}
+    round_ms = {m: [] for m in args.ms}  # the layer's GEMMs per round: the drift across the run
+    for rnd in range(args.rounds):
+        for m in (args.ms if rnd % 2 == 0 else list(reversed(args.ms))):
+            layer = 0.0
+            for name in gemms:
+                x, w = inputs[m][name], weights[name]
+                t = times_ms(lambda: torch.nn.functional.linear(x, w), args.reps, cuda)
+                samples[m][name] += t
+                layer += statistics.median(t)
+            round_ms[m].append(layer)
     rows = []
     for m in args.ms:
-        row = {"M": m, "ms": {}, "tflop_s": {}}
+        row = {"M": m, "ms": {}, "tflop_s": {}, "round_layer_ms": round_ms[m]}
         for name, (k, n) in gemms.items():
-            x = torch.randn(m, k, device=dev, dtype=dtype)
-            ms = time_ms(lambda: torch.nn.functional.linear(x, weights[name]), args.reps, cuda)
+            ms = statistics.median(samples[m][name])
             row["ms"][name] = ms
             row["tflop_s"][name] = 2 * m * k * n / (ms * 1e-3) / 1e12
-            del x
         row["layer_ms"] = sum(row["ms"].values())
         row["layer_tflop_s"] = 2 * m * sum(k * n for k, n in gemms.values()) / (row["layer_ms"] * 1e-3) / 1e12
         rows.append(row)
         print(f"M {m:6d}: layer GEMMs {row['layer_ms']:.3f} ms, {row['layer_tflop_s']:.0f} TFLOP/s ("
-              + ", ".join(f"{nm} {row['tflop_s'][nm]:.0f}" for nm in gemms) + ")")
+              + ", ".join(f"{nm} {row['tflop_s'][nm]:.0f}" for nm in gemms) + "); by round "
+              + " / ".join(f"{x:.3f}" for x in round_ms[m]))
     # Each M against the round M's measured above it: would padding to them be cheaper?
     by_m = {r["M"]: r for r in rows}
     for r in rows:

@@ -409,7 +409,7 @@ if has btcolumns; then  # the decode graphs' column-major block table (a step se
   done
 fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
-  step prefill_gemm_m 90 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
+  step prefill_gemm_m 120 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
 fi
 if has graphlogits64; then  # LM head + greedy argmax inside the decode graph at Llama-8B b16 / b64, where the eager
   # LM head and argmax add ~280 us plus their launches to the 4.94 ms graph (b64, run 32); at b1 it was a wash
