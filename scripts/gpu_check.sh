@@ -43,6 +43,8 @@
 #   mixedprof    the mixed step under cProfile: which call holds the host in launch()
 #   attnreal     decode attention on a throughput run's layout: scattered blocks over the whole pool, ctx one past
 #                a tile, the fused-prep kernel (small_m_gemv.py --attn-real)
+#   kvlayout     the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd) vs the
+#                default: GPU token tests, throughput and Llama-8B b64, AB
 #   timeline     the device's idle time over a window of a throughput run's steps from its first mixed prefill
 #                step (--gpu-timeline), at 16,384 and 8,192 tokens per step
 #   gcfreeze     throughput with the collector frozen after startup (default on a GPU) vs not, launch phases
@@ -340,6 +342,23 @@ fi
 if has attnreal; then  # decode attention as a throughput run holds it (consecutive vs scattered blocks over the whole
   # 54,835-block pool, ctx 1024 / 1025 / 2047, plain and fused-prep kernels) at 288 and 384 sequences
   step attn_real 150 python3 benchmarks/small_m_gemv.py --attn-real --output-json "$R/attn_real.json"
+fi
+if has kvlayout; then  # the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd: a kv
+  # head's slice of a block contiguous) vs the default: GPU token tests on it, then the throughput row and
+  # Llama-8B b64, each AB in one call
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step gpu_tokens_hnd 150 env GYRFALCON_KV_LAYOUT=hnd python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -k "llama and (graphs or eager or prefill_logits)" -p no:cacheprovider
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for run in a_hnd b_nhd; do
+    step tput_l8_kvlayout_$run 150 env GYRFALCON_KV_LAYOUT=${run#*_} $G $tp \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_kvlayout_$run.json"
+  done
+  for run in a_nhd b_hnd; do
+    step lat_l8_b64_kvlayout_$run 90 env GYRFALCON_KV_LAYOUT=${run#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 \
+      --output-json "$R/latency_llama-3.1-8b_b64_kvlayout_$run.json"
+  done
 fi
 if has timeline; then  # does the device idle in a throughput run's mixed prefill steps? Its kernels over a window of
   # steps from the first mixed one beside >= 256 decoders (bench throughput --gpu-timeline), at 16,384 tokens per step

@@ -138,10 +138,14 @@ def test_busy_span_gaps_unions_overlapping_kernels():
     assert busy_span_gaps([]) == (0.0, 0.0, [])
 
 
-def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys):
+def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch):
     """--gpu-timeline N: a window of N steps from the first one that runs prompt tokens beside decoding
-    sequences (on a CPU the profiler records CPU ops: the plumbing only)."""
+    sequences (on a CPU the profiler records CPU ops: the plumbing only). The JSON records the run's
+    GYRFALCON_* switches."""
     from gyrfalcon.cli import main
+
+    monkeypatch.setenv("GYRFALCON_KV_LAYOUT", "hnd")
+    monkeypatch.setenv("GYRFALCON_COMMIT", "abc1234")
 
     out = tmp_path / "tput.json"
     # 16 tokens per step: the second prompt's chunks run beside the first one's decoding
@@ -149,7 +153,10 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys):
                "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
                "--gpu-timeline", "3", "--output-json", str(out)])
     assert rc == 0
-    g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    res = json.loads(out.read_text())
+    assert res["switches"]["GYRFALCON_KV_LAYOUT"] == "hnd" and "GYRFALCON_COMMIT" not in res["switches"]
+    assert res["commit"] == "abc1234"
+    g = res["results"]["gyrfalcon"]
     tl = g["gpu_timeline"]
     assert tl["first_step"] >= 1 and tl["steps"][0] == "prefill" and len(tl["steps"]) == 3
     assert len(tl["host_launch_ms"]) == 3 and tl["kernels"] > 0

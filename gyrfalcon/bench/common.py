@@ -130,9 +130,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]
 
 
 def run_info(args: argparse.Namespace) -> dict:
-    """GPU, commit, command and date of a benchmark run. The commit is GYRFALCON_COMMIT when set (a copy
-    of the tree on another machine may carry a stale .git), else git's HEAD, marked -dirty when the
-    tree differs from it."""
+    """GPU, commit, command, date and GYRFALCON_* switches of a benchmark run. The commit is GYRFALCON_COMMIT
+    when set (a copy of the tree on another machine may carry a stale .git), else git's HEAD, marked -dirty
+    when the tree differs from it."""
     commit = os.environ.get("GYRFALCON_COMMIT", "")
     if not commit:
         try:
@@ -152,9 +152,11 @@ def run_info(args: argparse.Namespace) -> dict:
             gpu = torch.cuda.get_device_name()
     except Exception:
         pass
+    # The GYRFALCON_* switches the run was under (an A/B's two halves differ only there)
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("GYRFALCON_") and k != "GYRFALCON_COMMIT"}
     return {"gpu": gpu or "cpu", "commit": commit, "command": " ".join(["gyrfalcon"] + sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "args": {k: v for k, v in vars(args).items() if k != "func"}}
+            "args": {k: v for k, v in vars(args).items() if k != "func"}, "switches": switches}
 
 
 def write_json(args: argparse.Namespace, payload: dict) -> None:

@@ -69,7 +69,8 @@ if HAS_TRITON:
                  K_ROWS: tl.constexpr = False):
         """BLOCK_N key positions kstart.. (< end) of one kv head: (kpos, kmask, K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV]), gathered through the block table row bt_row, whose entries are s_bt_blk apart
-        (1 in a row-major table; the decode graphs' table is column-major, see cuda_graph.DecodeInputs).
+        (1 in a row-major table; GYRFALCON_DECODE_BT_COLUMNS=1 makes the decode graphs' table column-major, see
+        cuda_graph.DecodeInputs).
         K_ROWS: K loads as [BLOCK_N, BLOCK_DK] (the cache's layout, head dim contiguous, as V loads) and is
         transposed in registers, instead of loading the transposed tile directly (k_rows: the large-batch
         launches)."""

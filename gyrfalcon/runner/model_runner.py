@@ -70,6 +70,30 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     return t
 
 
+def kv_cache_layout() -> str:
+    """How each layer's K and V caches lie in memory. Every kernel and reference addresses them as
+    [num_blocks, block_size, num_kv_heads, head_dim] through their strides, so the layout is only where the
+    elements sit: "nhd" (default) stores them so, a block's tokens with all their heads side by side; "hnd"
+    (GYRFALCON_KV_LAYOUT=hnd) stores [num_blocks, num_kv_heads, block_size, head_dim] and hands out the
+    permuted view, so the block_size x head_dim slice one kv head's program reads is 4 KB of contiguous
+    memory instead of 256-byte rows 2 KB apart (Llama-3.1-8B). For the experiment of gpu_check.sh kvlayout:
+    decode attention at large batch reads ~3/4 of a throughput run's decode-step bytes, and it ran at ~80% of
+    the HBM figure in a real step (mixed_step.py, run 40)."""
+    layout = os.environ.get("GYRFALCON_KV_LAYOUT", "nhd").lower()
+    if layout not in ("nhd", "hnd"):
+        raise ValueError(f"GYRFALCON_KV_LAYOUT={layout!r}: expected 'nhd' or 'hnd'")
+    return layout
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device, layout: str = "nhd") -> torch.Tensor:
+    """One zeroed cache, addressed as [num_blocks, block_size, num_kv_heads, head_dim] whatever its layout."""
+    if layout == "hnd":
+        return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+                           device=device).permute(0, 2, 1, 3)
+    return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
 def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
     """The largest step a startup runs eagerly (ModelRunner's activation profile): one prompt of n tokens
     in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows.
@@ -108,10 +132,10 @@ class ModelRunner:
             spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
         self.num_blocks = self._determine_num_blocks()
         clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(self.num_layers)]
+        self.kv_layout = kv_cache_layout()
+        alloc = functools.partial(allocate_kv_cache, self.num_blocks, self.block_size, self.num_kv_heads,
+                                  self.head_dim, self.kv_dtype, self.device, self.kv_layout)
+        self.kv_caches = [(alloc(), alloc()) for _ in range(self.num_layers)]
         clock("kv_alloc")
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
