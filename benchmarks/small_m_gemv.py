@@ -314,8 +314,8 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
         rows.append({"B": B, "ctx": ctx, "pool_blocks": pool_blocks, "kv_bytes": kv_bytes,
                      **{k + "_us": round(v, 2) for k, v in res.items()},
                      **{k + "_frac_hbm": round(frac(v), 3) for k, v in res.items()}})
-        print(f"attn real B={B:3d} ctx={ctx:5d}: " + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()),
-              flush=True)
+        print(f"attn real B={B:3d} ctx={ctx:5d}: "
+              + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()), flush=True)
 
 
 def bench_pdl_chain(rows):

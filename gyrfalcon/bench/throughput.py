@@ -166,8 +166,8 @@ def busy_span_gaps(events: list) -> tuple:
 
 class GpuTimeline:
     """The device's kernels over a window of n steps of the run, from the first step that runs prompt tokens
-    beside at least min_decoders decoding sequences: the busy time (union of kernel intervals), the span from the first kernel to
-    the last, and the longest idle gaps with the kernels around them. A step whose host time exceeds its
+    beside at least min_decoders decoding sequences: the busy time (union of kernel intervals), the span from
+    the first kernel to the last, and the longest idle gaps with the kernels around them. A step whose host time exceeds its
     device time shows as gaps; a host that only waits while the device works leaves none. (torch.profiler with
     CUDA activity only: no host-side op recording to slow the host being measured. On a CPU it records CPU ops,
     which checks the plumbing only.)"""
@@ -215,9 +215,11 @@ class GpuTimeline:
             return {}
         last = min(self.first + self.n, len(step_log), len(host["launch"]))
         busy, span, gaps = busy_span_gaps(self.events)
-        return {"first_step": self.first, "first_step_decoders": self.first_decoders, "steps": [step_log[i][0] for i in range(self.first, last)],
-                "host_launch_ms": [host["launch"][i] * 1e3 for i in range(self.first, last)],
-                "host_complete_ms": [host["complete"][i] * 1e3 for i in range(self.first, min(last, len(host["complete"])))],
+        window = range(self.first, last)
+        return {"first_step": self.first, "first_step_decoders": self.first_decoders,
+                "steps": [step_log[i][0] for i in window],
+                "host_launch_ms": [host["launch"][i] * 1e3 for i in window],
+                "host_complete_ms": [host["complete"][i] * 1e3 for i in window if i < len(host["complete"])],
                 "kernels": len(self.events), "span_ms": span, "busy_ms": busy, "idle_ms": span - busy,
                 "idle_gaps_over_0_1ms": sum(1 for g in gaps if g[0] > 0.1),
                 "longest_gaps": [[round(g[0], 3), g[1][:60], g[2][:60]] for g in gaps[:top]]}
@@ -430,8 +432,8 @@ def main(args: argparse.Namespace) -> int:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted({k: tl["steps"].count(k) for k in tl["steps"]}.items()))
         print(f"  device timeline over {len(tl['steps'])} steps from step {tl['first_step']} (beside "
               f"{tl['first_step_decoders']} decoders; {kinds}): "
-              f"{tl['kernels']} kernels, busy {tl['busy_ms']:.2f} of {tl['span_ms']:.2f} ms, idle {tl['idle_ms']:.2f} ms "
-              f"({tl['idle_gaps_over_0_1ms']} gaps over 0.1 ms)")
+              f"{tl['kernels']} kernels, busy {tl['busy_ms']:.2f} of {tl['span_ms']:.2f} ms, "
+              f"idle {tl['idle_ms']:.2f} ms ({tl['idle_gaps_over_0_1ms']} gaps over 0.1 ms)")
         print("    host launch ms: " + ", ".join(f"{x:.1f}" for x in tl["host_launch_ms"])
               + "; complete ms: " + ", ".join(f"{x:.1f}" for x in tl["host_complete_ms"]))
         for ms, a, b in tl["longest_gaps"]:

@@ -1,5 +1,6 @@
 """benchmarks/prefill_gemm_m.py on the CPU: the plumbing (each layer GEMM timed at each M, the layer's sum and
-rate, odd M compared with the round M above it, the rounds in alternating order, the JSON); the rates that matter are the GPU's."""
+rate, odd M compared with the round M above it, the rounds in alternating order, the JSON); the rates that
+matter are the GPU's."""
 
 from __future__ import annotations
 
