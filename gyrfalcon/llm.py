@@ -6,7 +6,7 @@ import itertools
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from gyrfalcon.config import EngineConfig
-from gyrfalcon.engine.engine import Engine
+from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
 from gyrfalcon.output_processor import OutputProcessor
 from gyrfalcon.outputs import RequestOutput
 from gyrfalcon.runner.model_runner import start_device_init
@@ -39,6 +39,7 @@ class LLM:
         mc = self.config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))
+        freeze_gc_after_startup(default=False)  # GYRFALCON_GC_FREEZE=1 (engine.py)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -335,7 +335,7 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
     try:
         try:
             from gyrfalcon.config import EngineConfig
-            from gyrfalcon.engine.engine import Engine
+            from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
             from gyrfalcon.runner.model_runner import start_device_init
 
             start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
@@ -347,6 +347,7 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
                 mc = config.model_config
                 eos = mc.eos_token_ids(load_tokenizer(mc.tokenizer_path, mc.trust_remote_code).eos_token_id)
             engine = Engine(config, eos)
+            freeze_gc_after_startup(default=True)  # this process serves one engine (engine.py)
         except BaseException as err:  # noqa: BLE001: the front end must hear why
             if isinstance(err, (ValueError, FileNotFoundError)):  # bad settings: the message says it all
                 logger.error("engine core failed to start: %s", err)

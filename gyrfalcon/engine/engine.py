@@ -18,6 +18,25 @@ from gyrfalcon.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def freeze_gc_after_startup(default: bool) -> bool:
+    """Move everything alive now (modules, weights' wrappers, captured graphs, imported libraries: ~215k
+    tracked objects for the demo model on a CPU) out of the cyclic garbage collector's sight, so that a full
+    collection while serving walks only what requests create. It shortens the pauses, not their sum: in a
+    throughput run (run 40, Llama-3.1-8B, 768 x 1024/1024) the full collections took 43 ms each frozen
+    against 273 ms (24 of them against 4, ~1.0-1.1 s in all either way; 9,493 vs 9,436 tok/s), and a pause
+    lands between two decode steps of every running request: TPOT's tail. Frozen objects that later become
+    cyclic garbage are never freed, so it suits a process that serves one engine for its lifetime: the
+    server's engine core does it by default (default=True), the offline LLM only when asked (a process may
+    build and drop several, each holding GPU memory). GYRFALCON_GC_FREEZE=1 / 0 forces either way.
+    Returns whether it froze."""
+    env = os.environ.get("GYRFALCON_GC_FREEZE")
+    if not (env == "1" if env is not None else default):
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
+
+
 class Engine:
     def __init__(self, config, eos_token_ids: List[int], runner=None) -> None:
         """`runner` defaults to a ModelRunner on config.device (imported here, so engine/ itself
@@ -43,23 +62,6 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        if self._freeze_gc():
-            # Everything alive after startup (modules, weights' wrappers, captured graphs, imported libraries:
-            # ~215k tracked objects for the demo model on a CPU) leaves the cyclic collector's sight, so a full
-            # collection while serving walks only what requests create. It shortens the pauses, not their sum:
-            # in a throughput run (run 40, Llama-3.1-8B, 768 x 1024/1024) the full collections took 43 ms each
-            # frozen against 273 ms (24 of them against 4, ~1.0-1.1 s in all either way; 9,493 vs 9,436 tok/s).
-            # A pause lands between two decode steps of every running request: TPOT's tail. Objects alive now
-            # that later become cyclic garbage are never freed: fine for a process that serves one engine, so
-            # it is the default on a GPU only (GYRFALCON_GC_FREEZE=1/0 forces).
-            gc.collect()
-            gc.freeze()
-
-    def _freeze_gc(self) -> bool:
-        env = os.environ.get("GYRFALCON_GC_FREEZE")
-        if env is not None:
-            return env == "1"
-        return getattr(getattr(self.runner, "device", None), "type", None) == "cuda"
 
     def validate_prompt(self, prompt_token_ids: List[int]) -> None:
         n = len(prompt_token_ids)

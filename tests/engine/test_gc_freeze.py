@@ -1,7 +1,8 @@
-"""The engine freezes the cyclic garbage collector's view of startup's objects (gc.freeze) on a GPU, so that a
-full collection while serving walks only what requests create; GYRFALCON_GC_FREEZE=1/0 forces it either way.
-On the CPU (these tests, many engines in one process) it is off by default: frozen objects that later become
-cyclic garbage are never freed."""
+"""freeze_gc_after_startup (engine.py) takes startup's objects out of the cyclic garbage collector's sight
+(gc.freeze), so that a full collection while serving walks only what requests create. The server's engine core
+does it by default; the offline LLM only with GYRFALCON_GC_FREEZE=1 (a process may build and drop several
+LLMs, and frozen objects caught in reference cycles are never freed); GYRFALCON_GC_FREEZE=0 turns it off
+everywhere."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gc
 import pytest
 
 from gyrfalcon import LLM, SamplingParams
+from gyrfalcon.engine.engine import freeze_gc_after_startup
 
 
 @pytest.fixture
@@ -19,8 +21,20 @@ def unfrozen():
     gc.unfreeze()  # give the objects back to the collector for the rest of the suite
 
 
+@pytest.mark.parametrize("env, default, frozen", [(None, True, True), (None, False, False), ("0", True, False),
+                                                  ("1", False, True)])
+def test_freeze_gc_after_startup(unfrozen, monkeypatch, env, default, frozen):
+    if env is None:
+        monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
+    else:
+        monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
+    keep = [{"a": [i]} for i in range(100)]  # tracked containers alive now
+    assert freeze_gc_after_startup(default) == frozen
+    assert (gc.get_freeze_count() >= len(keep)) == frozen
+
+
 @pytest.mark.parametrize("env, frozen", [(None, False), ("1", True), ("0", False)])
-def test_gc_freeze_after_startup(qwen3_ckpt, unfrozen, monkeypatch, env, frozen):
+def test_offline_llm_freezes_only_when_asked(qwen3_ckpt, unfrozen, monkeypatch, env, frozen):
     if env is None:
         monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
     else:
