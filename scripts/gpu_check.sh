@@ -14,49 +14,22 @@
 #   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
 #   llama        Llama-3.1-8B batch 1, 16, 64
-#   defaults7    the defaults of session 7 (plain rows, the merge from batch 8, key tiles in row layout at
-#                large batch): GPU kernel / token tests, Llama b4 / b16 / b64 / b256, Qwen b16, throughput
-#   defaults8    the defaults of session 8: GPU token tests, then Qwen3-0.6B b1 / b4 with 32-token prompts and
-#                96 output tokens (every context fits the one-split graphs' 128) with and without them
-#   slimstep     the fused embedding lookup and bf16 greedy logits vs both off: GPU tests, Qwen3-0.6B b1 / b16
-#                / b64, Llama-8B b64
-#   gemm64       the GEMV kernel at 64 rows with split-K vs cuBLAS: sweep on Llama-8B shapes, Llama b64 with
-#                o_proj / down_proj through it (GYRFALCON_SMALL_M_PLAIN_ROWS=64, GYRFALCON_GEMV_SPLIT_K=1 / 2)
 #   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
 #                twice the tokens fit) vs bf16
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
-#   rows9        several heads per fused_qkv_prep program in prefills vs one (GYRFALCON_QKV_PREP_HEADS=1), and the
-#                rows on the final commit of session 9
-#   normrows     the one-pass norm in the GEMV at 8-64 rows: sweep vs RMSNorm + cuBLAS, Llama b16 / b64 with qkv
-#                (GYRFALCON_NORM_GEMV_ROWS) and gate_up (GYRFALCON_NORM_GEMV_GATE_UP_ROWS) through it
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
-#   mixed10      a throughput run's mixed step (prompt chunks beside ~290 decoders) profiled beside its halves
-#                (benchmarks/mixed_step.py); prefill attention's short-query tiles: GPU tests, Llama b64 and
-#                Qwen b16 TTFT with them and without (GYRFALCON_PREFILL_SHORT_TILES=0)
-#   stall        what holds the host in a prefill step's launch (150-240 ms in run 36's throughput run): the mixed
-#                step with torch's sync debug mode (every host-device sync printed with its stack), then
-#                throughput at 768 prompts with its host time per phase, the garbage collector's pauses, and
-#                the host time inside each eager launch (--launch-phases: building the inputs, each layer's
-#                launches, after the forward)
-#   syncdebug    stall's mixed step alone (budgetgraph's eager run has the throughput run's phases)
-#   mixedprof    the mixed step under cProfile: which call holds the host in launch()
 #   attnreal     decode attention on a throughput run's layout: scattered blocks over the whole pool, ctx one past
 #                a tile, the fused-prep kernel (small_m_gemv.py --attn-real)
 #   kvlayout     the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd) vs the
 #                default: GPU token tests, throughput and Llama-8B b64, AB
 #   timeline     the device's idle time over a window of a throughput run's steps from its first mixed prefill
 #                step (--gpu-timeline), at 16,384 and 8,192 tokens per step
-#   gcfreeze     throughput with the collector frozen after startup (default on a GPU) vs not, launch phases
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
 #                second, with Triton's cache warm from the first)
 #   coldstart    startup with an empty Triton cache (a fresh TRITON_CACHE_DIR per run), Triton's compiles one
-#                at a time vs in parallel threads (GYRFALCON_PARALLEL_COMPILE=1, runner/precompile.py), ABAB;
-#                GPU token tests with the parallel compile
-#   budgetgraph  throughput with the budget-filling mixed steps replayed as one CUDA graph (GYRFALCON_BUDGET_GRAPH=1)
-#                vs eager, and the GPU token test of that graph
-#   btcolumns    decode graphs' block table column-major (default) vs row-major sent whole, Llama-8B b384 with
-#                512-token prompts ABBA, b64 AB
+#                at a time (GYRFALCON_PARALLEL_COMPILE=0) vs in parallel threads (the default since run 40,
+#                runner/precompile.py), ABAB; GPU token tests with the parallel compile
 #   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
@@ -71,7 +44,9 @@
 # One-off experiment sections whose results are recorded in benchmarks/results/ (runs 6-21: pdl, defaults, prep,
 # prefetch, wholerow, b16attn, mik, prefetch8b, graphlogits, graphs8b) were removed after commit 25672e9; run
 # them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6;
-# run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b.
+# run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b. Sessions 7-12's one-offs (runs
+# 21-41: defaults7, defaults8, slimstep, gemm64, rows9, normrows, mixed10, stall, syncdebug, mixedprof, gcfreeze,
+# budgetgraph, btcolumns) were removed after commit d92262b.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -153,68 +128,6 @@ if has llama; then
   step lat_l8_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $l8 --async-scheduling --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_cublas.json"
 fi
-if has defaults7; then  # session 7's defaults (runs 21-22): tests, then the rows they touch, with the old
-  # settings side by side at b16 (GYRFALCON_SMALL_M_PLAIN_ROWS=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=0) and b256
-  # (GYRFALCON_DECODE_K_ROWS=0)
-  step gpu_d7_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "with_prep or decode or gemv" -p no:cacheprovider
-  step gpu_d7_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fp32 and (cublas or merge-in or (graphs and not prefill and not logits))" \
-    -p no:cacheprovider
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --input-len 128 --output-len 128 --profile"
-  step lat_l8_b16 90 $l8 --batch-size 16 --max-num-seqs 16 --output-json "$R/latency_llama-3.1-8b_b16.json"
-  step lat_l8_b16_old 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=1 GYRFALCON_DECODE_MERGE_IN_KERNEL=0 $l8 --batch-size 16 \
-    --max-num-seqs 16 --output-json "$R/latency_llama-3.1-8b_b16_session6_defaults.json"
-  step lat_l8_b64 90 $l8 --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_llama-3.1-8b_b64.json"
-  b256="$G bench latency --model /tmp/ck/l8 --batch-size 256 --input-len 1024 --output-len 32 --max-num-seqs 256"
-  step lat_l8_b256 90 $b256 --output-json "$R/latency_llama-3.1-8b_b256_in1024.json"
-  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
-    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  step lat_q06_b16 90 $G bench latency --model /tmp/ck/q06 --batch-size 16 --input-len 128 --output-len 128 \
-    --max-num-seqs 16 --profile --output-json "$R/latency_qwen3-0.6b_b16.json"
-  step lat_l8_b256_krows0 90 env GYRFALCON_DECODE_K_ROWS=0 $b256 \
-    --output-json "$R/latency_llama-3.1-8b_b256_in1024_krows0.json"
-fi
-if has defaults8; then  # session 8's defaults (runs 24-26): the one-split graphs up to 128 tokens at 1-4
-  # sequences, side by side with them off on a row whose every context fits; the GPU token tests
-  step gpu_d8_tokens 150 python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -k "fp32 and (short-graph or (graphs and not prefill and not logits))" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  for B in 1 4; do
-    lat="$G bench latency --model /tmp/ck/q06 --batch-size $B --input-len 32 --output-len 96 --max-num-seqs $B --profile"
-    step lat_q06_b${B}_in32 90 $lat --output-json "$R/latency_qwen3-0.6b_b${B}_in32.json"
-    step lat_q06_b${B}_in32_short0 90 env GYRFALCON_SHORT_GRAPH_CONTEXT=0 $lat \
-      --output-json "$R/latency_qwen3-0.6b_b${B}_in32_short0.json"
-  done
-fi
-if has slimstep; then  # session 8, unmeasured: the decode graphs' embedding lookup reading pending tokens
-  # itself (kernels/embedding.py: one launch instead of five) and greedy steps without fp32 logits, side by
-  # side with both off (GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1)
-  step gpu_slim_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "embedding or argmax" -p no:cacheprovider
-  step gpu_slim_tokens 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs and not prefill and not logits" \
-    -p no:cacheprovider
-  off="env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1"
-  for M in q06:qwen3-0.6b:1 q06:qwen3-0.6b:16 q06:qwen3-0.6b:64 l8:llama-3.1-8b:64; do
-    IFS=: read -r ck name B <<< "$M"
-    [ -f /tmp/ck/$ck/config.json ] || step ckpt_$ck 150 $G bench make-checkpoint --preset $name --out /tmp/ck/$ck
-    lat="$G bench latency --model /tmp/ck/$ck --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile"
-    step lat_${ck}_b$B 90 $lat --output-json "$R/latency_${name}_b$B.json"
-    step lat_${ck}_b${B}_slim0 90 $off $lat --output-json "$R/latency_${name}_b${B}_slim0.json"
-  done
-fi
-if has gemm64; then  # session 8, unmeasured: gyrfalcon's GEMV kernel at 64 rows with split-K (o_proj / down_proj
-  # through it at batch 64, GYRFALCON_SMALL_M_PLAIN_ROWS=64), against cuBLAS: the launch-shape sweep, then Llama b64
-  step gemm64_sweep 300 python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 \
-    --shapes l8_qkv l8_o l8_down l8_gate_up --output-json "$R/small_m_gemv_sweep64.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
-  step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"
-  for SK in 1 2; do
-    step lat_l8_b64_rows64_sk$SK 90 env GYRFALCON_SMALL_M_PLAIN_ROWS=64 GYRFALCON_GEMV_SPLIT_K=$SK $l8 \
-      --output-json "$R/latency_llama-3.1-8b_b64_rows64_sk$SK.json"
-  done
-fi
 if has fp8kv; then  # session 8, unmeasured: --kv-cache-dtype fp8 (K/V as float8 e4m3): GPU kernel tests, then
   # throughput (where decode attention's KV reads dominate) and Llama b64, each side by side with bf16
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
@@ -237,49 +150,6 @@ if has sampled; then  # the rows as vLLM's bench latency / throughput ran them: 
   step tput_l8_t1 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
     --async-scheduling --temperature 1.0 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_temp1.json"
 fi
-if has rows9; then  # session 9: several heads per fused_qkv_prep program in prefills (TTFT; A/B with
-  # GYRFALCON_QKV_PREP_HEADS=1), then the rows on the final commit: Qwen3-0.6B b1 / b16 / b64, Llama-8B b1 / b16 / b64
-  # (b64 also with the session-8 slim step off), throughput
-  step gpu_prep_kernels 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/kernels/test_kernel_fused_qkv_prep.py \
-    -k "qkv_prep or several_heads" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q="$G bench latency --model /tmp/ck/q06 --input-len 128 --output-len 128 --profile"
-  step lat_q06_b64 90 $q --batch-size 64 --max-num-seqs 64 --output-json "$R/latency_qwen3-0.6b_b64.json"
-  step lat_q06_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $q --batch-size 64 --max-num-seqs 64 \
-    --output-json "$R/latency_qwen3-0.6b_b64_heads1.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
-  step lat_l8_b64 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b64.json"
-  step lat_l8_b64_heads1 90 env GYRFALCON_QKV_PREP_HEADS=1 $l8 --output-json "$R/latency_llama-3.1-8b_b64_heads1.json"
-  for B in 1 16; do
-    step lat_q06_b$B 90 $q --batch-size $B --max-num-seqs $B --output-json "$R/latency_qwen3-0.6b_b$B.json"
-  done
-  for B in 1 16; do
-    step lat_l8_b$B 90 $G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 \
-      --max-num-seqs $B --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-  done
-  step tput_l8 300 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
-    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
-  step lat_l8_b64_slim0 90 env GYRFALCON_FUSED_EMBED=0 GYRFALCON_FP32_LOGITS=1 $l8 \
-    --output-json "$R/latency_llama-3.1-8b_b64_slim0.json"
-fi
-if has normrows; then  # session 9, measured in run 33 (it lost): the one-pass norm (small_m_gemv ONE_PASS) at 8-64 rows against RMSNorm +
-  # cuBLAS (the sweep), then batch-16 / 64 steps with qkv (GYRFALCON_NORM_GEMV_ROWS) and gate_up (_GATE_UP_ROWS) through it
-  step gpu_norm_kernels 120 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -p no:cacheprovider
-  step gpu_norm_tokens 200 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 python3 -m pytest -q \
-    tests/gpu/test_model_gpu.py -k "graphs and not prefill and not logits" -p no:cacheprovider
-  step norm_sweep 200 python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 64 \
-    --shapes l8_qkv l8_gate_up q06_qkv q06_gate_up --output-json "$R/small_m_gemv_sweep_one_pass.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for B in 16 64; do
-    l8="$G bench latency --model /tmp/ck/l8 --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B"
-    step lat_l8_b$B 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b$B.json"
-    step lat_l8_b${B}_normqkv 90 env GYRFALCON_NORM_GEMV_ROWS=$B $l8 --profile \
-      --output-json "$R/latency_llama-3.1-8b_b${B}_normqkv.json"
-    step lat_l8_b${B}_normboth 90 env GYRFALCON_NORM_GEMV_ROWS=$B GYRFALCON_NORM_GEMV_GATE_UP_ROWS=$B $l8 \
-      --output-json "$R/latency_llama-3.1-8b_b${B}_normboth.json"
-  done
-fi
 if has prefillsweep; then  # prefill attention's launch shapes on batches of short prompts (64 x 128 tokens: the b64 TTFT)
   step prefill_short_sweep 150 python3 benchmarks/kernels.py --prefill-short-sweep \
     --output-json "$R/prefill_attention_short_sweep.json"
@@ -301,43 +171,6 @@ if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side 
     step tput_l8_old 300 $old $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_old.json"
     step tput_l8_new 300 $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_new.json"
   fi
-fi
-if has mixed10; then  # session 10: where the throughput run's prefill steps go; the short-query prefill tiles
-  step gpu_short_tiles 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
-    -k "paged_attention or qkv_prep or matches_reference" -p no:cacheprovider
-  step gpu_prefill_tokens 180 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "prefill" -p no:cacheprovider
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step mixed_step 120 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --output-json "$R/mixed_step_llama-3.1-8b.json"
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64"
-  step lat_l8_b64 90 $l8 --profile --output-json "$R/latency_llama-3.1-8b_b64.json"
-  step lat_l8_b64_longtiles 90 env GYRFALCON_PREFILL_SHORT_TILES=0 $l8 --profile \
-    --output-json "$R/latency_llama-3.1-8b_b64_longtiles.json"
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16"
-  step lat_q06_b16 60 $q06 --output-json "$R/latency_qwen3-0.6b_b16.json"
-  step lat_q06_b16_longtiles 60 env GYRFALCON_PREFILL_SHORT_TILES=0 $q06 \
-    --output-json "$R/latency_qwen3-0.6b_b16_longtiles.json"
-fi
-if has stall || has syncdebug; then  # session 10's lead for the throughput row: prefill steps' launch() holds the
-  # host ~150+ ms (syncdebug: the mixed step with every host-device sync printed, without the throughput run)
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step mixed_step_sync 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --sync-debug \
-    --output-json "$R/mixed_step_llama-3.1-8b_sync_debug.json"
-fi
-if has mixedprof; then  # run 39: the mixed step's launch() took 201 ms of its 197 ms on the device with no sync
-  # reported by the sync debug mode; cProfile names the call that holds the host
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step mixed_step_cprofile 150 python3 benchmarks/mixed_step.py --model /tmp/ck/l8 --cprofile \
-    --output-json "$R/mixed_step_llama-3.1-8b_cprofile.json"
-fi
-if has gcfreeze; then  # the collector frozen after startup (the default on a GPU) vs not (GYRFALCON_GC_FREEZE=0):
-  # the throughput row, both with --launch-phases (the prefill launches' time after the forward, split at the LM head)
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
-  for run in a_0 b_1; do
-    step tput_l8_gcfreeze_$run 150 env GYRFALCON_GC_FREEZE=${run#*_} $G $tp --launch-phases \
-      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_gcfreeze${run#*_}_$run.json"
-  done
 fi
 if has attnreal; then  # decode attention as a throughput run holds it (consecutive vs scattered blocks over the whole
   # 54,835-block pool, ctx 1024 / 1025 / 2047, plain and fused-prep kernels) at 288 and 384 sequences
@@ -371,12 +204,6 @@ if has timeline; then  # does the device idle in a throughput run's mixed prefil
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_timeline_${bn%:*}.json"
   done
 fi
-if has stall; then
-  # 768 prompts: with 384 (run 37) every prefill step came in the first wave, beside few decoders, and took
-  # 197 ms, near its GPU time; the excess (282 ms per prefill step in run 36) is in the later ones.
-  step tput_l8_768 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
-    --async-scheduling --launch-phases --output-json "$R/throughput_llama-3.1-8b_768x1024_async_phases.json"
-fi
 if has budgetab; then  # the offline default token budget: 8192 / 16384 / 16384 / 8192 in one call
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
@@ -399,33 +226,6 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
   done
   step gpu_tokens_parallel_compile 150 env GYRFALCON_PARALLEL_COMPILE=1 TRITON_CACHE_DIR="$(mktemp -d)" python3 -m \
     pytest -q tests/gpu/test_model_gpu.py -k "llama and graphs and not logits" -p no:cacheprovider
-fi
-if has budgetgraph; then  # the throughput row with its budget-filling mixed steps replayed as one graph
-  # (GYRFALCON_BUDGET_GRAPH=1, runner/mixed_graph.py) vs eager, then its GPU token test; both runs with
-  # --launch-phases, so the eager one is also stall's throughput run
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
-  for run in a_1 b_0; do
-    step tput_l8_budgetgraph_$run 170 env GYRFALCON_BUDGET_GRAPH=${run#*_} $G $tp --launch-phases \
-      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_budgetgraph${run#*_}_$run.json"
-  done
-  step gpu_tokens_budget_graph 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k full_budget_graph \
-    -p no:cacheprovider
-fi
-if has btcolumns; then  # the decode graphs' column-major block table (a step sends its used columns) vs the
-  # row-major one sent whole (GYRFALCON_DECODE_BT_COLUMNS=0: 2.1 MB per step at b64, 12.6 MB at b384)
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  # b384 with 512-token prompts (the throughput row's decode steps hold 384 sequences; they ran at 30.2-31.4 ms in
-  # runs 39-40 against 28.2-28.4 in run 36) ABBA, 2 timed runs each, then the b64 row AB
-  for BI in 384:512:64 64:128:128; do
-    B=${BI%%:*} I=${BI#*:}; O=${I#*:} I=${I%:*}
-    runs="a_1 b_0 c_0 d_1"; [ $B = 64 ] && runs="a_1 b_0"
-    for run in $runs; do
-      step lat_l8_b${B}_btcolumns_$run 100 env GYRFALCON_DECODE_BT_COLUMNS=${run#*_} $G bench latency \
-        --model /tmp/ck/l8 --batch-size $B --input-len $I --output-len $O --max-num-seqs $B --num-iters 2 \
-        --output-json "$R/latency_llama-3.1-8b_b${B}_in${I}_btcolumns${run#*_}_$run.json"
-    done
-  done
 fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
   step prefill_gemm_m 120 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
