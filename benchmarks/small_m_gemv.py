@@ -286,8 +286,8 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
     vs blocks scattered over the run's whole pool (54,835 blocks: Llama-3.1-8B's KV cache on the H200), in the
     default cache layout and in GYRFALCON_KV_LAYOUT=hnd's (a kv head's block slice contiguous), one token past
     a tile (ctx 1025), and the kernel the decode graphs run (q/k RoPE and the KV store fused in,
-    decode_attention_with_prep). mixed_step.py's decode step of 288 sequences at 1,025 tokens spent 365 us per
-    layer in it (run 40), 80% of that figure: which of these costs the difference?"""
+    decode_attention_with_prep). mixed_step.py's decode step of 288 sequences at ~1,025 tokens spent 358-365 us
+    per layer in it (runs 39-40), ~80% of that figure: which of these costs the difference?"""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
                                                           paged_decode_attention_triton)
 

@@ -141,12 +141,12 @@ class SchedulerConfig:
     # benchmarks/results/throughput_*-h200-2026-11-30-run2{5,6}.json.
     max_num_seqs: int = 384
     # None: 8192 tokens per step; 16384 for the offline LLM API on a GPU (vLLM's LLM class defaults to the
-    # same on large GPUs). In a throughput run each prefill step costs more than its GPU work measured alone
-    # (200-280 ms against ~190 ms, cause not yet found), so half as many steps win: 768 Llama-3.1-8B
-    # requests of 1024 + 1024 tokens on the H200 ran at 10,095 output tok/s with 16384 vs 9,267 with 8192
-    # in one call (benchmarks/results/throughput_*-h200-2026-12-01-run36.json; the 16384 run came second,
-    # with Triton's disk cache warm from the first, while eager steps still compiled kernel variants mid-run:
-    # to re-measure in both orders). A server keeps 8192: a larger prefill step stalls every running
+    # same on large GPUs). At 8192 a throughput run's prefill steps cost more than their GPU work measured
+    # alone (200-280 ms against ~190 ms; at 16384 they take about their GPU time, runs 39-40), so half as
+    # many steps win: 768 Llama-3.1-8B requests of 1024 + 1024 tokens on the H200 ran at 10,095 output tok/s
+    # with 16384 vs 9,267 with 8192 in one call (benchmarks/results/throughput_*-h200-2026-12-01-run36.json;
+    # the 16384 run came second, with Triton's disk cache warm from the first, while eager steps still
+    # compiled kernel variants mid-run: to re-measure in both orders). A server keeps 8192: a larger prefill step stalls every running
     # stream's next token for longer.
     max_num_batched_tokens: Optional[int] = None
     offline: bool = False  # the engine of the offline LLM API (see max_num_batched_tokens)

@@ -294,30 +294,20 @@ class LaunchPhases:
         self._cur: Optional[dict] = None
         self.steps: dict = {}  # launch index -> record
 
-        def build(*a, **kw):
-            out = self._build(*a, **kw)
-            if self._cur is not None:
-                self._cur["built"] = time.perf_counter()
-            return out
-        mr.build_forward_batch = build
-        fwd = runner.model.forward
-
-        def forward(*a, **kw):
-            out = fwd(*a, **kw)
-            if self._cur is not None:
-                self._cur["forward_end"] = time.perf_counter()
-            return out
-        runner.model.forward = forward
-        logits_fn = runner.model.compute_logits
-
-        def compute_logits(*a, **kw):
-            out = logits_fn(*a, **kw)
-            if self._cur is not None:
-                self._cur["logits_end"] = time.perf_counter()
-            return out
-        runner.model.compute_logits = compute_logits
+        mr.build_forward_batch = self._stamped_after(self._build, "built")
+        runner.model.forward = self._stamped_after(runner.model.forward, "forward_end")
+        runner.model.compute_logits = self._stamped_after(runner.model.compute_logits, "logits_end")
         for layer in self._layers:
             layer.forward = self._stamped(layer.forward)
+
+    def _stamped_after(self, f, key: str):
+        """f, recording when it returned as `key` of the launch being timed."""
+        def g(*a, **kw):
+            out = f(*a, **kw)
+            if self._cur is not None:
+                self._cur[key] = time.perf_counter()
+            return out
+        return g
 
     def _stamped(self, f):
         def g(*a, **kw):

@@ -78,7 +78,7 @@ def kv_cache_layout() -> str:
     permuted view, so the block_size x head_dim slice one kv head's program reads is 4 KB of contiguous
     memory instead of 256-byte rows 2 KB apart (Llama-3.1-8B). For the experiment of gpu_check.sh kvlayout:
     decode attention at large batch reads ~3/4 of a throughput run's decode-step bytes, and it ran at ~80% of
-    the HBM figure in a real step (mixed_step.py, run 40)."""
+    the HBM figure in a real step (mixed_step.py, runs 39-40)."""
     layout = os.environ.get("GYRFALCON_KV_LAYOUT", "nhd").lower()
     if layout not in ("nhd", "hnd"):
         raise ValueError(f"GYRFALCON_KV_LAYOUT={layout!r}: expected 'nhd' or 'hnd'")
