@@ -31,6 +31,8 @@
 #                at a time (GYRFALCON_PARALLEL_COMPILE=0) vs in parallel threads (the default since run 40,
 #                runner/precompile.py), ABAB; GPU token tests with the parallel compile
 #   gemmm        Llama-8B's layer GEMMs at prefill token counts, odd (8,192 + ~290 decoders) vs round M
+#   gemmblas     the same at decode-sized M (64-512 rows), under torch's cuBLAS and cuBLASLt back ends
+#                (GYRFALCON_BLAS)
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
@@ -172,16 +174,19 @@ if has tputab; then  # an older commit's gyrfalcon vs this tree's, side by side 
     step tput_l8_new 300 $G $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_new.json"
   fi
 fi
+if has gemmblas; then  # decode-sized GEMMs (a throughput run's 288-384 decoders ran them at ~550 TFLOP/s) under
+  # the two BLAS back ends torch can pick: does cuBLASLt's heuristic choose better kernels there?
+  step gemm_blas 120 python3 benchmarks/prefill_gemm_m.py --ms 64 128 256 288 320 384 448 512 \
+    --blas cublas cublaslt --rounds 4 --reps 20 --output-json "$R/gemm_blas.json"
+fi
 if has attnreal; then  # decode attention as a throughput run holds it (consecutive vs scattered blocks over the whole
   # 54,835-block pool, ctx 1024 / 1025 / 2047, plain and fused-prep kernels) at 288 and 384 sequences
   step attn_real 150 python3 benchmarks/small_m_gemv.py --attn-real --output-json "$R/attn_real.json"
 fi
 if has kvlayout; then  # the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd: a kv
   # head's slice of a block contiguous) vs the default: GPU token tests on it, then the throughput row and
-  # Llama-8B b64, each AB in one call
+  # Llama-8B b64, each AB in one call (the token tests last: the A/Bs say whether they matter)
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step gpu_tokens_hnd 150 env GYRFALCON_KV_LAYOUT=hnd python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -k "llama and (graphs or eager or prefill_logits)" -p no:cacheprovider
   tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
   for run in a_hnd b_nhd; do
     step tput_l8_kvlayout_$run 150 env GYRFALCON_KV_LAYOUT=${run#*_} $G $tp \
@@ -192,6 +197,8 @@ if has kvlayout; then  # the KV cache stored [blocks, kv heads, block_size, head
       --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 \
       --output-json "$R/latency_llama-3.1-8b_b64_kvlayout_$run.json"
   done
+  step gpu_tokens_hnd 150 env GYRFALCON_KV_LAYOUT=hnd python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -k "llama and (graphs or eager or prefill_logits)" -p no:cacheprovider
 fi
 if has timeline; then  # does the device idle in a throughput run's mixed prefill steps? Its kernels over a window of
   # steps from the first mixed one beside >= 256 decoders (bench throughput --gpu-timeline), at 16,384 tokens per step

@@ -85,6 +85,19 @@ def kv_cache_layout() -> str:
     return layout
 
 
+def blas_backend() -> Optional[str]:
+    """torch's BLAS back end for the model's GEMMs, GYRFALCON_BLAS=cublas|cublaslt (default: torch's own choice,
+    None). The back ends' heuristics pick different kernels for one shape; the experiment is decode-sized M,
+    where cuBLAS ran a throughput run's GEMMs at ~550 TFLOP/s (288 decoders, mixed_step.py run 35) against
+    ~740 at prefill sizes (benchmarks/prefill_gemm_m.py --blas times both)."""
+    env = os.environ.get("GYRFALCON_BLAS", "").lower()
+    if env in ("", "default"):
+        return None
+    if env not in ("cublas", "cublaslt"):
+        raise ValueError(f"GYRFALCON_BLAS={env!r}: expected 'cublas' or 'cublaslt'")
+    return env
+
+
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       device: torch.device, layout: str = "nhd") -> torch.Tensor:
     """One zeroed cache, addressed as [num_blocks, block_size, num_kv_heads, head_dim] whatever its layout."""
@@ -124,6 +137,8 @@ class ModelRunner:
         clock = self._phase_clock()
         if self.device.type == "cuda":
             torch.zeros(1, device=self.device)  # the CUDA context, apart from the load
+            if blas_backend():  # process-wide, as torch's setting is; before any GEMM runs or is captured
+                torch.backends.cuda.preferred_blas_library(blas_backend())
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
         clock("load")

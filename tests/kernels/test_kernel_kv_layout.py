@@ -130,3 +130,4 @@ def test_engine_tokens_identical_with_hnd_layout(qwen3_ckpt, monkeypatch):
     assert [t for t, _ in outs["hnd"]] == [t for t, _ in outs["nhd"]]
     for (_, a), (_, b) in zip(outs["hnd"], outs["nhd"]):
         assert a == pytest.approx(b, abs=1e-4)
+
