@@ -239,15 +239,14 @@ def bench_decode_attention_tput(rows):
         del caches
 
 
-def kv_pool(pool_blocks, device, n_kv=8, d=128, block=16, seed=0, dtype=torch.bfloat16, layout="nhd"):
-    """A run's whole K/V cache for one layer: (k_cache, v_cache), each addressed as [pool_blocks, block, n_kv, d];
-    layout "hnd": stored [pool_blocks, n_kv, block, d] (model_runner.allocate_kv_cache, GYRFALCON_KV_LAYOUT)."""
+def kv_pool(pool_blocks, device, n_kv=8, d=128, block=16, seed=0, dtype=torch.bfloat16):
+    """A run's whole K/V cache for one layer: (k_cache, v_cache), each [pool_blocks, block, n_kv, d]."""
     from gyrfalcon.runner.model_runner import allocate_kv_cache
 
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for _ in range(2):
-        c = allocate_kv_cache(pool_blocks, block, n_kv, d, dtype, torch.device(device), layout)
+        c = allocate_kv_cache(pool_blocks, block, n_kv, d, dtype, torch.device(device))
         c.copy_(torch.randn(pool_blocks, block, n_kv, d, generator=g, device=device))
         out.append(c)
     return tuple(out)
@@ -283,24 +282,26 @@ def real_decode_inputs(B, ctx, pool, scattered, n_heads=32, seed=0):
 def bench_decode_attention_real(rows, pool_blocks: int = 54835):
     """Decode attention at the throughput row's batches and contexts as the run holds them, each step apart:
     consecutive blocks (as --attn-tput, which reached 100-104% of the 4.15 TB/s figure at b256 / 1k in run 22)
-    vs blocks scattered over the run's whole pool (54,835 blocks: Llama-3.1-8B's KV cache on the H200), in the
-    default cache layout and in GYRFALCON_KV_LAYOUT=hnd's (a kv head's block slice contiguous), one token past
-    a tile (ctx 1025), and the kernel the decode graphs run (q/k RoPE and the KV store fused in,
+    vs blocks scattered over the run's whole pool (54,835 blocks: Llama-3.1-8B's KV cache on the H200), one
+    token past a tile (ctx 1025), and the kernel the decode graphs run (q/k RoPE and the KV store fused in,
     decode_attention_with_prep). mixed_step.py's decode step of 288 sequences at ~1,025 tokens spent 358-365 us
-    per layer in it (runs 39-40), ~80% of that figure: which of these costs the difference?"""
+    per layer in it (runs 39-40), ~80% of that figure: which of these costs the difference? None (H200, run 42,
+    benchmarks/results/attn_real-h200-2026-12-01-run42.json): every variant ran at 95-108%, scattered blocks
+    within 1-2% of consecutive ones (B=288 ctx 1024: 292-303 us; B=384 ctx 2047: 719-731 us). A layout storing
+    each kv head's block slice contiguously (session 12's GYRFALCON_KV_LAYOUT=hnd) timed the same and was
+    removed."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
                                                           paged_decode_attention_triton)
 
-    # Two pools of 1.8 GB each for K and V per layout (14.4 GB): calls alternate between a layout's two, so
-    # nothing stays in L2
-    pools = {lay: [kv_pool(pool_blocks, "cuda", seed=i, layout=lay) for i in range(2)] for lay in ("nhd", "hnd")}
+    # Two pools of 1.8 GB each for K and V (7.2 GB): calls alternate between them, so nothing stays in L2
+    pools = [kv_pool(pool_blocks, "cuda", seed=i) for i in range(2)]
     for B, ctx in itertools.product((288, 384), (1024, 1025, 2047)):
         res = {}
-        for scattered, lay in ((False, "nhd"), (True, "nhd"), (True, "hnd")):
-            ins = [real_decode_inputs(B, ctx, pool, scattered, seed=i) for i, pool in enumerate(pools[lay])]
+        for scattered in (False, True):
+            ins = [real_decode_inputs(B, ctx, pool, scattered, seed=i) for i, pool in enumerate(pools)]
             d = ins[0]["d"]
             q = [x["qkv"][:, :x["n_heads"] * d].reshape(B, x["n_heads"], d).contiguous() for x in ins]
-            tag = ("scattered" if scattered else "consecutive") + ("_hnd" if lay == "hnd" else "")
+            tag = "scattered" if scattered else "consecutive"
             res[f"attention_{tag}"] = graph_time_us([
                 lambda x=x, qq=qq: paged_decode_attention_triton(qq, x["k_cache"], x["v_cache"], x["bt"],
                                                                  x["seq_lens"], d ** -0.5) for x, qq in zip(ins, q)],

@@ -20,9 +20,7 @@
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
 #   attnreal     decode attention on a throughput run's layout: scattered blocks over the whole pool, ctx one past
-#                a tile, the fused-prep kernel (small_m_gemv.py --attn-real)
-#   kvlayout     the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd) vs the
-#                default: GPU token tests, throughput and Llama-8B b64, AB
+#                a tile, the fused-prep kernel (small_m_gemv.py --attn-real; run 42: all at 95-108% of 4.15 TB/s)
 #   timeline     the device's idle time over a window of a throughput run's steps from its first mixed prefill
 #                step (--gpu-timeline), at 16,384 and 8,192 tokens per step
 #   budgetab     the throughput row at 8,192 vs 16,384 tokens per step in ABBA order (run 36's pair ran 16,384
@@ -34,6 +32,8 @@
 #   gemmblas     the same at decode-sized M (64-512 rows), under torch's cuBLAS and cuBLASLt back ends
 #                (GYRFALCON_BLAS)
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
+#   normbound    Llama-8B b64 (ABBA) / b16 (AB) with RMSNorm a pass-through (benchmarks/norm_bound.py): the most
+#                that folding the layers' norm launches into their neighbours could save
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -48,7 +48,7 @@
 # them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6;
 # run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b. Sessions 7-12's one-offs (runs
 # 21-41: defaults7, defaults8, slimstep, gemm64, rows9, normrows, mixed10, stall, syncdebug, mixedprof, gcfreeze,
-# budgetgraph, btcolumns) were removed after commit d92262b.
+# budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -183,23 +183,6 @@ if has attnreal; then  # decode attention as a throughput run holds it (consecut
   # 54,835-block pool, ctx 1024 / 1025 / 2047, plain and fused-prep kernels) at 288 and 384 sequences
   step attn_real 150 python3 benchmarks/small_m_gemv.py --attn-real --output-json "$R/attn_real.json"
 fi
-if has kvlayout; then  # the KV cache stored [blocks, kv heads, block_size, head_dim] (GYRFALCON_KV_LAYOUT=hnd: a kv
-  # head's slice of a block contiguous) vs the default: GPU token tests on it, then the throughput row and
-  # Llama-8B b64, each AB in one call (the token tests last: the A/Bs say whether they matter)
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
-  for run in a_hnd b_nhd; do
-    step tput_l8_kvlayout_$run 150 env GYRFALCON_KV_LAYOUT=${run#*_} $G $tp \
-      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_kvlayout_$run.json"
-  done
-  for run in a_nhd b_hnd; do
-    step lat_l8_b64_kvlayout_$run 90 env GYRFALCON_KV_LAYOUT=${run#*_} $G bench latency --model /tmp/ck/l8 \
-      --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 \
-      --output-json "$R/latency_llama-3.1-8b_b64_kvlayout_$run.json"
-  done
-  step gpu_tokens_hnd 150 env GYRFALCON_KV_LAYOUT=hnd python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -k "llama and (graphs or eager or prefill_logits)" -p no:cacheprovider
-fi
 if has timeline; then  # does the device idle in a throughput run's mixed prefill steps? Its kernels over a window of
   # steps from the first mixed one beside >= 256 decoders (bench throughput --gpu-timeline), at 16,384 tokens per step
   # (6 steps) and 8,192 (12)
@@ -237,12 +220,23 @@ fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
   step prefill_gemm_m 120 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
 fi
+if has normbound; then  # the decode step without the layers' RMSNorm launches (meaningless tokens, real shapes):
+  # the upper bound on folding the norms into the GEMMs around them, beside the unmodified command
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for br in 64:a_plain 64:b_bound 64:c_bound 64:d_plain 16:a_plain 16:b_bound; do
+    B=${br%:*} run=${br#*:}
+    flag=; [[ $run == *bound ]] && flag=--pass-through
+    step lat_l8_b${B}_normbound_$run 90 python3 benchmarks/norm_bound.py $flag bench latency --model /tmp/ck/l8 \
+      --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_normbound_$run.json"
+  done
+fi
 if has graphlogits64; then  # LM head + greedy argmax inside the decode graph at Llama-8B b16 / b64, where the eager
   # LM head and argmax add ~280 us plus their launches to the 4.94 ms graph (b64, run 32); at b1 it was a wash
   # (run 16: Qwen3-0.6B 0.747 vs 0.750 ms). Off / on / on / off per batch size.
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for B in 64 16; do
-    for run in a_0 b_1 c_1 d_0; do
+    for run in ${GL_RUNS:-a_0 b_1 c_1 d_0}; do  # GL_RUNS="a_0 b_1": one pair per batch size
       step lat_l8_b${B}_graphlogits_$run 90 env GYRFALCON_GRAPH_LOGITS=${run#*_} $G bench latency --model /tmp/ck/l8 \
         --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B \
         --output-json "$R/latency_llama-3.1-8b_b${B}_graphlogits${run#*_}_$run.json"

@@ -144,7 +144,7 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch
     GYRFALCON_* switches."""
     from gyrfalcon.cli import main
 
-    monkeypatch.setenv("GYRFALCON_KV_LAYOUT", "hnd")
+    monkeypatch.setenv("GYRFALCON_BLAS", "cublaslt")  # recorded; applied only on a GPU
     monkeypatch.setenv("GYRFALCON_COMMIT", "abc1234")
 
     out = tmp_path / "tput.json"
@@ -154,7 +154,7 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch
                "--gpu-timeline", "3", "--output-json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert res["switches"]["GYRFALCON_KV_LAYOUT"] == "hnd" and "GYRFALCON_COMMIT" not in res["switches"]
+    assert res["switches"]["GYRFALCON_BLAS"] == "cublaslt" and "GYRFALCON_COMMIT" not in res["switches"]
     assert res["commit"] == "abc1234"
     g = res["results"]["gyrfalcon"]
     tl = g["gpu_timeline"]

@@ -70,26 +70,13 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     return t
 
 
-def kv_cache_layout() -> str:
-    """How each layer's K and V caches lie in memory. Every kernel and reference addresses them as
-    [num_blocks, block_size, num_kv_heads, head_dim] through their strides, so the layout is only where the
-    elements sit: "nhd" (default) stores them so, a block's tokens with all their heads side by side; "hnd"
-    (GYRFALCON_KV_LAYOUT=hnd) stores [num_blocks, num_kv_heads, block_size, head_dim] and hands out the
-    permuted view, so the block_size x head_dim slice one kv head's program reads is 4 KB of contiguous
-    memory instead of 256-byte rows 2 KB apart (Llama-3.1-8B). For the experiment of gpu_check.sh kvlayout:
-    decode attention at large batch reads ~3/4 of a throughput run's decode-step bytes, and it ran at ~80% of
-    the HBM figure in a real step (mixed_step.py, runs 39-40)."""
-    layout = os.environ.get("GYRFALCON_KV_LAYOUT", "nhd").lower()
-    if layout not in ("nhd", "hnd"):
-        raise ValueError(f"GYRFALCON_KV_LAYOUT={layout!r}: expected 'nhd' or 'hnd'")
-    return layout
-
-
 def blas_backend() -> Optional[str]:
     """torch's BLAS back end for the model's GEMMs, GYRFALCON_BLAS=cublas|cublaslt (default: torch's own choice,
     None). The back ends' heuristics pick different kernels for one shape; the experiment is decode-sized M,
     where cuBLAS ran a throughput run's GEMMs at ~550 TFLOP/s (288 decoders, mixed_step.py run 35) against
-    ~740 at prefill sizes (benchmarks/prefill_gemm_m.py --blas times both)."""
+    ~740 at prefill sizes. Measured (H200, run 42, prefill_gemm_m.py --blas, Llama-3.1-8B's layer GEMMs at M
+    64-512): cuBLASLt no faster than cuBLAS at any M (e.g. 384 rows 0.303 vs 0.301 ms, 288 rows 0.286 vs 0.278),
+    so the default stays; kept as the switch for other GPUs and torch versions."""
     env = os.environ.get("GYRFALCON_BLAS", "").lower()
     if env in ("", "default"):
         return None
@@ -99,11 +86,12 @@ def blas_backend() -> Optional[str]:
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device, layout: str = "nhd") -> torch.Tensor:
-    """One zeroed cache, addressed as [num_blocks, block_size, num_kv_heads, head_dim] whatever its layout."""
-    if layout == "hnd":
-        return torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                           device=device).permute(0, 2, 1, 3)
+                      device: torch.device) -> torch.Tensor:
+    """One zeroed cache [num_blocks, block_size, num_kv_heads, head_dim]. The kernels address it through its
+    strides; a [blocks, kv heads, block_size, head_dim] store (each kv head's block slice contiguous) measured
+    no faster on the H200 (run 42: decode attention over a whole pool's scattered blocks at 100-107% of the
+    4.15 TB/s figure either way, the throughput row 10,198 vs 10,163 tok/s, Llama-8B b64 5.365 vs 5.332 ms), so
+    that option (GYRFALCON_KV_LAYOUT=hnd, session 12) was removed again."""
     return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
@@ -147,9 +135,8 @@ class ModelRunner:
             spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
         self.num_blocks = self._determine_num_blocks()
         clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
-        self.kv_layout = kv_cache_layout()
         alloc = functools.partial(allocate_kv_cache, self.num_blocks, self.block_size, self.num_kv_heads,
-                                  self.head_dim, self.kv_dtype, self.device, self.kv_layout)
+                                  self.head_dim, self.kv_dtype, self.device)
         self.kv_caches = [(alloc(), alloc()) for _ in range(self.num_layers)]
         clock("kv_alloc")
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).

@@ -1,8 +1,9 @@
-"""GYRFALCON_KV_LAYOUT=hnd stores each cache as [blocks, kv heads, block_size, head_dim] and hands the kernels the
-permuted view, addressed as [blocks, block_size, kv heads, head_dim] through its strides. Every kernel that
-reads or writes the cache (store, qkv prep with its KV write, prefill attention, decode attention with and
-without the fused prep) must give the same results on that view as on the default layout, under the
-interpreter; so must the torch references (the CPU path)."""
+"""Every kernel addresses the KV cache [blocks, block_size, kv heads, head_dim] through its strides, not its
+contiguity: on a cache stored [blocks, kv heads, block_size, head_dim] and handed over as the permuted view,
+each kernel that reads or writes it (store, qkv prep with its KV write, prefill attention, decode attention
+with and without the fused prep) must give the same results as on the contiguous cache, under the
+interpreter; so must the torch references (the CPU path). (The engine stores it contiguously: session 12's
+GYRFALCON_KV_LAYOUT=hnd engine option measured no faster on the H200, run 42, and was removed.)"""
 
 from __future__ import annotations
 
@@ -15,37 +16,31 @@ from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep
                                                       decode_attention_with_prep_triton, paged_decode_attention_ref,
                                                       paged_decode_attention_triton)
 from gyrfalcon.kernels.store_kv import store_kv_ref, store_kv_triton
-from gyrfalcon.runner.model_runner import allocate_kv_cache, kv_cache_layout
+from gyrfalcon.runner.model_runner import allocate_kv_cache
 
 NB, BS, KVH, D, H = 12, 16, 2, 32, 4
 EXACT = dict(rtol=0, atol=0)
 
 
+def _hnd_view() -> torch.Tensor:
+    """A zeroed cache stored [blocks, kv heads, block_size, head_dim], seen as [blocks, block_size, kv heads, ...]."""
+    return torch.zeros(NB, KVH, BS, D).permute(0, 2, 1, 3)
+
+
 def _pair(g):
-    """The same random contents in both layouts: (nhd, hnd view)."""
-    nhd = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"), "nhd")
+    """The same random contents in both layouts: (contiguous, permuted view)."""
+    nhd = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"))
     nhd.copy_(torch.randn(NB, BS, KVH, D, generator=g))
-    hnd = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"), "hnd")
+    hnd = _hnd_view()
     hnd.copy_(nhd)
     return nhd, hnd
 
 
-def test_hnd_allocation_is_the_permuted_view():
-    c = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"), "hnd")
+def test_permuted_view_is_strided():
+    c = _hnd_view()
     assert c.shape == (NB, BS, KVH, D) and c.stride() == (KVH * BS * D, D, BS * D, 1)
-    assert not c.any()
-    n = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"), "nhd")
-    assert n.is_contiguous() and n.shape == c.shape
-
-
-def test_layout_switch(monkeypatch):
-    monkeypatch.delenv("GYRFALCON_KV_LAYOUT", raising=False)
-    assert kv_cache_layout() == "nhd"
-    monkeypatch.setenv("GYRFALCON_KV_LAYOUT", "HND")
-    assert kv_cache_layout() == "hnd"
-    monkeypatch.setenv("GYRFALCON_KV_LAYOUT", "nchw")
-    with pytest.raises(ValueError, match="GYRFALCON_KV_LAYOUT"):
-        kv_cache_layout()
+    n = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"))
+    assert n.is_contiguous() and n.shape == c.shape and not n.any()
 
 
 @pytest.mark.parametrize("impl", ["triton", "ref"])
@@ -107,27 +102,3 @@ def test_attention_reads_the_same_on_both_layouts(impl):
     torch.testing.assert_close(on_h, on_n, **EXACT)
     torch.testing.assert_close(kh, kn, **EXACT)
     torch.testing.assert_close(vh, vn, **EXACT)
-
-
-def test_engine_tokens_identical_with_hnd_layout(qwen3_ckpt, monkeypatch):
-    """The whole engine (prefill, chunked prefill, decode, prefix-cache hits) on the hnd cache gives the default
-    layout's greedy tokens and logprobs (the CPU path: the torch references)."""
-    from gyrfalcon import LLM, SamplingParams
-
-    prompts = ["def add(a, b):", "The capital of France is", "def add(a, b):\n    return"]
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    outs = {}
-    for layout in ("nhd", "hnd"):
-        monkeypatch.setenv("GYRFALCON_KV_LAYOUT", layout)
-        llm = LLM(str(qwen3_ckpt), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
-        kc = llm.engine.runner.kv_caches[0][0]
-        assert llm.engine.runner.kv_layout == layout and kc.is_contiguous() == (layout == "nhd")
-        outs[layout] = [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in
-                                                  zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                        for o in llm.generate(prompts, sp, use_tqdm=False)]
-    # tokens exactly; logprobs to float rounding (torch's CPU matmuls on the gathered permuted view may
-    # reduce in another order)
-    assert [t for t, _ in outs["hnd"]] == [t for t, _ in outs["nhd"]]
-    for (_, a), (_, b) in zip(outs["hnd"], outs["nhd"]):
-        assert a == pytest.approx(b, abs=1e-4)
-
