@@ -190,6 +190,13 @@ class DecodeInputs:
         self._words = 4 * B + -(-n32 // 2)  # int64 words: the int32 part packed two per word
         self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
         self.i64, self.i32 = self._split(self.raw, n32)
+        # No row's token is pending until a step says so: the captures' warm-up steps (and the parallel
+        # compile's, whose Triton outputs are never written) then embed input_ids (zeros) instead of
+        # last_sampled[0], which holds whatever the last step left there. With the LM head and argmax in
+        # the graph (GYRFALCON_GRAPH_LOGITS=1) a compile-only warm-up copied its argmax's uninitialized
+        # output into last_sampled, and the next warm-up embedded that garbage token id: an illegal
+        # memory access at startup (H200, run 43).
+        self.src(B).fill_(-1)
         pin = device.type == "cuda"
         # Two staging copies, alternated: with async scheduling the host fills step N+1 while step N's
         # non-blocking copy out of the other one may not have run yet.

@@ -115,6 +115,26 @@ def test_decode_inputs_reuse_clears_old_rows():
     assert fb.seq_lens.tolist()[1] == 0 and fb.slot_mapping.tolist()[1] == -1
 
 
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_fresh_decode_inputs_never_read_last_sampled(impl):
+    """Before any fill (what the captures' warm-up steps see) no row is pending: the embedding reads input_ids, not
+    last_sampled, which a compile-only warm-up may have left holding garbage (with the LM head and argmax in the
+    graph, a Triton argmax that never ran: an out-of-range token id, an illegal memory access on the GPU)."""
+    from gyrfalcon.kernels.embedding import embedding_with_pending_ref, embedding_with_pending_triton
+
+    embed = embedding_with_pending_triton if impl == "triton" else embedding_with_pending_ref
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    assert inputs.src(8).tolist() == [-1] * 8
+    weight = torch.randn(50, 4)
+    last_sampled = torch.full((8,), 10**9, dtype=torch.int64)  # garbage: far past the vocabulary
+    fb = inputs.views(4)
+    got = embed(weight, fb.input_ids, inputs.src(4), last_sampled)
+    torch.testing.assert_close(got, weight[torch.zeros(4, dtype=torch.long)])
+    # set_context keeps it so; a fill marks only the rows it is told about
+    inputs.set_context(2, 40, 16)
+    assert inputs.src(8).tolist() == [-1] * 8
+
+
 def test_decode_inputs_mark_tokens_still_on_the_device():
     """A request whose last token is in flight (scheduled ahead) points at its row in the previous
     step's samples; the graph reads the token from there."""
