@@ -77,11 +77,12 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if has tests; then
   # The whole GPU suite outgrew 330 s in run 9 (89 tests passed, none failed, before the limit): one
   # step per file, so that a file that runs out of time does not hide the others' results.
-  for f in test_kernels_gpu test_small_m_gemv_gpu test_argmax_gpu; do
+  # TEST_FILES / TEST_CKPTS narrow them (e.g. TEST_FILES= TEST_CKPTS=llama: the Llama model tests only)
+  for f in ${TEST_FILES-test_kernels_gpu test_small_m_gemv_gpu test_argmax_gpu}; do
     step gpu_$f 300 python3 -m pytest -q tests/gpu/$f.py -p no:cacheprovider --durations=8
   done
   # The model tests (~9 s each, 17 per checkpoint) outgrew one 300 s step in run 38: one step per checkpoint
-  for ck in llama qwen; do
+  for ck in ${TEST_CKPTS-llama qwen}; do
     step gpu_test_model_gpu_$ck 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k $ck -p no:cacheprovider \
       --durations=8
   done
