@@ -66,7 +66,7 @@ def _harness(arch: int):
     C.gdc_wait, C.gdc_launch_dependents = gdc_wait, gdc_launch_dependents
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax", "embedding",
-                      "paged_attention", "store_kv")}
+                      "paged_attention", "store_kv", "sampling")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     return mods, compiled
 
@@ -241,6 +241,11 @@ def cases(mods):
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
     out.append(("greedy argmax, bf16 Qwen vocab",
                 lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))
+    S_ = mods["sampling"]
+    for rows in (1, 64, 512):  # split rows (two launches) and, at 512 rows, one program per row
+        out.append((f"gumbel draw, Llama vocab, {rows} rows",
+                    lambda r=rows: S_.gumbel_argmax_triton(torch.zeros(r, 128256), torch.zeros(r, dtype=torch.int64),
+                                                           torch.zeros(r, dtype=torch.int64))))
     E = mods["embedding"]
     ids = torch.zeros(16, dtype=torch.int64)
     out.append(("embedding with pending tokens, Llama width",

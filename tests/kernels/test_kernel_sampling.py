@@ -69,6 +69,38 @@ def test_triton_matches_reference(S, V, block):
     assert int(got[0]) >= V // 2  # never a masked entry
 
 
+@requires_triton
+@pytest.mark.parametrize("S,V,block,min_chunk,target", [(1, 1000, 64, 64, 512), (3, 1000, 32, 64, 8),
+                                                        (4, 515, 16, 16, 64)],
+                         ids=["b1-16-chunks", "b3-3-chunks", "b4-ragged-last-chunk"])
+def test_split_rows_draw_what_one_program_per_row_draws(S, V, block, min_chunk, target):
+    """Rows cut into chunks (one program each, then a reduce launch) pick exactly the token one program
+    streaming the whole row picks: the best score, the lowest index holding it; a row of all -inf gives 0."""
+    from gyrfalcon.kernels.argmax import _split
+
+    assert _split(S, V, block, min_chunk, target)[1] > 1  # the two-launch path
+    g = torch.Generator().manual_seed(V + S)
+    z = (torch.randn(S, V, generator=g) * 3).to(DEVICE)
+    z[0, : V // 2] = float("-inf")
+    if S > 1:
+        z[-1] = float("-inf")  # every entry masked
+    seeds = torch.randint(0, 2**62, (S,), generator=g).to(DEVICE)
+    offsets = torch.randint(0, 2**40, (S,), generator=g).to(DEVICE)
+    whole = gumbel_argmax_triton(z, seeds, offsets, block=block, min_chunk=10**9)  # one chunk per row
+    split = gumbel_argmax_triton(z, seeds, offsets, block=block, min_chunk=min_chunk, target_programs=target)
+    assert torch.equal(split, whole)
+    assert int(split[0]) >= V // 2  # never a masked entry
+    live = S if S == 1 else S - 1
+    if S > 1:
+        assert int(split[-1]) == 0
+    # and the reference's choice, up to near-ties of the scores (see above)
+    u = hash_uniform_ref(seeds[:live], offsets[:live], V)
+    score = z[:live].float() - torch.log(-torch.log(u))
+    chosen = score.gather(1, split[:live].unsqueeze(1)).squeeze(1)
+    best = score.max(dim=-1).values
+    assert torch.all(best - chosen <= 1e-4 * best.abs().clamp(min=1))
+
+
 def test_dispatch_falls_back_to_the_reference_when_the_kernel_fails(monkeypatch):
     import gyrfalcon.kernels.sampling as sampling
 
