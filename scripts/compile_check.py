@@ -65,8 +65,9 @@ def _harness(arch: int):
     C.HAS_TRITON, C.triton, C.tl = True, triton, tl
     C.gdc_wait, C.gdc_launch_dependents = gdc_wait, gdc_launch_dependents
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
-            for m in ("fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax", "embedding",
-                      "paged_attention", "store_kv", "sampling")}
+            # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
+            for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
+                      "embedding", "paged_attention", "store_kv", "sampling")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     return mods, compiled
 
@@ -118,9 +119,11 @@ def cases(mods):
     bf = torch.bfloat16
     out = []
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
-        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, **kw):
+        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, fold=False, **kw):
             def run():
                 with _env(env):
+                    if fold:  # folded norms: the rows' rstd from the residual stream
+                        kw["row_scale"] = (torch.zeros(B, hid, dtype=dtype), 1e-5)
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
                     kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype or dtype)
                     vc = torch.zeros_like(kc)
@@ -151,7 +154,11 @@ def cases(mods):
                 (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
                 (f"{name} attention b16, one split", attn(16, pdl=False, splits=1)),
                 (f"{name} attention b1 pdl (prefetch), graph block table", attn(1, pdl=True, graph_table=True)),
-                (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True))]
+                (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True)),
+                (f"{name} attention b16, folded norms", attn(16, pdl=False, fold=True)),
+                (f"{name} attention b64, folded norms", attn(64, pdl=False, fold=True)),
+                (f"{name} attention b1 pdl (prefetch), folded norms", attn(1, pdl=True, fold=True)),
+                (f"{name} attention b256 (key rows), folded norms", attn(256, pdl=False, fold=True))]
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),
@@ -189,9 +196,11 @@ def cases(mods):
             return run
         out += [(f"{name} o_proj merging partials pdl={p}", merged(p)) for p in (True, False)]
 
-        def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, **kw):
+        def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, add=False, **kw):
             def run():
                 with _env(env):
+                    if add:  # folded norms: the residual add in the epilogue
+                        kw["add_to"] = torch.zeros(M_, N, dtype=bf)
                     x = torch.zeros(M_, K, dtype=bf)
                     w = torch.zeros((2 * N if silu else N), K, dtype=bf)
                     nw = torch.ones(K, dtype=bf) if norm else None
@@ -210,7 +219,9 @@ def cases(mods):
                 (f"{name} gate_up GEMV pdl, no peel",
                  gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=True, peel=False)),
                 (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
-                (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False))]
+                (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False)),
+                (f"{name} o_proj GEMM M=16, residual add", gemv(16, hid, H * D, pdl=False, add=True)),
+                (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True))]
         sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
         out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
                 (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),
@@ -225,19 +236,27 @@ def cases(mods):
                     (f"{name} gate_up GEMM M=16 one-pass norm pdl={pdl}",
                      gemv(16, inter, hid, silu=True, norm=True, res=True, pdl=pdl))]
 
-        def prep(pdl, kv_dtype=bf, tokens=4):
+        def prep(pdl, kv_dtype=bf, tokens=4, fold=False):
             def run():
                 qkv = torch.zeros(tokens, (H + 2 * KVH) * D, dtype=bf)
                 kc = torch.zeros(8, 16, KVH, D, dtype=kv_dtype)
                 pos = torch.zeros(tokens, dtype=torch.int64)
                 w = torch.ones(D, dtype=bf)
+                rs = (torch.zeros(tokens, hid, dtype=bf), 1e-5) if fold else None
                 return P.qkv_prep_triton(qkv, H, KVH, D, pos, torch.zeros(64, D), D, True, kc, torch.zeros_like(kc),
-                                         pos, w, w, 1e-6, pdl=pdl)
+                                         pos, w, w, 1e-6, pdl=pdl, row_scale=rs)
             return run
         out += [(f"{name} qkv prep pdl={p}", prep(p)) for p in (True, False)]
         out.append((f"{name} qkv prep, fp8 cache", prep(False, f8)))
         # A prefill's size: several heads per program (fused_qkv_prep.heads_per_program).
         out.append((f"{name} qkv prep, 512-token prefill", prep(False, tokens=512)))
+        out.append((f"{name} qkv prep, 512-token prefill, folded norms", prep(False, tokens=512, fold=True)))
+        out.append((f"{name} qkv prep, folded norms", prep(False, fold=True)))
+        Act = mods["activation"]
+        for rows in (16, 8192):  # a decode batch (blocks spread over programs) and a prefill (a program per row)
+            out.append((f"{name} SiLU-and-mul, folded norms, {rows} rows",
+                        lambda r=rows: Act.silu_and_mul_triton(torch.zeros(r, 2 * inter, dtype=bf),
+                                                               (torch.zeros(r, hid, dtype=bf), 1e-5))))
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
     out.append(("greedy argmax, bf16 Qwen vocab",
                 lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))

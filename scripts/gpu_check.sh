@@ -34,6 +34,8 @@
 #   graphlogits64  the LM head and greedy argmax inside the decode graph at Llama-8B b64 / b16, ABBA
 #   normbound    Llama-8B b64 (ABBA) / b16 (AB) with RMSNorm a pass-through (benchmarks/norm_bound.py): the most
 #                that folding the layers' norm launches into their neighbours could save
+#   foldnorms    GYRFALCON_FOLD_NORMS=1 (the norms folded into the GEMMs around them): its GPU token tests, then
+#                Llama-8B b64 (ABBA) / b16 (AB) and the throughput row (AB) against the default
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -220,6 +222,22 @@ if has coldstart; then  # Llama-8B at the default 384 sequences: run 36's first 
 fi
 if has gemmm; then  # cuBLAS on a prefill step's GEMMs at round vs odd token counts (would padding M pay?)
   step prefill_gemm_m 120 python3 benchmarks/prefill_gemm_m.py --output-json "$R/prefill_gemm_m.json"
+fi
+if has foldnorms; then  # the layers' norms folded into the GEMMs around them vs the default, in one call
+  step gpu_tokens_fold 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k folded \
+    -p no:cacheprovider
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for br in 64:a_0 64:b_1 64:c_1 64:d_0 16:a_0 16:b_1; do
+    B=${br%:*} run=${br#*:}
+    step lat_l8_b${B}_fold_$run 90 env GYRFALCON_FOLD_NORMS=${run#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_fold${run#*_}_$run.json"
+  done
+  tp="bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  for run in a_1 b_0; do
+    step tput_l8_fold_$run 150 env GYRFALCON_FOLD_NORMS=${run#*_} $G $tp \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fold${run#*_}_$run.json"
+  done
 fi
 if has normbound; then  # the decode step without the layers' RMSNorm launches (meaningless tokens, real shapes):
   # the upper bound on folding the norms into the GEMMs around them, beside the unmodified command

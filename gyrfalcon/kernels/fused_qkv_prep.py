@@ -20,7 +20,7 @@ import torch
 
 from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
                                        pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
-from gyrfalcon.kernels.rms_norm import rms_norm_ref
+from gyrfalcon.kernels.rms_norm import apply_row_scale_ref, rms_norm_ref
 from gyrfalcon.kernels.rotary import apply_rotary_ref
 from gyrfalcon.kernels.store_kv import store_kv_ref
 
@@ -29,9 +29,13 @@ def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                 eps: float = 1e-6) -> torch.Tensor:
-    """The unfused composition of the existing references (the oracle of the fused kernel)."""
+                 eps: float = 1e-6, row_scale=None) -> torch.Tensor:
+    """The unfused composition of the existing references (the oracle of the fused kernel). row_scale =
+    (x [T, hidden], eps): the layer's input norm folded into the qkv GEMM (GYRFALCON_FOLD_NORMS), so each
+    row is first scaled by rstd(x) (rms_norm.apply_row_scale_ref)."""
     T = qkv.shape[0]
+    if row_scale is not None:
+        qkv = apply_row_scale_ref(qkv, row_scale)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(T, num_heads, head_dim)
     k = k.reshape(T, num_kv_heads, head_dim)
@@ -46,6 +50,7 @@ def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
 
 
 if HAS_TRITON:
+    from gyrfalcon.kernels.rms_norm import _row_rstd
 
     @triton.jit
     def _rope_tables(d, dmask, cs_row, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
@@ -80,13 +85,14 @@ if HAS_TRITON:
         return wd, wp
 
     @triton.jit
-    def _norm_rope(row, offs, poffs, mask, wd, wp, cos, sin, sign, rot, eps,
+    def _norm_rope(row, offs, poffs, mask, wd, wp, cos, sin, sign, rot, scale, eps,
                    HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
-        """R heads of `row` -> [R, BLOCK_D] fp32: RMSNorm over each head (weights wd / wp from _norm_weights,
-        if HAS_W), then RoPE. offs / poffs: [R, BLOCK_D] offsets of the heads' dims and of their partners;
-        mask [R, BLOCK_D]; the rest from _rope_tables."""
-        x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(row + poffs, mask=mask, other=0.0).to(tl.float32)
+        """R heads of `row` -> [R, BLOCK_D] fp32: scaled by `scale` (the row's rstd with folded norms, else
+        1.0), RMSNorm over each head (weights wd / wp from _norm_weights, if HAS_W), then RoPE. offs / poffs:
+        [R, BLOCK_D] offsets of the heads' dims and of their partners; mask [R, BLOCK_D]; the rest from
+        _rope_tables."""
+        x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        xp = tl.load(row + poffs, mask=mask, other=0.0).to(tl.float32) * scale
         if HAS_W:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
             x = x * rstd[:, None] * wd[None, :]
@@ -98,14 +104,16 @@ if HAS_TRITON:
         qkv_ptr, q_out_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
         stride_qkv_t, stride_qo_t, stride_qo_h, stride_cs,
         stride_kc_blk, stride_kc_slot, stride_kc_head, stride_vc_blk, stride_vc_slot, stride_vc_head,
-        eps,
+        eps, xs_ptr, stride_xs, eps_xs,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        USE_PDL: tl.constexpr, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
+        BLOCK_H: tl.constexpr = 16,
     ):
         """Program (token, group): HEADS q heads of the token (groups 0..cdiv(NUM_HEADS, HEADS)-1), or HEADS
-        of its kv heads (the groups after), as one [HEADS, BLOCK_D] tile."""
+        of its kv heads (the groups after), as one [HEADS, BLOCK_D] tile. ROW_SCALE: the qkv row is first
+        scaled by rstd of the token's row of xs (HIDDEN wide): the input norm folded into the qkv GEMM."""
         if USE_PDL:
             gdc_launch_dependents()
         tok = tl.program_id(0)
@@ -124,6 +132,9 @@ if HAS_TRITON:
             wd, wp = _norm_weights(kw_ptr, d, partner, dmask, HAS_KW)
         if USE_PDL:
             gdc_wait()  # qkv is the previous kernel's output
+        scale = 1.0
+        if ROW_SCALE:
+            scale = _row_rstd(xs_ptr + tok.to(tl.int64) * stride_xs, eps_xs, HIDDEN, BLOCK_H)
         row = qkv_ptr + tok * stride_qkv_t
         # The group's heads: q heads h, or kv heads kvh (columns after the q heads: q | k | v).
         hr = tl.arange(0, HEADS)
@@ -133,7 +144,7 @@ if HAS_TRITON:
             mq = (h < NUM_HEADS)[:, None] & dmask[None, :]
             qcol = h * HEAD_DIM
             y = _norm_rope(row, qcol[:, None] + d[None, :], qcol[:, None] + partner[None, :], mq, wd, wp,
-                           cos, sin, sign, rot, eps, HAS_QW, HEAD_DIM)
+                           cos, sin, sign, rot, scale, eps, HAS_QW, HEAD_DIM)
             tl.store(q_out_ptr + tok * stride_qo_t + h[:, None] * stride_qo_h + d[None, :],
                      y.to(q_out_ptr.dtype.element_ty), mask=mq)
         else:
@@ -143,12 +154,14 @@ if HAS_TRITON:
                 mk = (kvh < NUM_KV_HEADS)[:, None] & dmask[None, :]
                 kcol = (NUM_HEADS + kvh) * HEAD_DIM
                 yk = _norm_rope(row, kcol[:, None] + d[None, :], kcol[:, None] + partner[None, :], mk, wd, wp,
-                                cos, sin, sign, rot, eps, HAS_KW, HEAD_DIM)
+                                cos, sin, sign, rot, scale, eps, HAS_KW, HEAD_DIM)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
                 tl.store(kc_ptr + blk * stride_kc_blk + off * stride_kc_slot + kvh[:, None] * stride_kc_head
                          + d[None, :], yk.to(kc_ptr.dtype.element_ty), mask=mk)
                 v = tl.load(row + (kcol + NUM_KV_HEADS * HEAD_DIM)[:, None] + d[None, :], mask=mk, other=0.0)
+                if ROW_SCALE:
+                    v = v.to(tl.float32) * scale
                 tl.store(vc_ptr + blk * stride_vc_blk + off * stride_vc_slot + kvh[:, None] * stride_vc_head
                          + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
 
@@ -175,7 +188,8 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                    eps: float = 1e-6, pdl: Optional[bool] = None, heads: Optional[int] = None) -> torch.Tensor:
+                    eps: float = 1e-6, row_scale=None, pdl: Optional[bool] = None,
+                    heads: Optional[int] = None) -> torch.Tensor:
     """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe). pdl: launch with
     programmatic dependent launch (default: use_pdl(qkv)). heads: heads per program, a power of two
     (default: heads_per_program)."""
@@ -189,6 +203,8 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     pdl = use_pdl(qkv) if pdl is None else pdl
     heads = heads_per_program(T, num_heads) if heads is None else heads
     groups = -(-num_heads // heads) + -(-num_kv_heads // heads)
+    xs, eps_xs = row_scale if row_scale is not None else (qkv, 0.0)
+    assert xs.stride(-1) == 1
     _qkv_prep_kernel[(T, groups)](
         qkv, q_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else dummy,
@@ -196,11 +212,13 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         qkv.stride(0), q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        float(eps),
+        float(eps), xs, xs.stride(0), float(eps_xs),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=rotary_dim,
         IS_NEOX=bool(is_neox), BLOCK_SIZE=k_cache.shape[1],
         HAS_QW=q_norm_weight is not None, HAS_KW=k_norm_weight is not None,
         BLOCK_D=max(16, next_pow2(head_dim)), HEADS=heads, USE_PDL=pdl,
+        ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
+        BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
         num_warps=(1 if head_dim <= 128 else 2) if heads == 1 else 4,
         **pdl_launch_kwargs(pdl),
     )
@@ -211,10 +229,10 @@ def qkv_prep(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
              positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-             eps: float = 1e-6) -> torch.Tensor:
+             eps: float = 1e-6, row_scale=None) -> torch.Tensor:
     fn = qkv_prep_triton if use_triton(qkv) else qkv_prep_ref
     return fn(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
-              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, row_scale=row_scale)
 
 
 __all__ = ["heads_per_program", "qkv_prep", "qkv_prep_ref", "qkv_prep_triton", "interpreting"]

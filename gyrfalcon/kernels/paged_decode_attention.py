@@ -62,6 +62,7 @@ def paged_decode_attention_ref(
 
 if HAS_TRITON:
     from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _norm_weights, _rope_tables
+    from gyrfalcon.kernels.rms_norm import _row_rstd
 
     @triton.jit
     def _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
@@ -112,14 +113,17 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _new_kv(row, kvh, d, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW: tl.constexpr,
-                NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr, K_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr):
+    def _new_kv(row, kvh, d, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale, eps, HAS_KW: tl.constexpr,
+                NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr, K_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
+                ROW_SCALE: tl.constexpr):
         """This step's key (normed, rotated) [1, BLOCK_D] and value [BLOCK_D] of kv head kvh from the fused
-        qkv row, in the cache dtypes."""
+        qkv row, in the cache dtypes (ROW_SCALE: both scaled by the row's rstd first, see _norm_rope)."""
         kcol = (NUM_HEADS + kvh) * HEAD_D
         knew = _norm_rope(row, (kcol + d)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd, kwp,
-                          cos, sin, sign, rot, eps, HAS_KW, HEAD_D).to(K_DTYPE)
+                          cos, sin, sign, rot, scale, eps, HAS_KW, HEAD_D).to(K_DTYPE)
         vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_D + d, mask=dmask, other=0.0)
+        if ROW_SCALE:
+            vnew = vnew.to(tl.float32) * scale
         return knew, vnew.to(V_DTYPE)
 
     @triton.jit
@@ -137,7 +141,7 @@ if HAS_TRITON:
         scale_log2, num_splits,
         s_qb, s_qh, s_ob, s_oh,
         s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, s_bt, s_bt_blk,
-        pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, s_cs, eps,
+        pos_ptr, cs_ptr, slot_ptr, qw_ptr, kw_ptr, s_cs, eps, xs_ptr, s_xs, eps_xs,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -145,8 +149,12 @@ if HAS_TRITON:
         UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
-        K_ROWS: tl.constexpr = False,
+        K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
+        BLOCK_H: tl.constexpr = 16,
     ):
+        # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
+        # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
+        # wide; GYRFALCON_FOLD_NORMS).
         # Grid: (num_seqs, num_kv_heads, num_splits). The GROUP query heads of one kv head form a
         # [BLOCK_G, head_dim] tile, so each K/V block is read from HBM once per kv head. Split s
         # covers context tokens [s * part, (s + 1) * part) of its sequence, part sized on the device
@@ -204,16 +212,20 @@ if HAS_TRITON:
             kwd, kwp = _norm_weights(kw_ptr, dk, partner, dmask, HAS_KW)
             if PREFETCH and USE_PDL:
                 gdc_wait()
+            scale = 1.0
+            if ROW_SCALE:
+                scale = _row_rstd(xs_ptr + b.to(tl.int64) * s_xs, eps_xs, HIDDEN, BLOCK_H)
             row = q_ptr + b.to(tl.int64) * s_qb
             # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
             q = _norm_rope(row, head[:, None] * HEAD_DK + dk[None, :], head[:, None] * HEAD_DK + partner[None, :],
-                           gmask[:, None] & dmask[None, :], qwd, qwp, cos, sin, sign, rot, eps,
+                           gmask[:, None] & dmask[None, :], qwd, qwp, cos, sin, sign, rot, scale, eps,
                            HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
             if PREFETCH:
                 # Every program of the kv head computes the new K/V (one L2-resident row); only the
                 # split holding the new token stores it, and patches it into whichever tile holds it.
-                knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW,
-                                     NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty)
+                knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale, eps,
+                                     HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty,
+                                     ROW_SCALE)
                 knew_t = tl.trans(knew)  # [BLOCK_DK, 1], the layout of a K^T tile
                 if (split == n_active - 1) & (slot >= 0):
                     _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
@@ -221,8 +233,9 @@ if HAS_TRITON:
                 new_pos = tl.where(slot >= 0, seq_len - 1, -1)
             elif split == n_active - 1:
                 if slot >= 0:
-                    knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, eps, HAS_KW,
-                                         NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty)
+                    knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale, eps,
+                                         HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty,
+                                         vc_ptr.dtype.element_ty, ROW_SCALE)
                     _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
                                    s_vh, BLOCK_SIZE)
                     # The loop below reads this slot back: every thread's stores must be visible first.
@@ -524,7 +537,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
             prefetch=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
-    q_norm_weight, k_norm_weight, eps). partials=True: no reduce; returns DecodePartials. prefetch (prep
+    q_norm_weight, k_norm_weight, eps, row_scale (None, or (x [B, hidden], eps): qkv_prep_ref)).
+    partials=True: no reduce; returns DecodePartials. prefetch (prep
     only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
@@ -562,24 +576,27 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     else:
         pacc = torch.empty(n_seqs * n_heads * num_splits, block_dv, dtype=torch.float32, device=q.device)
         pml = torch.empty(n_seqs * n_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    row_scale = None
     if prep is None:
         pos = cs = slot = qw = kw = q  # valid pointers, never read
         s_cs, eps, rot_dim, neox = 0, 0.0, 0, True
         s_qb, s_qh = q.stride(0), q.stride(1)
     else:
-        pos, cs, rot_dim, neox, slot, qw, kw, eps = prep
+        pos, cs, rot_dim, neox, slot, qw, kw, eps, row_scale = prep
         assert dk == dv and q.stride(-1) == 1 and cs.stride(-1) == 1
         assert q.shape[1] == (n_heads + 2 * n_kv) * dk, "qkv rows must be [q heads | k heads | v heads]"
         s_cs, s_qb, s_qh = cs.stride(0), q.stride(0), dk
         qw = q if qw is None else qw
         kw = q if kw is None else kw
+    xs, eps_xs = row_scale if row_scale is not None else (q, 0.0)
+    assert xs.stride(-1) == 1
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml, counters,
         float(scale) * _LOG2E, num_splits,
         s_qb, s_qh, o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
-        pos, cs, slot, qw, kw, s_cs, float(eps),
+        pos, cs, slot, qw, kw, s_cs, float(eps), xs, xs.stride(0), float(eps_xs),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DK=dk, HEAD_DV=dv, BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=block_dv, BLOCK_N=bn,
         BLOCK_S=next_pow2(num_splits), MIN_PART=min_part_,
@@ -589,6 +606,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREP=prep is not None, NUM_HEADS=n_heads, ROT=int(rot_dim), IS_NEOX=bool(neox),
         HAS_QW=prep is not None and prep[5] is not None, HAS_KW=prep is not None and prep[6] is not None,
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
+        ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
+        BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )
@@ -605,23 +624,26 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
 
 def decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,
                                    is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
-                                   num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
-    """The unfused composition: qkv_prep (norms, RoPE, K/V into the cache), then decode attention."""
+                                   num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
+                                   row_scale=None):
+    """The unfused composition: qkv_prep (norms, RoPE, K/V into the cache), then decode attention.
+    row_scale: see qkv_prep_ref (folded input norm)."""
     q = qkv_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
-                     k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+                     k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, row_scale=row_scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
 
 
 def decode_attention_with_prep_triton(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache,
                                       rotary_dim, is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                       scale, num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
-                                      **launch):
+                                      row_scale=None, **launch):
     """fused_qkv_prep and decode attention in one split launch (+ the reduce): each split program
     normalizes and rotates its kv head's query group itself, and the split that holds the new token
     writes its K/V into the cache before reading its keys back. Decode only (one query per sequence,
     positions[i] = seq_lens[i] - 1). launch: paged_decode_attention_triton's keyword overrides."""
     assert qkv.dim() == 2 and k_cache.shape[2] == num_kv_heads and k_cache.shape[-1] == head_dim
-    prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping, q_norm_weight, k_norm_weight, eps)
+    prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping, q_norm_weight, k_norm_weight, eps,
+            row_scale)
     return _launch(qkv, num_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, **launch)
 
 

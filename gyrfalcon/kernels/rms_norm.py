@@ -37,7 +37,33 @@ def rms_norm_ref(
     return out if residual is None else (out, new_residual)
 
 
+def row_rstd_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden] -> fp32 [T]: each row's 1 / sqrt(mean(x^2) + eps), the scale RMSNorm applies."""
+    xf = x.float()
+    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
+
+
+def apply_row_scale_ref(t: torch.Tensor, row_scale) -> torch.Tensor:
+    """Folded norms (GYRFALCON_FOLD_NORMS): t [T, ...] computed from the un-normalized rows x of
+    row_scale = (x [T, hidden], eps) with the norm's weight folded into the GEMM, scaled by each row's rstd
+    in fp32 and rounded to t's dtype once: rms_norm(x) @ W^T == rstd(x) * (x @ (W * w)^T)."""
+    x, eps = row_scale
+    shape = (t.shape[0],) + (1,) * (t.dim() - 1)
+    return (t.float() * row_rstd_ref(x, eps).view(shape)).to(t.dtype)
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _row_rstd(x_row, eps, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr):
+        """1 / sqrt(mean(x^2) + eps) of the HIDDEN elements at x_row, fp32 (BLOCK_H elements per load: a
+        program of one warp loops rather than holding a whole 4096-wide row)."""
+        h = tl.arange(0, BLOCK_H)
+        ss = tl.zeros([BLOCK_H], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_H):
+            xv = tl.load(x_row + k0 + h, mask=k0 + h < HIDDEN, other=0.0).to(tl.float32)
+            ss += xv * xv
+        return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / HIDDEN + eps)
 
     @triton.jit
     def _rms_norm_kernel(

@@ -265,15 +265,21 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL: tl.constexpr):
-        """[SiLU-and-mul of the gate and up accumulators, then] the store of y."""
+    def _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL: tl.constexpr,
+                       ADD_OUT: tl.constexpr = False):
+        """[SiLU-and-mul of the gate and up accumulators, then] the store of y. ADD_OUT: y already holds a
+        residual; the result is added to it (in fp32, rounded once) in place, as cuBLAS's beta = 1 does. Each
+        program reads and writes only its own tile, so in place is safe."""
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
             g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
             u = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
             acc = g / (1.0 + tl.exp(-g)) * u
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        omask = rmask[:, None] & cmask[None, :]
+        if ADD_OUT:
+            acc += tl.load(ptrs, mask=omask, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _norm_gemv_kernel(
@@ -286,6 +292,7 @@ if HAS_TRITON:
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
         BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
+        ADD_OUT: tl.constexpr = False,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -416,11 +423,11 @@ if HAS_TRITON:
                         ss_all += tl.load(ss_base + sk * BLOCK_M + rows, cache_modifier=".cg")
                 if ONE_PASS:
                     acc, acc_up = _apply_rstd(acc, acc_up, ss_all, K, eps)
-                _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
+                _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT)
         else:
             if ONE_PASS:
                 acc, acc_up = _apply_rstd(acc, acc_up, ss1, K, eps)
-            _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL)
+            _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT)
 
 
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
@@ -429,8 +436,11 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      config: Optional[GemvConfig] = None,
                      pdl: Optional[bool] = None,
                      peel: Optional[bool] = None,
-                     one_pass: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. config (or
+                     one_pass: Optional[bool] = None,
+                     add_to: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. add_to [M, N] (no norm,
+    no SiLU-and-mul): y is added to it in place and add_to returned as y (a residual add done by the GEMM,
+    for folded norms: GYRFALCON_FOLD_NORMS). config (or
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
@@ -442,7 +452,13 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     if residual is not None and norm_weight is None:
         raise ValueError("a residual is added before the norm: pass norm_weight too")
     N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if add_to is not None:
+        if norm_weight is not None or silu_mul:
+            raise ValueError("add_to is for a plain GEMM (no norm, no SiLU-and-mul)")
+        assert add_to.shape == (M, N) and add_to.dtype == x.dtype and add_to.stride(-1) == 1
+        y = add_to
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
@@ -476,7 +492,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         UPCAST=interpreting(), DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
-        PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), ADD_OUT=add_to is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_kwargs(pdl),
     )
     return y, r_out

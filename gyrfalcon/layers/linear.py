@@ -7,7 +7,7 @@ checkpoint tensor into its rows of the fused weight.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +33,17 @@ class Linear(nn.Module):
         self.small_m = small_m_gemv_enabled() and not bias
         self.small_m_rows = plain_gemm_max_rows()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, in_features] -> [num_tokens, out_features]"""
+    def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
+        product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
+        beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS)."""
         if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
-            return norm_gemv_triton(x, self.weight)[0]
-        return F.linear(x, self.weight, self.bias)
+            return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
+        if add_to is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            return add_to.add_(F.linear(x, self.weight, self.bias))
+        return add_to.addmm_(x, self.weight.t())
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.shape != loaded.shape:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,3 +26,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """x: [..., hidden]. With a residual returns (norm(x + residual), x + residual)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, weight_offset=self.weight_offset)
+
+
+def fold_norms_enabled() -> bool:
+    """GYRFALCON_FOLD_NORMS=1 (off until measured on the GPU): a decoder layer's two RMSNorms launch no kernel
+    of their own. At load each norm's weight is folded into the GEMM after it (qkv, gate_up: W * w, the norm
+    weight then ones); at run time the residual add is done by the GEMM before it (o_proj, down_proj add into
+    the residual stream in place) and each row's rstd by the kernel after it (the fused qkv prep / decode
+    attention, SiLU-and-mul), from that row of the residual stream: rms_norm(x) W^T = rstd(x) (x (W * w)^T).
+    Batches on the fused norm + GEMV path (single rows) keep it, with the folded weights. Upper bound of the
+    saving (benchmarks/norm_bound.py, H200 run 43): Llama-3.1-8B b64 5.10 / 5.14 vs 5.35 / 5.33 ms per step,
+    b16 4.52 vs 4.73."""
+    return os.environ.get("GYRFALCON_FOLD_NORMS", "0") == "1"
+
+
+def fold_norm_into(weight: torch.Tensor, norm: RMSNorm) -> None:
+    """weight [N, K] <- weight * (norm.weight + weight_offset) over K, in fp32 and rounded once; the norm's
+    weight becomes ones (offset 0 included), so rms_norm(x) @ weight^T is unchanged wherever the norm still
+    runs (the fused norm + GEMV of single rows)."""
+    g = norm.weight.float() + norm.weight_offset
+    weight.data.copy_((weight.data.float() * g[None, :]).to(weight.dtype))
+    norm.weight.data.fill_(1.0 - norm.weight_offset)

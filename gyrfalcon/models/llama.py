@@ -19,7 +19,8 @@ from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, f
                                         merge_into_o_proj_enabled, small_m_gemv_enabled)
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
-from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
+from gyrfalcon.layers.norm import RMSNorm, fold_norm_into, fold_norms_enabled
 from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
 
 # checkpoint name piece -> (fused parameter name piece, shard id)
@@ -60,9 +61,12 @@ class LlamaAttention(nn.Module):
         self.merge_into_o_proj = merge_into_o_proj_enabled()
 
     def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
-                qkv: Optional[torch.Tensor] = None) -> torch.Tensor:
+                qkv: Optional[torch.Tensor] = None, row_scale=None,
+                add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """positions: [T]; x: [T, hidden] -> [T, hidden]. qkv: the projection already computed
-        (by a fused norm + GEMV), in which case x is not used."""
+        (by a fused norm + GEMV), in which case x is not used. Folded norms (LlamaDecoderLayer.forward_folded):
+        row_scale = (residual stream [T, hidden], eps) scales each qkv row by its rstd, and o_proj adds its
+        output into add_to (the residual stream) in place and returns it."""
         if qkv is None:
             qkv = self.qkv_proj(x)
         if self.fused:
@@ -72,19 +76,23 @@ class LlamaAttention(nn.Module):
                 norms = (self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6)
-                if self.merge_into_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m:
+                if self.merge_into_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m and add_to is None:
                     # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).
-                    parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True)
+                    parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True,
+                                                       row_scale=row_scale)
                     return merged_heads_gemv_triton(parts, self.o_proj.weight)
-                return self.o_proj(self.attn.decode_with_prep(qkv, positions, rot, *norms))
+                return self.o_proj(self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale),
+                                   add_to=add_to)
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
             q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,
                          rot.rotary_dim, rot.is_neox, k_cache, v_cache, get_forward_context().batch.slot_mapping,
                          self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
-                         self.q_norm.eps if self.use_qk_norm else 1e-6)
-            return self.o_proj(self.attn(q))
+                         self.q_norm.eps if self.use_qk_norm else 1e-6, row_scale=row_scale)
+            return self.o_proj(self.attn(q), add_to=add_to)
+        if row_scale is not None:
+            qkv = apply_row_scale_ref(qkv, row_scale)
         q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -92,7 +100,7 @@ class LlamaAttention(nn.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v), add_to=add_to)
 
 
 class LlamaMLP(nn.Module):
@@ -129,7 +137,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.small_m_gemv and hidden.shape[0] <= max(self.norm_rows_qkv, self.norm_rows_gate_up):
+        if self.uses_fused_norm_gemv(hidden.shape[0]):
             return self._forward_small_m(positions, hidden, residual)
         # The residual stream is carried separately so each norm fuses the preceding add.
         if residual is None:
@@ -140,6 +148,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def uses_fused_norm_gemv(self, rows: int) -> bool:
+        """Whether a batch of `rows` takes _forward_small_m (its norms fused into the GEMVs)."""
+        return self.small_m_gemv and rows <= max(self.norm_rows_qkv, self.norm_rows_gate_up)
+
+    def forward_folded(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer with its norms folded (layers/norm.py fold_norms_enabled: the norm weights already in
+        qkv / gate_up): x [T, hidden] is the residual stream, every add so far included; it is updated in
+        place (o_proj and down_proj add into it) and returned. No RMSNorm launch: the fused qkv prep (or
+        decode attention) and SiLU-and-mul scale their rows by rstd(x)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = self.self_attn.qkv_proj(x)
+        self.self_attn(positions, None, qkv=qkv, row_scale=(x, ln1.eps), add_to=x)
+        act = self.mlp.act(self.mlp.gate_up_proj(x), row_scale=(x, ln2.eps))
+        return self.mlp.down_proj(act, add_to=x)
 
     def _forward_small_m(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -175,10 +198,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, i, max_position)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fold_norms = fold_norms_enabled()  # the weights are folded at load (LlamaForCausalLM.finish_loading)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
                 last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids, src, last_sampled)
+        if self.fold_norms and not self.layers[0].uses_fused_norm_gemv(hidden.shape[0]):
+            # hidden is this step's own tensor (the embedding's output): the layers add into it in place.
+            for layer in self.layers:
+                hidden = layer.forward_folded(positions, hidden)
+            return self.norm(hidden)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -207,6 +236,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab], fp32 (fp32=False: the weights' dtype; runner.launch)"""
         return self.lm_head(hidden, fp32)
+
+    def finish_loading(self) -> None:
+        """After load_weights (models/loader.py): with folded norms, each decoder layer's norm weights go into
+        the GEMMs after them (layers/norm.py fold_norm_into)."""
+        if self.model.fold_norms:
+            for layer in self.model.layers:
+                fold_norm_into(layer.self_attn.qkv_proj.weight, layer.input_layernorm)
+                fold_norm_into(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm)
 
     def kv_cache_spec(self) -> Dict[str, int]:
         attn = self.model.layers[0].self_attn

@@ -43,4 +43,7 @@ def load_model(model_config, device: str) -> torch.nn.Module:
     if missing:
         raise ValueError(f"Checkpoint {model_config.model} lacks weights: {sorted(missing)[:10]}"
                          f"{' ...' if len(missing) > 10 else ''}")
+    finish = getattr(model, "finish_loading", None)
+    if finish is not None:  # weight transforms that need every tensor in place (folded norms)
+        finish()
     return model.eval()

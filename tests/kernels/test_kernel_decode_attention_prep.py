@@ -71,6 +71,36 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 
 
 @requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, norm):
+    """Folded input norm (row_scale = (x, eps)): q, the new K and V scaled by each sequence's rstd(x) first, in
+    every path (plain, prefetched tile, several splits); padding rows (seq_len 0) stay zero."""
+    H, KVH, D, rot = 4, 2, 32, 32
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, rot, dtype, norm)
+    x = (torch.randn(len(SEQ_LENS), 300, generator=torch.Generator().manual_seed(7)) * 2).to(dtype).to(DEVICE)
+    rs = (x, 1e-5)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, True, kc_ref, vc_ref, slots, bt, sl,
+                                          D ** -0.5, None, qw, kw, 1e-6, row_scale=rs)
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc, vc, slots, bt, sl,
+                                            D ** -0.5, num_splits, qw, kw, 1e-6, row_scale=rs, block_n=16,
+                                            min_part=16, prefetch=prefetch)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kc, kc_ref, **tol)
+    torch.testing.assert_close(vc, vc_ref, **tol)
+    assert torch.count_nonzero(got[1]) == 0  # padding row
+    # and the scale matters: without it the output differs
+    kc2, vc2 = kc_ref.clone(), vc_ref.clone()
+    plain = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, True, kc2, vc2, slots, bt, sl,
+                                           D ** -0.5, None, qw, kw, 1e-6)
+    assert not torch.allclose(plain, want, **ATTN_TOL[dtype])
+
+
+@requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("k_rows", ["0", "1"])

@@ -81,3 +81,30 @@ def test_ref_against_naive_math():
     want = torch.cat([xn[:4] * c - xn[4:] * s, xn[4:] * c + xn[:4] * s])
     torch.testing.assert_close(q[0, 0].cpu(), want)
     torch.testing.assert_close(vc[1, 1, 0].cpu(), qkv[0, 2 * D:].cpu())  # slot 5 = block 1, offset 1
+
+
+@pytest.mark.parametrize("T,H,KVH,D,rot,heads", [(5, 4, 2, 32, 32, 1), (3, 6, 2, 64, 32, 4), (2, 2, 2, 16, 16, 1)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_scale_matches_the_reference(T, H, KVH, D, rot, heads, norm, dtype):
+    """Folded input norm (row_scale = (x, eps)): every q / k / v value scaled by its token's rstd(x) before the
+    q/k norm and RoPE, v as stored too; hidden 100 (not a power of two) and 1500 (several row-sum chunks)."""
+    from gyrfalcon.kernels.rms_norm import row_rstd_ref
+
+    for hidden in (100, 1500):
+        qkv, pos, cs, slots, qw, kw, (kc1, vc1, kc2, vc2) = _case(T, H, KVH, D, rot, dtype, norm)
+        x = (torch.randn(T, hidden, generator=torch.Generator().manual_seed(hidden)) * 3).to(dtype).to(DEV)
+        rs = (x, 1e-5)
+        q_ref = qkv_prep_ref(qkv, H, KVH, D, pos, cs, rot, True, kc1, vc1, slots, qw, kw, 1e-6, row_scale=rs)
+        q_tri = qkv_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc2, vc2, slots, qw, kw, 1e-6, row_scale=rs,
+                                heads=heads)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(q_tri, q_ref, **tol)
+        torch.testing.assert_close(kc2, kc1, **tol)
+        torch.testing.assert_close(vc2, vc1, **tol)
+        # the scale is applied: V in the cache is the raw v times rstd, not the raw v
+        t = int((slots >= 0).nonzero()[0])
+        v_raw = qkv[t, (H + KVH) * D:].view(KVH, D).float()
+        s = int(slots[t])
+        want_v = (v_raw * row_rstd_ref(x, 1e-5)[t]).to(dtype)
+        torch.testing.assert_close(vc2[s // vc2.shape[1], s % vc2.shape[1]], want_v, **tol)

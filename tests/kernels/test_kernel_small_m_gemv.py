@@ -223,3 +223,24 @@ def test_one_pass_norm_switch(monkeypatch):
     assert one_pass_norm_default()
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM", "0")
     assert not one_pass_norm_default()
+
+
+@pytest.mark.parametrize("M,split_k", [(1, 1), (3, 1), (16, 1), (33, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_to_adds_into_the_residual_in_place(M, split_k, dtype):
+    """add_to (folded norms: o_proj / down_proj add into the residual stream): y = r + x W^T, in fp32 and
+    rounded once, written into r itself (with split-K, by the last program of each column tile)."""
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+
+    x, _, w, _ = _data(M, 200, 96, dtype, False)
+    r = torch.randn(M, 96, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEV)
+    want = (r.float() + x.float() @ w.float().t()).to(dtype)
+    r0 = r.clone()
+    cfg = GemvConfig(16, 32, 4, 2, split_k) if M > 1 else None
+    y, _ = norm_gemv_triton(x, w, add_to=r, config=cfg)
+    assert y.data_ptr() == r.data_ptr()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(r, want, **tol)
+    assert not torch.allclose(r.float(), r0.float())
+    with pytest.raises(ValueError, match="plain GEMM"):
+        norm_gemv_triton(x, w, norm_weight=torch.ones(200, dtype=dtype, device=DEV), add_to=r)

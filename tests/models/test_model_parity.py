@@ -191,3 +191,48 @@ def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_u
     assert (layer.norm_rows_qkv, layer.norm_rows_gate_up) == (qkv_rows, gate_up_rows)
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
+def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
+    """GYRFALCON_FOLD_NORMS=1: each layer's norm weights are folded into qkv / gate_up at load, and batches off
+    the single-row GEMV path run no layer norm at all (the residual add inside o_proj / down_proj, rstd in
+    the qkv prep and SiLU-and-mul): the same tokens and logprobs as transformers (random norm weights), on
+    the fused and unfused attention paths, with single-row decode steps (the fused norm + GEMV, folded
+    weights) and batched ones."""
+    from safetensors.torch import load_file
+
+    import gyrfalcon.layers.norm as norm_layer
+
+    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "1")
+    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "0" if fusion == "1" else "1")
+    _, model, refs = hf_refs
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    lm = llm.engine.runner.model
+    layer = lm.model.layers[0]
+    # The fold itself: qkv rows are the checkpoint's q / k / v times the input norm's weight; the norm is ones.
+    sd = load_file(str(next(tiny_ckpt.glob("*.safetensors"))))
+    g1 = sd["model.layers.0.input_layernorm.weight"].float()
+    assert not torch.allclose(g1, torch.ones_like(g1))  # random norm weights: the fold is not a no-op
+    q = sd["model.layers.0.self_attn.q_proj.weight"].float()
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[:q.shape[0]].float(), q * g1[None, :])
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    assert torch.equal(layer.post_attention_layernorm.weight,
+                       torch.ones_like(layer.post_attention_layernorm.weight))
+    # Which norms still run: only the final one in batched steps (decode rows > 1 and prompt chunks).
+    seen = []
+    real = norm_layer.rms_norm
+    monkeypatch.setattr(norm_layer, "rms_norm", lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    outs = _greedy(llm, [r[0] for r in refs])
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    batched = [w for rows, w in seen if rows > 1 and w.shape == lm.model.norm.weight.shape]
+    assert batched and all(w is lm.model.norm.weight for w in batched)
+    # One prompt alone: its decode steps are single rows (the fused norm + GEMV with the folded weights).
+    vocab = model.config.vocab_size
+    out = llm.generate([{"prompt_token_ids": refs[0][0]}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == refs[0][1][:6]
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        got = torch.tensor([entry[t].logprob for t in range(vocab)])
+        torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-4, atol=1e-4)

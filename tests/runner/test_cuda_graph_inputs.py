@@ -154,11 +154,16 @@ def test_decode_inputs_mark_tokens_still_on_the_device():
 
 @pytest.mark.parametrize("with_logits", [False, True], ids=["hidden", "logits-in-graph"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, async_scheduling, bt_layout):
+@pytest.mark.parametrize("fold", ["0", "1"], ids=["norms", "folded-norms"])
+def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, async_scheduling, bt_layout, fold,
+                                                   monkeypatch):
     """The decode-graph step (static inputs padded to the ladder, tokens still in flight gathered from
     last_sampled inside the step, optionally the LM head and greedy argmax too), run eagerly on a CPU:
-    the same tokens and logprobs as the eager path, greedy and seeded sampling alike."""
+    the same tokens and logprobs as the eager path, greedy and seeded sampling alike; also with the norms
+    folded (GYRFALCON_FOLD_NORMS=1: the padding rows' residual stream is added into in place too)."""
     from gyrfalcon import LLM
+
+    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", fold)
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 
     kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, async_scheduling=async_scheduling,
