@@ -109,15 +109,21 @@ if HAS_TRITON:
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
         USE_PDL: tl.constexpr, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
-        BLOCK_H: tl.constexpr = 16,
+        BLOCK_H: tl.constexpr = 16, GROUP_MAJOR: tl.constexpr = False,
     ):
         """Program (token, group): HEADS q heads of the token (groups 0..cdiv(NUM_HEADS, HEADS)-1), or HEADS
         of its kv heads (the groups after), as one [HEADS, BLOCK_D] tile. ROW_SCALE: the qkv row is first
-        scaled by rstd of the token's row of xs (HIDDEN wide): the input norm folded into the qkv GEMM."""
+        scaled by rstd of the token's row of xs (HIDDEN wide): the input norm folded into the qkv GEMM.
+        GROUP_MAJOR: the grid is (groups, tokens), so the programs of one token run side by side and its row
+        of xs, which each of them reads, comes from L2 after the first."""
         if USE_PDL:
             gdc_launch_dependents()
-        tok = tl.program_id(0)
-        g = tl.program_id(1)
+        if GROUP_MAJOR:
+            tok = tl.program_id(1)
+            g = tl.program_id(0)
+        else:
+            tok = tl.program_id(0)
+            g = tl.program_id(1)
         NQG: tl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
@@ -189,8 +195,9 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
                     eps: float = 1e-6, row_scale=None, pdl: Optional[bool] = None,
-                    heads: Optional[int] = None) -> torch.Tensor:
-    """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe). pdl: launch with
+                    heads: Optional[int] = None, group_major: Optional[bool] = None) -> torch.Tensor:
+    """Same contract as qkv_prep_ref; one launch, no host sync (CUDA-graph safe). group_major: the grid as
+    (groups, tokens) (default: with a row scale; see the kernel). pdl: launch with
     programmatic dependent launch (default: use_pdl(qkv)). heads: heads per program, a power of two
     (default: heads_per_program)."""
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -205,7 +212,9 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     groups = -(-num_heads // heads) + -(-num_kv_heads // heads)
     xs, eps_xs = row_scale if row_scale is not None else (qkv, 0.0)
     assert xs.stride(-1) == 1
-    _qkv_prep_kernel[(T, groups)](
+    if group_major is None:  # with a row scale (a grid's second axis holds at most 65,535 programs)
+        group_major = row_scale is not None and T <= 65535
+    _qkv_prep_kernel[(groups, T) if group_major else (T, groups)](
         qkv, q_out, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else dummy,
         k_norm_weight if k_norm_weight is not None else dummy,
@@ -219,6 +228,7 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         BLOCK_D=max(16, next_pow2(head_dim)), HEADS=heads, USE_PDL=pdl,
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
+        GROUP_MAJOR=group_major,
         num_warps=(1 if head_dim <= 128 else 2) if heads == 1 else 4,
         **pdl_launch_kwargs(pdl),
     )

@@ -13,13 +13,13 @@ from torch import nn
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
+from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
 from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
                                         merge_into_o_proj_enabled, small_m_gemv_enabled)
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
-from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
 from gyrfalcon.layers.norm import RMSNorm, fold_norm_into, fold_norms_enabled
 from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
 

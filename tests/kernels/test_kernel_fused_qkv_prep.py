@@ -86,9 +86,11 @@ def test_ref_against_naive_math():
 @pytest.mark.parametrize("T,H,KVH,D,rot,heads", [(5, 4, 2, 32, 32, 1), (3, 6, 2, 64, 32, 4), (2, 2, 2, 16, 16, 1)])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_scale_matches_the_reference(T, H, KVH, D, rot, heads, norm, dtype):
+@pytest.mark.parametrize("group_major", [True, False], ids=["group-major", "token-major"])
+def test_row_scale_matches_the_reference(T, H, KVH, D, rot, heads, norm, dtype, group_major):
     """Folded input norm (row_scale = (x, eps)): every q / k / v value scaled by its token's rstd(x) before the
-    q/k norm and RoPE, v as stored too; hidden 100 (not a power of two) and 1500 (several row-sum chunks)."""
+    q/k norm and RoPE, v as stored too; hidden 100 (not a power of two) and 1500 (several row-sum chunks); the
+    grid group-major (the default with a row scale) or token-major (past 65,535 tokens)."""
     from gyrfalcon.kernels.rms_norm import row_rstd_ref
 
     for hidden in (100, 1500):
@@ -97,7 +99,7 @@ def test_row_scale_matches_the_reference(T, H, KVH, D, rot, heads, norm, dtype):
         rs = (x, 1e-5)
         q_ref = qkv_prep_ref(qkv, H, KVH, D, pos, cs, rot, True, kc1, vc1, slots, qw, kw, 1e-6, row_scale=rs)
         q_tri = qkv_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc2, vc2, slots, qw, kw, 1e-6, row_scale=rs,
-                                heads=heads)
+                                heads=heads, group_major=group_major)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(q_tri, q_ref, **tol)
         torch.testing.assert_close(kc2, kc1, **tol)
