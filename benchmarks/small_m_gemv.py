@@ -124,15 +124,16 @@ def bench_gemv(args, rows):
             del ws
 
 
-def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8):
-    """q [B, H, d] and `copies` distinct paged K/V caches (bf16) holding ctx tokens per sequence, with a
-    block table as wide as max_len (as under a CUDA graph) and seq_lens."""
+def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8, kv_dtype=torch.bfloat16):
+    """q [B, H, d] and `copies` distinct paged K/V caches (kv_dtype: bf16, or float8_e4m3fn for the fp8 cache)
+    holding ctx tokens per sequence, with a block table as wide as max_len (as under a CUDA graph) and
+    seq_lens."""
     width = max_len // block
     blocks_per = -(-ctx // block)
     caches = []
     for _ in range(copies):
-        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda").bfloat16()
-        caches.append((kc, torch.randn_like(kc)))
+        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda")
+        caches.append((kc.to(kv_dtype), torch.randn_like(kc).to(kv_dtype)))
     bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
     bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
     sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
@@ -199,16 +200,20 @@ def bench_decode_attention_sweep(rows):
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
 
 
-def bench_decode_attention_tput(rows):
+def bench_decode_attention_tput(rows, fp8: bool = False):
     """Decode attention where the throughput benchmark spends its steps (768 x 1024/1024 on Llama-3.1-8B:
     ~256 sequences at 1-2k tokens of context, where the KV reads are ~3/4 of a step's bytes): launch
     shapes (splits, keys per tile, warps, stages) and the key-tile layout (GYRFALCON_DECODE_K_ROWS),
-    each against the default launch and as a fraction of the HBM roofline of its K/V bytes."""
+    each against the default launch and as a fraction of the HBM roofline of its K/V bytes.
+    fp8: the cache in float8 e4m3 (--kv-cache-dtype fp8), half the bytes, with 256-key tiles in the sweep too:
+    at the bf16 cache's launch shapes it ran slower than bf16 in whole steps (Llama-8B b64 decode attention
+    761 vs 550 us per step, run 29), where a tile of 1-byte elements keeps half as many bytes in flight."""
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
 
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     for (n_heads, n_kv, d), B, ctx in itertools.product([(32, 8, 128)], (64, 256), (1024, 2048)):
-        q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=4096, copies=4)
-        kv_bytes = 2 * B * ctx * n_kv * d * 2
+        q, caches, bt, sl = _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=4096, copies=4, kv_dtype=kv_dtype)
+        kv_bytes = 2 * B * ctx * n_kv * d * (1 if fp8 else 2)
 
         def timed(k_rows=None, **kw):  # k_rows None: the default launch's own choice
             if k_rows is not None:
@@ -222,18 +227,19 @@ def bench_decode_attention_tput(rows):
         frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
         t_default = timed()
         res = {}
-        for splits, bn, nw, ns, kr in itertools.product((1, 2), (64, 128), (4, 8), (2, 3), ("0", "1")):
+        for splits, bn, nw, ns, kr in itertools.product((1, 2), (64, 128, 256) if fp8 else (64, 128), (4, 8), (2, 3),
+                                                        ("0", "1")):
             try:
                 res[splits, bn, nw, ns, kr] = timed(kr, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns)
             except Exception as e:  # e.g. out of shared memory for the largest tiles
                 print(f"  skip {(splits, bn, nw, ns, kr)}: {type(e).__name__}", flush=True)
         best = sorted(res, key=res.get)[:5]
-        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx,
+        rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx, "kv_dtype": str(kv_dtype),
                      "default_us": round(t_default, 2), "frac_hbm_default": round(frac(t_default), 3),
                      "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "stages": k[3], "k_rows": k[4],
                                "us": round(res[k], 2), "frac_hbm": round(frac(res[k]), 3)} for k in best],
                      "all": {"/".join(map(str, k)): round(t, 2) for k, t in res.items()}})
-        print(f"attn tput H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {t_default:7.1f} us "
+        print(f"attn tput{' fp8' if fp8 else ''} H={n_heads}/{n_kv} B={B:3d} ctx={ctx:5d}: default {t_default:7.1f} us "
               f"({frac(t_default):.0%} of HBM); best (splits, block_n, warps, stages, k_rows) "
               + ", ".join(f"{k}={res[k]:.1f} ({frac(res[k]):.0%})" for k in best), flush=True)
         del caches
@@ -429,6 +435,7 @@ def main() -> None:
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
     ap.add_argument("--attn-tput", action="store_true",
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
+    ap.add_argument("--fp8", action="store_true", help="with --attn-tput: the float8 e4m3 KV cache")
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")
@@ -447,7 +454,7 @@ def main() -> None:
         bench_decode_attention_sweep(attn_rows)
     if args.attn_tput:
         args.skip_gemv = args.skip_attention = True
-        bench_decode_attention_tput(attn_rows)
+        bench_decode_attention_tput(attn_rows, fp8=args.fp8)
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

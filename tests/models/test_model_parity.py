@@ -222,7 +222,8 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
     # Which norms still run: only the final one in batched steps (decode rows > 1 and prompt chunks).
     seen = []
     real = norm_layer.rms_norm
-    monkeypatch.setattr(norm_layer, "rms_norm", lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    monkeypatch.setattr(norm_layer, "rms_norm",
+                        lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
     batched = [w for rows, w in seen if rows > 1 and w.shape == lm.model.norm.weight.shape]
