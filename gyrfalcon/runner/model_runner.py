@@ -125,8 +125,9 @@ class ModelRunner:
         clock = self._phase_clock()
         if self.device.type == "cuda":
             torch.zeros(1, device=self.device)  # the CUDA context, apart from the load
-            if blas_backend():  # process-wide, as torch's setting is; before any GEMM runs or is captured
-                torch.backends.cuda.preferred_blas_library(blas_backend())
+            blas = blas_backend()
+            if blas:  # process-wide, as torch's setting is; before any GEMM runs or is captured
+                torch.backends.cuda.preferred_blas_library(blas)
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
         clock("load")

@@ -4,21 +4,12 @@ plain command."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import gyrfalcon.layers.norm as norm_layer
 from gyrfalcon.layers.norm import RMSNorm
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("norm_bound_bench", REPO / "benchmarks" / "norm_bound.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_benchmark
 
 
 def test_pass_through_removes_every_norm_launch(qwen3_ckpt, tmp_path, monkeypatch, capsys):
@@ -26,7 +17,7 @@ def test_pass_through_removes_every_norm_launch(qwen3_ckpt, tmp_path, monkeypatc
     calls = []
     real = norm_layer.rms_norm
     monkeypatch.setattr(norm_layer, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    bench = _bench()
+    bench = load_benchmark("norm_bound")
     cmd = ["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
            "--output-len", "6", "--num-iters", "1", "--max-model-len", "64"]
     assert bench.main(cmd + ["--output-json", str(tmp_path / "plain.json")]) == 0

@@ -5,9 +5,6 @@ interpreter against the references."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,19 +12,12 @@ from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep
                                                       decode_attention_with_prep_triton, paged_decode_attention_ref,
                                                       paged_decode_attention_triton)
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("small_m_gemv_bench", REPO / "benchmarks" / "small_m_gemv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
 def test_real_decode_inputs_and_kernel_calls(scattered):
-    bench = _bench()
+    bench = load_benchmark("small_m_gemv")
     B, ctx, pool_blocks = 3, 37, 40  # 3 blocks per sequence, 9 of the pool's 40
     pool = bench.kv_pool(pool_blocks, "cpu", n_kv=2, d=32, dtype=torch.float32)
     assert pool[0].shape == (pool_blocks, 16, 2, 32) and pool[0].is_contiguous()
