@@ -63,7 +63,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "folded-norms"])
+                                  "short-graph", "unfolded-norms"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -78,8 +78,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     16); merge-in-kernel: the attention splits merged by their last program at every batch
     (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
     replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits;
-    the other modes replay them up to the default 128 tokens); folded-norms: the layers' norms folded into the
-    GEMMs around them (GYRFALCON_FOLD_NORMS=1: batches of 2+ rows launch no layer norm)."""
+    the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
+    launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
+    that batches of 2+ rows launch no layer norm)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
@@ -99,7 +100,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
-    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "1" if mode == "folded-norms" else "0")
+    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0" if mode == "unfolded-norms" else "1")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
@@ -107,7 +108,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         assert llm.engine.runner.graph_runner.with_logits
     if mode == "short-graph":
         assert llm.engine.runner.graph_runner.short_graphs
-    assert llm.engine.runner.model.model.fold_norms == (mode == "folded-norms")
+    assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]

@@ -195,7 +195,7 @@ def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_u
 
 @pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
 def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
-    """GYRFALCON_FOLD_NORMS=1: each layer's norm weights are folded into qkv / gate_up at load, and batches off
+    """Folded norms (the default, GYRFALCON_FOLD_NORMS=1): each layer's norm weights are folded into qkv / gate_up at load, and batches off
     the single-row GEMV path run no layer norm at all (the residual add inside o_proj / down_proj, rstd in
     the qkv prep and SiLU-and-mul): the same tokens and logprobs as transformers (random norm weights), on
     the fused and unfused attention paths, with single-row decode steps (the fused norm + GEMV, folded
@@ -237,3 +237,25 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
     for step, entry in enumerate(out.outputs[0].logprobs):
         got = torch.tensor([entry[t].logprob for t in range(vocab)])
         torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_unfolded_norms_parity(tiny_ckpt, hf_refs, monkeypatch):
+    """GYRFALCON_FOLD_NORMS=0: the checkpoint's weights as they are, and each layer's two RMSNorms launched
+    in batched steps (the path before folded norms became the default): the same tokens as transformers."""
+    import gyrfalcon.layers.norm as norm_layer
+
+    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0")
+    _, _, refs = hf_refs
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    lm = llm.engine.runner.model
+    assert not lm.model.fold_norms
+    layer = lm.model.layers[0]
+    w = layer.input_layernorm.weight
+    assert not torch.equal(w, torch.ones_like(w))  # the checkpoint's random norm weight, not folded away
+    seen = []
+    real = norm_layer.rms_norm
+    monkeypatch.setattr(norm_layer, "rms_norm",
+                        lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    outs = _greedy(llm, [r[0] for r in refs])
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert any(rows > 1 and wt is w for rows, wt in seen)  # layer 0's input norm ran on a batched step
