@@ -67,8 +67,9 @@ def _harness(arch: int):
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling")}
+                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
+    mods["skinny_gemm"].sm_count = lambda device: 132  # its programs
     return mods, compiled
 
 
@@ -229,6 +230,17 @@ def cases(mods):
                 (f"{name} qkv GEMM M=64 split-K 2", gemv(64, qkv_n, hid, norm=True, res=True, env=sk2, pdl=False)),
                 (f"{name} gate_up GEMM M=64 split-K 2",
                  gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
+        SK = mods["skinny_gemm"]
+
+        def skinny(M_, N, K, add=False):
+            return lambda: SK.skinny_gemm_triton(torch.zeros(M_, K, dtype=bf), torch.zeros(N, K, dtype=bf),
+                                                 add_to=torch.zeros(M_, N, dtype=bf) if add else None)
+        for rows in (16, 64, 128):  # stream-K GEMM (GYRFALCON_SKINNY_GEMM_ROWS): the decoder layer's four GEMMs
+            out += [(f"{name} qkv stream-K GEMM M={rows}", skinny(rows, qkv_n, hid)),
+                    (f"{name} o_proj stream-K GEMM M={rows}, residual add", skinny(rows, hid, H * D, add=True)),
+                    (f"{name} gate_up stream-K GEMM M={rows}", skinny(rows, 2 * inter, hid)),
+                    (f"{name} down stream-K GEMM M={rows}, residual add", skinny(rows, hid, inter, add=True))]
+        out.append((f"{name} stream-K GEMM, one K step in all", skinny(1, 16, 16)))
         # The norm's rstd applied after the loop (ONE_PASS, rows > 1): batch-16 qkv / gate_up (GYRFALCON_NORM_GEMV_ROWS).
         for pdl in (True, False):
             out += [(f"{name} qkv GEMM M=16 one-pass norm pdl={pdl}",

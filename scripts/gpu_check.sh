@@ -38,6 +38,9 @@
 #                that folding the layers' norm launches into their neighbours could save
 #   foldnorms    GYRFALCON_FOLD_NORMS=1 (the norms folded into the GEMMs around them): its GPU token tests, then
 #                Llama-8B b64 (ABBA) / b16 (AB) and the throughput row (AB) against the default
+#   skinny       the stream-K GEMM (kernels/skinny_gemm.py): its GPU tests and model token tests, the layer GEMMs
+#                against cuBLAS at 16 / 64 / 128 rows (a launch-shape sweep at 64), then Llama-8B b64 (ABBA) / b16
+#                (AB) with GYRFALCON_SKINNY_GEMM_ROWS=128 against cuBLAS
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -243,6 +246,19 @@ if has foldnorms; then  # the layers' norms folded into the GEMMs around them vs
   for run in a_1 b_0; do
     step tput_l8_fold_$run 150 env GYRFALCON_FOLD_NORMS=${run#*_} $G $tp \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fold${run#*_}_$run.json"
+  done
+fi
+if has skinny; then  # the stream-K GEMM against cuBLAS: kernel, layer GEMMs, whole decode steps
+  step gpu_skinny_tests 150 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --durations=4
+  step gpu_tokens_skinny 100 python3 -m pytest -q tests/gpu/test_model_gpu.py -k skinny -p no:cacheprovider
+  step skinny_bench 200 python3 benchmarks/skinny_gemm.py --preset llama-3.1-8b qwen3-0.6b --ms 16 64 128 --sweep \
+    --output-json "$R/skinny_gemm.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for br in 64:a_0 64:b_128 64:c_128 64:d_0 16:a_0 16:b_128; do
+    B=${br%:*} run=${br#*:}
+    step lat_l8_b${B}_skinny_$run 90 env GYRFALCON_SKINNY_GEMM_ROWS=${run#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_skinny${run#*_}_$run.json"
   done
 fi
 if has normbound; then  # the decode step without the layers' RMSNorm launches (meaningless tokens, real shapes):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
+from gyrfalcon.kernels.skinny_gemm import skinny_gemm_rows, skinny_gemm_triton
 from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows
 
 
@@ -32,6 +33,9 @@ class Linear(nn.Module):
 
         self.small_m = small_m_gemv_enabled() and not bias
         self.small_m_rows = plain_gemm_max_rows()
+        # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off, until measured): the
+        # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
+        self.skinny_rows = skinny_gemm_rows() if not bias else 0
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
@@ -39,6 +43,8 @@ class Linear(nn.Module):
         beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS)."""
         if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
+        if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
+            return skinny_gemm_triton(x, self.weight, add_to=add_to)
         if add_to is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:

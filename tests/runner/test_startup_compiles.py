@@ -34,7 +34,8 @@ def test_startup_census(tmp_path):
     # Every decode-step kernel is there; the prefill's own kernels come from the activation profile.
     kernels = set(res["by_kernel"])
     assert {"_norm_gemv_kernel", "_decode_split_kernel", "_embedding_with_pending_kernel"} <= kernels
-    assert {"_paged_prefill_kernel", "_qkv_prep_kernel", "_silu_and_mul_kernel", "_rms_norm_kernel"} <= kernels
+    # (folded norms, the default: the prefill's SiLU-and-mul scales its rows by rstd, and only the final norm runs)
+    assert {"_paged_prefill_kernel", "_qkv_prep_kernel", "_silu_and_mul_scaled_kernel", "_rms_norm_kernel"} <= kernels
     # Batch 1 is captured with and without PDL: its four GEMVs (the first layer's qkv has no residual) twice.
     assert res["new_at"]["decode graphs"]["1"] >= 10
     assert len(variants) <= VARIANT_BUDGET, r.stdout
