@@ -235,7 +235,7 @@ def cases(mods):
         def skinny(M_, N, K, add=False):
             return lambda: SK.skinny_gemm_triton(torch.zeros(M_, K, dtype=bf), torch.zeros(N, K, dtype=bf),
                                                  add_to=torch.zeros(M_, N, dtype=bf) if add else None)
-        for rows in (16, 64, 128):  # stream-K GEMM (GYRFALCON_SKINNY_GEMM_ROWS): the decoder layer's four GEMMs
+        for rows in (16, 64, 128):  # stream-K GEMM (GYRFALCON_SKINNY_GEMM_ROWS): a decoder layer's four GEMMs
             out += [(f"{name} qkv stream-K GEMM M={rows}", skinny(rows, qkv_n, hid)),
                     (f"{name} o_proj stream-K GEMM M={rows}, residual add", skinny(rows, hid, H * D, add=True)),
                     (f"{name} gate_up stream-K GEMM M={rows}", skinny(rows, 2 * inter, hid)),

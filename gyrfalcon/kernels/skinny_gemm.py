@@ -19,6 +19,15 @@ Each step is a tensor-core dot of a weight tile [BLOCK_N, BLOCK_K] with the inpu
 [BLOCK_K, BLOCK_M] (the weight's rows are the dot's long side, as cuBLAS's "swap AB" does for skinny
 problems), so the accumulator is y^T's tile [BLOCK_N, BLOCK_M]; the input tiles come from L2 (every program
 reads the rows of x for its K range; large BLOCK_N keeps those re-reads small next to the weight).
+
+Measured on the H200 (run 50, benchmarks/skinny_gemm.py; skinny_gemm-h200-2026-12-01-run50.json): slower than
+cuBLAS on every decode shape, so no model routes rows here by default. Llama-3.1-8B's four layer GEMMs at 16
+rows 133.7 us vs cuBLAS's 124.1 (gate_up 62.0 vs 59.8, qkv 19.2 vs 16.2), at 64 rows 150.3 (the sweep's best
+launch shapes: 142.0) vs 129.7, at 128 rows 240.5 vs 137.4; Qwen3-0.6B's 2-4x slower, a fixed ~10 us a launch
+(with ~1 K step a program, the pipeline's fill and the tile's serial sum of up to 15 partials dominate).
+Whole decode steps, same call: Llama-8B batch 64 5.99 / 5.99 ms vs 5.27 / 5.22, batch 16 4.757 vs 4.651
+(latency_llama-3.1-8b_b*_skinny*-h200-2026-12-01-run50.json). Left for a TMA / warp-specialized version; the
+partial-tile sum could load all contributors at once instead of one after another.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ MAX_ROWS = 128  # rows one program's input tile holds (BLOCK_M)
 
 def skinny_gemm_rows() -> int:
     """Rows up to which a linear layer without a bias runs this kernel instead of cuBLAS (above the rows the
-    small-M GEMV takes): GYRFALCON_SKINNY_GEMM_ROWS, at most MAX_ROWS; 0 (off) until measured on the GPU."""
+    small-M GEMV takes): GYRFALCON_SKINNY_GEMM_ROWS, at most MAX_ROWS; 0 (off: slower than cuBLAS, run 50)."""
     return max(0, min(MAX_ROWS, int(os.environ.get("GYRFALCON_SKINNY_GEMM_ROWS", "0"))))
 
 

@@ -33,7 +33,7 @@ class Linear(nn.Module):
 
         self.small_m = small_m_gemv_enabled() and not bias
         self.small_m_rows = plain_gemm_max_rows()
-        # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off, until measured): the
+        # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off: slower than cuBLAS, run 50): the
         # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
         self.skinny_rows = skinny_gemm_rows() if not bias else 0
 
