@@ -93,9 +93,19 @@ if HAS_TRITON:
     def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units."""
-        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype for the dots
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if k.dtype == tl.float8e4nv:
+            # An fp8 cache: the tiles widen for the dots, to fp32 beside an fp32 query, else to fp16 with a 16-bit
+            # query and the probabilities converted along. e4m3 to fp16 is one instruction a pair
+            # (cvt.rn.f16x2.e4m3x2); to bf16 it took two more a pair (f16 -> bf16), 256 of them a 128-key tile
+            # (sm_90 PTX via scripts/compile_check.py's harness). fp16 holds every e4m3 value exactly, and a bf16
+            # query too between 2^-14 and 65504 in magnitude (fp16's normal range, 10-bit mantissa).
+            if q.dtype == tl.float32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+                q = q.to(tl.float16)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
@@ -455,7 +465,7 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
         if programs <= _SMALL_LAUNCH_PROGRAMS:
             return 128, (8 if prefetch else 4), 3
         if fp8 and not prefetch:
-            # An fp8 cache (half the bytes a key): 128-key tiles with 2 stages, 4-21% faster than the bf16 cache's
+            # An fp8 cache (half the bytes a key): 128-key tiles with 2 stages, 4-22% faster than the bf16 cache's
             # 64-key launch on it at batch 64 / 256 with 1-2k tokens (decode_attn_tput_fp8-h200-2026-12-01-
             # run49.json: 74.6-75.0 vs 94.7 us at batch 64 / 1024 tokens, 284.1 vs 289.6 and 551.6 vs 563.4 at
             # batch 256), either key layout.
