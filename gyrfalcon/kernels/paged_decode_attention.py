@@ -90,9 +90,11 @@ if HAS_TRITON:
         return kpos, kmask, k, v
 
     @triton.jit
-    def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                     V_T: tl.constexpr = False):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
-        V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units."""
+        V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units. V_T: P V computed as (V^T P^T)^T
+        (fp8_v_transposed)."""
         if k.dtype == tl.float8e4nv:
             # An fp8 cache: the tiles widen for the dots, to fp32 beside an fp32 query, else to fp16 with a 16-bit
             # query and the probabilities converted along. e4m3 to fp16 is one instruction a pair
@@ -119,7 +121,10 @@ if HAS_TRITON:
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        if V_T:
+            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p), input_precision=DOT_PREC))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
     @triton.jit
@@ -160,7 +165,7 @@ if HAS_TRITON:
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
-        BLOCK_H: tl.constexpr = 16,
+        BLOCK_H: tl.constexpr = 16, V_T: tl.constexpr = False,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -266,7 +271,7 @@ if HAS_TRITON:
             if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
                 k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
                 v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
-                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T)
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
             kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh,
@@ -274,7 +279,7 @@ if HAS_TRITON:
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
-            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T)
 
         if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
@@ -421,6 +426,16 @@ def prefetch_splits() -> int:
     programs of 8 warps run in several waves); with whole-row GEMV tiles the long-context cost of the
     prefetch shrank to 0.864 vs 0.830 ms at 4096 tokens (run 16)."""
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
+
+
+def fp8_v_transposed() -> bool:
+    """GYRFALCON_DECODE_FP8_VT=1 (an experiment, off until timed): on an fp8 cache, each tile's P V is computed as
+    (V^T P^T)^T. In the usual form V is the dot's second operand, whose pairs of keys per thread sit a row apart
+    in the [keys, head_dim] tile: sm_90 code loads an fp8 V tile from shared memory a byte at a time (128
+    ld.shared.b8 a 128-key tile), where 16-bit tiles use ldmatrix's transpose. Transposed, Triton widens V in
+    registers and stages it through shared memory as fp16 (no byte loads, ldmatrix), but loads V without the
+    cp.async pipeline (scripts/compile_check.py's harness, a scratch kernel of the same tile loop)."""
+    return os.environ.get("GYRFALCON_DECODE_FP8_VT", "0") == "1"
 
 
 def k_rows(programs: int, prefetch: bool = False) -> bool:
@@ -624,6 +639,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
+        V_T=k_cache.element_size() == 1 and fp8_v_transposed(),
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )

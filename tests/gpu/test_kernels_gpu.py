@@ -410,7 +410,10 @@ def test_store_kv_fp8_rounds_like_torch():
 
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (256, 1024)])
-def test_paged_decode_fp8_cache(batch, max_ctx):
+@pytest.mark.parametrize("v_t", ["0", "1"], ids=["pv", "vt"])
+def test_paged_decode_fp8_cache(batch, max_ctx, v_t, monkeypatch):
+    """fp8 tiles widened to fp16 for the dots; vt: P V as (V^T P^T)^T (GYRFALCON_DECODE_FP8_VT=1)."""
+    monkeypatch.setenv("GYRFALCON_DECODE_FP8_VT", v_t)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
@@ -433,9 +436,11 @@ def test_paged_prefill_fp8_cache():
 
 
 @pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain", "pdl-prefetch"])
-def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
+@pytest.mark.parametrize("v_t", ["0", "1"], ids=["pv", "vt"])
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, v_t, monkeypatch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
-    double rounding) and attends over the fp8 cache."""
+    double rounding) and attends over the fp8 cache (vt: GYRFALCON_DECODE_FP8_VT=1)."""
+    monkeypatch.setenv("GYRFALCON_DECODE_FP8_VT", v_t)
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
