@@ -9,6 +9,7 @@ call is the graph's time divided by the number of calls. Bandwidth is against th
 
 python3 benchmarks/small_m_gemv.py [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 --shapes l8_qkv l8_o l8_down   (64 rows: split-K)
+python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 --shapes l8_qkv_plain l8_gate_up_plain   (folded qkv)
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
 """
@@ -34,6 +35,9 @@ SHAPES = {
     "q06_gate_up": (1024, 3072, True, True), "q06_down": (3072, 1024, False, False),
     "l8_qkv": (4096, 6144, True, False), "l8_o": (4096, 4096, False, False),
     "l8_gate_up": (4096, 14336, True, True), "l8_down": (14336, 4096, False, False),
+    # qkv / gate_up as folded norms run them in batched steps: plain GEMMs (gate_up's output is both halves)
+    "q06_qkv_plain": (1024, 4096, False, False), "q06_gate_up_plain": (1024, 6144, False, False),
+    "l8_qkv_plain": (4096, 6144, False, False), "l8_gate_up_plain": (4096, 28672, False, False),
 }
 
 
