@@ -117,7 +117,8 @@ def test_prefetch_splits_switch(monkeypatch):
 
 def test_merge_and_key_layout_defaults(monkeypatch):
     """The in-kernel merge is on from MERGE_IN_KERNEL_MIN_SEQS sequences, key tiles in row layout (with 2
-    stages) for launches of more than 128 programs without the prefetch (128-key tiles on an fp8 cache); both env switches force either way."""
+    stages) for launches of more than 128 programs without the prefetch (128-key tiles on an fp8 cache); both
+    env switches force either way."""
     from gyrfalcon.kernels.paged_decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, _decode_config, k_rows,
                                                           merge_in_kernel_default)
     monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)

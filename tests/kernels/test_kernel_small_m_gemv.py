@@ -89,7 +89,8 @@ def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     """How many rows a norm-less Linear (o_proj, down_proj) sends through this kernel: 16 by default,
     GYRFALCON_SMALL_M_PLAIN_ROWS otherwise (at least 1, capped at MAX_M = 64); the merged projections (qkv,
     gate_up) keep single rows unless GYRFALCON_SMALL_M_MERGED_ROWS says otherwise."""
-    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, PLAIN_MAX_ROWS, merged_gemv_rows, plain_gemm_max_rows
+    from gyrfalcon.kernels.small_m_gemv import (GEMV_MAX_ROWS, PLAIN_MAX_ROWS, merged_gemv_rows,
+                                                plain_gemm_max_rows)
     from gyrfalcon.layers.linear import Linear, MergedLinear
     monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
     monkeypatch.delenv("GYRFALCON_SMALL_M_MERGED_ROWS", raising=False)

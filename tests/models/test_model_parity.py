@@ -195,11 +195,11 @@ def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_u
 
 @pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
 def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
-    """Folded norms (the default, GYRFALCON_FOLD_NORMS=1): each layer's norm weights are folded into qkv / gate_up at load, and batches off
-    the single-row GEMV path run no layer norm at all (the residual add inside o_proj / down_proj, rstd in
-    the qkv prep and SiLU-and-mul): the same tokens and logprobs as transformers (random norm weights), on
-    the fused and unfused attention paths, with single-row decode steps (the fused norm + GEMV, folded
-    weights) and batched ones."""
+    """Folded norms (the default, GYRFALCON_FOLD_NORMS=1): each layer's norm weights are folded into qkv /
+    gate_up at load, and batches off the single-row GEMV path run no layer norm at all (the residual add
+    inside o_proj / down_proj, rstd in the qkv prep and SiLU-and-mul): the same tokens and logprobs as
+    transformers (random norm weights), on the fused and unfused attention paths, with single-row decode
+    steps (the fused norm + GEMV, folded weights) and batched ones."""
     from safetensors.torch import load_file
 
     import gyrfalcon.layers.norm as norm_layer
