@@ -17,8 +17,8 @@
 #   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
 #                twice the tokens fit) vs bf16
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
-#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too), again with GYRFALCON_DECODE_FP8_VT=1,
-#                against the bf16 sweep
+#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too), again with GYRFALCON_DECODE_FP8_VT=1
+#                and with GYRFALCON_DECODE_FP8_V_STAGED=0, against the bf16 sweep
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -111,11 +111,14 @@ if has attntput; then  # decode attention at the throughput benchmark's batch (6
     --max-num-seqs 256 --profile --output-json "$R/latency_llama-3.1-8b_b256_in1024.json"
 fi
 if has fp8attn; then  # why the fp8 cache ran slower than bf16 (run 29): its launch shapes, and bf16's, side by side;
-  # its GPU tests first (fp16 dots since run 51; P V as (V^T P^T)^T with GYRFALCON_DECODE_FP8_VT=1)
+  # its GPU tests first (fp16 dots and V staged as fp16 since run 51; P V as (V^T P^T)^T with
+  # GYRFALCON_DECODE_FP8_VT=1; V widened in the operand layout with GYRFALCON_DECODE_FP8_V_STAGED=0)
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   step attn_tput_fp8 280 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8.json"
   step attn_tput_fp8_vt 280 env GYRFALCON_DECODE_FP8_VT=1 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 \
     --output-json "$R/decode_attn_tput_fp8_vt.json"
+  step attn_tput_fp8_unstaged 280 env GYRFALCON_DECODE_FP8_V_STAGED=0 python3 benchmarks/small_m_gemv.py --attn-tput \
+    --fp8 --output-json "$R/decode_attn_tput_fp8_unstaged.json"
   step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput_bf16.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)

@@ -91,23 +91,34 @@ if HAS_TRITON:
 
     @triton.jit
     def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                     V_T: tl.constexpr = False):
+                     V_T: tl.constexpr = False, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units. V_T: P V computed as (V^T P^T)^T
-        (fp8_v_transposed)."""
+        (fp8_v_transposed); V_STAGE: an fp8 V tile widened before its layout change (fp8_v_staged)."""
         if k.dtype == tl.float8e4nv:
             # An fp8 cache: the tiles widen for the dots, to fp32 beside an fp32 query, else to fp16 with a 16-bit
             # query and the probabilities converted along. e4m3 to fp16 is one instruction a pair
             # (cvt.rn.f16x2.e4m3x2); to bf16 it took two more a pair (f16 -> bf16), 256 of them a 128-key tile
             # (sm_90 PTX via scripts/compile_check.py's harness). fp16 holds every e4m3 value exactly, and a bf16
             # query too between 2^-14 and 65504 in magnitude (fp16's normal range, 10-bit mantissa).
-            if q.dtype == tl.float32:
+            # (Q16: the query's own dtype is 16-bit; under the interpreter, UPCAST, q is already fp32 here and
+            # stays so, the tiles taking the fp16 path all the same before their upcast below.)
+            if not Q16:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             else:
                 k = k.to(tl.float16)
-                v = v.to(tl.float16)
-                q = q.to(tl.float16)
+                if V_STAGE:
+                    # The same values (masked keys already load as 0), but an op Triton does not hoist into the
+                    # dot's operand layout: it widens V from its row layout and stages it through shared memory
+                    # as fp16 (ldmatrix), instead of loading the fp8 tile byte by byte in the operand layout
+                    # (128 ld.shared.b8 a 128-key tile on sm_90); 146 registers a thread instead of 198
+                    # (scripts/compile_check.py). fp8_v_staged.
+                    v = tl.where(kmask[:, None], v.to(tl.float16), 0.0)
+                else:
+                    v = v.to(tl.float16)
+                if not UPCAST:
+                    q = q.to(tl.float16)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
@@ -165,7 +176,8 @@ if HAS_TRITON:
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
-        BLOCK_H: tl.constexpr = 16, V_T: tl.constexpr = False,
+        BLOCK_H: tl.constexpr = 16, V_T: tl.constexpr = False, V_STAGE: tl.constexpr = True,
+        Q16: tl.constexpr = True,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -271,7 +283,8 @@ if HAS_TRITON:
             if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
                 k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
                 v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
-                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T)
+                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T,
+                                             V_STAGE, Q16)
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
             kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh,
@@ -279,7 +292,8 @@ if HAS_TRITON:
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
-            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T)
+            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T, V_STAGE,
+                                         Q16)
 
         if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
@@ -426,6 +440,14 @@ def prefetch_splits() -> int:
     programs of 8 warps run in several waves); with whole-row GEMV tiles the long-context cost of the
     prefetch shrank to 0.864 vs 0.830 ms at 4096 tokens (run 16)."""
     return max(1, int(os.environ.get("GYRFALCON_DECODE_PREFETCH_SPLITS", MAX_SPLITS)))
+
+
+def fp8_v_staged() -> bool:
+    """Whether an fp8 cache's V tile widens to fp16 before its change to the dot's operand layout (the default;
+    GYRFALCON_DECODE_FP8_V_STAGED=0: off, widened in the operand layout as before). Built from the sm_90 code
+    alone (no byte-wise shared loads, 146 registers instead of 198, 72 KB of shared memory instead of 40); not
+    yet timed on the GPU."""
+    return os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0"
 
 
 def fp8_v_transposed() -> bool:
@@ -639,7 +661,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
-        V_T=k_cache.element_size() == 1 and fp8_v_transposed(),
+        V_T=k_cache.element_size() == 1 and fp8_v_transposed(), V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )

@@ -410,10 +410,12 @@ def test_store_kv_fp8_rounds_like_torch():
 
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (256, 1024)])
-@pytest.mark.parametrize("v_t", ["0", "1"], ids=["pv", "vt"])
-def test_paged_decode_fp8_cache(batch, max_ctx, v_t, monkeypatch):
-    """fp8 tiles widened to fp16 for the dots; vt: P V as (V^T P^T)^T (GYRFALCON_DECODE_FP8_VT=1)."""
+@pytest.mark.parametrize("v_t,staged", [("0", "1"), ("1", "1"), ("0", "0")], ids=["pv", "vt", "pv-unstaged"])
+def test_paged_decode_fp8_cache(batch, max_ctx, v_t, staged, monkeypatch):
+    """fp8 tiles widened to fp16 for the dots; vt: P V as (V^T P^T)^T (GYRFALCON_DECODE_FP8_VT=1); unstaged: V
+    widened in the dot's operand layout (GYRFALCON_DECODE_FP8_V_STAGED=0)."""
     monkeypatch.setenv("GYRFALCON_DECODE_FP8_VT", v_t)
+    monkeypatch.setenv("GYRFALCON_DECODE_FP8_V_STAGED", staged)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
