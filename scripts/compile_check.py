@@ -69,7 +69,7 @@ def _harness(arch: int):
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
                       "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
-    mods["skinny_gemm"].sm_count = lambda device: 132  # its programs
+    mods["skinny_gemm"].sm_count = lambda device, cpu_default: 132  # its programs
     return mods, compiled
 
 

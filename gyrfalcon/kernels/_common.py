@@ -133,3 +133,17 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device, cpu_default: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device); cpu_default elsewhere (the interpreter's
+    tests, which size grids from it)."""
+    if device.type != "cuda":
+        return cpu_default
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

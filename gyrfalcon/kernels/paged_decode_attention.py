@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
-                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
+                                       pdl_launch_kwargs, sm_count, tl, triton, use_pdl, use_triton)
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
 
 _LOG2E = 1.4426950408889634
@@ -377,7 +377,6 @@ if HAS_TRITON:
         tl.store(o_ptr + b * s_ob + h * s_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < HEAD_DV)
 
 
-_SM_COUNT: dict = {}
 _MERGE_COUNTERS: dict = {}
 _MAX_COUNTERS = 1 << 16  # (sequence, kv head) pairs one launch may merge in-kernel
 MERGE_IN_KERNEL_MIN_SEQS = 8  # batch from which the splits merge in-kernel by default (merge_in_kernel_default)
@@ -394,12 +393,8 @@ def _merge_counters(device: torch.device) -> torch.Tensor:
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    """The device's SMs (16 off CUDA); scripts/compile_check.py and startup_compiles.py patch it to the H200's."""
+    return sm_count(device, 16)
 
 
 MAX_SPLITS = 16

@@ -24,7 +24,8 @@ Measured on the H200 (run 50, benchmarks/skinny_gemm.py; skinny_gemm-h200-2026-1
 cuBLAS on every decode shape, so no model routes rows here by default. Llama-3.1-8B's four layer GEMMs at 16
 rows 133.7 us vs cuBLAS's 124.1 (gate_up 62.0 vs 59.8, qkv 19.2 vs 16.2), at 64 rows 150.3 (the sweep's best
 launch shapes: 142.0) vs 129.7, at 128 rows 240.5 vs 137.4; Qwen3-0.6B's 2-4x slower, a fixed ~10 us a launch
-(with ~1 K step a program, the pipeline's fill and the tile's serial sum of up to 15 partials dominate).
+(with ~1 K step a program, most likely the pipeline's fill and the tile's serial sum of up to 15 partials;
+not profiled).
 Whole decode steps, same call: Llama-8B batch 64 5.99 / 5.99 ms vs 5.27 / 5.22, batch 16 4.757 vs 4.651
 (latency_llama-3.1-8b_b*_skinny*-h200-2026-12-01-run50.json). Left for a TMA / warp-specialized version; the
 partial-tile sum could load all contributors at once instead of one after another.
@@ -38,7 +39,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.kernels._common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels._common import HAS_TRITON, cdiv, interpreting, next_pow2, sm_count, tl, triton
+from gyrfalcon.kernels.small_m_gemv import _split_counters
 
 MAX_ROWS = 128  # rows one program's input tile holds (BLOCK_M)
 
@@ -65,19 +67,6 @@ class SkinnyConfig(NamedTuple):
     num_warps: int
     num_stages: int
     programs: int = 0
-
-
-_SM_COUNT: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere (the interpreter's tests)."""
-    if device.type != "cuda":
-        return 4
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles a program may hold (of the H200's 227 KB a block)
@@ -181,8 +170,6 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, add_to: Optional[t
     """skinny_gemm_ref's contract for x [M <= MAX_ROWS, K] and weight [N, K] (K contiguous); no host sync.
     add_to [M, N]: the product is added to it in place and add_to returned (the residual add of folded
     norms). config overrides default_config (tests, benchmark sweeps)."""
-    from gyrfalcon.kernels.small_m_gemv import _split_counters
-
     M, K = x.shape
     N = weight.shape[0]
     assert M <= MAX_ROWS, f"skinny_gemm handles at most {MAX_ROWS} rows, got {M}"
@@ -199,7 +186,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, add_to: Optional[t
     bn, bk = max(16, cfg.block_n), max(16, cfg.block_k)
     n_tiles, ipt = cdiv(N, bn), cdiv(K, bk)
     total = n_tiles * ipt
-    programs = max(1, min(cfg.programs or sm_count(x.device), total))
+    programs = max(1, min(cfg.programs or sm_count(x.device, 4), total))
     # Two partial-tile slots a program ([programs * 2, BLOCK_N, BLOCK_M] fp32; inside a graph, its pool's),
     # one arrival counter a column tile (zeroed once per device, left at zero by every launch).
     ws = torch.empty(programs * 2 * bn * bm, dtype=torch.float32, device=x.device)

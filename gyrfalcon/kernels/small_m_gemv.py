@@ -107,21 +107,25 @@ GEMV_MAX_ROWS = 1
 PLAIN_MAX_ROWS = 16
 
 
+def _env_rows(name: str, default: int) -> int:
+    """A row bound from the environment variable `name` (default when unset), within [GEMV_MAX_ROWS, MAX_M]."""
+    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get(name, default))))
+
+
 def norm_gemv_rows() -> Tuple[int, int]:
     """(qkv, gate_up): rows up to which a decoder layer runs [residual add +] RMSNorm + that projection through
     this kernel (one launch) instead of the RMSNorm kernel and cuBLAS. GEMV_MAX_ROWS (single rows) by default;
     GYRFALCON_NORM_GEMV_ROWS=N (qkv) and GYRFALCON_NORM_GEMV_GATE_UP_ROWS=N (gate_up + SiLU-and-mul) raise
     them, at most MAX_M: the experiment for the one-pass norm (ONE_PASS) at batch 4-64, which lost (H200, run 33:
     Llama-3.1-8B batch 16 at 7.12 ms per step with qkv through it vs 4.79 ms)."""
-    def rows(name: str) -> int:
-        return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get(name, GEMV_MAX_ROWS))))
-    return rows("GYRFALCON_NORM_GEMV_ROWS"), rows("GYRFALCON_NORM_GEMV_GATE_UP_ROWS")
+    return (_env_rows("GYRFALCON_NORM_GEMV_ROWS", GEMV_MAX_ROWS),
+            _env_rows("GYRFALCON_NORM_GEMV_GATE_UP_ROWS", GEMV_MAX_ROWS))
 
 
 def plain_gemm_max_rows() -> int:
     """Rows up to which a norm-less linear layer goes through this kernel instead of cuBLAS:
     PLAIN_MAX_ROWS, or GYRFALCON_SMALL_M_PLAIN_ROWS (1 = only batch 1; at most MAX_M)."""
-    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_PLAIN_ROWS", PLAIN_MAX_ROWS))))
+    return _env_rows("GYRFALCON_SMALL_M_PLAIN_ROWS", PLAIN_MAX_ROWS)
 
 
 def merged_gemv_rows() -> int:
@@ -130,7 +134,7 @@ def merged_gemv_rows() -> int:
     sweep that kept them on cuBLAS at 2-16 rows (run 2) timed them with the norm fused; since folded norms
     (the default from run 48) batched qkv / gate_up are plain GEMMs, like the o_proj / down_proj that beat
     cuBLAS on this path at 16 rows. An experiment until timed (gpu_check.sh mergedrows)."""
-    return min(MAX_M, max(GEMV_MAX_ROWS, int(os.environ.get("GYRFALCON_SMALL_M_MERGED_ROWS", GEMV_MAX_ROWS))))
+    return _env_rows("GYRFALCON_SMALL_M_MERGED_ROWS", GEMV_MAX_ROWS)
 
 
 def peel_default() -> bool:

@@ -193,6 +193,17 @@ def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_u
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
 
 
+def _record_norm_calls(monkeypatch) -> list:
+    """(rows, norm weight) of every RMSNorm the layers launch from now on (layers/norm.py's rms_norm wrapped)."""
+    import gyrfalcon.layers.norm as norm_layer
+
+    seen = []
+    real = norm_layer.rms_norm
+    monkeypatch.setattr(norm_layer, "rms_norm",
+                        lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    return seen
+
+
 @pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
 def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
     """Folded norms (the default, GYRFALCON_FOLD_NORMS=1): each layer's norm weights are folded into qkv /
@@ -201,8 +212,6 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
     transformers (random norm weights), on the fused and unfused attention paths, with single-row decode
     steps (the fused norm + GEMV, folded weights) and batched ones."""
     from safetensors.torch import load_file
-
-    import gyrfalcon.layers.norm as norm_layer
 
     monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "1")
     monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "0" if fusion == "1" else "1")
@@ -220,10 +229,7 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
     assert torch.equal(layer.post_attention_layernorm.weight,
                        torch.ones_like(layer.post_attention_layernorm.weight))
     # Which norms still run: only the final one in batched steps (decode rows > 1 and prompt chunks).
-    seen = []
-    real = norm_layer.rms_norm
-    monkeypatch.setattr(norm_layer, "rms_norm",
-                        lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    seen = _record_norm_calls(monkeypatch)
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
     batched = [w for rows, w in seen if rows > 1 and w.shape == lm.model.norm.weight.shape]
@@ -242,8 +248,6 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
 def test_unfolded_norms_parity(tiny_ckpt, hf_refs, monkeypatch):
     """GYRFALCON_FOLD_NORMS=0: the checkpoint's weights as they are, and each layer's two RMSNorms launched
     in batched steps (the path before folded norms became the default): the same tokens as transformers."""
-    import gyrfalcon.layers.norm as norm_layer
-
     monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0")
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
@@ -252,10 +256,7 @@ def test_unfolded_norms_parity(tiny_ckpt, hf_refs, monkeypatch):
     layer = lm.model.layers[0]
     w = layer.input_layernorm.weight
     assert not torch.equal(w, torch.ones_like(w))  # the checkpoint's random norm weight, not folded away
-    seen = []
-    real = norm_layer.rms_norm
-    monkeypatch.setattr(norm_layer, "rms_norm",
-                        lambda x, w, *a, **k: seen.append((x.shape[0], w)) or real(x, w, *a, **k))
+    seen = _record_norm_calls(monkeypatch)
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
     assert any(rows > 1 and wt is w for rows, wt in seen)  # layer 0's input norm ran on a batched step
