@@ -14,11 +14,10 @@
 #   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
 #   llama        Llama-3.1-8B batch 1, 16, 64
-#   fp8kv        --kv-cache-dtype fp8: GPU kernel tests, Llama b64 and throughput (also at 768 sequences:
-#                twice the tokens fit) vs bf16
+#   fp8kv        --kv-cache-dtype fp8 vs bf16: the throughput row at 768 sequences (twice the tokens fit) against
+#                the bf16 default, Llama b64; the GPU fp8 tests unless fp8attn runs
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
-#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too), again with GYRFALCON_DECODE_FP8_VT=1
-#                and with GYRFALCON_DECODE_FP8_V_STAGED=0, against the bf16 sweep
+#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -110,15 +109,11 @@ if has attntput; then  # decode attention at the throughput benchmark's batch (6
   step lat_l8_b256 150 $G bench latency --model /tmp/ck/l8 --batch-size 256 --input-len 1024 --output-len 32 \
     --max-num-seqs 256 --profile --output-json "$R/latency_llama-3.1-8b_b256_in1024.json"
 fi
-if has fp8attn; then  # why the fp8 cache ran slower than bf16 (run 29): its launch shapes, and bf16's, side by side;
-  # its GPU tests first (fp16 dots and V staged as fp16 since run 51; P V as (V^T P^T)^T with
-  # GYRFALCON_DECODE_FP8_VT=1; V widened in the operand layout with GYRFALCON_DECODE_FP8_V_STAGED=0)
+if has fp8attn; then  # decode attention on the fp8 KV cache (V widened in its row layout, pinned there by an asm
+  # statement since run 53) at the throughput row's batches and contexts: its GPU tests, then its launch shapes and
+  # bf16's, side by side
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   step attn_tput_fp8 280 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8.json"
-  step attn_tput_fp8_vt 280 env GYRFALCON_DECODE_FP8_VT=1 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 \
-    --output-json "$R/decode_attn_tput_fp8_vt.json"
-  step attn_tput_fp8_unstaged 280 env GYRFALCON_DECODE_FP8_V_STAGED=0 python3 benchmarks/small_m_gemv.py --attn-tput \
-    --fp8 --output-json "$R/decode_attn_tput_fp8_unstaged.json"
   step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput_bf16.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
@@ -153,17 +148,17 @@ if has llama; then
   step lat_l8_b1_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 $l8 --async-scheduling --profile \
     --output-json "$R/latency_llama-3.1-8b_b1_cublas.json"
 fi
-if has fp8kv; then  # session 8, unmeasured: --kv-cache-dtype fp8 (K/V as float8 e4m3): GPU kernel tests, then
-  # throughput (where decode attention's KV reads dominate) and Llama b64, each side by side with bf16
-  step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
+if has fp8kv; then  # --kv-cache-dtype fp8 (K/V as float8 e4m3) against the bf16 cache: the throughput row at 768
+  # sequences (twice the tokens fit) and at the default, then Llama b64 (its GPU tests unless fp8attn ran them)
+  has fp8attn || step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
+  step tput_l8 300 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
   l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
   step lat_l8_b64_fp8 90 $l8 --kv-cache-dtype fp8 --output-json "$R/latency_llama-3.1-8b_b64_fp8kv.json"
   step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"
-  tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
-  step tput_l8_fp8 300 $tp --kv-cache-dtype fp8 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv.json"
-  step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
-    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
 fi
 if has sampled; then  # the rows as vLLM's bench latency / throughput ran them: temperature 1.0 (top-p 1.0), not greedy
   for M in q06:qwen3-0.6b:1 l8:llama-3.1-8b:1 l8:llama-3.1-8b:16 l8:llama-3.1-8b:64; do

@@ -90,11 +90,18 @@ if HAS_TRITON:
         return kpos, kmask, k, v
 
     @triton.jit
+    def _pin_f16(x):
+        """x unchanged, through an asm statement that Triton may not move (not pure): the fp16 values exist in
+        x's own layout, so layout propagation cannot hoist the layout change above the widening (ptxas drops
+        the mov). GPU only: the interpreter runs no PTX."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+
+    @triton.jit
     def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                     V_T: tl.constexpr = False, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True):
+                     V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
-        V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units. V_T: P V computed as (V^T P^T)^T
-        (fp8_v_transposed); V_STAGE: an fp8 V tile widened before its layout change (fp8_v_staged)."""
+        V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units. V_STAGE: an fp8 V tile widened before
+        its layout change (fp8_v_staged)."""
         if k.dtype == tl.float8e4nv:
             # An fp8 cache: the tiles widen for the dots, to fp32 beside an fp32 query, else to fp16 with a 16-bit
             # query and the probabilities converted along. e4m3 to fp16 is one instruction a pair
@@ -108,15 +115,15 @@ if HAS_TRITON:
                 v = v.to(tl.float32)
             else:
                 k = k.to(tl.float16)
-                if V_STAGE:
-                    # The same values (masked keys already load as 0), but an op Triton does not hoist into the
-                    # dot's operand layout: it widens V from its row layout and stages it through shared memory
-                    # as fp16 (ldmatrix), instead of loading the fp8 tile byte by byte in the operand layout
-                    # (128 ld.shared.b8 a 128-key tile on sm_90); 146 registers a thread instead of 198
-                    # (scripts/compile_check.py). fp8_v_staged.
-                    v = tl.where(kmask[:, None], v.to(tl.float16), 0.0)
-                else:
-                    v = v.to(tl.float16)
+                v = v.to(tl.float16)
+                if V_STAGE and not UPCAST:
+                    # Pinned in its row layout: Triton then widens V there and stages it through shared memory
+                    # as fp16 (ldmatrix), instead of loading the fp8 tile byte by byte in the dot's operand
+                    # layout (128 ld.shared.b8 a 128-key tile on sm_90; 198 registers a thread, 145 pinned).
+                    # A tl.where on the key mask pinned it too, but cost a select and two byte permutes per
+                    # value: 1137 instructions a 128-key tile (Llama-8B shape, batch 256) against 686 with
+                    # the asm (sm_90 SASS through scripts/compile_check.py's harness). fp8_v_staged.
+                    v = _pin_f16(v)
                 if not UPCAST:
                     q = q.to(tl.float16)
         if UPCAST:
@@ -132,10 +139,7 @@ if HAS_TRITON:
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
-        if V_T:
-            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p), input_precision=DOT_PREC))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
     @triton.jit
@@ -176,8 +180,7 @@ if HAS_TRITON:
         PREP: tl.constexpr, NUM_HEADS: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
-        BLOCK_H: tl.constexpr = 16, V_T: tl.constexpr = False, V_STAGE: tl.constexpr = True,
-        Q16: tl.constexpr = True,
+        BLOCK_H: tl.constexpr = 16, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -283,7 +286,7 @@ if HAS_TRITON:
             if start < end:  # not a DIRECT launch's padding row (seq_len 0): those attend to nothing
                 k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
                 v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
-                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T,
+                m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST,
                                              V_STAGE, Q16)
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
@@ -292,7 +295,7 @@ if HAS_TRITON:
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
-            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_T, V_STAGE,
+            m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_STAGE,
                                          Q16)
 
         if DIRECT:
@@ -438,21 +441,12 @@ def prefetch_splits() -> int:
 
 
 def fp8_v_staged() -> bool:
-    """Whether an fp8 cache's V tile widens to fp16 before its change to the dot's operand layout (the default;
-    GYRFALCON_DECODE_FP8_V_STAGED=0: off, widened in the operand layout as before). Built from the sm_90 code
-    alone (no byte-wise shared loads, 146 registers instead of 198, 72 KB of shared memory instead of 40); not
-    yet timed on the GPU."""
+    """Whether an fp8 cache's V tile widens to fp16 in its row layout and is staged through shared memory for the
+    dot (the default; GYRFALCON_DECODE_FP8_V_STAGED=0: widened in the dot's operand layout, loaded from shared
+    memory a byte at a time). On the H200 (decode_attn_tput_fp8*-h200-2026-12-01-run52.json, Llama-8B's
+    32 / 8 heads), staged with a tl.where as the pin took 395 us at batch 256 and 2048 tokens against 448
+    unstaged and 494 for a bf16 cache."""
     return os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0"
-
-
-def fp8_v_transposed() -> bool:
-    """GYRFALCON_DECODE_FP8_VT=1 (an experiment, off until timed): on an fp8 cache, each tile's P V is computed as
-    (V^T P^T)^T. In the usual form V is the dot's second operand, whose pairs of keys per thread sit a row apart
-    in the [keys, head_dim] tile: sm_90 code loads an fp8 V tile from shared memory a byte at a time (128
-    ld.shared.b8 a 128-key tile), where 16-bit tiles use ldmatrix's transpose. Transposed, Triton widens V in
-    registers and stages it through shared memory as fp16 (no byte loads, ldmatrix), but loads V without the
-    cp.async pipeline (scripts/compile_check.py's harness, a scratch kernel of the same tile loop)."""
-    return os.environ.get("GYRFALCON_DECODE_FP8_VT", "0") == "1"
 
 
 def k_rows(programs: int, prefetch: bool = False) -> bool:
@@ -656,7 +650,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
-        V_T=k_cache.element_size() == 1 and fp8_v_transposed(), V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
+        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )

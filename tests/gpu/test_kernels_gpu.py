@@ -410,11 +410,11 @@ def test_store_kv_fp8_rounds_like_torch():
 
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (256, 1024)])
-@pytest.mark.parametrize("v_t,staged", [("0", "1"), ("1", "1"), ("0", "0")], ids=["pv", "vt", "pv-unstaged"])
-def test_paged_decode_fp8_cache(batch, max_ctx, v_t, staged, monkeypatch):
-    """fp8 tiles widened to fp16 for the dots; vt: P V as (V^T P^T)^T (GYRFALCON_DECODE_FP8_VT=1); unstaged: V
-    widened in the dot's operand layout (GYRFALCON_DECODE_FP8_V_STAGED=0)."""
-    monkeypatch.setenv("GYRFALCON_DECODE_FP8_VT", v_t)
+@pytest.mark.parametrize("staged", ["1", "0"], ids=["staged", "unstaged"])
+def test_paged_decode_fp8_cache(batch, max_ctx, staged, monkeypatch):
+    """fp8 tiles widened to fp16 for the dots; staged (the default): V widened in its row layout, pinned there by
+    an asm statement, and staged through shared memory; unstaged: widened in the dot's operand layout
+    (GYRFALCON_DECODE_FP8_V_STAGED=0)."""
     monkeypatch.setenv("GYRFALCON_DECODE_FP8_V_STAGED", staged)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
@@ -438,11 +438,9 @@ def test_paged_prefill_fp8_cache():
 
 
 @pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain", "pdl-prefetch"])
-@pytest.mark.parametrize("v_t", ["0", "1"], ids=["pv", "vt"])
-def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, v_t, monkeypatch):
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
-    double rounding) and attends over the fp8 cache (vt: GYRFALCON_DECODE_FP8_VT=1)."""
-    monkeypatch.setenv("GYRFALCON_DECODE_FP8_VT", v_t)
+    double rounding) and attends over the fp8 cache."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
