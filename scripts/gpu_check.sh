@@ -114,7 +114,8 @@ if has fp8attn; then  # decode attention on the fp8 KV cache (V widened in its r
   # bf16's, side by side
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   step attn_tput_fp8 280 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8.json"
-  step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput_bf16.json"
+  [ "${ATTN_BF16:-1}" = 1 ] && step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput \
+    --output-json "$R/decode_attn_tput_bf16.json"  # ATTN_BF16=0: the fp8 sweep alone
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes)
   step gpu_kernel_tests 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
@@ -150,7 +151,7 @@ if has llama; then
 fi
 if has fp8kv; then  # --kv-cache-dtype fp8 (K/V as float8 e4m3) against the bf16 cache: the throughput row at 768
   # sequences (twice the tokens fit) and at the default, then Llama b64 (its GPU tests unless fp8attn ran them)
-  has fp8attn || step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
+  has fp8attn || has ktests || step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
   step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \

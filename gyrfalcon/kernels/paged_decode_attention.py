@@ -474,6 +474,9 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
     return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
 
 
+_FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs take 128-key tiles (_decode_config)
+
+
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
@@ -490,12 +493,13 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     if head_dim <= 128:
         if programs <= _SMALL_LAUNCH_PROGRAMS:
             return 128, (8 if prefetch else 4), 3
-        if fp8 and not prefetch:
-            # An fp8 cache (half the bytes a key): 128-key tiles with 2 stages, 4-22% faster than the bf16 cache's
-            # 64-key launch on it at batch 64 / 256 with 1-2k tokens (decode_attn_tput_fp8-h200-2026-12-01-
-            # run49.json: 74.6-75.0 vs 94.7 us at batch 64 / 1024 tokens, 284.1 vs 289.6 and 551.6 vs 563.4 at
-            # batch 256), either key layout.
-            return 128, 4, 2
+        if fp8 and not prefetch and programs > _FP8_WIDE_TILE_PROGRAMS:
+            # An fp8 cache (half the bytes a key) over many programs: 128-key tiles with 3 stages. With V pinned
+            # in its row layout (decode_attn_tput_fp8-h200-2026-12-01-run54.json, 8 kv heads, head_dim 128, batch
+            # 256 = 2048 programs) they took 192.2 / 370.2 us at 1024 / 2048 tokens, against 197.0 / 382.2 with 2
+            # stages and 198.1 / 383.3 for 64-key tiles; at batch 64 (512 programs) 64-key tiles with 2 stages,
+            # the bf16 launch below, won instead (53.9 / 100.6 us against 65.8 / 127.9).
+            return 128, 4, 3
         # Many programs: 64-key tiles; with key tiles in row layout (k_rows) 2 stages were the best
         # (decode_attn_tput-h200-2026-11-30-run22.json, 65.7-482 us vs 66.7-484 with 3).
         return 64, (8 if prefetch else 4), (2 if k_rows(programs, prefetch) else 3)

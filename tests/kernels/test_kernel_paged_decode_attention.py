@@ -117,8 +117,8 @@ def test_prefetch_splits_switch(monkeypatch):
 
 def test_merge_and_key_layout_defaults(monkeypatch):
     """The in-kernel merge is on from MERGE_IN_KERNEL_MIN_SEQS sequences, key tiles in row layout (with 2
-    stages) for launches of more than 128 programs without the prefetch (128-key tiles on an fp8 cache); both
-    env switches force either way."""
+    stages) for launches of more than 128 programs without the prefetch (128-key tiles, 3 stages, on an fp8 cache
+    over more than 1024); both env switches force either way."""
     from gyrfalcon.kernels.paged_decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, _decode_config, k_rows,
                                                           merge_in_kernel_default)
     monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
@@ -130,7 +130,8 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 16 * 8) == (128, 4, 3)
     assert _decode_config(128, 256 * 8) == (64, 4, 2)
     assert _decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
-    assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 2)  # an fp8 cache: 128-key tiles
+    assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
+    assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
     assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
     monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "0")
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "0")
