@@ -225,10 +225,7 @@ def cases(mods):
                 (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False)),
                 (f"{name} o_proj GEMM M=16, residual add", gemv(16, hid, H * D, pdl=False, add=True)),
-                (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True)),
-                # folded qkv / gate_up of up to 16 rows, plain (GYRFALCON_SMALL_M_MERGED_ROWS)
-                (f"{name} qkv GEMM M=16, plain", gemv(16, qkv_n, hid, pdl=False)),
-                (f"{name} gate_up GEMM M=16, plain", gemv(16, 2 * inter, hid, pdl=False))]
+                (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True))]
         sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
         out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
                 (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),

@@ -41,9 +41,6 @@
 #   skinny       the stream-K GEMM (kernels/skinny_gemm.py): its GPU tests and model token tests, the layer GEMMs
 #                against cuBLAS at 16 / 64 / 128 rows (a launch-shape sweep at 64), then Llama-8B b64 (ABBA) / b16
 #                (AB) with GYRFALCON_SKINNY_GEMM_ROWS=128 against cuBLAS
-#   mergedrows   qkv / gate_up of 2-16 rows (plain GEMMs since folded norms) through the GEMV kernel's plain path
-#                (GYRFALCON_SMALL_M_MERGED_ROWS=16): GPU token tests, the launch-shape sweep against cuBLAS at 8 / 16
-#                rows, Llama-8B b16 (ABBA) and Qwen3-0.6B b16 (AB) against cuBLAS
 #   barrier      what a dependent step costs: kernel boundary (plain, PDL) vs a persistent kernel's grid barrier
 #   qwenbatch    Qwen3-0.6B batch 16 / 64
 #   tunableop    PyTorch's GEMM algorithm tuning at batch 16 / 64
@@ -58,7 +55,8 @@
 # them from there (git show 25672e9:scripts/gpu_check.sh). Runs 24-25's short / peel: see commit dd042e6;
 # run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b. Sessions 7-12's one-offs (runs
 # 21-41: defaults7, defaults8, slimstep, gemm64, rows9, normrows, mixed10, stall, syncdebug, mixedprof, gcfreeze,
-# budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880.
+# budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880; session 15's
+# mergedrows (run 53) after c7d33ea.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -266,19 +264,6 @@ if has skinny; then  # the stream-K GEMM against cuBLAS: kernel, layer GEMMs, wh
     step lat_l8_b${B}_skinny_$run 90 env GYRFALCON_SKINNY_GEMM_ROWS=${run#*_} $G bench latency --model /tmp/ck/l8 \
       --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --profile \
       --output-json "$R/latency_llama-3.1-8b_b${B}_skinny${run#*_}_$run.json"
-  done
-fi
-if has mergedrows; then  # folded qkv / gate_up of 2-16 rows: the GEMV kernel's plain path vs cuBLAS
-  step gpu_tokens_merged 120 python3 -m pytest -q tests/gpu/test_model_gpu.py -k merged-rows -p no:cacheprovider
-  step merged_sweep 150 python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 \
-    --shapes l8_qkv_plain l8_gate_up_plain q06_qkv_plain q06_gate_up_plain --output-json "$R/small_m_gemv_merged.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  for mr in l8:a_1 l8:b_16 l8:c_16 l8:d_1 q06:a_1 q06:b_16; do
-    ck=${mr%:*} run=${mr#*:}
-    step lat_${ck}_b16_merged_$run 90 env GYRFALCON_SMALL_M_MERGED_ROWS=${run#*_} $G bench latency --model /tmp/ck/$ck \
-      --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16 --profile \
-      --output-json "$R/latency_${ck}_b16_merged${run#*_}_$run.json"
   done
 fi
 if has normbound; then  # the decode step without the layers' RMSNorm launches (meaningless tokens, real shapes):

@@ -128,15 +128,6 @@ def plain_gemm_max_rows() -> int:
     return _env_rows("GYRFALCON_SMALL_M_PLAIN_ROWS", PLAIN_MAX_ROWS)
 
 
-def merged_gemv_rows() -> int:
-    """Rows up to which qkv / gate_up (MergedLinear) without a fused norm go through this kernel's plain path
-    instead of cuBLAS: GYRFALCON_SMALL_M_MERGED_ROWS (default GEMV_MAX_ROWS: single rows; at most MAX_M). The
-    sweep that kept them on cuBLAS at 2-16 rows (run 2) timed them with the norm fused; since folded norms
-    (the default from run 48) batched qkv / gate_up are plain GEMMs, like the o_proj / down_proj that beat
-    cuBLAS on this path at 16 rows. An experiment until timed (gpu_check.sh mergedrows)."""
-    return _env_rows("GYRFALCON_SMALL_M_MERGED_ROWS", GEMV_MAX_ROWS)
-
-
 def peel_default() -> bool:
     """Whether a PDL launch peels its first weight tile (loads it before waiting for its input):
     GYRFALCON_GEMV_PEEL=0 turns that off, leaving PDL's early launch alone. The peeled tiles held in

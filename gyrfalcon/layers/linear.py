@@ -15,7 +15,7 @@ from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.kernels.skinny_gemm import skinny_gemm_rows, skinny_gemm_triton
-from gyrfalcon.kernels.small_m_gemv import merged_gemv_rows, norm_gemv_triton, plain_gemm_max_rows
+from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows
 
 
 class Linear(nn.Module):
@@ -66,9 +66,10 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shard_sizes: Dict[object, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias)
-        # qkv and gate_up at a few rows lost to cuBLAS in the sweep with their norm fused (run 2): single rows
-        # only, unless GYRFALCON_SMALL_M_MERGED_ROWS (merged_gemv_rows) sends their plain GEMMs (folded norms) here.
-        self.small_m_rows = merged_gemv_rows()
+        # qkv and gate_up of 2-16 rows stay with cuBLAS: they lost on this path with their norm fused (run 2)
+        # and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16 4.662 / 4.673 ms per step
+        # against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). Single rows only.
+        self.small_m_rows = GEMV_MAX_ROWS
         self.shards: Dict[object, Tuple[int, int]] = {}
         off = 0
         for sid, size in shard_sizes.items():

@@ -63,7 +63,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm", "merged-rows"])
+                                  "short-graph", "unfolded-norms", "skinny-gemm"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -81,8 +81,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
-    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); merged-rows: qkv and
-    gate_up of 2-16 rows through the GEMV kernel's plain path (GYRFALCON_SMALL_M_MERGED_ROWS=16; off by default)."""
+    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
@@ -91,7 +90,6 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
     monkeypatch.setenv("GYRFALCON_MERGE_INTO_O_PROJ", "1" if mode == "merge-o-proj" else "0")
     monkeypatch.setenv("GYRFALCON_SKINNY_GEMM_ROWS", "128" if mode == "skinny-gemm" else "0")
-    monkeypatch.setenv("GYRFALCON_SMALL_M_MERGED_ROWS", "16" if mode == "merged-rows" else "1")
     if mode == "cublas-rows":
         monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
     else:
@@ -115,7 +113,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
     layer0 = llm.engine.runner.model.model.layers[0]
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
-    assert layer0.mlp.gate_up_proj.small_m_rows == (16 if mode == "merged-rows" else 1)
+    assert layer0.mlp.gate_up_proj.small_m_rows == 1
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]

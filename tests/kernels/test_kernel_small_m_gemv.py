@@ -88,12 +88,10 @@ def test_peeled_whole_row_launch_matches_unfused(mode, monkeypatch):
 def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     """How many rows a norm-less Linear (o_proj, down_proj) sends through this kernel: 16 by default,
     GYRFALCON_SMALL_M_PLAIN_ROWS otherwise (at least 1, capped at MAX_M = 64); the merged projections (qkv,
-    gate_up) keep single rows unless GYRFALCON_SMALL_M_MERGED_ROWS says otherwise."""
-    from gyrfalcon.kernels.small_m_gemv import (GEMV_MAX_ROWS, PLAIN_MAX_ROWS, merged_gemv_rows,
-                                                plain_gemm_max_rows)
+    gate_up) keep single rows."""
+    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, PLAIN_MAX_ROWS, plain_gemm_max_rows
     from gyrfalcon.layers.linear import Linear, MergedLinear
     monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    monkeypatch.delenv("GYRFALCON_SMALL_M_MERGED_ROWS", raising=False)
     assert plain_gemm_max_rows() == PLAIN_MAX_ROWS == 16
     assert Linear(8, 4).small_m_rows == 16
     assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == GEMV_MAX_ROWS == 1
@@ -106,10 +104,6 @@ def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "100")
     assert plain_gemm_max_rows() == 64
     assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == 1  # the plain-rows switch leaves qkv / gate_up alone
-    monkeypatch.setenv("GYRFALCON_SMALL_M_MERGED_ROWS", "16")
-    assert merged_gemv_rows() == 16 and MergedLinear(8, {0: 4, 1: 4}).small_m_rows == 16
-    monkeypatch.setenv("GYRFALCON_SMALL_M_MERGED_ROWS", "0")
-    assert merged_gemv_rows() == 1
 
 
 def test_multi_row_config_follows_the_sweep():
