@@ -7,7 +7,10 @@ code-generator errors (a variable redefined across branches), shared-memory over
 (the fp32 prefetch needed 270 KB of 227 KB in run 13). It also prints each kernel's registers and local
 memory (spills) from cuobjdump, where Triton ships it. Speed still needs the GPU.
 
-python3 scripts/compile_check.py [--arch 90] [--smem-limit 232448]
+python3 scripts/compile_check.py [--arch 90] [--smem-limit 232448] [--sass LABEL]
+--sass LABEL compiles only the launches whose label contains LABEL and prints, per loop of each kernel's SASS
+(cuobjdump), its instructions and the commonest opcodes (how the fp8 decode loop's 1,137 -> 686 instructions a
+tile were counted); the SASS goes to --sass-dir.
 Exit status: 0 all compiled and fit; 1 a kernel failed; 2 this Triton's internals do not allow the
 compile-only harness (nothing was checked).
 """
@@ -55,7 +58,7 @@ def _harness(arch: int):
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         k = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.__name__, k.metadata.shared, k.metadata.num_warps, _resources(k)))
+        compiled.append((self.__name__, k.metadata.shared, k.metadata.num_warps, _resources(k), k))
         return k
 
     JITFunction.run = compile_only
@@ -73,15 +76,49 @@ def _harness(arch: int):
     return mods, compiled
 
 
+def _cuobjdump() -> str:
+    import triton.backends.nvidia as nv
+
+    return os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+
+
+def sass_loops(kernel, out_path=None) -> list:
+    """[(first address, last address, collections.Counter of opcodes)] for each loop of a compiled kernel's SASS
+    (a branch back to a lower address closes one); [] without cuobjdump. out_path: where to write the SASS."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    tool = _cuobjdump()
+    cubin = kernel.asm.get("cubin")
+    if not cubin or not os.path.exists(tool):
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(sass)
+    instrs = [(int(a, 16), op, rest) for a, op, rest in
+              re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+    loops = []
+    for addr, op, rest in instrs:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            loops.append((lo, addr, collections.Counter(o for a, o, _ in instrs if lo <= a <= addr)))
+    return loops
+
+
 def _resources(kernel) -> dict:
     """{"REG": registers a thread, "LOCAL": bytes of local memory a thread (> 0: spills), ...} from
     cuobjdump's resource usage of the compiled cubin; {} where that tool is not at hand."""
     import subprocess
     import tempfile
 
-    import triton.backends.nvidia as nv
-
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    tool = _cuobjdump()
     cubin = kernel.asm.get("cubin")
     if not cubin or not os.path.exists(tool):
         return {}
@@ -292,10 +329,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--smem-limit", type=int, default=232448, help="bytes of shared memory per block (H200)")
+    p.add_argument("--sass", metavar="LABEL", help="only the launches whose label contains LABEL, with their SASS "
+                   "loops' instruction counts")
+    p.add_argument("--sass-dir", default="/tmp/gyrfalcon-sass", help="where --sass writes each kernel's SASS")
     args = p.parse_args(argv)
     try:
         mods, compiled = _harness(args.arch)
-        todo = cases(mods)
+        todo = [(label, thunk) for label, thunk in cases(mods) if not args.sass or args.sass in label]
     except Exception:  # this Triton's internals differ: nothing checked
         traceback.print_exc()
         print("compile_check: the compile-only harness does not work with this Triton", file=sys.stderr)
@@ -309,11 +349,17 @@ def main(argv=None) -> int:
             failed += 1
             print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
             continue
-        for kname, smem, nw, res in compiled[n0:]:
+        for i, (kname, smem, nw, res, kernel) in enumerate(compiled[n0:]):
             over = smem > args.smem_limit
             failed += over
             regs = f", {res['REG']} registers, {res.get('LOCAL', 0)} B local (spills)" if "REG" in res else ""
             print(f"{'FAIL' if over else 'ok  '} {label}: {kname} {smem / 1024:.0f} KB shared, {nw} warps{regs}")
+            if args.sass:
+                os.makedirs(args.sass_dir, exist_ok=True)
+                out = os.path.join(args.sass_dir, f"{n0 + i}_{kname}.sass")
+                for lo, hi, ops in sass_loops(kernel, out):
+                    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(12))
+                    print(f"     loop 0x{lo:x}-0x{hi:x}: {sum(ops.values())} instructions; {top}")
     print(f"compile_check sm_{args.arch}: {len(todo)} launches, {len(compiled)} kernels compiled, {failed} failed")
     return 1 if failed else 0
 

@@ -445,8 +445,9 @@ def fp8_v_staged() -> bool:
     dot (the default; GYRFALCON_DECODE_FP8_V_STAGED=0: widened in the dot's operand layout, loaded from shared
     memory a byte at a time). On the H200 (decode_attn_tput_fp8*-h200-2026-12-01-run52.json, Llama-8B's
     32 / 8 heads, batch 256, 2048 tokens), staged with a tl.where as the pin it took 395 us against 448 unstaged
-    and 494 for a bf16 cache; pinned by the asm statement (_pin_f16), 384 us at the same launch shape (run 54)."""
-    return os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0"
+    and 494 for a bf16 cache; pinned by the asm statement (_pin_f16), 384 us at the same launch shape (run 54).
+    The pin is PTX: off on ROCm builds."""
+    return os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0" and getattr(torch.version, "hip", None) is None
 
 
 def k_rows(programs: int, prefetch: bool = False) -> bool:

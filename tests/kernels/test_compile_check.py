@@ -55,3 +55,30 @@ print("SHARED", dict((c[0], c[1]) for c in compiled)["_decode_split_kernel"])
     assert r.returncode == 0, r.stderr[-3000:]
     shared = int(r.stdout.split("SHARED")[1].split()[0])
     assert shared > 232448
+
+
+def test_fp8_decode_loop_has_no_bytewise_shared_loads():
+    """The fp8 KV decode loop at the throughput row's shape (Llama-8B heads, batch 256) widens V in its row
+    layout (paged_decode_attention.fp8_v_staged), so its sm_90 loop loads no shared-memory byte at a time
+    (128 LDS.U8 a 128-key tile otherwise, as GYRFALCON_DECODE_FP8_V_STAGED=0 shows) and stays near the 686
+    instructions a tile measured when the asm pin replaced a tl.where (1,137 with the where; a Triton upgrade
+    that undoes the pin shows up here)."""
+    r = _run(["scripts/compile_check.py", "--sass", "llama-3.1-8b attention b256 (key rows), fp8 cache"])
+    if r.returncode == 2:
+        pytest.skip("this Triton does not allow the compile-only harness: " + r.stderr.strip()[-300:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    loops = {}
+    label = None
+    for line in r.stdout.splitlines():
+        if line.startswith("ok "):
+            label = line.split(": ")[0]
+        elif line.strip().startswith("loop ") and label:
+            loops.setdefault(label, []).append(line)
+    if not loops:
+        pytest.skip("no cuobjdump in this Triton: no SASS to read")
+    staged = [ln for lab, lines in loops.items() if not lab.endswith("V unstaged") for ln in lines]
+    unstaged = [ln for lab, lines in loops.items() if lab.endswith("V unstaged") for ln in lines]
+    assert staged and unstaged, r.stdout
+    assert all("LDS.U8" not in ln for ln in staged), staged
+    assert any("LDS.U8" in ln for ln in unstaged), unstaged  # the check can see byte loads
+    assert all(int(ln.split(": ")[1].split()[0]) < 900 for ln in staged), staged
