@@ -135,7 +135,7 @@ if HAS_TRITON:
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=dv[None, :] < HEAD_DV, other=0.0)
-        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype for the dots
+        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype (fp16, or fp32) for the dots
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         if UPCAST:
@@ -196,6 +196,13 @@ if HAS_TRITON:
             q_ptr + (q_start + q_idx)[:, None] * s_qt + head[:, None] * s_qh + dk[None, :],
             mask=row_ok[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
         )
+        if (kc_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype != tl.float32):
+            # An fp8 cache beside a 16-bit query: the dots run in fp16, which holds every e4m3 value exactly, so
+            # the tiles widen in one instruction a pair (cvt.rn.f16x2.e4m3x2) where widening to bf16 went on
+            # through fp16 (one F2F.BF16.F16 per value: 64 of the 422 instructions a 32-key step on sm_90, 128
+            # of 667 a long-query step, scripts/compile_check.py --sass). A bf16 query is exact in fp16
+            # between 2^-14 and 65504 in magnitude; the decode kernel does the same (Q16).
+            q = q.to(tl.float16)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
