@@ -15,7 +15,8 @@
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
 #   llama        Llama-3.1-8B batch 1, 16, 64
 #   fp8kv        --kv-cache-dtype fp8 vs bf16: the throughput row at 768 sequences (twice the tokens fit) against
-#                the bf16 default, Llama b64; the GPU fp8 tests unless fp8attn runs
+#                the bf16 default (FP8_PREFILL_AB=1: and fp8 with prefill attention's dots in bf16), Llama b64; the
+#                GPU fp8 tests unless fp8attn or ktests runs
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
@@ -155,6 +156,10 @@ if has fp8kv; then  # --kv-cache-dtype fp8 (K/V as float8 e4m3) against the bf16
   step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
   step tput_l8 300 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
+  # FP8_PREFILL_AB=1: the same fp8 run with prefill attention's dots in bf16 (GYRFALCON_PREFILL_FP8_F16=0, before
+  # session 15), for its mixed steps' ms each
+  [ -n "${FP8_PREFILL_AB:-}" ] && step tput_l8_fp8_768seqs_bf16dots 300 env GYRFALCON_PREFILL_FP8_F16=0 $tp \
+    --kv-cache-dtype fp8 --max-num-seqs 768 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_bf16dots.json"
   l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
   step lat_l8_b64_fp8 90 $l8 --kv-cache-dtype fp8 --output-json "$R/latency_llama-3.1-8b_b64_fp8kv.json"
   step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"

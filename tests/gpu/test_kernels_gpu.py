@@ -426,7 +426,11 @@ def test_paged_decode_fp8_cache(batch, max_ctx, staged, monkeypatch):
     torch.testing.assert_close(paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5), want, **TOL)
 
 
-def test_paged_prefill_fp8_cache():
+@pytest.mark.parametrize("f16", ["1", "0"], ids=["f16-dots", "bf16-dots"])
+def test_paged_prefill_fp8_cache(f16, monkeypatch):
+    """fp16 dots beside the bf16 query (the default) or bf16 ones (GYRFALCON_PREFILL_FP8_F16=0); decode-like
+    rows (a 1-token query over 900 keys) as a throughput run's mixed steps hold them."""
+    monkeypatch.setenv("GYRFALCON_PREFILL_FP8_F16", f16)
     q_lens, seq_lens = [512, 1, 300, 128], [512, 900, 1300, 128]
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=1300 // 16 + 1)
     kc, vc = kc.to(FP8), vc.to(FP8)

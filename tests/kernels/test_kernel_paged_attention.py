@@ -112,10 +112,13 @@ def test_triton_garbage_unused_block_table_entries():
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_fp8_cache_matches_ref(dtype):
+@pytest.mark.parametrize("f16", ["1", "0"], ids=["f16-dots", "query-dtype-dots"])
+def test_triton_fp8_cache_matches_ref(dtype, f16, monkeypatch):
     """kv_cache_dtype fp8: prefill / chunked prefill read float8 e4m3 key / value tiles, widened to fp32 beside
     an fp32 query and to fp16 beside a 16-bit one (the query rounded to fp16 as well; the interpreter then
-    upcasts the operands); the reference reads the same fp8 values with the bf16 query."""
+    upcasts the operands; GYRFALCON_PREFILL_FP8_F16=0: in the query's dtype); the reference reads the same fp8
+    values with the bf16 query."""
+    monkeypatch.setenv("GYRFALCON_PREFILL_FP8_F16", f16)
     q_lens, seq_lens = RAGGED
     q, kc, vc, bt, sl, qsl, _, _ = _batch(q_lens, seq_lens, 4, 2, 32, 8, torch.float32, fill=10**8)
     kc8, vc8, q = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(dtype)
