@@ -203,6 +203,12 @@ def cases(mods):
                 (f"{name} attention b16 in-kernel merge, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b64 (key rows), fp8 cache", attn(64, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
+                (f"{name} attention b256 (key rows), fp8 cache, K staged too",
+                 attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
+                (f"{name} attention b64 (key rows), fp8 cache, K staged too",
+                 attn(64, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
+                (f"{name} attention b1 pdl (prefetch), fp8 cache, K staged too",
+                 attn(1, pdl=True, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
                 (f"{name} attention b256 (key rows), fp8 cache, V unstaged",
                  attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_V_STAGED": "0"})),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]

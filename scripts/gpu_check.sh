@@ -18,7 +18,8 @@
 #                the bf16 default (FP8_PREFILL_AB=1: and fp8 with prefill attention's dots in bf16), Llama b64; the
 #                GPU fp8 tests unless fp8attn or ktests runs
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
-#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep
+#                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
+#                without it; FP8_K_AB=1: again with GYRFALCON_DECODE_FP8_K_STAGED=1)
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -113,6 +114,9 @@ if has fp8attn; then  # decode attention on the fp8 KV cache (V widened in its r
   # bf16's, side by side
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   step attn_tput_fp8 280 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8.json"
+  # FP8_K_AB=1: the fp8 sweep again with K staged like V (GYRFALCON_DECODE_FP8_K_STAGED=1, an experiment)
+  [ -n "${FP8_K_AB:-}" ] && step attn_tput_fp8_kstaged 280 env GYRFALCON_DECODE_FP8_K_STAGED=1 python3 \
+    benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8_kstaged.json"
   [ "${ATTN_BF16:-1}" = 1 ] && step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput \
     --output-json "$R/decode_attn_tput_bf16.json"  # ATTN_BF16=0: the fp8 sweep alone
 fi
