@@ -135,7 +135,7 @@ if HAS_TRITON:
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=dv[None, :] < HEAD_DV, other=0.0)
-        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype (fp16, or fp32) for the dots
+        if k.dtype == tl.float8e4nv:  # an fp8 cache: the tiles widen to the query's dtype (fp16 or fp32) for the dots
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         if UPCAST:

@@ -128,7 +128,7 @@ if HAS_TRITON:
                         # K the same way (an experiment, fp8_k_staged): Triton otherwise widens it in the dot's
                         # operand layout with a wider k-width, and the query's fragments, loaded to match,
                         # take a register move per value (74 IMAD.MOV of the 692 instructions a tile; pinned:
-                        # 647, 145 registers instead of 184, 100 KB of shared memory instead of 72).
+                        # 654, 180 registers instead of 184, 68 KB of shared memory instead of 72).
                         k = _pin_f16(k)
                 if not UPCAST:
                     q = q.to(tl.float16)
@@ -454,15 +454,16 @@ def fp8_v_staged() -> bool:
     32 / 8 heads, batch 256, 2048 tokens), staged with a tl.where as the pin it took 395 us against 448 unstaged
     and 494 for a bf16 cache; pinned by the asm statement (_pin_f16), 384 us at the same launch shape (run 54).
     The pin is PTX: off on ROCm builds."""
-    return os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0" and getattr(torch.version, "hip", None) is None
+    on = os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0"
+    return on and getattr(torch.version, "hip", None) is None
 
 
 def fp8_k_staged() -> bool:
     """GYRFALCON_DECODE_FP8_K_STAGED=1 (an experiment, off until timed; with the V staging only): an fp8 cache's
     K tile is pinned in its load layout as fp16 too and staged through shared memory like V. In the sm_90 code
-    (compile_check.py --sass, Llama-8B heads, batch 256) the loop drops from 692 to 647 instructions a 128-key
-    tile (the query's fragment moves go) and from 184 to 145 registers a thread, but takes 100 KB of shared
-    memory instead of 72 at 3 stages."""
+    (compile_check.py --sass, Llama-8B heads, batch 256) the loop drops from 692 to 654 instructions a 128-key
+    tile (the query's fragments' register moves go, two more ldmatrix / shared stores of K come), at 180
+    registers a thread instead of 184 and 68 KB of shared memory instead of 72."""
     return os.environ.get("GYRFALCON_DECODE_FP8_K_STAGED", "0") == "1"
 
 
@@ -491,7 +492,7 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
     return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
 
 
-_FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs take 128-key tiles (_decode_config)
+_FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs: 128-key tiles (_decode_config)
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False):
