@@ -114,8 +114,8 @@ class CacheConfig:
     # vLLM's --kv-cache-dtype fp8 does for checkpoints without KV scales): half the bytes of bf16, so twice
     # the tokens in the cache and half the bytes that decode attention reads; the values are rounded to
     # 3 mantissa bits. On the H200 decode attention over it now runs faster than over bf16 (batch 256, 2048
-    # tokens: 369 vs 495 us, run 55; in run 29 it had been slower, 761 vs 550 us a Llama-8B b64 step), and the
-    # throughput row at 768 sequences ran 11,157 tok/s against 9,780 for bf16 at 384 in the same call.
+    # tokens: 369 vs 495 us, runs 55 / 54; in run 29 it had been slower, 761 vs 550 us a Llama-8B b64 step),
+    # and the throughput row at 768 sequences ran 11,157 tok/s against 9,780 for bf16 at 384 in the same call.
     kv_cache_dtype: str = "auto"
 
     def kv_torch_dtype(self, model_dtype):

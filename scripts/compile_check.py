@@ -76,10 +76,22 @@ def _harness(arch: int):
     return mods, compiled
 
 
-def _cuobjdump() -> str:
+def _cuobjdump(kernel, flag: str):
+    """cuobjdump's output (`flag`: -sass, -res-usage) for a compiled kernel's cubin; None where Triton ships no
+    cuobjdump or the kernel has no cubin."""
+    import subprocess
+    import tempfile
+
     import triton.backends.nvidia as nv
 
-    return os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    cubin = kernel.asm.get("cubin")
+    if not cubin or not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def sass_loops(kernel, out_path=None) -> list:
@@ -87,17 +99,10 @@ def sass_loops(kernel, out_path=None) -> list:
     (a branch back to a lower address closes one); [] without cuobjdump. out_path: where to write the SASS."""
     import collections
     import re
-    import subprocess
-    import tempfile
 
-    tool = _cuobjdump()
-    cubin = kernel.asm.get("cubin")
-    if not cubin or not os.path.exists(tool):
+    sass = _cuobjdump(kernel, "-sass")
+    if sass is None:
         return []
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     if out_path:
         with open(out_path, "w") as f:
             f.write(sass)
@@ -115,18 +120,7 @@ def sass_loops(kernel, out_path=None) -> list:
 def _resources(kernel) -> dict:
     """{"REG": registers a thread, "LOCAL": bytes of local memory a thread (> 0: spills), ...} from
     cuobjdump's resource usage of the compiled cubin; {} where that tool is not at hand."""
-    import subprocess
-    import tempfile
-
-    tool = _cuobjdump()
-    cubin = kernel.asm.get("cubin")
-    if not cubin or not os.path.exists(tool):
-        return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        r = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
-    for line in r.stdout.splitlines():
+    for line in (_cuobjdump(kernel, "-res-usage") or "").splitlines():
         if "REG:" in line:
             return {k: int(v) for k, v in (kv.split(":")[:2] for kv in line.split() if kv.count(":") == 1)
                     if v.isdigit()}
