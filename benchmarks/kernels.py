@@ -141,17 +141,79 @@ def prefill_short_sweep(args) -> None:
             json.dump(out, f, indent=1)
 
 
+PREFILL_FP8_CASES = [(16, 1024, 0), (1, 8192, 0), (4, 1024, 3072)]  # (sequences, new tokens each, cached prefix each)
+
+
+def prefill_fp8_ab(args) -> None:
+    """Prefill attention over an fp8 (e4m3) KV cache with its dots in fp16 (GYRFALCON_PREFILL_FP8_F16=1, the
+    default) against the query's dtype (=0: the tiles widened e4m3 -> fp16 -> bf16), beside a bf16 cache, at the
+    throughput row's prefill (16 fresh prompts of 1,024 tokens), one long prompt, and chunks of 1,024 tokens
+    after 3,072 cached ones. Four rounds of alternating order; every round's time is kept. The outputs of the two
+    fp8 variants are compared with each other and with the bf16 cache's."""
+    from gyrfalcon.kernels.paged_attention import paged_attention_triton
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    env = "GYRFALCON_PREFILL_FP8_F16"
+    initial = os.environ.get(env)
+    out = {"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "command": " ".join(sys.argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": {}}
+    for B, L, prefix in PREFILL_FP8_CASES:
+        kc, vc, bt = _paged([prefix + L] * B)
+        caches = {"bf16": (kc, vc), "fp8": (kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))}
+        q = torch.randn(B * L, H, D, device=dev, dtype=DT)
+        qsl = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev)
+        sl = torch.full((B,), prefix + L, dtype=torch.int32, device=dev)
+        variants = {"bf16": ("bf16", "1"), "fp8_f16_dots": ("fp8", "1"), "fp8_bf16_dots": ("fp8", "0")}
+
+        def call(name):
+            cache, flag = variants[name]
+            os.environ[env] = flag
+            k, v = caches[cache]
+            return lambda: paged_attention_triton(q, k, v, bt, sl, qsl, D ** -0.5)
+
+        outs = {name: call(name)().float() for name in variants}
+        times = {name: [] for name in variants}
+        try:
+            for rnd in range(4):
+                for name in (list(variants) if rnd % 2 == 0 else list(reversed(variants))):
+                    times[name].append(round(_bench_gpu(call(name)), 2))
+        finally:
+            if initial is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = initial
+        flops = 4 * H * D * B * L * (prefix + (L + 1) / 2)
+        med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+        case = {"us_rounds": times, "us_median": med,
+                "tflops": {n: round(flops / (t * 1e-6) / 1e12, 1) for n, t in med.items()},
+                "max_abs_diff_fp8_f16_vs_bf16_dots": (outs["fp8_f16_dots"] - outs["fp8_bf16_dots"]).abs().max().item(),
+                "max_abs_diff_fp8_f16_vs_bf16_cache": (outs["fp8_f16_dots"] - outs["bf16"]).abs().max().item()}
+        out["cases"][f"{B}x{L}+{prefix}"] = case
+        print(f"prefill fp8 {B} x {L} (+{prefix} cached): " + ", ".join(
+            f"{n} {t:.1f} us ({case['tflops'][n]} TFLOP/s)" for n, t in med.items())
+            + f"; f16/bf16 dots {med['fp8_f16_dots'] / med['fp8_bf16_dots']:.3f}; max |f16 - bf16 dots| "
+            f"{case['max_abs_diff_fp8_f16_vs_bf16_dots']:.4f}", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer shapes, no sweep")
     ap.add_argument("--prefill-short-sweep", action="store_true",
                     help="only prefill attention's launch shapes on batches of short prompts")
+    ap.add_argument("--prefill-fp8-ab", action="store_true",
+                    help="only prefill attention over an fp8 cache, its dots in fp16 vs bf16, beside a bf16 cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     if args.prefill_short_sweep:
         return prefill_short_sweep(args)
+    if args.prefill_fp8_ab:
+        return prefill_fp8_ab(args)
 
     import triton
 

@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -204,14 +205,17 @@ def bench_decode_attention_sweep(rows):
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
 
 
-def bench_decode_attention_tput(rows, fp8: bool = False):
+def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_env: str | None = None):
     """Decode attention where the throughput benchmark spends its steps (768 x 1024/1024 on Llama-3.1-8B:
     ~256 sequences at 1-2k tokens of context, where the KV reads are ~3/4 of a step's bytes): launch
     shapes (splits, keys per tile, warps, stages) and the key-tile layout (GYRFALCON_DECODE_K_ROWS),
     each against the default launch and as a fraction of the HBM roofline of its K/V bytes.
     fp8: the cache in float8 e4m3 (--kv-cache-dtype fp8), half the bytes, with 256-key tiles in the sweep too:
     at the bf16 cache's launch shapes it ran slower than bf16 in whole steps (Llama-8B b64 decode attention
-    761 vs 550 us per step, run 29), where a tile of 1-byte elements keeps half as many bytes in flight."""
+    761 vs 550 us per step, run 29), where a tile of 1-byte elements keeps half as many bytes in flight.
+    sweep=False (--quick): the default launch only. ab_env (--ab-env NAME): the default launch with the environment
+    variable NAME at "0" and at "1", in four rounds of alternating order (0 1 1 0 ...), each round's time kept:
+    a same-process A/B of a kernel switch read at launch (e.g. GYRFALCON_DECODE_FP8_K_STAGED)."""
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
 
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -230,9 +234,27 @@ def bench_decode_attention_tput(rows, fp8: bool = False):
 
         frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
         t_default = timed()
+        ab = {}
+        if ab_env:
+            initial = os.environ.get(ab_env)
+            ab = {"0": [], "1": []}
+            try:
+                for rnd in range(4):
+                    for val in (("0", "1") if rnd % 2 == 0 else ("1", "0")):
+                        os.environ[ab_env] = val
+                        ab[val].append(round(timed(), 2))
+            finally:
+                if initial is None:
+                    os.environ.pop(ab_env, None)
+                else:
+                    os.environ[ab_env] = initial
+            med = {v: statistics.median(ts) for v, ts in ab.items()}
+            print(f"attn tput{' fp8' if fp8 else ''} B={B:3d} ctx={ctx:5d}: {ab_env}=0 {med['0']:.1f} us "
+                  f"({frac(med['0']):.0%}), =1 {med['1']:.1f} us ({frac(med['1']):.0%}); 1/0 "
+                  f"{med['1'] / med['0']:.3f}; rounds 0: {ab['0']}, 1: {ab['1']}", flush=True)
         res = {}
         for splits, bn, nw, ns, kr in itertools.product((1, 2), (64, 128, 256) if fp8 else (64, 128), (4, 8), (2, 3),
-                                                        ("0", "1")):
+                                                        ("0", "1")) if sweep else ():
             try:
                 res[splits, bn, nw, ns, kr] = timed(kr, num_splits=splits, block_n=bn, num_warps=nw, num_stages=ns)
             except Exception as e:  # e.g. out of shared memory for the largest tiles
@@ -240,6 +262,8 @@ def bench_decode_attention_tput(rows, fp8: bool = False):
         best = sorted(res, key=res.get)[:5]
         rows.append({"heads": n_heads, "kv_heads": n_kv, "B": B, "ctx": ctx, "kv_dtype": str(kv_dtype),
                      "default_us": round(t_default, 2), "frac_hbm_default": round(frac(t_default), 3),
+                     **({"ab_env": ab_env, "ab_rounds_us": ab,
+                         "ab_median_us": {v: statistics.median(ts) for v, ts in ab.items()}} if ab else {}),
                      "best": [{"splits": k[0], "block_n": k[1], "warps": k[2], "stages": k[3], "k_rows": k[4],
                                "us": round(res[k], 2), "frac_hbm": round(frac(res[k]), 3)} for k in best],
                      "all": {"/".join(map(str, k)): round(t, 2) for k, t in res.items()}})
@@ -440,6 +464,8 @@ def main() -> None:
     ap.add_argument("--attn-tput", action="store_true",
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
     ap.add_argument("--fp8", action="store_true", help="with --attn-tput: the float8 e4m3 KV cache")
+    ap.add_argument("--ab-env", help="with --attn-tput: the default launch with this environment variable at 0 "
+                    "and at 1, alternately (a kernel switch's same-process A/B)")
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")
@@ -458,7 +484,7 @@ def main() -> None:
         bench_decode_attention_sweep(attn_rows)
     if args.attn_tput:
         args.skip_gemv = args.skip_attention = True
-        bench_decode_attention_tput(attn_rows, fp8=args.fp8)
+        bench_decode_attention_tput(attn_rows, fp8=args.fp8, sweep=not args.quick, ab_env=args.ab_env)
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

@@ -20,6 +20,8 @@
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
 #                without it; FP8_K_AB=1: again with GYRFALCON_DECODE_FP8_K_STAGED=1)
+#   fp8ab        the fp8 kernel switches A/B in one process each: decode attention's K staging (ABBA at the default
+#                launch, --attn-tput --fp8 --quick --ab-env), prefill attention's fp16 dots (kernels.py --prefill-fp8-ab)
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -119,6 +121,13 @@ if has fp8attn; then  # decode attention on the fp8 KV cache (V widened in its r
     benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8_kstaged.json"
   [ "${ATTN_BF16:-1}" = 1 ] && step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput \
     --output-json "$R/decode_attn_tput_bf16.json"  # ATTN_BF16=0: the fp8 sweep alone
+fi
+if has fp8ab; then  # the two fp8 switches built from sm_90 instruction counts, each timed on its own kernel in one
+  # process, ABBA: decode attention with K staged like V (GYRFALCON_DECODE_FP8_K_STAGED) at the default launch, and
+  # prefill attention's dots in fp16 vs bf16 (GYRFALCON_PREFILL_FP8_F16) beside a bf16 cache
+  step attn_fp8_kstaged_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --quick \
+    --ab-env GYRFALCON_DECODE_FP8_K_STAGED --output-json "$R/decode_attn_tput_fp8_kstaged_ab.json"
+  step prefill_fp8_ab 150 python3 benchmarks/kernels.py --prefill-fp8-ab --output-json "$R/prefill_attn_fp8_ab.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
