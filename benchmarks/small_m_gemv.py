@@ -354,57 +354,73 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
 
 
 def bench_pdl_chain(rows):
-    """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 (norm+qkv GEMV, q/k-norm+rope+KV store,
-    attention over 256 tokens, o GEMV, norm+gate_up+SiLU GEMV, down GEMV), layer after layer on distinct
-    weights in one CUDA graph, with programmatic dependent launch off and on."""
-    from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
-    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
+    """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 as the model runs them (norm+qkv GEMV, decode
+    attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV,
+    norm+gate_up+SiLU GEMV, down GEMV), layer after layer in one CUDA graph, with programmatic dependent launch
+    off, serialized, and on; each on distinct weights per layer (as the model: 31.5 MB a layer, read from HBM),
+    on one layer's weights shared by all (after the first layer they sit in the 50 MB L2: the bound of what
+    prefetching the next kernels' weights into L2 ahead of time could gain), and on distinct weights with that
+    prefetch (GYRFALCON_L2_PREFETCH's plan: each GEMV pulls in the weights of the GEMV two launches on)."""
+    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
     dev, bf = "cuda", torch.bfloat16
-    q, caches, bt, sl = _attn_inputs(1, ctx, H, KV, D, copies=layers)
+    _, caches, bt, sl = _attn_inputs(1, ctx, H, KV, D, copies=layers)
     pos = torch.tensor([ctx - 1], device=dev)
     slot = torch.tensor([ctx - 1], device=dev)
     cs = torch.randn(4096, D, device=dev)
-    Ws = [dict(qkv=torch.randn((H + 2 * KV) * D, hid, device=dev, dtype=bf) * 0.02,
-               o=torch.randn(hid, H * D, device=dev, dtype=bf) * 0.02,
-               gu=torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02,
-               down=torch.randn(hid, inter, device=dev, dtype=bf) * 0.02,
-               n1=torch.ones(hid, device=dev, dtype=bf), n2=torch.ones(hid, device=dev, dtype=bf),
-               qn=torch.ones(D, device=dev, dtype=bf), kn=torch.ones(D, device=dev, dtype=bf))
-          for _ in range(layers)]
-    x0 = torch.randn(1, hid, device=dev, dtype=bf)
-    out = {}
-    for pdl in (False, "serial", True):
-        # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
-        os.environ["GYRFALCON_PDL"] = "serial" if pdl == "serial" else "1"
 
-        def step(pdl=bool(pdl)):
-            x, res = x0, torch.zeros_like(x0)
-            for w, (kc, vc) in zip(Ws, caches):
-                qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
-                qq = qkv_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slot, w["qn"], w["kn"], pdl=pdl)
-                o = paged_decode_attention_triton(qq, kc, vc, bt, sl, D ** -0.5, pdl=pdl)
-                x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
-                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
-                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
-            return x
-        out[pdl] = step().float()
-        out[pdl, "us"] = graph_time_us([step], reps=3)
-    os.environ.pop("GYRFALCON_PDL")
-    same = torch.equal(out["serial"], out[True])
-    wbytes = sum(t.numel() * 2 for w in Ws for t in w.values())
+    def layer_weights():
+        return dict(qkv=torch.randn((H + 2 * KV) * D, hid, device=dev, dtype=bf) * 0.02,
+                    o=torch.randn(hid, H * D, device=dev, dtype=bf) * 0.02,
+                    gu=torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02,
+                    down=torch.randn(hid, inter, device=dev, dtype=bf) * 0.02,
+                    n1=torch.ones(hid, device=dev, dtype=bf), n2=torch.ones(hid, device=dev, dtype=bf),
+                    qn=torch.ones(D, device=dev, dtype=bf), kn=torch.ones(D, device=dev, dtype=bf))
+
+    distinct = [layer_weights() for _ in range(layers)]
+    x0 = torch.randn(1, hid, device=dev, dtype=bf)
+    wbytes = sum(t.numel() * 2 for t in distinct[0].values()) * layers
     kvb = layers * 2 * ctx * KV * D * 2
-    for pdl, name in ((False, "off"), ("serial", "serial"), (True, "on")):
-        t = out[pdl, "us"]
-        print(f"pdl chain ({layers} Qwen3-0.6B layers, batch 1, ctx {ctx}): PDL {name:6s} "
-              f"{t:7.1f} us per step ({(wbytes + kvb) / (t * 1e-6) / HBM_BYTES_PER_S:.0%} of HBM)", flush=True)
-    print(f"pdl chain: PDL output identical to its serialized launch: {same}; speedup over PDL off "
-          f"x{out[False, 'us'] / out[True, 'us']:.3f}", flush=True)
-    rows.append({"layers": layers, "ctx": ctx, "us_pdl_off": round(out[False, "us"], 1),
-                 "us_pdl_serial": round(out["serial", "us"], 1),
-                 "us_pdl_on": round(out[True, "us"], 1), "identical_to_serial": same,
-                 "speedup": round(out[False, "us"] / out[True, "us"], 3)})
+    # The model's plan (LlamaModel.plan_l2_prefetch): each GEMV pulls in the weights of the GEMV two launches on.
+    order = [(i, k) for i in range(layers) for k in ("qkv", "o", "gu", "down")]
+    plan = {}
+    for j, (i, k) in enumerate(order):
+        ahead = order[j + 1:j + 3] if j == 0 else order[j + 2:j + 3]
+        plan[i, k] = tuple(distinct[a][b] for a, b in ahead)
+    for mode, Ws in (("distinct", distinct), ("shared", [distinct[0]] * layers), ("prefetch", distinct)):
+        pf = (lambda i, k: plan[i, k]) if mode == "prefetch" else (lambda i, k: ())
+        out = {}
+        for pdl in (False, "serial", True):
+            # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
+            os.environ["GYRFALCON_PDL"] = "serial" if pdl == "serial" else "1"
+
+            def step(pdl=bool(pdl)):
+                x, res = x0, torch.zeros_like(x0)
+                for i, (w, (kc, vc)) in enumerate(zip(Ws, caches)):
+                    qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl, l2_prefetch=pf(i, "qkv"))
+                    o = decode_attention_with_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slot, bt, sl,
+                                                          D ** -0.5, q_norm_weight=w["qn"], k_norm_weight=w["kn"],
+                                                          pdl=pdl)
+                    x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl, l2_prefetch=pf(i, "o"))
+                    h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl, l2_prefetch=pf(i, "gu"))
+                    x, _ = norm_gemv_triton(h, w["down"], pdl=pdl, l2_prefetch=pf(i, "down"))
+                return x
+            out[pdl] = step().float()
+            out[pdl, "us"] = graph_time_us([step], reps=3)
+        os.environ.pop("GYRFALCON_PDL")
+        same = torch.equal(out["serial"], out[True])
+        for pdl, name in ((False, "off"), ("serial", "serial"), (True, "on")):
+            t = out[pdl, "us"]
+            print(f"pdl chain ({layers} Qwen3-0.6B layers, {mode} weights, batch 1, ctx {ctx}): PDL {name:6s} "
+                  f"{t:7.1f} us per step ({(wbytes + kvb) / (t * 1e-6) / HBM_BYTES_PER_S:.0%} of HBM, "
+                  f"{t / layers:.2f} us a layer)", flush=True)
+        print(f"pdl chain ({mode}): PDL output identical to its serialized launch: {same}; speedup over PDL off "
+              f"x{out[False, 'us'] / out[True, 'us']:.3f}", flush=True)
+        rows.append({"layers": layers, "ctx": ctx, "weights": mode, "us_pdl_off": round(out[False, "us"], 1),
+                     "us_pdl_serial": round(out["serial", "us"], 1),
+                     "us_pdl_on": round(out[True, "us"], 1), "identical_to_serial": same,
+                     "speedup": round(out[False, "us"] / out[True, "us"], 3)})
 
 
 def bench_argmax(rows, sweep: bool = True):

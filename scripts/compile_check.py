@@ -253,6 +253,10 @@ def cases(mods):
                     (f"{name} o_proj GEMV pdl={pdl}", gemv(1, hid, H * D, pdl=pdl)),
                     (f"{name} gate_up GEMV pdl={pdl}", gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=pdl)),
                     (f"{name} down GEMV pdl={pdl}", gemv(1, hid, inter, pdl=pdl))]
+        pf = (torch.zeros(hid, H * D, dtype=bf), torch.zeros(2 * inter, hid, dtype=bf))  # L2 prefetch regions
+        out += [(f"{name} qkv GEMV pdl, L2 prefetch of 2", gemv(1, qkv_n, hid, norm=True, res=True, pdl=True,
+                                                                l2_prefetch=pf)),
+                (f"{name} o_proj GEMV pdl, L2 prefetch of 1", gemv(1, hid, H * D, pdl=True, l2_prefetch=pf[1:]))]
         whole = {"GYRFALCON_GEMV_WHOLE_ROW": "1"}
         out += [(f"{name} o_proj GEMV pdl whole-row", gemv(1, hid, H * D, env=whole, pdl=True)),
                 (f"{name} down GEMV pdl whole-row", gemv(1, hid, inter, env=whole, pdl=True)),

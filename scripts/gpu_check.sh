@@ -22,6 +22,8 @@
 #                without it; FP8_K_AB=1: again with GYRFALCON_DECODE_FP8_K_STAGED=1)
 #   fp8ab        the fp8 kernel switches A/B in one process each: decode attention's K staging (ABBA at the default
 #                launch, --attn-tput --fp8 --quick --ab-env), prefill attention's fp16 dots (kernels.py --prefill-fp8-ab)
+#   l2pf         GYRFALCON_L2_PREFETCH (batch-1 GEMVs pull the next GEMVs' weights into L2): the layer chain's bound
+#                (small_m_gemv.py --pdl-chain: distinct / shared / prefetched weights), its GPU tests, Qwen3-0.6B b1 ABBA
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -128,6 +130,19 @@ if has fp8ab; then  # the two fp8 switches built from sm_90 instruction counts, 
   step attn_fp8_kstaged_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --quick \
     --ab-env GYRFALCON_DECODE_FP8_K_STAGED --output-json "$R/decode_attn_tput_fp8_kstaged_ab.json"
   step prefill_fp8_ab 150 python3 benchmarks/kernels.py --prefill-fp8-ab --output-json "$R/prefill_attn_fp8_ab.json"
+fi
+if has l2pf; then  # batch-1 GEMVs pulling the next GEMVs' weights into L2 (GYRFALCON_L2_PREFETCH=1, an experiment):
+  # the Qwen3-0.6B layer chain on distinct / shared (L2-resident: the bound) / prefetched weights, its GPU tests,
+  # then Qwen3-0.6B b1 with it off / on, ABBA
+  step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
+  step gpu_l2pf_kernel 90 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k l2_prefetch -p no:cacheprovider
+  step gpu_l2pf_models 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "l2-prefetch" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  for run in a_0 b_1 c_1 d_0; do
+    step lat_q06_b1_l2pf_$run 90 env GYRFALCON_L2_PREFETCH=${run#*_} $q06 --async-scheduling \
+      --output-json "$R/latency_qwen3-0.6b_b1_l2pf${run#*_}_$run.json"
+  done
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
