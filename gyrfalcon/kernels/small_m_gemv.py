@@ -88,9 +88,10 @@ def l2_prefetch_enabled() -> bool:
     return os.environ.get("GYRFALCON_L2_PREFETCH", "0") == "1"
 
 
-def _prefetch_args(l2_prefetch) -> dict:
-    """The kernel's prefetch arguments for up to two tensors (none under the interpreter, which runs no PTX)."""
-    regions = [t for t in (l2_prefetch or ()) if t is not None][:2]
+def _prefetch_args(l2_prefetch, device: Optional[torch.device] = None) -> dict:
+    """The kernel's prefetch arguments for up to two tensors on `device` (none under the interpreter, which runs
+    no PTX)."""
+    regions = [t for t in (l2_prefetch or ()) if t is not None and (device is None or t.device == device)][:2]
     if interpreting() or not regions:
         return {}
     kw = {"N_PF": len(regions)}
@@ -545,7 +546,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
         PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), ADD_OUT=add_to is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **(_prefetch_args(l2_prefetch) if block_m == 1 else {}), **pdl_launch_kwargs(pdl),
+        **(_prefetch_args(l2_prefetch, x.device) if block_m == 1 else {}), **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 

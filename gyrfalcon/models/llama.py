@@ -203,15 +203,13 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fold_norms = fold_norms_enabled()  # the weights are folded at load (LlamaForCausalLM.finish_loading)
-        if l2_prefetch_enabled():
-            self.plan_l2_prefetch()
 
     def plan_l2_prefetch(self) -> None:
         """Each batch-1 GEMV launch pulls into L2 the weights of the GEMV two launches after it, in the order a
         step runs them (qkv, o_proj, gate_up, down, layer after layer; the first launch also the second's):
         (small_m_gemv.l2_prefetch_enabled). At most three layers' worth of GEMV weights sit in L2 at once (the
-        running one, the prefetched one, the one being prefetched). The tensors are the parameters themselves,
-        so weights loaded later are the ones prefetched."""
+        running one, the prefetched one, the one being prefetched). Called after load (finish_loading), with the
+        parameters where they stay."""
         linears = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -262,11 +260,14 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         """After load_weights (models/loader.py): with folded norms, each decoder layer's norm weights go into
-        the GEMMs after them (layers/norm.py fold_norm_into)."""
+        the GEMMs after them (layers/norm.py fold_norm_into); with GYRFALCON_L2_PREFETCH=1 the layers' batch-1
+        GEMVs get their prefetch plan (LlamaModel.plan_l2_prefetch)."""
         if self.model.fold_norms:
             for layer in self.model.layers:
                 fold_norm_into(layer.self_attn.qkv_proj.weight, layer.input_layernorm)
                 fold_norm_into(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm)
+        if l2_prefetch_enabled():  # the loaded parameters, where they will stay
+            self.model.plan_l2_prefetch()
 
     def kv_cache_spec(self) -> Dict[str, int]:
         attn = self.model.layers[0].self_attn
