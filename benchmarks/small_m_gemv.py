@@ -357,10 +357,13 @@ def bench_pdl_chain(rows):
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 as the model runs them (norm+qkv GEMV, decode
     attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV,
     norm+gate_up+SiLU GEMV, down GEMV), layer after layer in one CUDA graph, with programmatic dependent launch
-    off, serialized, and on; each on distinct weights per layer (as the model: 31.5 MB a layer, read from HBM),
-    on one layer's weights shared by all (after the first layer they sit in the 50 MB L2: the bound of what
-    prefetching the next kernels' weights into L2 ahead of time could gain), and on distinct weights with that
-    prefetch (GYRFALCON_L2_PREFETCH's plan: each GEMV pulls in the weights of the GEMV two launches on)."""
+    off, serialized, and on; each on distinct weights per layer (as the model: 31.5 MB a layer, read from HBM)
+    and on one layer's weights shared by all (after the first layer they sit in the 50 MB L2: the bound of what
+    prefetching the next kernels' weights into L2 ahead of time could gain). On the H200 (run 58,
+    pdl_chain-h200-2026-12-01-run58.json) PDL on: 634.0 us a step distinct, 564.4 shared, so ~20 us a layer is
+    the chain of dependent launches itself; GEMVs that pulled the GEMV two launches on into L2
+    (prefetch.global.L2, session 16's GYRFALCON_L2_PREFETCH) ran 639.6 us, and the model's step 0.731 vs 0.722 ms
+    (ABBA): removed."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
@@ -382,14 +385,7 @@ def bench_pdl_chain(rows):
     x0 = torch.randn(1, hid, device=dev, dtype=bf)
     wbytes = sum(t.numel() * 2 for t in distinct[0].values()) * layers
     kvb = layers * 2 * ctx * KV * D * 2
-    # The model's plan (LlamaModel.plan_l2_prefetch): each GEMV pulls in the weights of the GEMV two launches on.
-    order = [(i, k) for i in range(layers) for k in ("qkv", "o", "gu", "down")]
-    plan = {}
-    for j, (i, k) in enumerate(order):
-        ahead = order[j + 1:j + 3] if j == 0 else order[j + 2:j + 3]
-        plan[i, k] = tuple(distinct[a][b] for a, b in ahead)
-    for mode, Ws in (("distinct", distinct), ("shared", [distinct[0]] * layers), ("prefetch", distinct)):
-        pf = (lambda i, k: plan[i, k]) if mode == "prefetch" else (lambda i, k: ())
+    for mode, Ws in (("distinct", distinct), ("shared", [distinct[0]] * layers)):
         out = {}
         for pdl in (False, "serial", True):
             # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
@@ -397,14 +393,14 @@ def bench_pdl_chain(rows):
 
             def step(pdl=bool(pdl)):
                 x, res = x0, torch.zeros_like(x0)
-                for i, (w, (kc, vc)) in enumerate(zip(Ws, caches)):
-                    qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl, l2_prefetch=pf(i, "qkv"))
+                for w, (kc, vc) in zip(Ws, caches):
+                    qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
                     o = decode_attention_with_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slot, bt, sl,
                                                           D ** -0.5, q_norm_weight=w["qn"], k_norm_weight=w["kn"],
                                                           pdl=pdl)
-                    x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl, l2_prefetch=pf(i, "o"))
-                    h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl, l2_prefetch=pf(i, "gu"))
-                    x, _ = norm_gemv_triton(h, w["down"], pdl=pdl, l2_prefetch=pf(i, "down"))
+                    x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
+                    h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
+                    x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
                 return x
             out[pdl] = step().float()
             out[pdl, "us"] = graph_time_us([step], reps=3)

@@ -197,12 +197,6 @@ def cases(mods):
                 (f"{name} attention b16 in-kernel merge, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b64 (key rows), fp8 cache", attn(64, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b256 (key rows), fp8 cache, K staged too",
-                 attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
-                (f"{name} attention b64 (key rows), fp8 cache, K staged too",
-                 attn(64, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
-                (f"{name} attention b1 pdl (prefetch), fp8 cache, K staged too",
-                 attn(1, pdl=True, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_K_STAGED": "1"})),
                 (f"{name} attention b256 (key rows), fp8 cache, V unstaged",
                  attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_V_STAGED": "0"})),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
@@ -253,10 +247,6 @@ def cases(mods):
                     (f"{name} o_proj GEMV pdl={pdl}", gemv(1, hid, H * D, pdl=pdl)),
                     (f"{name} gate_up GEMV pdl={pdl}", gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=pdl)),
                     (f"{name} down GEMV pdl={pdl}", gemv(1, hid, inter, pdl=pdl))]
-        pf = (torch.zeros(hid, H * D, dtype=bf), torch.zeros(2 * inter, hid, dtype=bf))  # L2 prefetch regions
-        out += [(f"{name} qkv GEMV pdl, L2 prefetch of 2", gemv(1, qkv_n, hid, norm=True, res=True, pdl=True,
-                                                                l2_prefetch=pf)),
-                (f"{name} o_proj GEMV pdl, L2 prefetch of 1", gemv(1, hid, H * D, pdl=True, l2_prefetch=pf[1:]))]
         whole = {"GYRFALCON_GEMV_WHOLE_ROW": "1"}
         out += [(f"{name} o_proj GEMV pdl whole-row", gemv(1, hid, H * D, env=whole, pdl=True)),
                 (f"{name} down GEMV pdl whole-row", gemv(1, hid, inter, env=whole, pdl=True)),

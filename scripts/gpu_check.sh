@@ -15,15 +15,11 @@
 #   small        Qwen3-0.6B batch 1: fused / cuBLAS / unfused
 #   llama        Llama-3.1-8B batch 1, 16, 64
 #   fp8kv        --kv-cache-dtype fp8 vs bf16: the throughput row at 768 sequences (twice the tokens fit) against
-#                the bf16 default (FP8_PREFILL_AB=1: and fp8 with prefill attention's dots in bf16), Llama b64; the
-#                GPU fp8 tests unless fp8attn or ktests runs
+#                the bf16 default, Llama b64; the GPU fp8 tests unless fp8attn or ktests runs
 #   fp8attn      decode attention on the fp8 KV cache at the throughput row's batches and contexts: its GPU tests, launch
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
-#                without it; FP8_K_AB=1: again with GYRFALCON_DECODE_FP8_K_STAGED=1)
-#   fp8ab        the fp8 kernel switches A/B in one process each: decode attention's K staging (ABBA at the default
-#                launch, --attn-tput --fp8 --quick --ab-env), prefill attention's fp16 dots (kernels.py --prefill-fp8-ab)
-#   l2pf         GYRFALCON_L2_PREFETCH (batch-1 GEMVs pull the next GEMVs' weights into L2): the layer chain's bound
-#                (small_m_gemv.py --pdl-chain: distinct / shared / prefetched weights), its GPU tests, Qwen3-0.6B b1 ABBA
+#                without it)
+#   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -62,7 +58,9 @@
 # run 30's gapcheck (GYRFALCON_GC_FREEZE, merge-in-kernel at Qwen b1): b9c072b. Sessions 7-12's one-offs (runs
 # 21-41: defaults7, defaults8, slimstep, gemm64, rows9, normrows, mixed10, stall, syncdebug, mixedprof, gcfreeze,
 # budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880; session 15's
-# mergedrows (run 53) after c7d33ea.
+# mergedrows (run 53) after c7d33ea; session 16's fp8ab (run 56: decode attention's K staging, prefill attention's fp16
+# dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
+# after 262271a.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -118,31 +116,12 @@ if has fp8attn; then  # decode attention on the fp8 KV cache (V widened in its r
   # bf16's, side by side
   step gpu_fp8_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   step attn_tput_fp8 280 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8.json"
-  # FP8_K_AB=1: the fp8 sweep again with K staged like V (GYRFALCON_DECODE_FP8_K_STAGED=1, an experiment)
-  [ -n "${FP8_K_AB:-}" ] && step attn_tput_fp8_kstaged 280 env GYRFALCON_DECODE_FP8_K_STAGED=1 python3 \
-    benchmarks/small_m_gemv.py --attn-tput --fp8 --output-json "$R/decode_attn_tput_fp8_kstaged.json"
   [ "${ATTN_BF16:-1}" = 1 ] && step attn_tput_bf16 240 python3 benchmarks/small_m_gemv.py --attn-tput \
     --output-json "$R/decode_attn_tput_bf16.json"  # ATTN_BF16=0: the fp8 sweep alone
 fi
-if has fp8ab; then  # the two fp8 switches built from sm_90 instruction counts, each timed on its own kernel in one
-  # process, ABBA: decode attention with K staged like V (GYRFALCON_DECODE_FP8_K_STAGED) at the default launch, and
-  # prefill attention's dots in fp16 vs bf16 (GYRFALCON_PREFILL_FP8_F16) beside a bf16 cache
-  step attn_fp8_kstaged_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --quick \
-    --ab-env GYRFALCON_DECODE_FP8_K_STAGED --output-json "$R/decode_attn_tput_fp8_kstaged_ab.json"
-  step prefill_fp8_ab 150 python3 benchmarks/kernels.py --prefill-fp8-ab --output-json "$R/prefill_attn_fp8_ab.json"
-fi
-if has l2pf; then  # batch-1 GEMVs pulling the next GEMVs' weights into L2 (GYRFALCON_L2_PREFETCH=1, an experiment):
-  # the Qwen3-0.6B layer chain on distinct / shared (L2-resident: the bound) / prefetched weights, its GPU tests,
-  # then Qwen3-0.6B b1 with it off / on, ABBA
+if has pdlchain; then  # a Qwen3-0.6B decode layer's batch-1 kernels, 28 layers in a graph: PDL off / serialized / on,
+  # on distinct weights and on one layer's weights shared by all (L2-resident: the bound of prefetching weights)
   step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
-  step gpu_l2pf_kernel 90 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k l2_prefetch -p no:cacheprovider
-  step gpu_l2pf_models 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "l2-prefetch" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  for run in a_0 b_1 c_1 d_0; do
-    step lat_q06_b1_l2pf_$run 90 env GYRFALCON_L2_PREFETCH=${run#*_} $q06 --async-scheduling \
-      --output-json "$R/latency_qwen3-0.6b_b1_l2pf${run#*_}_$run.json"
-  done
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
@@ -184,10 +163,6 @@ if has fp8kv; then  # --kv-cache-dtype fp8 (K/V as float8 e4m3) against the bf16
   step tput_l8_fp8_768seqs 300 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs.json"
   step tput_l8 300 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async.json"
-  # FP8_PREFILL_AB=1: the same fp8 run with prefill attention's dots in bf16 (GYRFALCON_PREFILL_FP8_F16=0, before
-  # session 15), for its mixed steps' ms each
-  [ -n "${FP8_PREFILL_AB:-}" ] && step tput_l8_fp8_768seqs_bf16dots 300 env GYRFALCON_PREFILL_FP8_F16=0 $tp \
-    --kv-cache-dtype fp8 --max-num-seqs 768 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_bf16dots.json"
   l8="$G bench latency --model /tmp/ck/l8 --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile"
   step lat_l8_b64_fp8 90 $l8 --kv-cache-dtype fp8 --output-json "$R/latency_llama-3.1-8b_b64_fp8kv.json"
   step lat_l8_b64 90 $l8 --output-json "$R/latency_llama-3.1-8b_b64.json"

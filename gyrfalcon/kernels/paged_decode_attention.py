@@ -98,10 +98,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                     V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True, K_STAGE: tl.constexpr = False):
+                     V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True):
         """One online-softmax step over a tile: q [BLOCK_G, BLOCK_DK], K^T [BLOCK_DK, BLOCK_N],
         V [BLOCK_N, BLOCK_DV] -> the new (m, l, acc); scores in log2 units. V_STAGE: an fp8 V tile widened before
-        its layout change (fp8_v_staged); K_STAGE: the K tile too (fp8_k_staged)."""
+        its layout change (fp8_v_staged)."""
         if k.dtype == tl.float8e4nv:
             # An fp8 cache: the tiles widen for the dots, to fp32 beside an fp32 query, else to fp16 with a 16-bit
             # query and the probabilities converted along. e4m3 to fp16 is one instruction a pair
@@ -123,13 +123,10 @@ if HAS_TRITON:
                     # A tl.where on the key mask pinned it too, but cost a select and two byte permutes per
                     # value: 1137 instructions a 128-key tile (Llama-8B shape, batch 256) against 686 with
                     # the asm (sm_90 SASS through scripts/compile_check.py's harness). fp8_v_staged.
+                    # K pinned and staged the same way cut the loop to 654 instructions from 692 but ran 24-39%
+                    # slower (H200 run 56, decode_attn_tput_fp8_kstaged_ab-h200-2026-12-01-run56.json: batch 256,
+                    # 2048 tokens 513.9 vs 369.6 us) and was removed.
                     v = _pin_f16(v)
-                    if K_STAGE:
-                        # K the same way (an experiment, fp8_k_staged): Triton otherwise widens it in the dot's
-                        # operand layout with a wider k-width, and the query's fragments, loaded to match,
-                        # take a register move per value (74 IMAD.MOV of the 692 instructions a tile; pinned:
-                        # 654, 180 registers instead of 184, 68 KB of shared memory instead of 72).
-                        k = _pin_f16(k)
                 if not UPCAST:
                     q = q.to(tl.float16)
         if UPCAST:
@@ -187,7 +184,6 @@ if HAS_TRITON:
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
         BLOCK_H: tl.constexpr = 16, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True,
-        K_STAGE: tl.constexpr = False,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -294,7 +290,7 @@ if HAS_TRITON:
                 k0 = tl.where((kpos0 == new_pos)[None, :], knew_t, k0)
                 v0 = tl.where((kpos0 == new_pos)[:, None], vnew[None, :], v0)
                 m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST,
-                                             V_STAGE, Q16, K_STAGE)
+                                             V_STAGE, Q16)
             loop_start = start + BLOCK_N
         for kstart in range(loop_start, end, BLOCK_N):
             kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh,
@@ -303,7 +299,7 @@ if HAS_TRITON:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
                 v = tl.where((kpos == new_pos)[:, None], vnew[None, :], v)
             m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_STAGE,
-                                         Q16, K_STAGE)
+                                         Q16)
 
         if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
@@ -456,15 +452,6 @@ def fp8_v_staged() -> bool:
     The pin is PTX: off on ROCm builds."""
     on = os.environ.get("GYRFALCON_DECODE_FP8_V_STAGED", "1") != "0"
     return on and getattr(torch.version, "hip", None) is None
-
-
-def fp8_k_staged() -> bool:
-    """GYRFALCON_DECODE_FP8_K_STAGED=1 (an experiment, off until timed; with the V staging only): an fp8 cache's
-    K tile is pinned in its load layout as fp16 too and staged through shared memory like V. In the sm_90 code
-    (compile_check.py --sass, Llama-8B heads, batch 256) the loop drops from 692 to 654 instructions a 128-key
-    tile (the query's fragments' register moves go, two more ldmatrix / shared stores of K come), at 180
-    registers a thread instead of 184 and 68 KB of shared memory instead of 72."""
-    return os.environ.get("GYRFALCON_DECODE_FP8_K_STAGED", "0") == "1"
 
 
 def k_rows(programs: int, prefetch: bool = False) -> bool:
@@ -672,7 +659,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
-        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2, K_STAGE=fp8_k_staged(),
+        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )

@@ -79,27 +79,6 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
 
 
-def l2_prefetch_enabled() -> bool:
-    """GYRFALCON_L2_PREFETCH=1 (an experiment, off until timed): a batch-1 decode step's GEMVs also pull the
-    weights of the GEMVs two launches ahead into L2 (models set each linear layer's l2_prefetch; see
-    LlamaModel.plan_l2_prefetch). A Qwen3-0.6B layer's weights are 31.5 MB, under the H200's 50 MB of L2, and its
-    batch-1 chain of launches reads HBM at ~40% of the roofline: the prefetch lets the HBM stream the next
-    kernels' weights while the current ones wait on their inputs. CUDA only (PTX prefetch)."""
-    return os.environ.get("GYRFALCON_L2_PREFETCH", "0") == "1"
-
-
-def _prefetch_args(l2_prefetch, device: Optional[torch.device] = None) -> dict:
-    """The kernel's prefetch arguments for up to two tensors on `device` (none under the interpreter, which runs
-    no PTX)."""
-    regions = [t for t in (l2_prefetch or ()) if t is not None and (device is None or t.device == device)][:2]
-    if interpreting() or not regions:
-        return {}
-    kw = {"N_PF": len(regions)}
-    for i, t in enumerate(regions):
-        kw[f"pf{i}_ptr"], kw[f"pf{i}_bytes"] = t, t.numel() * t.element_size()
-    return kw
-
-
 def one_pass_norm_default() -> bool:
     """Whether a launch of 2+ rows with a norm scales by the rows' rstd after its loop (ONE_PASS) instead of
     computing it in a first pass over the input: GYRFALCON_GEMV_ONE_PASS_NORM=0 turns it off. Single rows
@@ -307,22 +286,6 @@ if HAS_TRITON:
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _l2_prefetch(base, nbytes, PF_BLOCK: tl.constexpr):
-        """This program's share of [base, base + nbytes) pulled into L2 (prefetch.global.L2, one 128-byte line a
-        lane, fire and forget: nothing waits for it), the programs of the grid splitting the lines evenly."""
-        lines = tl.cdiv(nbytes, 128)
-        nprog = tl.num_programs(0)
-        per = tl.cdiv(lines, nprog)
-        lo = tl.program_id(0) * per
-        hi = tl.minimum(lo + per, lines)
-        b8 = base.to(tl.pointer_type(tl.int8))
-        for i0 in range(lo, hi, PF_BLOCK):
-            # Past the end, lanes repeat the share's last line (no mask on an asm statement).
-            idx = tl.minimum(i0 + tl.arange(0, PF_BLOCK), hi - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _norm_gemv_kernel(
         x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, r_out_ptr,
         M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
@@ -334,7 +297,6 @@ if HAS_TRITON:
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
         BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
         ADD_OUT: tl.constexpr = False,
-        pf0_ptr=None, pf0_bytes=0, pf1_ptr=None, pf1_bytes=0, N_PF: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -370,13 +332,6 @@ if HAS_TRITON:
                 wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
             if HAS_NORM:
                 nw0 = tl.load(nw_ptr + ks, mask=kmask0, other=0.0).to(tl.float32)
-        # N_PF (GYRFALCON_L2_PREFETCH): later kernels' weights (one or two regions) into L2, issued after this
-        # program's own first weight loads and before the wait, so the HBM streams them while the chain of
-        # dependent launches is latency-bound (l2_prefetch_enabled).
-        if N_PF >= 1:
-            _l2_prefetch(pf0_ptr, pf0_bytes, PF_BLOCK)
-        if N_PF >= 2:
-            _l2_prefetch(pf1_ptr, pf1_bytes, PF_BLOCK)
         n_active = 0
         if MERGE_X:
             # The split kernel's own arithmetic: splits that held >= 1 key of the (single) sequence
@@ -486,8 +441,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      pdl: Optional[bool] = None,
                      peel: Optional[bool] = None,
                      one_pass: Optional[bool] = None,
-                     add_to: Optional[torch.Tensor] = None,
-                     l2_prefetch: Optional[Tuple[torch.Tensor, ...]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     add_to: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. add_to [M, N] (no norm,
     no SiLU-and-mul): y is added to it in place and add_to returned as y (a residual add done by the GEMM,
     for folded norms: GYRFALCON_FOLD_NORMS). config (or
@@ -495,9 +449,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
     one_pass_norm_default() for 2+ rows with a norm): the row scale of the norm applied after the loop
-    instead of a first pass over the input (the kernel's ONE_PASS). l2_prefetch: up to two tensors (later kernels'
-    weights) that the launch's programs pull into L2 between their first weight loads and the PDL wait
-    (l2_prefetch_enabled); single rows only."""
+    instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -546,7 +498,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
         PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), ADD_OUT=add_to is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **(_prefetch_args(l2_prefetch, x.device) if block_m == 1 else {}), **pdl_launch_kwargs(pdl),
+        **pdl_launch_kwargs(pdl),
     )
     return y, r_out
 
@@ -610,7 +562,7 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
               residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
-              silu_mul: bool = False, l2_prefetch=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+              silu_mul: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     if use_triton(x) and x.shape[0] <= MAX_M:
-        return norm_gemv_triton(x, weight, norm_weight, residual, eps, silu_mul, l2_prefetch=l2_prefetch)
+        return norm_gemv_triton(x, weight, norm_weight, residual, eps, silu_mul)
     return norm_gemv_ref(x, weight, norm_weight, residual, eps, silu_mul)

@@ -36,16 +36,13 @@ class Linear(nn.Module):
         # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off: slower than cuBLAS, run 50): the
         # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
         self.skinny_rows = skinny_gemm_rows() if not bias else 0
-        # Later layers' weights that a single-row GEMV launch pulls into L2 (kernels/small_m_gemv.py
-        # l2_prefetch_enabled; set by the model, LlamaModel.plan_l2_prefetch). Empty: none.
-        self.l2_prefetch: Tuple[torch.Tensor, ...] = ()
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
         beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS)."""
         if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
-            return norm_gemv_triton(x, self.weight, add_to=add_to, l2_prefetch=self.l2_prefetch)[0]
+            return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
         if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return skinny_gemm_triton(x, self.weight, add_to=add_to)
         if add_to is None:

@@ -14,7 +14,7 @@ from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
-from gyrfalcon.kernels.small_m_gemv import l2_prefetch_enabled, merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
+from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
                                         merge_into_o_proj_enabled, small_m_gemv_enabled)
@@ -171,8 +171,7 @@ class LlamaDecoderLayer(nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         rows = hidden.shape[0]
         if rows <= self.norm_rows_qkv:
-            qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps,
-                                          l2_prefetch=self.self_attn.qkv_proj.l2_prefetch)
+            qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps)
             residual = hidden if residual is None else new_residual
         else:
             if residual is None:
@@ -183,14 +182,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, None, qkv=qkv)
         if rows <= self.norm_rows_gate_up:
             act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
-                                      silu_mul=True, l2_prefetch=self.mlp.gate_up_proj.l2_prefetch)
+                                      silu_mul=True)
         else:
             normed, residual = ln2(hidden, residual)
             act = self.mlp.act(self.mlp.gate_up_proj(normed))
         return self.mlp.down_proj(act), residual
-
-
-L2_PREFETCH_MAX_BYTES = 16 << 20  # largest weight plan_l2_prefetch pulls into L2 ahead of its launch (H200: 50 MB)
 
 
 class LlamaModel(nn.Module):
@@ -203,23 +199,6 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fold_norms = fold_norms_enabled()  # the weights are folded at load (LlamaForCausalLM.finish_loading)
-
-    def plan_l2_prefetch(self) -> None:
-        """Each batch-1 GEMV launch pulls into L2 the weights of the GEMV two launches after it, in the order a
-        step runs them (qkv, o_proj, gate_up, down, layer after layer; the first launch also the second's):
-        (small_m_gemv.l2_prefetch_enabled). At most three layers' worth of GEMV weights sit in L2 at once (the
-        running one, the prefetched one, the one being prefetched). Called after load (finish_loading), with the
-        parameters where they stay."""
-        linears = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        for i, lin in enumerate(linears):
-            ahead = linears[i + 1:i + 3] if i == 0 else linears[i + 2:i + 3]
-            # Weights too large to wait in L2 for their launch (Llama-3.1-8B's: 33-235 MB) are left alone: their
-            # lines would be evicted before use and read twice.
-            lin.l2_prefetch = tuple(x.weight for x in ahead
-                                    if x.weight.numel() * x.weight.element_size() <= L2_PREFETCH_MAX_BYTES)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
                 last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -260,14 +239,11 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         """After load_weights (models/loader.py): with folded norms, each decoder layer's norm weights go into
-        the GEMMs after them (layers/norm.py fold_norm_into); with GYRFALCON_L2_PREFETCH=1 the layers' batch-1
-        GEMVs get their prefetch plan (LlamaModel.plan_l2_prefetch)."""
+        the GEMMs after them (layers/norm.py fold_norm_into)."""
         if self.model.fold_norms:
             for layer in self.model.layers:
                 fold_norm_into(layer.self_attn.qkv_proj.weight, layer.input_layernorm)
                 fold_norm_into(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm)
-        if l2_prefetch_enabled():  # the loaded parameters, where they will stay
-            self.model.plan_l2_prefetch()
 
     def kv_cache_spec(self) -> Dict[str, int]:
         attn = self.model.layers[0].self_attn

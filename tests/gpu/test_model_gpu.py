@@ -63,7 +63,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm", "l2-prefetch"])
+                                  "short-graph", "unfolded-norms", "skinny-gemm"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -81,13 +81,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
-    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); l2-prefetch: batch-1
-    GEMVs under PDL pull the weights of the GEMV two launches on into L2 (GYRFALCON_L2_PREFETCH=1, off by
-    default)."""
+    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "l2-prefetch") else "0")
-    monkeypatch.setenv("GYRFALCON_L2_PREFETCH", "1" if mode == "l2-prefetch" else "0")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
@@ -117,13 +114,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     layer0 = llm.engine.runner.model.model.layers[0]
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
-    # The tiny checkpoint's weights all fit the plan's bound: the first GEMV prefetches the next two, the rest one.
-    assert len(layer0.self_attn.qkv_proj.l2_prefetch) == (2 if mode == "l2-prefetch" else 0)
-    assert len(layer0.mlp.down_proj.l2_prefetch) == (1 if mode == "l2-prefetch" else 0)
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
-    if mode in ("pdl", "merge-o-proj", "l2-prefetch"):  # batch-1 decode paths: one request at a time
+    if mode in ("pdl", "merge-o-proj"):  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

@@ -245,21 +245,3 @@ def test_add_to_adds_into_the_residual_in_place(M, split_k, dtype):
     assert not torch.allclose(r.float(), r0.float())
     with pytest.raises(ValueError, match="plain GEMM"):
         norm_gemv_triton(x, w, norm_weight=torch.ones(200, dtype=dtype, device=DEV), add_to=r)
-
-
-def test_l2_prefetch_arguments():
-    """The kernel's prefetch arguments: up to two regions (bytes from the tensors' sizes), none without tensors or
-    under the interpreter (the prefetch is PTX), and the launch's output unchanged by them."""
-    import gyrfalcon.kernels.small_m_gemv as G
-
-    a, b, c = torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.float32), torch.zeros(2)
-    assert G._prefetch_args(()) == {} and G._prefetch_args(None) == {}
-    if G.interpreting():
-        assert G._prefetch_args((a, b)) == {}
-    else:
-        kw = G._prefetch_args((a, b, c))
-        assert kw["N_PF"] == 2 and kw["pf0_bytes"] == 30 and kw["pf1_bytes"] == 28 and kw["pf0_ptr"] is a
-    x, w = torch.randn(1, 64), torch.randn(32, 64)
-    y0, _ = norm_gemv_triton(x, w)
-    y1, _ = norm_gemv_triton(x, w, l2_prefetch=(a, b))
-    assert torch.equal(y0, y1)

@@ -178,37 +178,6 @@ def test_small_m_gemv_path_parity(tiny_ckpt, hf_refs, monkeypatch):
         torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-5, atol=1e-5)
 
 
-def test_l2_prefetch_plan_and_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_L2_PREFETCH=1: every batch-1 GEMV names the weights of the GEMV two launches on in the step's
-    order (qkv, o_proj, gate_up, down, layer after layer; the first also the second's), the parameters themselves;
-    weights over L2_PREFETCH_MAX_BYTES are left out. Tokens unchanged (on a CPU the prefetch is a GPU-only
-    instruction, dropped; tests/gpu checks the kernel with it)."""
-    import gyrfalcon.models.llama as llama_mod
-
-    monkeypatch.setenv("GYRFALCON_L2_PREFETCH", "1")
-    _, _, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
-    layers = llm.engine.runner.model.model.layers
-    order = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    for i, lin in enumerate(order):
-        want = order[i + 1:i + 3] if i == 0 else order[i + 2:i + 3]
-        assert [id(t) for t in lin.l2_prefetch] == [id(x.weight) for x in want]
-    assert order[-1].l2_prefetch == () and order[-2].l2_prefetch == ()
-    outs = _greedy(llm, [r[0] for r in refs])
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
-    # The size bound: a plan under a smaller one leaves out every weight over it.
-    model = llm.engine.runner.model.model
-    bound = min(lin.weight.numel() * lin.weight.element_size() for lin in order)
-    monkeypatch.setattr(llama_mod, "L2_PREFETCH_MAX_BYTES", bound)
-    model.plan_l2_prefetch()
-    for lin in order:
-        assert all(t.numel() * t.element_size() <= bound for t in lin.l2_prefetch)
-    assert sum(len(lin.l2_prefetch) for lin in order) < len(order)
-    monkeypatch.delenv("GYRFALCON_L2_PREFETCH")
-    assert LLM(str(tiny_ckpt), block_size=8).engine.runner.model.model.layers[0].self_attn.qkv_proj.l2_prefetch == ()
-
-
 @pytest.mark.parametrize("qkv_rows,gate_up_rows", [(16, 1), (1, 16), (16, 16), (3, 8)])
 def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_up_rows):
     """GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS route multi-row batches (decode batches and short prompt
