@@ -215,7 +215,8 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
     761 vs 550 us per step, run 29), where a tile of 1-byte elements keeps half as many bytes in flight.
     sweep=False (--quick): the default launch only. ab_env (--ab-env NAME): the default launch with the environment
     variable NAME at "0" and at "1", in four rounds of alternating order (0 1 1 0 ...), each round's time kept:
-    a same-process A/B of a kernel switch read at launch (e.g. GYRFALCON_DECODE_FP8_K_STAGED)."""
+    a same-process A/B of a kernel switch read at launch (e.g. GYRFALCON_DECODE_FP8_V_STAGED; run 56 timed session
+    16's GYRFALCON_DECODE_FP8_K_STAGED, since removed)."""
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
 
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -362,7 +363,7 @@ def bench_pdl_chain(rows):
     prefetching the next kernels' weights into L2 ahead of time could gain). On the H200 (run 58,
     pdl_chain-h200-2026-12-01-run58.json) PDL on: 634.0 us a step distinct, 564.4 shared, so ~20 us a layer is
     the chain of dependent launches itself; GEMVs that pulled the GEMV two launches on into L2
-    (prefetch.global.L2, session 16's GYRFALCON_L2_PREFETCH) ran 639.6 us, and the model's step 0.731 vs 0.722 ms
+    (prefetch.global.L2, GYRFALCON_L2_PREFETCH at commit b027b23) ran 639.6 us, and the model's step 0.731 vs 0.722 ms
     (ABBA): removed."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 

@@ -20,6 +20,7 @@
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
+#   short256     Qwen3-0.6B b1: one-split graphs up to 256 tokens with one prefetched 256-key tile (16 / 8 warps)
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -122,6 +123,20 @@ fi
 if has pdlchain; then  # a Qwen3-0.6B decode layer's batch-1 kernels, 28 layers in a graph: PDL off / serialized / on,
   # on distinct weights and on one layer's weights shared by all (L2-resident: the bound of prefetching weights)
   step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
+fi
+if has short256; then  # Qwen3-0.6B b1 with the one-split graphs up to 256 tokens of context, their attention one
+  # 256-key tile (prefetched whole before the PDL wait, 1 stage) at 16 or 8 warps, against the default (A B C D)
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
+  for run in a_default b_256x16 c_256x8 d_default; do
+    case $run in
+      *default) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=128" ;;
+      *256x16) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,16,1" ;;
+      *256x8) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,8,1" ;;
+    esac
+    step lat_q06_b1_short_$run 60 env $envs $q06 --async-scheduling \
+      --output-json "$R/latency_qwen3-0.6b_b1_short_$run.json"
+  done
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

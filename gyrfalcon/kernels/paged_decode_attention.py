@@ -491,10 +491,10 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     (22.5 vs 24.4 us). With the first tile prefetched (its K and V held in registers across the qkv
     prep) 8 warps: the Qwen3-0.6B batch-1 graph at 256 tokens replayed in 0.717 ms with 8 warps, 0.771
     with 4, 0.775 with 64-key tiles and 4 warps (latency_qwen3-0.6b_b1_prefetch*-h200-2026-11-30-run13)."""
-    env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps": launch-shape experiments
+    env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps[,num_stages]": launch-shape experiments
     if env:
-        bn, nw = (int(x) for x in env.split(","))
-        return bn, nw, 3
+        parts = [int(x) for x in env.split(",")]
+        return parts[0], parts[1], parts[2] if len(parts) > 2 else 3
     if head_dim <= 128:
         if programs <= _SMALL_LAUNCH_PROGRAMS:
             return 128, (8 if prefetch else 4), 3
