@@ -71,6 +71,25 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 
 
 @requires_triton
+@pytest.mark.parametrize("seq_lens", [[129, 200], [256, 1]])
+def test_one_split_with_one_whole_context_tile(seq_lens):
+    """gpu_check.sh short256's launch: one split, a 256-key tile loaded whole before the wait (prefetch), one stage,
+    16 warps (GYRFALCON_DECODE_ATTN_CONFIG=256,16,1), over batch-1-sized contexts of up to 256 tokens at Qwen3's
+    head shape, blocks of 16."""
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(seq_lens, 4, 2, 128, 128, torch.bfloat16, True,
+                                                        block_size=16)
+    cs = torch.cat([cs] * 4)  # positions up to 255
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, 4, 2, 128, pos, cs, 128, True, kc_ref, vc_ref, slots, bt, sl,
+                                          128 ** -0.5, None, qw, kw, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, 4, 2, 128, pos, cs, 128, True, kc, vc, slots, bt, sl, 128 ** -0.5,
+                                            1, qw, kw, 1e-6, block_n=256, num_warps=16, num_stages=1, prefetch=True)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
+    torch.testing.assert_close(kc, kc_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
