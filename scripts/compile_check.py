@@ -188,6 +188,7 @@ def cases(mods):
                  attn(1, pdl=True, splits=1, block_n=256, num_warps=8, num_stages=1)),
                 (f"{name} attention b1 pdl (prefetch), one split, 256-key tile, 16 warps",
                  attn(1, pdl=True, splits=1, block_n=256, num_warps=16, num_stages=1)),
+                (f"{name} attention b1 pdl (prefetch), 16 warps", attn(1, pdl=True, num_warps=16)),
                 (f"{name} attention b16, one split", attn(16, pdl=False, splits=1)),
                 (f"{name} attention b1 pdl (prefetch), graph block table", attn(1, pdl=True, graph_table=True)),
                 (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True)),

@@ -20,7 +20,8 @@
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
-#   short256     Qwen3-0.6B b1: one-split graphs up to 256 tokens with one prefetched 256-key tile (16 / 8 warps)
+#   short256     Qwen3-0.6B b1: one-split graphs up to 256 tokens with one prefetched 256-key tile (16 / 8 warps), and
+#                the split graph's attention at 16 warps
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -128,11 +129,13 @@ if has short256; then  # Qwen3-0.6B b1 with the one-split graphs up to 256 token
   # 256-key tile (prefetched whole before the PDL wait, 1 stage) at 16 or 8 warps, against the default (A B C D)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  for run in a_default b_256x16 c_256x8 d_default; do
+  # e: the split graph's attention (128-key tiles, prefetched first tile) at 16 warps instead of 8
+  for run in a_default b_256x16 c_256x8 d_default e_128x16 f_256x16; do
     case $run in
       *default) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=128" ;;
       *256x16) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,16,1" ;;
       *256x8) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,8,1" ;;
+      *128x16) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=128 GYRFALCON_DECODE_ATTN_CONFIG=128,16,3" ;;
     esac
     step lat_q06_b1_short_$run 60 env $envs $q06 --async-scheduling \
       --output-json "$R/latency_qwen3-0.6b_b1_short_$run.json"
