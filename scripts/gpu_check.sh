@@ -62,7 +62,7 @@
 # budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880; session 15's
 # mergedrows (run 53) after c7d33ea; session 16's fp8ab (run 56: decode attention's K staging, prefill attention's fp16
 # dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
-# after 262271a.
+# after b027b23.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -126,7 +126,8 @@ if has pdlchain; then  # a Qwen3-0.6B decode layer's batch-1 kernels, 28 layers 
   step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
 fi
 if has short256; then  # Qwen3-0.6B b1 with the one-split graphs up to 256 tokens of context, their attention one
-  # 256-key tile (prefetched whole before the PDL wait, 1 stage) at 16 or 8 warps, against the default (A B C D)
+  # 256-key tile (prefetched whole before the PDL wait, 1 stage) at 16 or 8 warps, against the default (run twice each,
+  # default and 256x16, apart in the order)
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
   # e: the split graph's attention (128-key tiles, prefetched first tile) at 16 warps instead of 8
