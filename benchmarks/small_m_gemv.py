@@ -213,8 +213,9 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
     fp8: the cache in float8 e4m3 (--kv-cache-dtype fp8), half the bytes, with 256-key tiles in the sweep too:
     at the bf16 cache's launch shapes it ran slower than bf16 in whole steps (Llama-8B b64 decode attention
     761 vs 550 us per step, run 29), where a tile of 1-byte elements keeps half as many bytes in flight.
-    sweep=False (--quick): the default launch only. ab_env (--ab-env NAME): the default launch with the environment
-    variable NAME at "0" and at "1", in four rounds of alternating order (0 1 1 0 ...), each round's time kept:
+    sweep=False (--quick): the default launch only. ab_env (--ab-env NAME or NAME=VALUE): the default launch with the
+    environment variable NAME at "0" and at "1" (or unset and at VALUE), in four rounds of alternating order
+    (A B B A ...), each round's time kept:
     a same-process A/B of a kernel switch read at launch (e.g. GYRFALCON_DECODE_FP8_V_STAGED; run 56 timed session
     16's GYRFALCON_DECODE_FP8_K_STAGED, since removed)."""
     from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_triton
@@ -237,22 +238,28 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
         t_default = timed()
         ab = {}
         if ab_env:
-            initial = os.environ.get(ab_env)
-            ab = {"0": [], "1": []}
+            # NAME: the variable at "0" against "1"; NAME=VALUE: unset against VALUE.
+            name, _, value = ab_env.partition("=")
+            a_val, b_val = ("0", "1") if not value else ("unset", value)
+            initial = os.environ.get(name)
+            ab = {a_val: [], b_val: []}
             try:
                 for rnd in range(4):
-                    for val in (("0", "1") if rnd % 2 == 0 else ("1", "0")):
-                        os.environ[ab_env] = val
+                    for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
+                        if val == "unset":
+                            os.environ.pop(name, None)
+                        else:
+                            os.environ[name] = val
                         ab[val].append(round(timed(), 2))
             finally:
                 if initial is None:
-                    os.environ.pop(ab_env, None)
+                    os.environ.pop(name, None)
                 else:
-                    os.environ[ab_env] = initial
+                    os.environ[name] = initial
             med = {v: statistics.median(ts) for v, ts in ab.items()}
-            print(f"attn tput{' fp8' if fp8 else ''} B={B:3d} ctx={ctx:5d}: {ab_env}=0 {med['0']:.1f} us "
-                  f"({frac(med['0']):.0%}), =1 {med['1']:.1f} us ({frac(med['1']):.0%}); 1/0 "
-                  f"{med['1'] / med['0']:.3f}; rounds 0: {ab['0']}, 1: {ab['1']}", flush=True)
+            print(f"attn tput{' fp8' if fp8 else ''} B={B:3d} ctx={ctx:5d}: {name}={a_val} {med[a_val]:.1f} us "
+                  f"({frac(med[a_val]):.0%}), ={b_val} {med[b_val]:.1f} us ({frac(med[b_val]):.0%}); b/a "
+                  f"{med[b_val] / med[a_val]:.3f}; rounds {a_val}: {ab[a_val]}, {b_val}: {ab[b_val]}", flush=True)
         res = {}
         for splits, bn, nw, ns, kr in itertools.product((1, 2), (64, 128, 256) if fp8 else (64, 128), (4, 8), (2, 3),
                                                         ("0", "1")) if sweep else ():
@@ -478,7 +485,7 @@ def main() -> None:
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
     ap.add_argument("--fp8", action="store_true", help="with --attn-tput: the float8 e4m3 KV cache")
     ap.add_argument("--ab-env", help="with --attn-tput: the default launch with this environment variable at 0 "
-                    "and at 1, alternately (a kernel switch's same-process A/B)")
+                    "and at 1 (NAME=VALUE: unset and at VALUE), alternately (a kernel switch's same-process A/B)")
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")

@@ -22,6 +22,7 @@
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
 #   short256     Qwen3-0.6B b1: one-split graphs up to 256 tokens with one prefetched 256-key tile (16 / 8 warps), and
 #                the split graph's attention at 16 warps
+#   maxnreg      decode attention capped at 128 registers a thread (GYRFALCON_DECODE_MAXNREG): fp8 / bf16 ABBA, fp8 tests
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -141,6 +142,16 @@ if has short256; then  # Qwen3-0.6B b1 with the one-split graphs up to 256 token
     step lat_q06_b1_short_$run 60 env $envs $q06 --async-scheduling \
       --output-json "$R/latency_qwen3-0.6b_b1_short_$run.json"
   done
+fi
+if has maxnreg; then  # decode attention with at most 128 registers a thread (GYRFALCON_DECODE_MAXNREG, an experiment):
+  # the fp8 launch holds 184 (2 programs of 4 warps an SM) and reads HBM at 60-70%; at 128 (no spills in
+  # compile_check.py) 3 fit. Its GPU fp8 decode tests with it, then the fp8 and bf16 launches ABBA
+  step gpu_fp8_kernels_maxnreg 150 env GYRFALCON_DECODE_MAXNREG=128 python3 -m pytest -q tests/gpu/test_kernels_gpu.py \
+    -k "decode and fp8" -p no:cacheprovider
+  step attn_fp8_maxnreg_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --quick \
+    --ab-env GYRFALCON_DECODE_MAXNREG=128 --output-json "$R/decode_attn_tput_fp8_maxnreg_ab.json"
+  step attn_bf16_maxnreg_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --quick \
+    --ab-env GYRFALCON_DECODE_MAXNREG=128 --output-json "$R/decode_attn_tput_bf16_maxnreg_ab.json"
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

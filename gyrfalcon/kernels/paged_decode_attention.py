@@ -479,6 +479,15 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
     return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
 
 
+def _maxnreg_kwargs() -> dict:
+    """GYRFALCON_DECODE_MAXNREG=N (an experiment, unset: Triton's choice): the split kernel compiled with at most N
+    registers a thread, for more programs an SM. The fp8 launch at batch 256 holds 180 (2 programs of 4 warps an
+    SM by registers) and reads HBM at 68-70% (run 55); whether more resident warps hide more latency than the
+    spills cost is for the GPU to tell."""
+    n = os.environ.get("GYRFALCON_DECODE_MAXNREG")
+    return {"maxnreg": int(n)} if n else {}
+
+
 _FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs: 128-key tiles (_decode_config)
 
 
@@ -661,7 +670,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
         V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
         num_warps=nw, num_stages=ns,
-        **pdl_launch_kwargs(pdl),
+        **_maxnreg_kwargs(), **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)
