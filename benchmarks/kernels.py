@@ -150,12 +150,11 @@ def prefill_fp8_ab(args) -> None:
     throughput row's prefill (16 fresh prompts of 1,024 tokens), one long prompt, and chunks of 1,024 tokens
     after 3,072 cached ones. Four rounds of alternating order; every round's time is kept. The outputs of the two
     fp8 variants are compared with each other and with the bf16 cache's."""
+    from gyrfalcon.bench.common import scoped_env
     from gyrfalcon.kernels.paged_attention import paged_attention_triton
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    env = "GYRFALCON_PREFILL_FP8_F16"
-    initial = os.environ.get(env)
     out = {"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "command": " ".join(sys.argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": {}}
     for B, L, prefix in PREFILL_FP8_CASES:
@@ -166,23 +165,18 @@ def prefill_fp8_ab(args) -> None:
         sl = torch.full((B,), prefix + L, dtype=torch.int32, device=dev)
         variants = {"bf16": ("bf16", "1"), "fp8_f16_dots": ("fp8", "1"), "fp8_bf16_dots": ("fp8", "0")}
 
-        def call(name):
+        def run(name, timed):
             cache, flag = variants[name]
-            os.environ[env] = flag
             k, v = caches[cache]
-            return lambda: paged_attention_triton(q, k, v, bt, sl, qsl, D ** -0.5)
+            fn = lambda: paged_attention_triton(q, k, v, bt, sl, qsl, D ** -0.5)  # noqa: E731
+            with scoped_env({"GYRFALCON_PREFILL_FP8_F16": flag}):
+                return round(_bench_gpu(fn), 2) if timed else fn().float()
 
-        outs = {name: call(name)().float() for name in variants}
+        outs = {name: run(name, False) for name in variants}
         times = {name: [] for name in variants}
-        try:
-            for rnd in range(4):
-                for name in (list(variants) if rnd % 2 == 0 else list(reversed(variants))):
-                    times[name].append(round(_bench_gpu(call(name)), 2))
-        finally:
-            if initial is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = initial
+        for rnd in range(4):
+            for name in (list(variants) if rnd % 2 == 0 else list(reversed(variants))):
+                times[name].append(run(name, True))
         flops = 4 * H * D * B * L * (prefix + (L + 1) / 2)
         med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
         case = {"us_rounds": times, "us_median": med,

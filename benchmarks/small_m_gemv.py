@@ -26,7 +26,7 @@ import sys
 import torch
 import triton
 
-from gyrfalcon.bench.common import HBM_BYTES_PER_S, run_info
+from gyrfalcon.bench.common import HBM_BYTES_PER_S, run_info, scoped_env
 from gyrfalcon.kernels import rms_norm, silu_and_mul
 from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, norm_gemv_triton
 
@@ -241,21 +241,11 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
             # NAME: the variable at "0" against "1"; NAME=VALUE: unset against VALUE.
             name, _, value = ab_env.partition("=")
             a_val, b_val = ("0", "1") if not value else ("unset", value)
-            initial = os.environ.get(name)
             ab = {a_val: [], b_val: []}
-            try:
-                for rnd in range(4):
-                    for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
-                        if val == "unset":
-                            os.environ.pop(name, None)
-                        else:
-                            os.environ[name] = val
+            for rnd in range(4):
+                for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
+                    with scoped_env({name: None if val == "unset" else val}):
                         ab[val].append(round(timed(), 2))
-            finally:
-                if initial is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = initial
             med = {v: statistics.median(ts) for v, ts in ab.items()}
             print(f"attn tput{' fp8' if fp8 else ''} B={B:3d} ctx={ctx:5d}: {name}={a_val} {med[a_val]:.1f} us "
                   f"({frac(med[a_val]):.0%}), ={b_val} {med[b_val]:.1f} us ({frac(med[b_val]):.0%}); b/a "

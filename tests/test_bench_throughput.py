@@ -168,3 +168,20 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch
                "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
                "--gpu-timeline", "3", "--gpu-timeline-decoders", "4", "--output-json", str(out)])
     assert rc == 0 and json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"] == {}
+
+
+def test_scoped_env_sets_unsets_and_restores(monkeypatch):
+    """scoped_env (the benchmarks' A/B switch setter): values set, None unset, inside the block; as before after,
+    also when the block raises."""
+    import os
+
+    from gyrfalcon.bench.common import scoped_env
+
+    monkeypatch.setenv("GYRFALCON_TEST_A", "keep")
+    monkeypatch.delenv("GYRFALCON_TEST_B", raising=False)
+    with scoped_env({"GYRFALCON_TEST_A": None, "GYRFALCON_TEST_B": "1"}):
+        assert "GYRFALCON_TEST_A" not in os.environ and os.environ["GYRFALCON_TEST_B"] == "1"
+    assert os.environ["GYRFALCON_TEST_A"] == "keep" and "GYRFALCON_TEST_B" not in os.environ
+    with pytest.raises(RuntimeError), scoped_env({"GYRFALCON_TEST_A": "other"}):
+        raise RuntimeError
+    assert os.environ["GYRFALCON_TEST_A"] == "keep"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -184,3 +185,16 @@ def startup_phases(llm, startup_s: float) -> dict:
 def format_startup(startup_s: float, phases: dict) -> str:
     return f"startup {startup_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
 
+
+@contextlib.contextmanager
+def scoped_env(values: dict):
+    """os.environ with `values` set inside the block (a value of None: the variable unset), as it was after: the
+    benchmarks' same-process A/Bs of switches that the kernels read at launch."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -481,8 +481,8 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
 
 def _maxnreg_kwargs() -> dict:
     """GYRFALCON_DECODE_MAXNREG=N (an experiment, unset: Triton's choice): the split kernel compiled with at most N
-    registers a thread, for more programs an SM. The fp8 launch at batch 256 holds 180 (2 programs of 4 warps an
-    SM by registers) and reads HBM at 68-70% (run 55); whether more resident warps hide more latency than the
+    registers a thread, for more programs an SM. The fp8 launch at batch 256 holds 184 (2 programs of 4 warps an
+    SM by registers; compile_check.py) and reads HBM at 68-70% (run 55); whether more resident warps hide more latency than the
     spills cost is for the GPU to tell."""
     n = os.environ.get("GYRFALCON_DECODE_MAXNREG")
     return {"maxnreg": int(n)} if n else {}
