@@ -184,11 +184,6 @@ def cases(mods):
                 (f"{name} attention b256, key rows off", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "0"}, pdl=False)),
                 (f"{name} attention b1 pdl (prefetch), one split", attn(1, pdl=True, splits=1)),
                 (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
-                (f"{name} attention b1 pdl (prefetch), one split, 256-key tile, 8 warps",
-                 attn(1, pdl=True, splits=1, block_n=256, num_warps=8, num_stages=1)),
-                (f"{name} attention b1 pdl (prefetch), one split, 256-key tile, 16 warps",
-                 attn(1, pdl=True, splits=1, block_n=256, num_warps=16, num_stages=1)),
-                (f"{name} attention b1 pdl (prefetch), 16 warps", attn(1, pdl=True, num_warps=16)),
                 (f"{name} attention b16, one split", attn(16, pdl=False, splits=1)),
                 (f"{name} attention b1 pdl (prefetch), graph block table", attn(1, pdl=True, graph_table=True)),
                 (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True)),
@@ -202,15 +197,6 @@ def cases(mods):
                 (f"{name} attention b16 in-kernel merge, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b64 (key rows), fp8 cache", attn(64, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b256 (key rows), fp8 cache, at most 128 registers",
-                 attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MAXNREG": "128"})),
-                (f"{name} attention b256 (key rows), fp8 cache, at most 128 registers, 2 stages",
-                 attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MAXNREG": "128",
-                                                        "GYRFALCON_DECODE_ATTN_CONFIG": "128,4,2"})),
-                (f"{name} attention b64 (key rows), fp8 cache, at most 128 registers",
-                 attn(64, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MAXNREG": "128"})),
-                (f"{name} attention b256 (key rows), at most 128 registers",
-                 attn(256, pdl=False, env={"GYRFALCON_DECODE_MAXNREG": "128"})),
                 (f"{name} attention b256 (key rows), fp8 cache, V unstaged",
                  attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_V_STAGED": "0"})),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
@@ -238,12 +224,14 @@ def cases(mods):
                 for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
         out += [(f"{name} KV store, {t}", store(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
 
-        def merged(pdl):
+        def merged(pdl, splits=None):
             def run():
-                parts = attn(1, pdl=pdl, partials=True)()
+                parts = attn(1, pdl=pdl, partials=True, splits=splits)()
                 return G.merged_heads_gemv_triton(parts, torch.zeros(hid, H * D, dtype=bf), pdl=pdl)
             return run
         out += [(f"{name} o_proj merging partials pdl={p}", merged(p)) for p in (True, False)]
+        # The merged batch-1 graph (cuda_graph.merged_graph_splits): 2 / 4 splits, whole-row tiles under PDL.
+        out += [(f"{name} o_proj merging {s} splits' partials, pdl", merged(True, s)) for s in (2, 4)]
 
         def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, add=False, **kw):
             def run():

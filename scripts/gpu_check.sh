@@ -20,9 +20,8 @@
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
-#   short256     Qwen3-0.6B b1: one-split graphs up to 256 tokens with one prefetched 256-key tile (16 / 8 warps), and
-#                the split graph's attention at 16 warps
-#   maxnreg      decode attention capped at 128 registers a thread (GYRFALCON_DECODE_MAXNREG): fp8 / bf16 ABBA, fp8 tests
+#   merged       the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS): its GPU tests, Qwen3-0.6B b1 off / 2 / 4
+#                splits (ABCABC), Llama-8B b1 off / 2
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -63,7 +62,7 @@
 # budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880; session 15's
 # mergedrows (run 53) after c7d33ea; session 16's fp8ab (run 56: decode attention's K staging, prefill attention's fp16
 # dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
-# after b027b23.
+# after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -126,32 +125,27 @@ if has pdlchain; then  # a Qwen3-0.6B decode layer's batch-1 kernels, 28 layers 
   # on distinct weights and on one layer's weights shared by all (L2-resident: the bound of prefetching weights)
   step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
 fi
-if has short256; then  # Qwen3-0.6B b1 with the one-split graphs up to 256 tokens of context, their attention one
-  # 256-key tile (prefetched whole before the PDL wait, 1 stage) at 16 or 8 warps, against the default (run twice each,
-  # default and 256x16, apart in the order)
+if has merged; then  # the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS=S: S attention splits merged in o_proj, no
+  # reduce launch): its GPU tests, then Qwen3-0.6B b1 off / 2 / 4 splits twice each, apart in the order (a / b with
+  # --profile: replay times at 0-256 tokens of context), then Llama-8B b1 off / 2
+  step gpu_merged_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k merging -p no:cacheprovider
+  step gpu_merged_models 240 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "merge-o-proj or merged-b1" \
+    -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  # e: the split graph's attention (128-key tiles, prefetched first tile) at 16 warps instead of 8
-  for run in a_default b_256x16 c_256x8 d_default e_128x16 f_256x16; do
-    case $run in
-      *default) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=128" ;;
-      *256x16) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,16,1" ;;
-      *256x8) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=256 GYRFALCON_DECODE_ATTN_CONFIG=256,8,1" ;;
-      *128x16) envs="GYRFALCON_SHORT_GRAPH_CONTEXT=128 GYRFALCON_DECODE_ATTN_CONFIG=128,16,3" ;;
-    esac
-    step lat_q06_b1_short_$run 60 env $envs $q06 --async-scheduling \
-      --output-json "$R/latency_qwen3-0.6b_b1_short_$run.json"
+  for run in a_off b_m2 c_m4 d_m2 e_off f_m4; do
+    prof=""; case $run in a_*|b_*) prof="--profile" ;; esac
+    case $run in *off) s=0 ;; *m2) s=2 ;; *m4) s=4 ;; esac
+    step lat_q06_b1_merged_$run 80 env GYRFALCON_B1_MERGED_SPLITS=$s $q06 --async-scheduling $prof \
+      --output-json "$R/latency_qwen3-0.6b_b1_merged_$run.json"
   done
-fi
-if has maxnreg; then  # decode attention with at most 128 registers a thread (GYRFALCON_DECODE_MAXNREG, an experiment):
-  # the fp8 launch holds 184 (2 programs of 4 warps an SM) and reads HBM at 60-70%; at 128 (no spills in
-  # compile_check.py) 3 fit. Its GPU fp8 decode tests with it, then the fp8 and bf16 launches ABBA
-  step gpu_fp8_kernels_maxnreg 150 env GYRFALCON_DECODE_MAXNREG=128 python3 -m pytest -q tests/gpu/test_kernels_gpu.py \
-    -k "decode and fp8" -p no:cacheprovider
-  step attn_fp8_maxnreg_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --fp8 --quick \
-    --ab-env GYRFALCON_DECODE_MAXNREG=128 --output-json "$R/decode_attn_tput_fp8_maxnreg_ab.json"
-  step attn_bf16_maxnreg_ab 200 python3 benchmarks/small_m_gemv.py --attn-tput --quick \
-    --ab-env GYRFALCON_DECODE_MAXNREG=128 --output-json "$R/decode_attn_tput_bf16_maxnreg_ab.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_off b_m2; do
+    case $run in *off) s=0 ;; *m2) s=2 ;; esac
+    step lat_l8_b1_merged_$run 90 env GYRFALCON_B1_MERGED_SPLITS=$s $G bench latency --model /tmp/ck/l8 --batch-size 1 \
+      --input-len 128 --output-len 128 --max-num-seqs 1 --async-scheduling \
+      --output-json "$R/latency_llama-3.1-8b_b1_merged_$run.json"
+  done
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

@@ -163,7 +163,7 @@ def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters:
         return {}
     out = {}
     for ctx in contexts:
-        if short and ctx > gr.short_context:
+        if short and ctx > gr.short_limits.get(size, 0):
             continue
         if gr.inputs.set_context(size, ctx, runner.block_size, runner.num_blocks):
             out[ctx] = _replay_ms(graph, iters)

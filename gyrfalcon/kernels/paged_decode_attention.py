@@ -479,15 +479,6 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
     return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
 
 
-def _maxnreg_kwargs() -> dict:
-    """GYRFALCON_DECODE_MAXNREG=N (an experiment, unset: Triton's choice): the split kernel compiled with at most N
-    registers a thread, for more programs an SM. The fp8 launch at batch 256 holds 184 (2 programs of 4 warps an
-    SM by registers; compile_check.py) and reads HBM at 68-70% (run 55); whether more resident warps hide more latency than the
-    spills cost is for the GPU to tell."""
-    n = os.environ.get("GYRFALCON_DECODE_MAXNREG")
-    return {"maxnreg": int(n)} if n else {}
-
-
 _FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs: 128-key tiles (_decode_config)
 
 
@@ -512,7 +503,9 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
             # in its row layout (decode_attn_tput_fp8-h200-2026-12-01-run54.json, 8 kv heads, head_dim 128, batch
             # 256 = 2048 programs) they took 192.2 / 370.2 us at 1024 / 2048 tokens, against 197.0 / 382.2 with 2
             # stages and 198.1 / 383.3 for 64-key tiles; at batch 64 (512 programs) 64-key tiles with 2 stages,
-            # the bf16 launch below, won instead (53.9 / 100.6 us against 65.8 / 127.9).
+            # the bf16 launch below, won instead (53.9 / 100.6 us against 65.8 / 127.9). This launch holds 184
+            # registers a thread (2 programs an SM); capped at 128 (3 an SM, no spills) it lost: 203.6 vs 193.0 us
+            # at 1024 tokens, 393.9 vs 371.7 at 2048 (decode_attn_tput_fp8_maxnreg_ab-h200-2026-12-01-run60.json).
             return 128, 4, 3
         # Many programs: 64-key tiles; with key tiles in row layout (k_rows) 2 stages were the best
         # (decode_attn_tput-h200-2026-11-30-run22.json, 65.7-482 us vs 66.7-484 with 3).
@@ -670,7 +663,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
         V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
         num_warps=nw, num_stages=ns,
-        **_maxnreg_kwargs(), **pdl_launch_kwargs(pdl),
+        **pdl_launch_kwargs(pdl),
     )
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)

@@ -29,8 +29,9 @@ default; GYRFALCON_SMALL_M_PLAIN_ROWS (up to 64) and GYRFALCON_GEMV_SPLIT_K stay
 
 merged_heads_gemv: the same kernel with its input tiles computed from decode attention's per-split
 partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
-o_proj also does the attention's split merge and the reduce launch goes (GYRFALCON_MERGE_INTO_O_PROJ=1;
-off: on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
+o_proj also does the attention's split merge and the reduce launch goes. The merged batch-1 graph uses it
+(cuda_graph.merged_graph_splits: 2-4 splits, the whole row in one tile under PDL). Over the main graph's 16
+splits it lost (then GYRFALCON_MERGE_INTO_O_PROJ=1): on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
 benchmarks/results/logs/, when each input tile looped over the splits, a chain of L2 round trips; with
 all splits loaded at once, 1.348 vs 0.693 ms, run 15, slower with PDL than without (1.638 vs 1.326 ms
 at startup): the cause is not established; each program repeats the merge of every split for each of
@@ -524,7 +525,16 @@ def merged_heads_gemv_ref(parts, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(merge_partials_ref(parts), weight)
 
 
-MERGED_TILE_ELEMS = 4096
+MERGED_TILE_ELEMS = 8192  # an input tile's split partials, [splits, BLOCK_K] fp32: 32 a thread at 8 warps
+
+
+def merged_config(N: int, K: int, num_splits: int, elem_size: int, pdl: bool) -> GemvConfig:
+    """merged_heads_gemv's launch shape: default_config's, with each input tile holding every split's
+    partials ([splits, BLOCK_K] fp32 accumulators and their (m, l), per input) capped at MERGED_TILE_ELEMS
+    to stay in registers. Under PDL with 2-4 splits that is the whole row (default_config's whole_row): the
+    weight slice loads before the wait and the merge runs once per program."""
+    cfg = default_config(1, N, K, False, elem_size, whole_row=pdl)
+    return cfg._replace(block_k=max(16, min(cfg.block_k, MERGED_TILE_ELEMS // next_pow2(num_splits))))
 
 
 def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvConfig] = None,
@@ -537,14 +547,8 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
     N, K = weight.shape
     assert K == parts.num_heads * parts.head_dim and weight.stride(-1) == 1
     y = torch.empty(1, N, dtype=parts.dtype, device=weight.device)
-    if config is None:
-        # Each input tile holds every split's partials ([splits, BLOCK_K] fp32 accumulators and their
-        # (m, l), per input): at most MERGED_TILE_ELEMS per tile keeps them in registers.
-        cfg = default_config(1, N, K, False, weight.element_size())
-        cfg = cfg._replace(block_k=max(16, min(cfg.block_k, MERGED_TILE_ELEMS // next_pow2(parts.num_splits))))
-    else:
-        cfg = config
     pdl = use_pdl(y) if pdl is None else pdl
+    cfg = merged_config(N, K, parts.num_splits, weight.element_size(), pdl) if config is None else config
     _norm_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         y, y, y, weight, y, y,
         1, N, K, 0, 0, weight.stride(0), y.stride(0), 0, 0.0,

@@ -35,13 +35,6 @@ def decode_prep_fusion_enabled() -> bool:
     return fusion_enabled() and os.environ.get("GYRFALCON_FUSED_DECODE_PREP", "1") != "0"
 
 
-def merge_into_o_proj_enabled() -> bool:
-    """Batch-1 decode steps skip decode attention's reduce launch and let o_proj's GEMV merge the split
-    partials (small_m_gemv.merged_heads_gemv) when GYRFALCON_MERGE_INTO_O_PROJ=1. Off by default: slower
-    on the H200 (Qwen3-0.6B batch-1 graph 0.753 vs 0.732 ms, run 12; 1.348 vs 0.693, run 15)."""
-    return decode_prep_fusion_enabled() and os.environ.get("GYRFALCON_MERGE_INTO_O_PROJ", "0") == "1"
-
-
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int) -> None:

@@ -16,8 +16,7 @@ from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
 from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
-from gyrfalcon.layers.attention import (Attention, decode_prep_fusion_enabled, fusion_enabled,
-                                        merge_into_o_proj_enabled, small_m_gemv_enabled)
+from gyrfalcon.layers.attention import Attention, decode_prep_fusion_enabled, fusion_enabled, small_m_gemv_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm, fold_norm_into, fold_norms_enabled
@@ -58,7 +57,6 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused = fusion_enabled()
         self.fused_decode_prep = decode_prep_fusion_enabled()
-        self.merge_into_o_proj = merge_into_o_proj_enabled()
 
     def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
                 qkv: Optional[torch.Tensor] = None, row_scale=None,
@@ -76,7 +74,8 @@ class LlamaAttention(nn.Module):
                 norms = (self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6)
-                if self.merge_into_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m and add_to is None:
+                if (get_forward_context().batch.decode_merge_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
+                        and add_to is None and self.o_proj.bias is None):
                     # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).
                     parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True,
                                                        row_scale=row_scale)

@@ -20,7 +20,10 @@ The small sizes (up to SHORT_GRAPH_MAX_BATCH) get a second graph whose decode at
 sequence: no split merge, so one launch per layer fewer. A batch whose contexts all fit in
 GYRFALCON_SHORT_GRAPH_CONTEXT tokens (default 128: short_graph_context) replays it; the main graph's splits
 (sized for the block table's full width, max_model_len) then mostly hold no keys, but the reduce launch
-runs anyway.
+runs anyway. With GYRFALCON_B1_MERGED_SPLITS=S (merged_graph_splits) batch 1's second graph is the merged one
+instead: S splits of up to MERGED_SPLIT_TOKENS keys (one prefetched tile each) whose partials o_proj merges
+while loading its input (small_m_gemv.merged_heads_gemv), also without the reduce launch, for contexts of up
+to S * MERGED_SPLIT_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly: their launches are 
 # replays at 128 tokens of context) it won at batch 1 and 4 (Qwen3-0.6B b1 0.617 vs 0.645 ms, b4 1.101 vs
 # 1.171; Llama-3.1-8B b1 3.854 vs 3.939) and lost at batch 16 (Llama 4.326 vs 4.292).
 SHORT_GRAPH_MAX_BATCH = 4
-SHORT_GRAPH_CONTEXT = 128  # default tokens of context; at 256 the one-split step lost (Qwen b1 0.717 vs 0.648 ms)
+# Default tokens of context. At 256 the one-split step lost: Qwen b1 0.717 vs 0.648 ms (run 24); with one 256-key tile
+# loaded whole before the PDL wait, 0.813 ms a step at 16 warps and 0.751 at 8 vs 0.722 (latency_qwen3-0.6b_b1_short_*-
+# h200-2026-12-01-run60.json; the split graph's attention at 16 warps: 0.745).
+SHORT_GRAPH_CONTEXT = 128
 
 
 def short_graph_context() -> int:
@@ -64,6 +70,22 @@ def short_graph_context() -> int:
     launch does the same work in one launch. Past it, one program per (sequence, kv head) walks every
     tile alone, where the main graph spreads the tiles over splits: slower from 256 tokens."""
     return max(0, int(os.environ.get("GYRFALCON_SHORT_GRAPH_CONTEXT", str(SHORT_GRAPH_CONTEXT))))
+
+
+MERGED_SPLIT_TOKENS = 128  # keys a split of the merged batch-1 graph holds: one tile of the batch-1 launch
+
+
+def merged_graph_splits() -> int:
+    """GYRFALCON_B1_MERGED_SPLITS=S (default 0: off): batch 1's second graph splits decode attention S ways
+    (S = 1, 2 or 4) and merges the splits inside o_proj, for contexts of up to S * MERGED_SPLIT_TOKENS tokens.
+    Where the one-split graph walks two tiles in one program from 129 tokens (slower than the main graph, run
+    24), each split here holds one tile, loaded before the PDL wait; the reduce launch goes as in the one-split
+    graph. An experiment until the H200 says (the earlier merge into o_proj, over 16 splits and 256-input
+    tiles, lost: small_m_gemv's docstring)."""
+    s = int(os.environ.get("GYRFALCON_B1_MERGED_SPLITS", "0"))
+    if s not in (0, 1, 2, 4):
+        raise ValueError(f"GYRFALCON_B1_MERGED_SPLITS must be 0, 1, 2 or 4, not {s}")
+    return s
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -297,18 +319,27 @@ class CudaGraphRunner:
         self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks_per_seq, device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, tuple] = {}
-        # The one-split ladder (short_graph_context): its sizes, and their graphs once captured.
+        # The one-split ladder (short_graph_context; batch 1: the merged graph, merged_graph_splits): its sizes,
+        # the context (tokens) up to which each size replays it, and their graphs once captured.
         short = short_graph_context()
         self.short_context = short if 0 < short < max_model_len else 0
-        self.short_sizes = [s for s in self.sizes if s <= SHORT_GRAPH_MAX_BATCH] if self.short_context else []
+        self.short_limits = {s: self.short_context for s in self.sizes
+                             if s <= SHORT_GRAPH_MAX_BATCH and self.short_context}
+        merged = merged_graph_splits()
+        self.merged_splits = merged if 0 < merged * MERGED_SPLIT_TOKENS < max_model_len and 1 in self.sizes else 0
+        if self.merged_splits:
+            self.short_limits[1] = self.merged_splits * MERGED_SPLIT_TOKENS
+        self.short_sizes = sorted(self.short_limits)
         self.short_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.short_outputs: Dict[int, tuple] = {}
         self.capture_seconds = 0.0
         self.pdl_choice: dict = {}  # batch-1 replay times with / without PDL and the choice (capture_ladder)
 
     def views(self, b: int, short: bool = False) -> ForwardBatch:
-        """The static inputs of size b; short: as the one-split graphs see them."""
+        """The static inputs of size b; short: as the one-split (batch 1: maybe the merged) graphs see them."""
         fb = self.inputs.views(b)
+        if short and b == 1 and self.merged_splits:
+            return dataclasses.replace(fb, decode_num_splits=self.merged_splits, decode_merge_o_proj=True)
         return dataclasses.replace(fb, decode_num_splits=1) if short else fb
 
     def prepare(self, b: int, short: bool = False):
@@ -348,8 +379,8 @@ class CudaGraphRunner:
                 and all(sr.num_new_tokens == 1 for sr in sched_reqs))
 
     def uses_short_graph(self, sched_reqs, b: int) -> bool:
-        """Whether the padded size b has a one-split graph and every context fits short_context."""
-        return b in self.short_sizes and max(sr.start for sr in sched_reqs) < self.short_context
+        """Whether the padded size b has a one-split (or merged) graph and every context fits its limit."""
+        return max(sr.start for sr in sched_reqs) < self.short_limits.get(b, 0)
 
     def run(self, sched_reqs, last_rows=None) -> tuple:
         """Replay the decode step of `sched_reqs`; returns views of the first n rows of

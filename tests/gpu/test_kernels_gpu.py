@@ -261,12 +261,14 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ctx", [1, 200, 8192])
+@pytest.mark.parametrize("ctx,splits", [(1, None), (200, None), (8192, None), (200, 2), (256, 2), (129, 4),
+                                        (512, 4), (1000, 4)])
 @pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_o_proj_merging_decode_partials(ctx, n_heads, hidden, pdl):
+def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
     """Batch 1: o_proj's GEMV merging decode attention's split partials (no reduce launch) against the
-    attention output through F.linear, at the default launch shapes."""
+    attention output through F.linear, at the default launch shapes; splits 2 / 4: the merged batch-1 graph's
+    (whole-row input tiles under PDL), within their 128 keys a split and past them (1000 tokens)."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton
@@ -285,7 +287,7 @@ def test_o_proj_merging_decode_partials(ctx, n_heads, hidden, pdl):
     o = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                        D ** -0.5)
     parts = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                              D ** -0.5, pdl=pdl, partials=True)
+                                              D ** -0.5, splits, pdl=pdl, partials=True)
     got = merged_heads_gemv_triton(parts, w, pdl=pdl)
     want = o.reshape(1, -1).float() @ w.float().t()
     torch.testing.assert_close(got.float(), want, **TOL)

@@ -72,8 +72,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1);
     unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
     (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch);
-    merge-o-proj: batch-1 decode steps merge the attention splits inside o_proj's GEMV
-    (GYRFALCON_MERGE_INTO_O_PROJ=1); cublas-rows: o_proj and down_proj of decode batches of 2-16 rows
+    merge-o-proj: batch-1 decode steps of up to 256 tokens of context replay the merged graph, 2 attention
+    splits merged inside o_proj's GEMV, with PDL (GYRFALCON_B1_MERGED_SPLITS=2); cublas-rows: o_proj and down_proj of decode batches of 2-16 rows
     through cuBLAS instead of gyrfalcon's tensor-core path (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is
     16); merge-in-kernel: the attention splits merged by their last program at every batch
     (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
@@ -84,11 +84,11 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode == "pdl" else "0")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj") else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
-    monkeypatch.setenv("GYRFALCON_MERGE_INTO_O_PROJ", "1" if mode == "merge-o-proj" else "0")
+    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if mode == "merge-o-proj" else "0")
     monkeypatch.setenv("GYRFALCON_SKINNY_GEMM_ROWS", "128" if mode == "skinny-gemm" else "0")
     if mode == "cublas-rows":
         monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
@@ -110,6 +110,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         assert llm.engine.runner.graph_runner.with_logits
     if mode == "short-graph":
         assert llm.engine.runner.graph_runner.short_graphs
+    if mode == "merge-o-proj":
+        assert llm.engine.runner.graph_runner.merged_splits == 2 and 1 in llm.engine.runner.graph_runner.short_graphs
     assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
     layer0 = llm.engine.runner.model.model.layers[0]
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
@@ -127,18 +129,28 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_bf16_greedy_follows_transformers_argmax(ckpt, enforce_eager):
+@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1"])
+def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
     sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
+    merged-b1: one request at a time through the merged batch-1 graph (2 splits merged in o_proj's whole-row
+    GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take.
     Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
     that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
     path, refs = ckpt
-    llm = LLM(str(path), max_model_len=1024, enforce_eager=enforce_eager, max_num_seqs=8, **BLOCKS)
+    merged = mode == "merged-b1"
+    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if merged else "0")
+    if merged:
+        monkeypatch.setenv("GYRFALCON_PDL", "1")
+    llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    if merged:
+        assert llm.engine.runner.graph_runner.merged_splits == 2
+        outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
+    else:
+        outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
     del llm
     torch.cuda.empty_cache()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()

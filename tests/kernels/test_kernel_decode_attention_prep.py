@@ -71,25 +71,6 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 
 
 @requires_triton
-@pytest.mark.parametrize("seq_lens", [[129, 200], [256, 1]])
-def test_one_split_with_one_whole_context_tile(seq_lens):
-    """gpu_check.sh short256's launch: one split, a 256-key tile loaded whole before the wait (prefetch), one stage,
-    16 warps (GYRFALCON_DECODE_ATTN_CONFIG=256,16,1), over batch-1-sized contexts of up to 256 tokens at Qwen3's
-    head shape, blocks of 16."""
-    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(seq_lens, 4, 2, 128, 128, torch.bfloat16, True,
-                                                        block_size=16)
-    cs = torch.cat([cs] * 4)  # positions up to 255
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    want = decode_attention_with_prep_ref(qkv, 4, 2, 128, pos, cs, 128, True, kc_ref, vc_ref, slots, bt, sl,
-                                          128 ** -0.5, None, qw, kw, 1e-6)
-    got = decode_attention_with_prep_triton(qkv, 4, 2, 128, pos, cs, 128, True, kc, vc, slots, bt, sl, 128 ** -0.5,
-                                            1, qw, kw, 1e-6, block_n=256, num_warps=16, num_stages=1, prefetch=True)
-    torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
-    torch.testing.assert_close(kc, kc_ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
-
-
-@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -173,6 +154,21 @@ def test_o_proj_merging_the_split_partials(dtype, seq_len, num_splits, peel):
         assert torch.count_nonzero(got) == 0
     # The default launch shape (input tiles sized to the split count).
     torch.testing.assert_close(merged_heads_gemv_triton(parts, w, peel=peel), ref, **tol)
+    # One tile over the whole row (the merged batch-1 graph's shape under PDL: no loop after the peel).
+    got = merged_heads_gemv_triton(parts, w, config=GemvConfig(8, H * D, 4, 1), peel=peel)
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("splits,pdl,want_k", [(2, True, 2048), (4, True, 2048), (16, True, 512),
+                                               (2, False, 1024), (4, False, 1024)])
+def test_merged_o_proj_takes_the_whole_row_under_pdl(splits, pdl, want_k):
+    """Qwen3-0.6B's o_proj (1024 x 2048): with PDL and 2-4 splits one input tile spans the row (the weight
+    slice loads before the wait, the merge runs once); 16 splits' partials cap the tile; without PDL the
+    plain 1024-input tiles."""
+    from gyrfalcon.kernels.small_m_gemv import MERGED_TILE_ELEMS, merged_config
+
+    cfg = merged_config(1024, 2048, splits, 2, pdl)
+    assert cfg.block_k == want_k and cfg.block_k * splits <= MERGED_TILE_ELEMS
 
 
 @pytest.mark.parametrize("env,pdl,want", [(None, True, True), (None, False, False), ("pdl", True, True),

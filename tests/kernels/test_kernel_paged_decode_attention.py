@@ -213,24 +213,3 @@ def test_column_major_block_table(dtype, num_splits, merge, k_rows, monkeypatch)
     got = paged_decode_attention_triton(q, kc, vc, _column_major(bt, width=bt.shape[1] + 5), sl, 0.2,
                                         num_splits=num_splits, block_n=16, min_part=16, merge_in_kernel=merge)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
-
-
-def test_register_cap_switch(monkeypatch):
-    """GYRFALCON_DECODE_MAXNREG=N compiles the split kernel with at most N registers a thread (an experiment);
-    unset, Triton chooses."""
-    from gyrfalcon.kernels.paged_decode_attention import _maxnreg_kwargs
-
-    monkeypatch.delenv("GYRFALCON_DECODE_MAXNREG", raising=False)
-    assert _maxnreg_kwargs() == {}
-    monkeypatch.setenv("GYRFALCON_DECODE_MAXNREG", "128")
-    assert _maxnreg_kwargs() == {"maxnreg": 128}
-
-
-@requires_triton
-def test_register_capped_launch_matches_the_reference(monkeypatch):
-    """The capped launch (the interpreter ignores the cap; tests/gpu runs the fp8 decode tests with it under
-    gpu_check.sh maxnreg) computes the same attention."""
-    monkeypatch.setenv("GYRFALCON_DECODE_MAXNREG", "128")
-    q, kc, vc, bt, sl, _, _ = _batch(SEQ_LENS, 4, 2, 32, 4, torch.float32)
-    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=3, block_n=16, min_part=16)
-    torch.testing.assert_close(got, paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2), **ATTN_TOL[torch.float32])

@@ -280,6 +280,40 @@ def test_short_graph_ladder_and_choice(monkeypatch):
     fb = r.views(2, short=True)
     assert fb.decode_num_splits == 1 and r.views(2).decode_num_splits is None
     assert fb.block_tables.shape == r.views(2).block_tables.shape  # the full table: any context is correct
+    assert not fb.decode_merge_o_proj and not r.views(1, short=True).decode_merge_o_proj
+
+
+def test_merged_batch1_graph_choice(monkeypatch):
+    """GYRFALCON_B1_MERGED_SPLITS=S: batch 1's second graph splits attention S ways with o_proj merging the
+    splits, up to S * MERGED_SPLIT_TOKENS tokens of context; the other short sizes keep their one-split graphs
+    and limit. It needs a shorter context than max_model_len; values other than 0, 1, 2, 4 are refused."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.runner.cuda_graph import MERGED_SPLIT_TOKENS, CudaGraphRunner
+
+    def runner(max_num_seqs=64, max_model_len=1024):
+        return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
+
+    reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
+    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
+    monkeypatch.delenv("GYRFALCON_B1_MERGED_SPLITS", raising=False)
+    assert runner().merged_splits == 0 and runner().short_limits == {1: 128, 2: 128, 4: 128}
+    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2")
+    r = runner()
+    assert MERGED_SPLIT_TOKENS == 128 and r.merged_splits == 2
+    assert r.short_limits == {1: 256, 2: 128, 4: 128} and r.short_sizes == [1, 2, 4]
+    assert r.uses_short_graph(reqs(255), 1) and not r.uses_short_graph(reqs(256), 1)
+    assert r.uses_short_graph(reqs(0, 127), 2) and not r.uses_short_graph(reqs(0, 128), 2)
+    fb1, fb2 = r.views(1, short=True), r.views(2, short=True)
+    assert fb1.decode_num_splits == 2 and fb1.decode_merge_o_proj
+    assert fb2.decode_num_splits == 1 and not fb2.decode_merge_o_proj
+    assert not r.views(1).decode_merge_o_proj and r.views(1).decode_num_splits is None
+    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")  # the one-split ladder off, the merged graph on
+    assert runner().short_limits == {1: 256}
+    assert runner(max_model_len=256).short_limits == {}  # not shorter than max_model_len
+    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "3")
+    with pytest.raises(ValueError, match="GYRFALCON_B1_MERGED_SPLITS"):
+        runner()
 
 
 def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
@@ -303,6 +337,29 @@ def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
     assert 1 in splits and None in splits  # both ladders served steps
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+def test_merged_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
+    """The merged batch-1 graph's step (2 splits; on a CPU the reference attention and o_proj, padded like the
+    graph) up to its 2 * 128 tokens, the main graph past them: the eager path's tokens either way."""
+    from gyrfalcon import LLM
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    kw = dict(block_size=4, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=1)
+    prompts = [{"prompt_token_ids": [(7 * i) % 90 + 3 for i in range(250)]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(str(qwen3_ckpt), **kw).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2")  # contexts reach 250 + 12 tokens
+    llm = LLM(str(qwen3_ckpt), **kw)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 1, 512, r.block_size, r.device, r.last_sampled)
+    seen = []
+    forward = r.graph_runner._forward
+    r.graph_runner._forward = lambda fb, src: seen.append((fb.decode_num_splits, fb.decode_merge_o_proj)) \
+        or forward(fb, src)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert (2, True) in seen and (None, False) in seen  # both graphs served steps
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
