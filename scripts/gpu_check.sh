@@ -20,6 +20,7 @@
 #                shapes (small_m_gemv.py --attn-tput --fp8; 256-key tiles too) against the bf16 sweep (ATTN_BF16=0:
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
+#   ncu          Nsight Compute on short-context decode kernels (benchmarks/ncu_probe.py; the log holds ncu's report)
 #   merged       the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS): its GPU tests, Qwen3-0.6B b1 off / 2 / 4
 #                splits (ABCABC), Llama-8B b1 off / 2
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
@@ -146,6 +147,13 @@ if has merged; then  # the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS=S: S
       --input-len 128 --output-len 128 --max-num-seqs 1 --async-scheduling \
       --output-json "$R/latency_llama-3.1-8b_b1_merged_$run.json"
   done
+fi
+if has ncu; then  # short-context decode kernels under Nsight Compute (benchmarks/ncu_probe.py): batch-64 / 16 attention,
+  # Qwen3-0.6B batch 1's attention + reduce + o_proj vs the merged graph's two kernels; graph timings first
+  step ncu_probe_time 120 python3 benchmarks/ncu_probe.py --output-json "$R/ncu_probe.json"
+  step ncu_probe 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats python3 benchmarks/ncu_probe.py --ncu
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \

@@ -30,8 +30,9 @@ default; GYRFALCON_SMALL_M_PLAIN_ROWS (up to 64) and GYRFALCON_GEMV_SPLIT_K stay
 merged_heads_gemv: the same kernel with its input tiles computed from decode attention's per-split
 partials (paged_decode_attention.DecodePartials) instead of read from x, so that a batch-1 decode step's
 o_proj also does the attention's split merge and the reduce launch goes. The merged batch-1 graph uses it
-(cuda_graph.merged_graph_splits: 2-4 splits, the whole row in one tile under PDL). Over the main graph's 16
-splits it lost (then GYRFALCON_MERGE_INTO_O_PROJ=1): on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
+(cuda_graph.merged_graph_splits: 2-4 splits, the whole row in one tile under PDL; off, it lost too: run 61,
+0.770 vs 0.725 ms a Qwen3-0.6B step). Over the main graph's 16 splits it lost (then
+GYRFALCON_MERGE_INTO_O_PROJ=1): on the H200 the Qwen3-0.6B batch-1 graph replayed in 0.753 ms with it vs 0.732 without, run 12 in
 benchmarks/results/logs/, when each input tile looped over the splits, a chain of L2 round trips; with
 all splits loaded at once, 1.348 vs 0.693 ms, run 15, slower with PDL than without (1.638 vs 1.326 ms
 at startup): the cause is not established; each program repeats the merge of every split for each of

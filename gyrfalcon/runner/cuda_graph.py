@@ -80,8 +80,12 @@ def merged_graph_splits() -> int:
     (S = 1, 2 or 4) and merges the splits inside o_proj, for contexts of up to S * MERGED_SPLIT_TOKENS tokens.
     Where the one-split graph walks two tiles in one program from 129 tokens (slower than the main graph, run
     24), each split here holds one tile, loaded before the PDL wait; the reduce launch goes as in the one-split
-    graph. An experiment until the H200 says (the earlier merge into o_proj, over 16 splits and 256-input
-    tiles, lost: small_m_gemv's docstring)."""
+    graph. Off: it lost on the H200 (latency_*_b1_merged_*-h200-2026-12-01-run61.json, 128-token prompts, 128
+    new tokens): Qwen3-0.6B 0.770 / 0.769 ms a step with 2 splits and 0.821 / 0.818 with 4, against 0.725 / 0.723
+    without; its graph replayed in 0.673 ms at 128 tokens against the main graph's 0.632 and the one-split
+    graph's 0.607, though at 0 tokens (nothing to merge) in 0.451 against 0.503; Llama-3.1-8B (no PDL there)
+    4.391 against 4.187 ms. GPU tests of the path pass (tests/gpu: the kernels at 2 / 4 splits, the model's
+    tokens in fp32 and bf16)."""
     s = int(os.environ.get("GYRFALCON_B1_MERGED_SPLITS", "0"))
     if s not in (0, 1, 2, 4):
         raise ValueError(f"GYRFALCON_B1_MERGED_SPLITS must be 0, 1, 2 or 4, not {s}")
