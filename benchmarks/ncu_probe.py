@@ -12,7 +12,7 @@ the latency rows' 128-in / 128-out runs):
                         graph replay at 128 tokens)
 
 `python3 benchmarks/ncu_probe.py` times each case in a CUDA graph (no profiler); with --ncu it runs each case
-once to compile, then once inside an NVTX range "probe", for
+(--only: some) once to compile, then once inside an NVTX range "probe", for
 `ncu --nvtx --nvtx-include "probe/" ... python3 benchmarks/ncu_probe.py --ncu`. ncu runs the kernels one at a time
 (no PDL overlap), so its durations are the kernels' own.
 """
@@ -81,9 +81,12 @@ def cases():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ncu", action="store_true", help="compile, then each case once inside the NVTX range 'probe'")
+    ap.add_argument("--only", nargs="+", help="these cases only")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     cs = cases()
+    if args.only:
+        cs = {k: v for k, v in cs.items() if k in args.only}
     if args.ncu:
         for f in cs.values():
             f()

@@ -21,6 +21,7 @@
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
 #   ncu          Nsight Compute on short-context decode kernels (benchmarks/ncu_probe.py; the log holds ncu's report)
+#   ncusrc       ncu's PC sampling of the batch-1 / batch-64 decode attention launches, per SASS instruction (CSV logs)
 #   merged       the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS): its GPU tests, Qwen3-0.6B b1 off / 2 / 4
 #                splits (ABCABC), Llama-8B b1 off / 2
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
@@ -154,6 +155,16 @@ if has ncu; then  # short-context decode kernels under Nsight Compute (benchmark
   step ncu_probe 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
     --section SchedulerStats python3 benchmarks/ncu_probe.py --ncu
+fi
+if has ncusrc; then  # where the batch-1 and batch-64 decode attention launches stall, by SASS instruction: ncu's PC
+  # sampling (SourceCounters) over one launch each, exported as CSV (ncu --page source)
+  for c in b1_main attn_b64; do
+    step ncu_src_$c 150 ncu --clock-control none --nvtx --nvtx-include "probe/" -k regex:_decode_split_kernel -c 1 \
+      --section SourceCounters --section WarpStateStats --import-source yes -o "$R/ncu_src_$c" \
+      python3 benchmarks/ncu_probe.py --ncu --only $c
+    step ncu_src_${c}_csv 60 ncu -i "$R/ncu_src_$c.ncu-rep" --page source --csv --print-source sass
+    step ncu_src_${c}_details 60 ncu -i "$R/ncu_src_$c.ncu-rep" --page details
+  done
 fi
 if has ktests; then  # the kernel tests alone (the model tests take minutes; run 55 passed 129 of them in 120 s)
   step gpu_kernel_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_small_m_gemv_gpu.py \
