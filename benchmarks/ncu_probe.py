@@ -105,7 +105,8 @@ def main() -> None:
         print(f"{name}: {rows[name]:.2f} us a launch sequence (CUDA graph, back to back)", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as fh:
-            json.dump({"benchmark": "ncu_probe", **run_info(args), "ctx": CTX, "us": rows}, fh, indent=1)
+            info = {**run_info(args), "command": "python3 benchmarks/ncu_probe.py " + " ".join(sys.argv[1:])}
+            json.dump({"benchmark": "ncu_probe", **info, "ctx": CTX, "us": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
