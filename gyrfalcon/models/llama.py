@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6)
                 if (get_forward_context().batch.decode_merge_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
-                        and add_to is None and self.o_proj.bias is None):
+                        and add_to is None):
                     # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).
                     parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True,
                                                        row_scale=row_scale)

@@ -73,9 +73,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
     (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch);
     merge-o-proj: batch-1 decode steps of up to 256 tokens of context replay the merged graph, 2 attention
-    splits merged inside o_proj's GEMV, with PDL (GYRFALCON_B1_MERGED_SPLITS=2); cublas-rows: o_proj and down_proj of decode batches of 2-16 rows
-    through cuBLAS instead of gyrfalcon's tensor-core path (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is
-    16); merge-in-kernel: the attention splits merged by their last program at every batch
+    splits merged inside o_proj's GEMV, with PDL (GYRFALCON_B1_MERGED_SPLITS=2); cublas-rows: o_proj and
+    down_proj of decode batches of 2-16 rows through cuBLAS instead of gyrfalcon's tensor-core path
+    (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is 16); merge-in-kernel: the attention splits merged by their last program at every batch
     (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
     replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits;
     the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
@@ -111,7 +111,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     if mode == "short-graph":
         assert llm.engine.runner.graph_runner.short_graphs
     if mode == "merge-o-proj":
-        assert llm.engine.runner.graph_runner.merged_splits == 2 and 1 in llm.engine.runner.graph_runner.short_graphs
+        gr = llm.engine.runner.graph_runner
+        assert gr.merged_splits == 2 and 1 in gr.short_graphs
     assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
     layer0 = llm.engine.runner.model.model.layers[0]
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
