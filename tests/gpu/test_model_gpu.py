@@ -76,8 +76,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     splits merged inside o_proj's GEMV, with PDL (GYRFALCON_B1_MERGED_SPLITS=2); cublas-rows: o_proj and
     down_proj of decode batches of 2-16 rows through cuBLAS instead of gyrfalcon's tensor-core path
     (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is 16); merge-in-kernel: the attention splits merged by their
-    last program at every batch (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences); short-graph: decode steps
-    replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512: every context here fits;
+    last program at every batch (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences);
+    short-graph: decode steps replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512:
+    every context here fits;
     the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
