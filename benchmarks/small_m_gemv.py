@@ -226,13 +226,9 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
         kv_bytes = 2 * B * ctx * n_kv * d * (1 if fp8 else 2)
 
         def timed(k_rows=None, **kw):  # k_rows None: the default launch's own choice
-            if k_rows is not None:
-                os.environ["GYRFALCON_DECODE_K_ROWS"] = k_rows
-            try:
+            with scoped_env({} if k_rows is None else {"GYRFALCON_DECODE_K_ROWS": k_rows}):
                 return graph_time_us([lambda kc=kc, vc=vc: paged_decode_attention_triton(
                     q, kc, vc, bt, sl, d ** -0.5, **kw) for kc, vc in caches], reps=3)
-            finally:
-                os.environ.pop("GYRFALCON_DECODE_K_ROWS", None)
 
         frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
         t_default = timed()
@@ -386,9 +382,6 @@ def bench_pdl_chain(rows):
     for mode, Ws in (("distinct", distinct), ("shared", [distinct[0]] * layers)):
         out = {}
         for pdl in (False, "serial", True):
-            # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
-            os.environ["GYRFALCON_PDL"] = "serial" if pdl == "serial" else "1"
-
             def step(pdl=bool(pdl)):
                 x, res = x0, torch.zeros_like(x0)
                 for w, (kc, vc) in zip(Ws, caches):
@@ -400,9 +393,10 @@ def bench_pdl_chain(rows):
                     h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
                     x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
                 return x
-            out[pdl] = step().float()
-            out[pdl, "us"] = graph_time_us([step], reps=3)
-        os.environ.pop("GYRFALCON_PDL")
+            # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
+            with scoped_env({"GYRFALCON_PDL": "serial" if pdl == "serial" else "1"}):
+                out[pdl] = step().float()
+                out[pdl, "us"] = graph_time_us([step], reps=3)
         same = torch.equal(out["serial"], out[True])
         for pdl, name in ((False, "off"), ("serial", "serial"), (True, "on")):
             t = out[pdl, "us"]

@@ -190,11 +190,16 @@ def format_startup(startup_s: float, phases: dict) -> str:
 def scoped_env(values: dict):
     """os.environ with `values` set inside the block (a value of None: the variable unset), as it was after: the
     benchmarks' same-process A/Bs of switches that the kernels read at launch."""
+    def apply(vals: dict) -> None:
+        for k, v in vals.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        apply(values)
         yield
     finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        apply(old)

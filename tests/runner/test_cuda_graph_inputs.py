@@ -316,24 +316,34 @@ def test_merged_batch1_graph_choice(monkeypatch):
         runner()
 
 
-def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
-    """The one-split decode step (run eagerly on a CPU, padded like the graph) for batches whose contexts
-    fit GYRFALCON_SHORT_GRAPH_CONTEXT, the main one past it: the eager path's tokens either way."""
+def _eager_and_graph_runner_tokens(ckpt, monkeypatch, kw, prompts, params, env, probe):
+    """(eager outputs, outputs through a CudaGraphRunner stepping eagerly on the CPU with `env` set, and
+    probe(fb) of every ForwardBatch the runner stepped)."""
     from gyrfalcon import LLM
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 
+    want = LLM(str(ckpt), **kw).generate(prompts, params, use_tqdm=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    llm = LLM(str(ckpt), **kw)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, kw["max_num_seqs"], kw["max_model_len"], r.block_size,
+                                     r.device, r.last_sampled)
+    seen = []
+    forward = r.graph_runner._forward
+    r.graph_runner._forward = lambda fb, src: seen.append(probe(fb)) or forward(fb, src)
+    return want, llm.generate(prompts, params, use_tqdm=False), seen
+
+
+def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
+    """The one-split decode step (run eagerly on a CPU, padded like the graph) for batches whose contexts
+    fit GYRFALCON_SHORT_GRAPH_CONTEXT, the main one past it: the eager path's tokens either way."""
     kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=5)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = LLM(str(qwen3_ckpt), **kw).generate(prompts, params, use_tqdm=False)
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "22")  # contexts reach 17 + 10 tokens
-    llm = LLM(str(qwen3_ckpt), **kw)
-    r = llm.engine.runner
-    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 5, 128, r.block_size, r.device, r.last_sampled)
-    splits = []
-    forward = r.graph_runner._forward
-    r.graph_runner._forward = lambda fb, src: splits.append(fb.decode_num_splits) or forward(fb, src)
-    got = llm.generate(prompts, params, use_tqdm=False)
+    want, got, splits = _eager_and_graph_runner_tokens(  # contexts reach 17 + 10 tokens
+        qwen3_ckpt, monkeypatch, kw, prompts, params, {"GYRFALCON_SHORT_GRAPH_CONTEXT": "22"},
+        lambda fb: fb.decode_num_splits)
     assert 1 in splits and None in splits  # both ladders served steps
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -342,22 +352,12 @@ def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
 def test_merged_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
     """The merged batch-1 graph's step (2 splits; on a CPU the reference attention and o_proj, padded like the
     graph) up to its 2 * 128 tokens, the main graph past them: the eager path's tokens either way."""
-    from gyrfalcon import LLM
-    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
-
     kw = dict(block_size=4, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=1)
     prompts = [{"prompt_token_ids": [(7 * i) % 90 + 3 for i in range(250)]}]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = LLM(str(qwen3_ckpt), **kw).generate(prompts, params, use_tqdm=False)
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2")  # contexts reach 250 + 12 tokens
-    llm = LLM(str(qwen3_ckpt), **kw)
-    r = llm.engine.runner
-    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 1, 512, r.block_size, r.device, r.last_sampled)
-    seen = []
-    forward = r.graph_runner._forward
-    r.graph_runner._forward = lambda fb, src: seen.append((fb.decode_num_splits, fb.decode_merge_o_proj)) \
-        or forward(fb, src)
-    got = llm.generate(prompts, params, use_tqdm=False)
+    want, got, seen = _eager_and_graph_runner_tokens(  # contexts reach 250 + 12 tokens
+        qwen3_ckpt, monkeypatch, kw, prompts, params, {"GYRFALCON_B1_MERGED_SPLITS": "2"},
+        lambda fb: (fb.decode_num_splits, fb.decode_merge_o_proj))
     assert (2, True) in seen and (None, False) in seen  # both graphs served steps
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
