@@ -49,7 +49,7 @@ def bench(args, rows):
 
     for preset in args.preset:
         for M in args.ms:
-            sums = {"cublas": 0.0, "skinny": 0.0, "best": 0.0}
+            sums = {"cublas": 0.0, "cublas_swapped": 0.0, "skinny": 0.0, "best": 0.0}
             for name, (K, N, add) in LAYERS[preset].items():
                 copies = max(1, -(-256 * 2 ** 20 // (N * K * 2)))
                 ws = [torch.randn(N, K, device="cuda").div_(K ** 0.5).bfloat16() for _ in range(copies)]
@@ -67,9 +67,14 @@ def bench(args, rows):
                 err = (got.float() - ref.float()).abs().max().item()
                 t_cublas = graph_time_us([cublas(w) for w in ws])
                 t_ours = graph_time_us([ours(w) for w in ws])
+                # The same product with cuBLAS's operands swapped: y^T [N, M] = W x^T (a consumer would then read
+                # y column-major); cuBLAS picks its kernel by the problem's orientation, and F.linear's at M <= 128
+                # leaves SMs idle on qkv / o_proj (the module docstring of kernels/skinny_gemm.py)
+                xt = x.t()
+                t_swap = graph_time_us([lambda w=w: torch.mm(w, xt) for w in ws])
                 nbytes = (N * K + M * K + M * N * (2 if add else 1)) * 2
                 row = {"preset": preset, "gemm": name, "M": M, "K": K, "N": N, "add": add,
-                       "cublas_us": t_cublas, "skinny_us": t_ours, "default_config": list(default_config(M, N, K)),
+                       "cublas_us": t_cublas, "cublas_swapped_us": t_swap, "skinny_us": t_ours, "default_config": list(default_config(M, N, K)),
                        "speedup": t_cublas / t_ours, "max_abs_err": err,
                        "frac_hbm_cublas": nbytes / HBM_BYTES_PER_S / (t_cublas * 1e-6),
                        "frac_hbm_skinny": nbytes / HBM_BYTES_PER_S / (t_ours * 1e-6)}
@@ -88,15 +93,17 @@ def bench(args, rows):
                     best = min(best, swept[0]) if swept else best
                 row["best_us"], row["best_config"] = best
                 sums["cublas"] += t_cublas
+                sums["cublas_swapped"] += t_swap
                 sums["skinny"] += t_ours
                 sums["best"] += best[0]
                 rows.append(row)
-                print(f"{preset} {name:8s} M={M:4d}: cuBLAS {t_cublas:7.2f} us ({row['frac_hbm_cublas']:.0%}), "
+                print(f"{preset} {name:8s} M={M:4d}: cuBLAS {t_cublas:7.2f} us ({row['frac_hbm_cublas']:.0%}), swapped "
+                      f"{t_swap:7.2f}, "
                       f"stream-K {t_ours:7.2f} us ({row['frac_hbm_skinny']:.0%}) x{row['speedup']:.3f}, "
                       f"best {best[0]:7.2f} {best[1]}; max |err| {err:.3g}")
                 del ws
             rows.append({"preset": preset, "M": M, "layer_sum_us": sums})
-            print(f"{preset} layer M={M}: cuBLAS {sums['cublas']:.1f} us, stream-K default {sums['skinny']:.1f}, "
+            print(f"{preset} layer M={M}: cuBLAS {sums['cublas']:.1f} us (swapped {sums['cublas_swapped']:.1f}), stream-K default {sums['skinny']:.1f}, "
                   f"best shapes {sums['best']:.1f}")
 
 

@@ -12,6 +12,7 @@ python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 --shapes l8_qkv l8_o
 python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 --shapes l8_qkv_plain l8_gate_up_plain   (folded qkv)
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
+python3 benchmarks/small_m_gemv.py --attn-prep-sweep [--quick]   (the fused-prep kernel at Llama-8B b16 / b64, short contexts)
 """
 
 from __future__ import annotations
@@ -346,6 +347,69 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
               + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()), flush=True)
 
 
+def bench_decode_attention_prep_sweep(rows, quick: bool = False):
+    """Decode attention with its fused prep (RoPE, KV store, folded input norm's rstd) as Llama-3.1-8B's batch 16 /
+    64 decode graphs launch it, at the latency rows' contexts (128-token prompts, 128 new tokens): the kernel the
+    model runs, where --attn-sweep timed the plain kernel. In the model it takes ~23 us a layer at batch 64 (50 MB
+    of K/V at 192 tokens: 12 us at 4.15 TB/s) and ~11 at 16 (3 us); under Nsight Compute (run 62) the batch-64
+    launch spent 40% of its stall samples waiting at the loop's barrier for K/V and read DRAM at 55%, and each
+    program's K/V loads only start after the prep's chain of dependent loads (seq_len, position, RoPE row,
+    residual row, qkv row, the new token's store). Swept: the first K/V tile loaded before the prep (prefetch,
+    which the batch-1 graphs use under PDL) or not, splits, keys per tile, warps, stages; each against the
+    default launch, cycling over enough layers' caches (>= 200 MB) that the K/V comes from HBM as in the model."""
+    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
+
+    hidden = 4096
+    for B, ctx in itertools.product((16, 64), (144, 192, 250)):
+        layers = max(2, -(-(200 << 20) // (2 * B * ctx * 8 * 128 * 2)))
+        pool = kv_pool(layers * B * (-(-ctx // 16)) + 1, "cuda")
+        ins = []
+        for i in range(layers):
+            x = real_decode_inputs(B, ctx, pool, scattered=False, seed=i)
+            x["bt"] = x["bt"] + i * B * (-(-ctx // 16))  # each layer its own blocks of the pool
+            per = x["bt"].shape[1]
+            wide = torch.zeros(B, 40960 // 16, dtype=torch.int32, device="cuda")  # graph-width table
+            wide[:, :per] = x["bt"]
+            x["slots"] = x["bt"].long()[:, -1] * 16 + (x["positions"] % 16)
+            x["bt"] = wide
+            x["resid"] = torch.randn(B, hidden, device="cuda", dtype=torch.bfloat16)
+            ins.append(x)
+        d = ins[0]["d"]
+
+        def timed(**kw):
+            return graph_time_us([lambda x=x: decode_attention_with_prep_triton(
+                x["qkv"], x["n_heads"], x["n_kv"], d, x["positions"], x["cos_sin"], d, True, x["k_cache"],
+                x["v_cache"], x["slots"], x["bt"], x["seq_lens"], d ** -0.5, row_scale=(x["resid"], 1e-5), **kw)
+                for x in ins], reps=3)
+
+        kv_bytes = 2 * B * ctx * 8 * d * 2
+        frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+        t_default = timed()
+        res = {}
+        grid = itertools.product((False, True), (1, 2, 4), ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
+                                                            (32, 4, 3), (128, 8, 3)))
+        for prefetch, splits, (bn, nw, ns) in grid:
+            if quick and (nw == 8 or bn == 32):
+                continue
+            if splits > 1 and bn * (splits - 1) >= ctx:
+                continue  # splits past the context are empty: the same as fewer splits
+            try:
+                res[prefetch, splits, bn, nw, ns] = timed(prefetch=prefetch, num_splits=splits, block_n=bn,
+                                                          num_warps=nw, num_stages=ns)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"  skip {(prefetch, splits, bn, nw, ns)}: {type(e).__name__}", flush=True)
+        best = sorted(res, key=res.get)[:6]
+        rows.append({"B": B, "ctx": ctx, "layers": layers, "default_us": round(t_default, 2),
+                     "frac_hbm_default": round(frac(t_default), 3),
+                     "best": [{"prefetch": k[0], "splits": k[1], "block_n": k[2], "warps": k[3], "stages": k[4],
+                               "us": round(res[k], 2), "frac_hbm": round(frac(res[k]), 3)} for k in best],
+                     "all": {"/".join(map(str, k)): round(t, 2) for k, t in res.items()}})
+        print(f"attn prep B={B:3d} ctx={ctx:4d}: default {t_default:6.2f} us ({frac(t_default):.0%} of HBM); best "
+              "(prefetch, splits, block_n, warps, stages) "
+              + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
+        del ins, pool
+
+
 def bench_pdl_chain(rows):
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 as the model runs them (norm+qkv GEMV, decode
     attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV,
@@ -472,6 +536,9 @@ def main() -> None:
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")
+    ap.add_argument("--attn-prep-sweep", action="store_true",
+                    help="decode attention with its fused prep at Llama-8B batch 16 / 64 and short contexts: prefetch, "
+                         "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
@@ -488,6 +555,9 @@ def main() -> None:
     if args.attn_tput:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_tput(attn_rows, fp8=args.fp8, sweep=not args.quick, ab_env=args.ab_env)
+    if args.attn_prep_sweep:
+        args.skip_gemv = args.skip_attention = True
+        bench_decode_attention_prep_sweep(attn_rows, quick=args.quick)
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

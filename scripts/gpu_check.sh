@@ -8,6 +8,9 @@
 #   tests        GPU tests, one step per file
 #   ktests       the kernel tests only
 #   attnsweep    decode-attention launch shapes at short contexts
+#   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
+#                and 144-250 tokens: first tile before the prep or not, splits, launch shapes; cuBLAS's decode GEMMs
+#                with swapped operands (benchmarks/skinny_gemm.py)
 #   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
 #   sweep        GEMV launch-shape sweep vs cuBLAS
@@ -107,6 +110,10 @@ if has tests; then
 fi
 if has attnsweep; then  # decode-attention launch shapes at the model rows' short contexts
   step attn_sweep 240 python3 benchmarks/small_m_gemv.py --attn-sweep --output-json "$R/decode_attn_sweep.json"
+fi
+if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b64 rows' contexts; cuBLAS operand order
+  step attn_prep_sweep 330 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
+  step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
 fi
 if has attntput; then  # decode attention at the throughput benchmark's batch (64 / 256) and contexts (1-2k)
   step attn_tput 300 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput.json"
