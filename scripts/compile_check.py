@@ -191,10 +191,6 @@ def cases(mods):
                 (f"{name} attention b64, folded norms", attn(64, pdl=False, fold=True)),
                 (f"{name} attention b1 pdl (prefetch), folded norms", attn(1, pdl=True, fold=True)),
                 (f"{name} attention b256 (key rows), folded norms", attn(256, pdl=False, fold=True))]
-        # The fused-prep launch at batch 16 / 64 with the first tile loaded before the prep (no PDL), 4 warps
-        out += [(f"{name} attention b{B} prefetch {bn}/4/{ns}, {s} split(s), folded norms",
-                 attn(B, pdl=False, fold=True, prefetch=True, splits=s, block_n=bn, num_warps=4, num_stages=ns))
-                for B, bn, ns, s in ((16, 128, 2, 2), (16, 64, 3, 1), (64, 64, 3, 1), (64, 128, 2, 1))]
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),

@@ -11,6 +11,9 @@
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes; cuBLAS's decode GEMMs
 #                with swapped operands (benchmarks/skinny_gemm.py)
+#   minpart      256-key decode-attention splits in batched launches (GYRFALCON_DECODE_MIN_PART): the decode kernel
+#                tests, the model token tests with every launch on them, Llama-8B b16 against one-tile splits (ABAB)
+#   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
 #   sweep        GEMV launch-shape sweep vs cuBLAS
@@ -114,6 +117,21 @@ fi
 if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b64 rows' contexts; cuBLAS operand order
   step attn_prep_sweep 330 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
   step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
+fi
+if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
+  step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
+fi
+if has minpart; then  # 256-key splits in batched decode attention launches vs one-tile splits
+  step gpu_decode_kernels 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "decode" -p no:cacheprovider
+  step gpu_long_splits 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "long-splits or (fp32 and graphs)" \
+    -p no:cacheprovider
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  l8="$G bench latency --model /tmp/ck/l8 --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16"
+  for run in a_tile b_256 c_tile d_256; do
+    case $run in *tile) mp=0 ;; *) mp=256 ;; esac
+    step lat_l8_b16_minpart_$run 90 env GYRFALCON_DECODE_MIN_PART=$mp $l8 --async-scheduling \
+      --output-json "$R/latency_llama-3.1-8b_b16_minpart_$run.json"
+  done
 fi
 if has attntput; then  # decode attention at the throughput benchmark's batch (64 / 256) and contexts (1-2k)
   step attn_tput 300 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput.json"

@@ -431,6 +431,25 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     return min(max_splits, next_pow2(max(1, want)))
 
 
+SHORT_SPLIT_TOKENS = 256  # keys a split covers at least in batched launches (default_min_part)
+
+
+def default_min_part(programs: int, prefetch: bool) -> int:
+    """Least keys one split covers when the caller does not say (0: one tile). GYRFALCON_DECODE_MIN_PART=N
+    forces N. By default SHORT_SPLIT_TOKENS for launches of at least _SMALL_LAUNCH_PROGRAMS (sequence, kv head)
+    programs without the prefetch (batch 16 and up at 8 kv heads: the batched decode graphs), else one tile.
+    The decode graphs size the split count from max_model_len (default_num_splits: 4 at batch 16), so at the
+    latency rows' 129-256 tokens 2 splits of one 128-key tile each held keys and merged; with 256-key splits
+    one program holds them all and writes its output directly. The fused-prep launch at Llama-3.1-8B's 32 / 8
+    heads, batch 16, L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-01-run65.json):
+    one split of 128-key tiles 11.00 / 11.20 / 11.90 us at 144 / 192 / 250 tokens against 11.14 / 11.89 / 12.69
+    for the default 4 splits. From 1,024 tokens the splits are >= 256 keys anyway; batch 64 runs one split."""
+    env = os.environ.get("GYRFALCON_DECODE_MIN_PART")
+    if env is not None:
+        return max(0, int(env))
+    return SHORT_SPLIT_TOKENS if programs >= _SMALL_LAUNCH_PROGRAMS and not prefetch else 0
+
+
 def prefetch_splits() -> int:
     """Most splits per sequence for the prefetching launch, GYRFALCON_DECODE_PREFETCH_SPLITS (default
     MAX_SPLITS; 64: one 128-key tile per split up to 8192 tokens). The prefetch covers a split's first
@@ -526,7 +545,7 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge_in_kernel: bool | None = None,
-    min_part: int = 0,
+    min_part: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """Triton split-KV decode attention; same contract as paged_decode_attention_ref.
@@ -534,7 +553,7 @@ def paged_decode_attention_triton(
     No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
     num_stages override the launch config (tests and benchmark sweeps). Each split covers at least
-    min_part keys (and one tile). merge_in_kernel=True lets the last split program to finish merge the
+    min_part keys (and one tile; None: default_min_part). merge_in_kernel=True lets the last split program to finish merge the
     splits instead of a second launch; None: merge_in_kernel_default(batch), on from 8 sequences. At batch
     1 the reduce launch wins: on the H200 (benchmarks/small_m_gemv.py,
     benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
@@ -586,7 +605,7 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
-            num_warps=None, num_stages=None, merge_in_kernel=None, min_part=0, pdl=None, partials=False,
+            num_warps=None, num_stages=None, merge_in_kernel=None, min_part=None, pdl=None, partials=False,
             prefetch=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
@@ -622,6 +641,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if merge_in_kernel is None:
         merge_in_kernel = merge_in_kernel_default(n_seqs)
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
+    if min_part is None:
+        min_part = default_min_part(n_seqs * n_kv, prefetch)
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:

@@ -63,7 +63,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm"])
+                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -82,7 +82,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
-    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default)."""
+    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); long-splits: every decode
+    attention launch covers at least 256 keys a split (GYRFALCON_DECODE_MIN_PART=256; by default only launches of
+    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj") else "0")
@@ -104,6 +106,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
     monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0" if mode == "unfolded-norms" else "1")
+    if mode == "long-splits":
+        monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "256")
+    else:
+        monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager

@@ -164,6 +164,48 @@ def test_triton_default_merge_at_batch_8(monkeypatch):
         torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
 
 
+def test_default_min_part(monkeypatch):
+    """Batched launches (>= 128 programs, no prefetch) cover at least SHORT_SPLIT_TOKENS keys a split; batch-1
+    launches and the prefetching ones one tile; GYRFALCON_DECODE_MIN_PART forces it."""
+    from gyrfalcon.kernels.paged_decode_attention import SHORT_SPLIT_TOKENS, default_min_part
+    monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
+    assert SHORT_SPLIT_TOKENS == 256
+    assert default_min_part(16 * 8, prefetch=False) == 256 and default_min_part(64 * 8, prefetch=False) == 256
+    assert default_min_part(8, prefetch=False) == 0 and default_min_part(8 * 8, prefetch=False) == 0
+    assert default_min_part(16 * 8, prefetch=True) == 0
+    monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "0")
+    assert default_min_part(16 * 8, prefetch=False) == 0
+    monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "64")
+    assert default_min_part(8, prefetch=True) == 64
+
+
+@requires_triton
+@pytest.mark.parametrize("min_part_env", [None, "0"], ids=["default-256", "one-tile"])
+def test_triton_batch16_default_min_part(min_part_env, monkeypatch):
+    """Batch 16 at 8 kv heads (128 programs) over a graph-wide block table, so the default split count is 4:
+    with the default 256-key splits contexts up to 256 run in one split and write directly, longer ones merge;
+    with one-tile splits (GYRFALCON_DECODE_MIN_PART=0) more splits merge. Both match the reference, twice (the
+    merge counters are back at zero)."""
+    if min_part_env is None:
+        monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
+    else:
+        monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", min_part_env)
+    monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 511, 128, 33, 2, 90, 160]
+    q, kc, vc, bt, sl, _, _ = _batch(lens, 8, 8, 16, 16, torch.float32, fill=10**8)
+    wide = torch.zeros(len(lens), 4096 // 16, dtype=bt.dtype, device=bt.device)  # max_model_len 4096
+    wide[:, :bt.shape[1]] = bt
+    want = paged_decode_attention_ref(q, kc, vc, wide, sl, 0.2)
+    for _ in range(2):
+        got = paged_decode_attention_triton(q, kc, vc, wide, sl, 0.2, num_splits=4)
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    # The split layout the launch used (128-key tiles at 128 programs): its partials merge to the same output.
+    from gyrfalcon.kernels.paged_decode_attention import _launch, merge_partials_ref
+    parts = _launch(q, 8, kc, vc, wide, sl, 0.2, 4, None, partials=True)
+    assert parts.block_n == 128 and parts.min_part == (256 if min_part_env is None else 128)
+    torch.testing.assert_close(merge_partials_ref(parts).view_as(want), want, **ATTN_TOL[torch.float32])
+
+
 FP8 = torch.float8_e4m3fn
 
 
