@@ -8,6 +8,10 @@ addmm_ with beta = 1; the kernel's ADD_OUT); qkv and gate_up plain. Bandwidth is
 input and output rows) against the 4.15 TB/s roofline. Each row count also gets the layer's sum: cuBLAS vs
 the kernel's default vs the best shape per GEMM.
 
+Each GEMM is also timed with cuBLAS's operands swapped (y^T = W x^T): it tied F.linear on the H200 (run 65,
+skinny_gemm_swap-h200-2026-12-01-run65.json: Llama-8B's layer at 64 rows 128.3 vs 128.5 us, at 16 rows 120.7 vs
+121.4).
+
 python3 benchmarks/skinny_gemm.py [--preset llama-3.1-8b qwen3-0.6b] [--ms 16 64 128] [--sweep] [--sweep-ms 64]
     [--output-json FILE]
 """

@@ -356,7 +356,11 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False):
     program's K/V loads only start after the prep's chain of dependent loads (seq_len, position, RoPE row,
     residual row, qkv row, the new token's store). Swept: the first K/V tile loaded before the prep (prefetch,
     which the batch-1 graphs use under PDL) or not, splits, keys per tile, warps, stages; each against the
-    default launch, cycling over enough layers' caches (>= 200 MB) that the K/V comes from HBM as in the model."""
+    default launch, cycling over enough layers' caches (>= 200 MB) that the K/V comes from HBM as in the model.
+    H200, run 65 (attn_prep_sweep-h200-2026-12-01-run65.json): the prefetch never won; at batch 64 the default
+    (one split, 64-key tiles, 4 warps, 2 stages) was the best at 144-250 tokens (18.0-23.1 us, 51-69% of HBM); at
+    batch 16 one split of 128-key tiles beat the default 4 splits (11.20 vs 11.89 us at 192 tokens), which
+    paged_decode_attention.default_min_part made the default."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     hidden = 4096
