@@ -31,14 +31,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.bench.common import run_info
-from gyrfalcon.kernels import silu_and_mul
-from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from small_m_gemv import graph_time_us  # noqa: E402
+
+from gyrfalcon.bench.common import run_info  # noqa: E402
+from gyrfalcon.kernels import silu_and_mul  # noqa: E402
+from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton  # noqa: E402
 
 H, KV, D, HID, INTER = 32, 8, 128, 4096, 14336  # Llama-3.1-8B
 BLOCK = 16
@@ -87,30 +92,9 @@ def layer_fns(layers, inp, rows: slice, resid: torch.Tensor):
     return fns
 
 
-def graph_ms(body, reps: int = 3) -> float:
-    """Median time of one replay of body() (all streams joined), over 5 timed replays of a graph of `reps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            body()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    del g
-    return sorted(times)[2]
+def graph_ms(body) -> float:
+    """Milliseconds one call of body() takes (all its streams joined), timed in a CUDA graph (graph_time_us)."""
+    return graph_time_us([body], reps=3) / 1e3
 
 
 def two_streams(chain_a, chain_b, high_priority_b: bool = False):
