@@ -65,10 +65,14 @@ def test_step_clock_sums_gc_time():
         gc.collect(1)
         return "done"
 
+    hooks = list(gc.callbacks)
     assert clock.watch(run) == "done"
     assert eng.step.__func__ is FakeEngine.step  # unwrapped afterwards
     assert len(clock.runs[0][1]) == 5 and clock.runs[0][3].get(1, 0) > 0
-    assert gc.callbacks.count(clock._on_gc) == 0
+    assert gc.callbacks == hooks  # its GC hook removed again
+    timed = dict(clock.runs[0][3])
+    gc.collect(1)  # after the run: not counted
+    assert clock.runs[0][3] == timed
 
 
 def test_bench_latency_cpu_sampled(qwen3_ckpt, tmp_path, capsys):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -203,3 +205,26 @@ def scoped_env(values: dict):
         yield
     finally:
         apply(old)
+
+
+class GCPauses:
+    """The cyclic garbage collector's pauses while entered (a context manager): each one's generation and
+    seconds go to on_pause(generation, seconds), called as the pause ends (gc.callbacks)."""
+
+    def __init__(self, on_pause) -> None:
+        self.on_pause = on_pause
+        self._start: Optional[float] = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.on_pause(info.get("generation", 2), time.perf_counter() - self._start)
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import (HBM_BYTES_PER_S, add_common_args, format_startup, hf_sampling_kwargs, print_table,
-                                    random_prompts, run_info, startup_phases, write_json)
+from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, format_startup, hf_sampling_kwargs,
+                                    print_table, random_prompts, run_info, startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -198,25 +198,12 @@ class StepClock:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.runs: list = []  # per watched run: (start, [step return times], end, gc seconds by generation)
-        self._gc_start = None
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if not self.runs:
-            return
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start is not None:
-            gcs = self.runs[-1][3]
-            gen = info.get("generation", 2)
-            gcs[gen] = gcs.get(gen, 0.0) + time.perf_counter() - self._gc_start
-            self._gc_start = None
 
     def watch(self, fn):
         """Run fn() with every engine step timed; return what fn returns."""
-        import gc
-
         steps: list = []
-        self.runs.append([time.perf_counter(), steps, None, {}])
+        gcs: dict = {}
+        self.runs.append([time.perf_counter(), steps, None, gcs])
         inner = self.engine.step
 
         def step():
@@ -224,12 +211,14 @@ class StepClock:
             steps.append(time.perf_counter())
             return out
 
+        def on_pause(gen: int, seconds: float) -> None:
+            gcs[gen] = gcs.get(gen, 0.0) + seconds
+
         self.engine.step = step
-        gc.callbacks.append(self._on_gc)
         try:
-            return fn()
+            with GCPauses(on_pause):
+                return fn()
         finally:
-            gc.callbacks.remove(self._on_gc)
             del self.engine.step  # back to the class's method
             self.runs[-1][2] = time.perf_counter()
 

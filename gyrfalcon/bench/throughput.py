@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import time
 from typing import Optional
 
-from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor, add_common_args, format_startup,
-                                    hf_sampling_kwargs, print_table, random_prompts, run_info, startup_phases,
-                                    write_json)
+from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
+                                    format_startup, hf_sampling_kwargs, print_table, random_prompts, run_info,
+                                    startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -233,17 +232,13 @@ class GCClock:
     def __init__(self, host: dict) -> None:
         self.host = host
         self.where = None
-        self.start = 0.0
         self.by_gen: dict = {}
         self.by_phase: dict = {}  # {phase: {step: seconds}}
         self.elsewhere = 0.0
+        self._pauses = GCPauses(self._on_pause)
 
-    def _on_gc(self, event: str, info: dict) -> None:
-        if event == "start":
-            self.start = time.perf_counter()
-            return
-        dt = time.perf_counter() - self.start
-        g = self.by_gen.setdefault(info["generation"], [0, 0.0])
+    def _on_pause(self, gen: int, dt: float) -> None:
+        g = self.by_gen.setdefault(gen, [0, 0.0])
         g[0] += 1
         g[1] += dt
         if self.where is None:
@@ -261,11 +256,11 @@ class GCClock:
             self.where = prev
 
     def __enter__(self):
-        gc.callbacks.append(self._on_gc)
+        self._pauses.__enter__()
         return self
 
     def __exit__(self, *exc):
-        gc.callbacks.remove(self._on_gc)
+        self._pauses.__exit__(*exc)
 
     def per_step(self) -> dict:
         """{"gc_schedule" / "gc_launch" / "gc_complete": [seconds per step, in step order]}."""
