@@ -18,7 +18,6 @@ compile-only harness (nothing was checked).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import sys
@@ -26,6 +25,8 @@ import traceback
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter (set by tests)
 import torch  # noqa: E402
+
+from gyrfalcon.bench.common import scoped_env  # noqa: E402
 
 
 def _harness(arch: int):
@@ -127,18 +128,6 @@ def _resources(kernel) -> dict:
     return {}
 
 
-@contextlib.contextmanager
-def _env(values):
-    """os.environ updated with `values` (a dict or None) inside the block, restored after."""
-    old = {k: os.environ.get(k) for k in (values or {})}
-    os.environ.update(values or {})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-
 # (heads, kv heads, head dim, hidden, intermediate) of the decode rows the benchmarks track.
 SHAPES = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4096, 14336)}
 
@@ -153,7 +142,7 @@ def cases(mods):
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
         def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, fold=False, **kw):
             def run():
-                with _env(env):
+                with scoped_env(env or {}):
                     if fold:  # folded norms: the rows' rstd from the residual stream
                         kw["row_scale"] = (torch.zeros(B, hid, dtype=dtype), 1e-5)
                     qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
@@ -235,7 +224,7 @@ def cases(mods):
 
         def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, add=False, **kw):
             def run():
-                with _env(env):
+                with scoped_env(env or {}):
                     if add:  # folded norms: the residual add in the epilogue
                         kw["add_to"] = torch.zeros(M_, N, dtype=bf)
                     x = torch.zeros(M_, K, dtype=bf)
