@@ -347,7 +347,7 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
               + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()), flush=True)
 
 
-def bench_decode_attention_prep_sweep(rows, quick: bool = False):
+def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | None = None):
     """Decode attention with its fused prep (RoPE, KV store, folded input norm's rstd) as Llama-3.1-8B's batch 16 /
     64 decode graphs launch it, at the latency rows' contexts (128-token prompts, 128 new tokens): the kernel the
     model runs, where --attn-sweep timed the plain kernel. In the model it takes ~23 us a layer at batch 64 (50 MB
@@ -357,6 +357,8 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False):
     residual row, qkv row, the new token's store). Swept: the first K/V tile loaded before the prep (prefetch,
     which the batch-1 graphs use under PDL) or not, splits, keys per tile, warps, stages; each against the
     default launch, cycling over enough layers' caches (>= 200 MB) that the K/V comes from HBM as in the model.
+    ab_env (--ab-env NAME): instead of the sweep, the default launch with NAME at "0" and at "1", four rounds
+    in alternating order, each round's time kept.
     H200, run 65 (attn_prep_sweep-h200-2026-12-01-run65.json): the prefetch never won; at batch 64 the default
     (one split, 64-key tiles, 4 warps, 2 stages) was the best at 144-250 tokens (18.0-23.1 us, 51-69% of HBM); at
     batch 16 one split of 128-key tiles beat the default 4 splits (11.20 vs 11.89 us at 192 tokens), which
@@ -388,6 +390,19 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False):
 
         kv_bytes = 2 * B * ctx * 8 * d * 2
         frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+        if ab_env:
+            ab = {"0": [], "1": []}
+            for rnd in range(4):
+                for val in (("0", "1") if rnd % 2 == 0 else ("1", "0")):
+                    with scoped_env({ab_env: val}):
+                        ab[val].append(round(timed(), 2))
+            med = {v: statistics.median(ts) for v, ts in ab.items()}
+            rows.append({"B": B, "ctx": ctx, "layers": layers, "ab_env": ab_env, "ab_rounds_us": ab,
+                         "ab_median_us": med})
+            print(f"attn prep B={B:3d} ctx={ctx:4d}: {ab_env}=0 {med['0']:.2f} us ({frac(med['0']):.0%}), =1 "
+                  f"{med['1']:.2f} us ({frac(med['1']):.0%}); 1/0 {med['1'] / med['0']:.3f}; rounds {ab}", flush=True)
+            del ins, pool
+            continue
         t_default = timed()
         res = {}
         grid = itertools.product((False, True), (1, 2, 4), ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
@@ -535,7 +550,7 @@ def main() -> None:
     ap.add_argument("--attn-tput", action="store_true",
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
     ap.add_argument("--fp8", action="store_true", help="with --attn-tput: the float8 e4m3 KV cache")
-    ap.add_argument("--ab-env", help="with --attn-tput: the default launch with this environment variable at 0 "
+    ap.add_argument("--ab-env", help="with --attn-tput or --attn-prep-sweep: the default launch with this environment variable at 0 "
                     "and at 1 (NAME=VALUE: unset and at VALUE), alternately (a kernel switch's same-process A/B)")
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
@@ -561,7 +576,7 @@ def main() -> None:
         bench_decode_attention_tput(attn_rows, fp8=args.fp8, sweep=not args.quick, ab_env=args.ab_env)
     if args.attn_prep_sweep:
         args.skip_gemv = args.skip_attention = True
-        bench_decode_attention_prep_sweep(attn_rows, quick=args.quick)
+        bench_decode_attention_prep_sweep(attn_rows, quick=args.quick, ab_env=args.ab_env)
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

@@ -180,6 +180,9 @@ def cases(mods):
                 (f"{name} attention b64, folded norms", attn(64, pdl=False, fold=True)),
                 (f"{name} attention b1 pdl (prefetch), folded norms", attn(1, pdl=True, fold=True)),
                 (f"{name} attention b256 (key rows), folded norms", attn(256, pdl=False, fold=True))]
+        # The prep's loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS=1)
+        out += [(f"{name} attention b{B} early loads, folded norms",
+                 attn(B, pdl=False, fold=True, env={"GYRFALCON_DECODE_EARLY_LOADS": "1"})) for B in (16, 64, 256)]
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),

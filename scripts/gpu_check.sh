@@ -13,6 +13,8 @@
 #                with swapped operands (benchmarks/skinny_gemm.py)
 #   minpart      256-key decode-attention splits in batched launches (GYRFALCON_DECODE_MIN_PART): the decode kernel
 #                tests, the model token tests with every launch on them, Llama-8B b16 against one-tile splits (ABAB)
+#   earlyloads   decode attention's prep loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS): Llama-8B b64
+#                (ABAB) / b16 (AB) against the default, its model token tests, the launch alone at b16 / b64 (ABAB)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -117,6 +119,19 @@ fi
 if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b64 rows' contexts; cuBLAS operand order
   step attn_prep_sweep 330 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
   step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
+fi
+if has earlyloads; then  # the fused-prep decode attention with its loads hoisted vs the default
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_0:64 b_1:64 c_1:64 d_0:64 e_0:16 f_1:16; do
+    IFS=: read -r tag B <<< "$run"
+    step lat_l8_b${B}_early_$tag 80 env GYRFALCON_DECODE_EARLY_LOADS=${tag#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --async-scheduling \
+      --output-json "$R/latency_llama-3.1-8b_b${B}_early_$tag.json"
+  done
+  step gpu_early_models 150 env GYRFALCON_DECODE_EARLY_LOADS=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -k "fp32 and (graphs or long-splits) and not prefill" -p no:cacheprovider
+  step attn_prep_early_ab 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep \
+    --ab-env GYRFALCON_DECODE_EARLY_LOADS --output-json "$R/attn_prep_early_ab.json"
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -91,8 +91,16 @@ if HAS_TRITON:
         1.0), RMSNorm over each head (weights wd / wp from _norm_weights, if HAS_W), then RoPE. offs / poffs:
         [R, BLOCK_D] offsets of the heads' dims and of their partners; mask [R, BLOCK_D]; the rest from
         _rope_tables."""
-        x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        xp = tl.load(row + poffs, mask=mask, other=0.0).to(tl.float32) * scale
+        x = tl.load(row + offs, mask=mask, other=0.0)
+        xp = tl.load(row + poffs, mask=mask, other=0.0)
+        return _norm_rope_values(x, xp, wd, wp, cos, sin, sign, rot, scale, eps, HAS_W, HEAD_D)
+
+    @triton.jit
+    def _norm_rope_values(x, xp, wd, wp, cos, sin, sign, rot, scale, eps, HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
+        """_norm_rope on heads already loaded: x [R, BLOCK_D] and xp, the same heads at the partner dims (callers
+        that issue the loads early and do the arithmetic later: decode attention's EARLY_LOADS)."""
+        x = x.to(tl.float32) * scale
+        xp = xp.to(tl.float32) * scale
         if HAS_W:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_D + eps)
             x = x * rstd[:, None] * wd[None, :]

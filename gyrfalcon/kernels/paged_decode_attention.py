@@ -61,7 +61,7 @@ def paged_decode_attention_ref(
 
 
 if HAS_TRITON:
-    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope, _norm_weights, _rope_tables
+    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope_values, _norm_weights, _rope_tables
     from gyrfalcon.kernels.rms_norm import _row_rstd
 
     @triton.jit
@@ -151,12 +151,28 @@ if HAS_TRITON:
                 ROW_SCALE: tl.constexpr):
         """This step's key (normed, rotated) [1, BLOCK_D] and value [BLOCK_D] of kv head kvh from the fused
         qkv row, in the cache dtypes (ROW_SCALE: both scaled by the row's rstd first, see _norm_rope)."""
+        kx, kxp, vx = _new_kv_loads(row, kvh, d, partner, dmask, NUM_HEADS, HEAD_D)
+        return _new_kv_values(kx, kxp, vx, kwd, kwp, cos, sin, sign, rot, scale, eps, HAS_KW, HEAD_D, K_DTYPE,
+                              V_DTYPE, ROW_SCALE)
+
+    @triton.jit
+    def _new_kv_loads(row, kvh, d, partner, dmask, NUM_HEADS: tl.constexpr, HEAD_D: tl.constexpr):
+        """_new_kv's loads from the fused qkv row: kv head kvh's key at dims d and at their RoPE partners
+        [1, BLOCK_D] each, and its value [BLOCK_D]."""
         kcol = (NUM_HEADS + kvh) * HEAD_D
-        knew = _norm_rope(row, (kcol + d)[None, :], (kcol + partner)[None, :], dmask[None, :], kwd, kwp,
-                          cos, sin, sign, rot, scale, eps, HAS_KW, HEAD_D).to(K_DTYPE)
-        vnew = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_D + d, mask=dmask, other=0.0)
+        kx = tl.load(row + kcol + d, mask=dmask, other=0.0)[None, :]
+        kxp = tl.load(row + kcol + partner, mask=dmask, other=0.0)[None, :]
+        vx = tl.load(row + (NUM_HEADS + tl.num_programs(1) + kvh) * HEAD_D + d, mask=dmask, other=0.0)
+        return kx, kxp, vx
+
+    @triton.jit
+    def _new_kv_values(kx, kxp, vx, kwd, kwp, cos, sin, sign, rot, scale, eps, HAS_KW: tl.constexpr,
+                       HEAD_D: tl.constexpr, K_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, ROW_SCALE: tl.constexpr):
+        """_new_kv's arithmetic on its loads (_new_kv_loads)."""
+        knew = _norm_rope_values(kx, kxp, kwd, kwp, cos, sin, sign, rot, scale, eps, HAS_KW, HEAD_D).to(K_DTYPE)
+        vnew = vx
         if ROW_SCALE:
-            vnew = vnew.to(tl.float32) * scale
+            vnew = vx.to(tl.float32) * scale
         return knew, vnew.to(V_DTYPE)
 
     @triton.jit
@@ -184,6 +200,7 @@ if HAS_TRITON:
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
         BLOCK_H: tl.constexpr = 16, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True,
+        EARLY_LOADS: tl.constexpr = False,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -197,6 +214,12 @@ if HAS_TRITON:
         # keys were written by earlier steps, so the first K/V tile, the RoPE tables and the norm weights
         # load first (with PDL: before the wait, while the previous kernel finishes); the new token's slot,
         # stale in that tile, is patched from registers (no store -> barrier -> reload round trip).
+        # EARLY_LOADS (with PREP, without PREFETCH): every load of the prep whose address needs no other load
+        # (position, slot, the qkv row's q heads and new K/V, the residual row for rstd) issues beside seq_len's,
+        # and the RoPE row's right after the position's, ahead of the empty-split exit. The sm_90 code of the
+        # batch-64 launch otherwise ran ~6 dependent round trips before its first K/V load: seq_len (the exit),
+        # the residual row and position, the RoPE row and the q heads, the new K/V (inside its branch), the
+        # store's barrier, the block table; with them, seq_len and position, the RoPE row, the block table.
         if USE_PDL:
             gdc_launch_dependents()
             if not PREFETCH:
@@ -205,6 +228,30 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
+        if EARLY_LOADS:
+            d_e = tl.arange(0, BLOCK_DK)
+            dmask_e = d_e < HEAD_DK
+            g_e = tl.arange(0, BLOCK_G)
+            head_e = kvh * GROUP + g_e
+            qmask_e = (g_e < GROUP)[:, None] & dmask_e[None, :]
+            pos_e = tl.load(pos_ptr + b).to(tl.int64)
+            slot_e = tl.load(slot_ptr + b).to(tl.int64)
+            row_e = q_ptr + b.to(tl.int64) * s_qb
+            HALF_E: tl.constexpr = ROT // 2
+            if IS_NEOX:  # the RoPE partners (as _rope_tables pairs them), to load the rows before the tables
+                partner_e = tl.where(d_e < HALF_E, d_e + HALF_E, d_e - HALF_E)
+            else:
+                partner_e = d_e ^ 1
+            partner_e = tl.where(d_e < ROT, partner_e, d_e)
+            qx_e = tl.load(row_e + head_e[:, None] * HEAD_DK + d_e[None, :], mask=qmask_e, other=0.0)
+            qxp_e = tl.load(row_e + head_e[:, None] * HEAD_DK + partner_e[None, :], mask=qmask_e, other=0.0)
+            kx_e, kxp_e, vx_e = _new_kv_loads(row_e, kvh, d_e, partner_e, dmask_e, NUM_HEADS, HEAD_DK)
+            qwd_e, qwp_e = _norm_weights(qw_ptr, d_e, partner_e, dmask_e, HAS_QW)
+            kwd_e, kwp_e = _norm_weights(kw_ptr, d_e, partner_e, dmask_e, HAS_KW)
+            rope_e = _rope_tables(d_e, dmask_e, cs_ptr + pos_e * s_cs, ROT, IS_NEOX)
+            scale_e = 1.0
+            if ROW_SCALE:
+                scale_e = _row_rstd(xs_ptr + b.to(tl.int64) * s_xs, eps_xs, HIDDEN, BLOCK_H)
         # At least MIN_PART keys per split (>= one tile; seq_len 0 would otherwise divide by zero below).
         part = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
         start = split * part
@@ -238,21 +285,30 @@ if HAS_TRITON:
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
             # one) writes its K/V into the cache, so fused_qkv_prep's launch is not needed.
             dmask = dk < HEAD_DK
-            pos = tl.load(pos_ptr + b).to(tl.int64)
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-            partner, cos, sin, sign, rot = _rope_tables(dk, dmask, cs_ptr + pos * s_cs, ROT, IS_NEOX)
-            qwd, qwp = _norm_weights(qw_ptr, dk, partner, dmask, HAS_QW)
-            kwd, kwp = _norm_weights(kw_ptr, dk, partner, dmask, HAS_KW)
-            if PREFETCH and USE_PDL:
-                gdc_wait()
-            scale = 1.0
-            if ROW_SCALE:
-                scale = _row_rstd(xs_ptr + b.to(tl.int64) * s_xs, eps_xs, HIDDEN, BLOCK_H)
             row = q_ptr + b.to(tl.int64) * s_qb
+            if EARLY_LOADS:
+                slot = slot_e
+                partner, cos, sin, sign, rot = rope_e
+                qwd, qwp, kwd, kwp = qwd_e, qwp_e, kwd_e, kwp_e
+                scale = scale_e
+                qx, qxp = qx_e, qxp_e
+            else:
+                pos = tl.load(pos_ptr + b).to(tl.int64)
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                partner, cos, sin, sign, rot = _rope_tables(dk, dmask, cs_ptr + pos * s_cs, ROT, IS_NEOX)
+                qwd, qwp = _norm_weights(qw_ptr, dk, partner, dmask, HAS_QW)
+                kwd, kwp = _norm_weights(kw_ptr, dk, partner, dmask, HAS_KW)
+                if PREFETCH and USE_PDL:
+                    gdc_wait()
+                scale = 1.0
+                if ROW_SCALE:
+                    scale = _row_rstd(xs_ptr + b.to(tl.int64) * s_xs, eps_xs, HIDDEN, BLOCK_H)
+                qmask = gmask[:, None] & dmask[None, :]
+                qx = tl.load(row + head[:, None] * HEAD_DK + dk[None, :], mask=qmask, other=0.0)
+                qxp = tl.load(row + head[:, None] * HEAD_DK + partner[None, :], mask=qmask, other=0.0)
             # Rounded to the activation dtype, as the unfused path stores q before attention reads it.
-            q = _norm_rope(row, head[:, None] * HEAD_DK + dk[None, :], head[:, None] * HEAD_DK + partner[None, :],
-                           gmask[:, None] & dmask[None, :], qwd, qwp, cos, sin, sign, rot, scale, eps,
-                           HAS_QW, HEAD_DK).to(q_ptr.dtype.element_ty)
+            q = _norm_rope_values(qx, qxp, qwd, qwp, cos, sin, sign, rot, scale, eps, HAS_QW,
+                                  HEAD_DK).to(q_ptr.dtype.element_ty)
             if PREFETCH:
                 # Every program of the kv head computes the new K/V (one L2-resident row); only the
                 # split holding the new token stores it, and patches it into whichever tile holds it.
@@ -266,9 +322,14 @@ if HAS_TRITON:
                 new_pos = tl.where(slot >= 0, seq_len - 1, -1)
             elif split == n_active - 1:
                 if slot >= 0:
-                    knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale, eps,
-                                         HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty,
-                                         vc_ptr.dtype.element_ty, ROW_SCALE)
+                    if EARLY_LOADS:
+                        knew, vnew = _new_kv_values(kx_e, kxp_e, vx_e, kwd, kwp, cos, sin, sign, rot, scale, eps,
+                                                    HAS_KW, HEAD_DK, kc_ptr.dtype.element_ty,
+                                                    vc_ptr.dtype.element_ty, ROW_SCALE)
+                    else:
+                        knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale,
+                                             eps, HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty,
+                                             vc_ptr.dtype.element_ty, ROW_SCALE)
                     _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
                                    s_vh, BLOCK_SIZE)
                     # The loop below reads this slot back: every thread's stores must be visible first.
@@ -450,6 +511,12 @@ def default_min_part(programs: int, prefetch: bool) -> int:
     return SHORT_SPLIT_TOKENS if programs >= _SMALL_LAUNCH_PROGRAMS and not prefetch else 0
 
 
+def early_loads_default() -> bool:
+    """Whether decode attention with prep and without the prefetch issues the prep's loads beside seq_len's (the
+    kernel's EARLY_LOADS): GYRFALCON_DECODE_EARLY_LOADS=1; off by default until measured on the GPU."""
+    return os.environ.get("GYRFALCON_DECODE_EARLY_LOADS", "0") == "1"
+
+
 def prefetch_splits() -> int:
     """Most splits per sequence for the prefetching launch, GYRFALCON_DECODE_PREFETCH_SPLITS (default
     MAX_SPLITS; 64: one 128-key tile per split up to 8192 tokens). The prefetch covers a split's first
@@ -606,12 +673,13 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
             num_warps=None, num_stages=None, merge_in_kernel=None, min_part=None, pdl=None, partials=False,
-            prefetch=None):
+            prefetch=None, early_loads=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
     q_norm_weight, k_norm_weight, eps, row_scale (None, or (x [B, hidden], eps): qkv_prep_ref)).
     partials=True: no reduce; returns DecodePartials. prefetch (prep
-    only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row."""
+    only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row. early_loads (prep without
+    the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]
@@ -629,6 +697,9 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if prefetch is None:
         prefetch = prefetch_default(pdl) and k_cache.element_size() <= 2
     prefetch = prefetch and prep is not None
+    if early_loads is None:
+        early_loads = early_loads_default()
+    early_loads = early_loads and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     if num_splits is None:
@@ -682,7 +753,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
-        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2,
+        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2, EARLY_LOADS=early_loads,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )

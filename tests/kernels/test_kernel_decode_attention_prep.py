@@ -50,18 +50,20 @@ def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch, early):
     """prefetch: the first K/V tile is loaded before the qkv row and the new token's (stale) slot is
     patched from registers; with 1 split the 47-token row's new token sits in its third tile (the loop's
-    patch), with 4 splits in its last split's only tile (the prefetched tile's patch)."""
+    patch), with 4 splits in its last split's only tile (the prefetched tile's patch). early-loads: the prep's
+    loads issued beside seq_len's, ahead of the empty-split exit (GYRFALCON_DECODE_EARLY_LOADS)."""
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, rot, dtype, norm)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, rot, is_neox, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, is_neox, kc, vc, slots, bt, sl,
                                             D ** -0.5, num_splits, qw, kw, 1e-6, block_n=16, min_part=16,
-                                            prefetch=prefetch)
+                                            prefetch=prefetch, early_loads=early)
     assert got.shape == (len(SEQ_LENS), H, D)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -73,9 +75,10 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, norm):
+def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, early, norm):
     """Folded input norm (row_scale = (x, eps)): q, the new K and V scaled by each sequence's rstd(x) first, in
     every path (plain, prefetched tile, several splits); padding rows (seq_len 0) stay zero."""
     H, KVH, D, rot = 4, 2, 32, 32
@@ -87,7 +90,7 @@ def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, norm):
                                           D ** -0.5, None, qw, kw, 1e-6, row_scale=rs)
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc, vc, slots, bt, sl,
                                             D ** -0.5, num_splits, qw, kw, 1e-6, row_scale=rs, block_n=16,
-                                            min_part=16, prefetch=prefetch)
+                                            min_part=16, prefetch=prefetch, early_loads=early)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kc, kc_ref, **tol)
@@ -102,9 +105,10 @@ def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, norm):
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
 @pytest.mark.parametrize("k_rows", ["0", "1"])
-def test_fused_equals_the_two_triton_launches(num_splits, prefetch, k_rows, monkeypatch):
+def test_fused_equals_the_two_triton_launches(num_splits, prefetch, early, k_rows, monkeypatch):
     """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
     (up to the order of one reduction) and bitwise-equal caches; k_rows: GYRFALCON_DECODE_K_ROWS."""
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", k_rows)
@@ -112,7 +116,8 @@ def test_fused_equals_the_two_triton_launches(num_splits, prefetch, k_rows, monk
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.bfloat16, True, seed=3)
     kc2, vc2 = kc.clone(), vc.clone()
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, 0.2,
-                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch)
+                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch,
+                                            early_loads=early)
     q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc2, vc2, slots, qw, kw, 1e-6)
     want = paged_decode_attention_triton(q, kc2, vc2, bt, sl, 0.2, num_splits, block_n=16, min_part=16)
     torch.testing.assert_close(kc, kc2, rtol=0, atol=0)
@@ -184,8 +189,9 @@ def test_prefetch_default_follows_pdl_and_the_switch(monkeypatch, env, pdl, want
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch, early):
     """kv_cache_dtype fp8: the fused launch stores the new token as float8 e4m3 and attends over the fp8
     cache, the new token included (patched from registers under prefetch): its output equals plain decode
     attention over the cache it left behind. (The stored values themselves are checked on the GPU,
@@ -197,7 +203,8 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     before = kc8.view(torch.uint8).clone()
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc8, vc8, slots, bt, sl, 0.2,
-                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch)
+                                            num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch,
+                                            early_loads=early)
     q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc.clone(), vc.clone(), slots, qw, kw, 1e-6)
     want = paged_decode_attention_ref(q, kc8, vc8, bt, sl, 0.2)
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
@@ -208,8 +215,9 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fused_with_a_column_major_block_table(num_splits, prefetch):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fused_with_a_column_major_block_table(num_splits, prefetch, early):
     """The decode graphs' column-major block table (runner/cuda_graph.DecodeInputs), the prefetched tile
     included: the same output and cache writes as with the row-major table."""
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, 4, 2, 32, 32, torch.float32, True)
@@ -218,7 +226,7 @@ def test_fused_with_a_column_major_block_table(num_splits, prefetch):
     buf = torch.full((w + 4, n + 2), 10**6, dtype=bt.dtype, device=bt.device)
     buf[:w, :n] = bt.t()
     bt_cols = buf.t()[:n]
-    args = dict(num_splits=num_splits, block_n=16, min_part=16, prefetch=prefetch)
+    args = dict(num_splits=num_splits, block_n=16, min_part=16, prefetch=prefetch, early_loads=early)
     want = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc, vc, slots, bt, sl, 32 ** -0.5,
                                              q_norm_weight=qw, k_norm_weight=kw, **args)
     got = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc2, vc2, slots, bt_cols, sl,
