@@ -513,7 +513,11 @@ def default_min_part(programs: int, prefetch: bool) -> int:
 
 def early_loads_default() -> bool:
     """Whether decode attention with prep and without the prefetch issues the prep's loads beside seq_len's (the
-    kernel's EARLY_LOADS): GYRFALCON_DECODE_EARLY_LOADS=1; off by default until measured on the GPU."""
+    kernel's EARLY_LOADS): GYRFALCON_DECODE_EARLY_LOADS=1; off by default. On the H200 (run 68) the launch alone
+    ran 3-5% faster with them (Llama-8B shapes, L2-cold, ABAB: b16 12.86 -> 12.23 us, b64 19.10 -> 18.47 us at
+    192 tokens; attn_prep_early_ab-h200-2026-12-01-run68.json), but whole steps did not move (b64 5.187 / 5.192
+    ms against 5.189 / 5.192 off, ABAB; b16 4.582 against 4.568, one pair; latency_llama-3.1-8b_b*_early_*-
+    h200-2026-12-01-run68.json); its GPU model token tests pass."""
     return os.environ.get("GYRFALCON_DECODE_EARLY_LOADS", "0") == "1"
 
 
