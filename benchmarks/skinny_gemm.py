@@ -78,7 +78,8 @@ def bench(args, rows):
                 t_swap = graph_time_us([lambda w=w: torch.mm(w, xt) for w in ws])
                 nbytes = (N * K + M * K + M * N * (2 if add else 1)) * 2
                 row = {"preset": preset, "gemm": name, "M": M, "K": K, "N": N, "add": add,
-                       "cublas_us": t_cublas, "cublas_swapped_us": t_swap, "skinny_us": t_ours, "default_config": list(default_config(M, N, K)),
+                       "cublas_us": t_cublas, "cublas_swapped_us": t_swap, "skinny_us": t_ours,
+                       "default_config": list(default_config(M, N, K)),
                        "speedup": t_cublas / t_ours, "max_abs_err": err,
                        "frac_hbm_cublas": nbytes / HBM_BYTES_PER_S / (t_cublas * 1e-6),
                        "frac_hbm_skinny": nbytes / HBM_BYTES_PER_S / (t_ours * 1e-6)}
@@ -107,7 +108,8 @@ def bench(args, rows):
                       f"best {best[0]:7.2f} {best[1]}; max |err| {err:.3g}")
                 del ws
             rows.append({"preset": preset, "M": M, "layer_sum_us": sums})
-            print(f"{preset} layer M={M}: cuBLAS {sums['cublas']:.1f} us (swapped {sums['cublas_swapped']:.1f}), stream-K default {sums['skinny']:.1f}, "
+            print(f"{preset} layer M={M}: cuBLAS {sums['cublas']:.1f} us (swapped {sums['cublas_swapped']:.1f}), "
+                  f"stream-K default {sums['skinny']:.1f}, "
                   f"best shapes {sums['best']:.1f}")
 
 

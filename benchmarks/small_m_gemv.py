@@ -12,7 +12,7 @@ python3 benchmarks/small_m_gemv.py --skip-attention --ms 64 --shapes l8_qkv l8_o
 python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 --shapes l8_qkv_plain l8_gate_up_plain   (folded qkv)
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
-python3 benchmarks/small_m_gemv.py --attn-prep-sweep [--quick]   (the fused-prep kernel at Llama-8B b16 / b64, short contexts)
+python3 benchmarks/small_m_gemv.py --attn-prep-sweep [--quick | --ab-env NAME]   (the fused-prep kernel, b16 / b64)
 """
 
 from __future__ import annotations
@@ -550,8 +550,9 @@ def main() -> None:
     ap.add_argument("--attn-tput", action="store_true",
                     help="decode attention at the throughput benchmark's batch and contexts: launch-shape sweep")
     ap.add_argument("--fp8", action="store_true", help="with --attn-tput: the float8 e4m3 KV cache")
-    ap.add_argument("--ab-env", help="with --attn-tput or --attn-prep-sweep: the default launch with this environment variable at 0 "
-                    "and at 1 (NAME=VALUE: unset and at VALUE), alternately (a kernel switch's same-process A/B)")
+    ap.add_argument("--ab-env", help="with --attn-tput or --attn-prep-sweep: the default launch with this environment "
+                    "variable at 0 and at 1 (--attn-tput also NAME=VALUE: unset and at VALUE), alternately (a kernel "
+                    "switch's same-process A/B)")
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")

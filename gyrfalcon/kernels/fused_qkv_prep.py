@@ -58,6 +58,15 @@ if HAS_TRITON:
         the dim each one rotates with (itself past ROT), its cos / sin, the sign of the partner's term and
         which dims rotate; rotate_half pairs (d, d + ROT/2) for neox, else interleaved (2i, 2i + 1)."""
         HALF: tl.constexpr = ROT // 2
+        partner, cidx, sign, rot = _rope_pairs(d, ROT, IS_NEOX)
+        cos = tl.load(cs_row + cidx, mask=rot & dmask, other=1.0)
+        sin = tl.load(cs_row + HALF + cidx, mask=rot & dmask, other=0.0)
+        return partner, cos, sin, sign, rot
+
+    @triton.jit
+    def _rope_pairs(d, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
+        """_rope_tables without its loads: (partner, the cos / sin column, sign, rot) of dims d."""
+        HALF: tl.constexpr = ROT // 2
         if IS_NEOX:
             partner = tl.where(d < HALF, d + HALF, d - HALF)
             cidx = tl.where(d < HALF, d, d - HALF)
@@ -68,9 +77,7 @@ if HAS_TRITON:
             sign = tl.where((d % 2) == 0, -1.0, 1.0)
         rot = d < ROT
         partner = tl.where(rot, partner, d)
-        cos = tl.load(cs_row + cidx, mask=rot & dmask, other=1.0)
-        sin = tl.load(cs_row + HALF + cidx, mask=rot & dmask, other=0.0)
-        return partner, cos, sin, sign, rot
+        return partner, cidx, sign, rot
 
     @triton.jit
     def _norm_weights(w_ptr, d, partner, dmask, HAS_W: tl.constexpr):

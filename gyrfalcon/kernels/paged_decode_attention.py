@@ -61,7 +61,7 @@ def paged_decode_attention_ref(
 
 
 if HAS_TRITON:
-    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope_values, _norm_weights, _rope_tables
+    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope_values, _norm_weights, _rope_pairs, _rope_tables
     from gyrfalcon.kernels.rms_norm import _row_rstd
 
     @triton.jit
@@ -237,12 +237,7 @@ if HAS_TRITON:
             pos_e = tl.load(pos_ptr + b).to(tl.int64)
             slot_e = tl.load(slot_ptr + b).to(tl.int64)
             row_e = q_ptr + b.to(tl.int64) * s_qb
-            HALF_E: tl.constexpr = ROT // 2
-            if IS_NEOX:  # the RoPE partners (as _rope_tables pairs them), to load the rows before the tables
-                partner_e = tl.where(d_e < HALF_E, d_e + HALF_E, d_e - HALF_E)
-            else:
-                partner_e = d_e ^ 1
-            partner_e = tl.where(d_e < ROT, partner_e, d_e)
+            partner_e = _rope_pairs(d_e, ROT, IS_NEOX)[0]  # needs no load: the rows load before the RoPE tables
             qx_e = tl.load(row_e + head_e[:, None] * HEAD_DK + d_e[None, :], mask=qmask_e, other=0.0)
             qxp_e = tl.load(row_e + head_e[:, None] * HEAD_DK + partner_e[None, :], mask=qmask_e, other=0.0)
             kx_e, kxp_e, vx_e = _new_kv_loads(row_e, kvh, d_e, partner_e, dmask_e, NUM_HEADS, HEAD_DK)
@@ -624,8 +619,9 @@ def paged_decode_attention_triton(
     No host syncs, buffers sized from shapes, so it can be captured in a CUDA graph. num_splits=None
     picks default_num_splits from the batch shape and the block-table width. block_n / num_warps /
     num_stages override the launch config (tests and benchmark sweeps). Each split covers at least
-    min_part keys (and one tile; None: default_min_part). merge_in_kernel=True lets the last split program to finish merge the
-    splits instead of a second launch; None: merge_in_kernel_default(batch), on from 8 sequences. At batch
+    min_part keys (and one tile; None: default_min_part). merge_in_kernel=True lets the last split program to
+    finish merge the splits instead of a second launch; None: merge_in_kernel_default(batch), on from 8
+    sequences. At batch
     1 the reduce launch wins: on the H200 (benchmarks/small_m_gemv.py,
     benchmarks/results/small_m_gemv_attn-h200-2026-11-30-run4.json) one-tile splits merged by the reduce kernel
     were as fast or faster at every shape, up to 1.5x at batch 1 with 2-8k contexts, where the
