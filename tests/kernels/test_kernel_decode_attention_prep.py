@@ -187,6 +187,15 @@ def test_prefetch_default_follows_pdl_and_the_switch(monkeypatch, env, pdl, want
     assert prefetch_default(pdl) is want
 
 
+def test_early_loads_switch(monkeypatch):
+    """EARLY_LOADS is off unless GYRFALCON_DECODE_EARLY_LOADS=1 (it tied whole steps on the H200, run 68)."""
+    from gyrfalcon.kernels.paged_decode_attention import early_loads_default
+    monkeypatch.delenv("GYRFALCON_DECODE_EARLY_LOADS", raising=False)
+    assert not early_loads_default()
+    monkeypatch.setenv("GYRFALCON_DECODE_EARLY_LOADS", "1")
+    assert early_loads_default()
+
+
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],

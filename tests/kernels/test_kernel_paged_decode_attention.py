@@ -182,8 +182,9 @@ def test_default_min_part(monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("min_part_env", [None, "0"], ids=["default-256", "one-tile"])
 def test_triton_batch16_default_min_part(min_part_env, monkeypatch):
-    """Batch 16 at 8 kv heads (128 programs) over a graph-wide block table, so the default split count is 4:
-    with the default 256-key splits contexts up to 256 run in one split and write directly, longer ones merge;
+    """Batch 16 at 8 kv heads (128 programs) over a graph-wide block table, in 4 splits (the H200's default split
+    count there): with the default 256-key splits contexts up to 256 run in one split and write directly, longer
+    ones merge;
     with one-tile splits (GYRFALCON_DECODE_MIN_PART=0) more splits merge. Both match the reference, twice (the
     merge counters are back at zero)."""
     if min_part_env is None:
