@@ -15,6 +15,8 @@
 #                tests, the model token tests with every launch on them, Llama-8B b16 against one-tile splits (ABAB)
 #   earlyloads   decode attention's prep loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS): Llama-8B b64
 #                (ABAB) / b16 (AB) against the default, its model token tests, the launch alone at b16 / b64 (ABAB)
+#   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES):
+#                its model token tests, then Qwen3-0.6B b1 and Llama-8B b64 (ABAB) and the throughput row (AB)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -132,6 +134,25 @@ if has earlyloads; then  # the fused-prep decode attention with its loads hoiste
     -k "fp32 and (graphs or long-splits) and not prefill" -p no:cacheprovider
   step attn_prep_early_ab 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep \
     --ab-env GYRFALCON_DECODE_EARLY_LOADS --output-json "$R/attn_prep_early_ab.json"
+fi
+if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
+  step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "side-copies" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_0 b_1 c_1 d_0; do
+    v=${run#*_}
+    step lat_q06_b1_side_$run 60 env GYRFALCON_SIDE_STREAM_COPIES=$v $G bench latency --model /tmp/ck/q06 \
+      --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --async-scheduling \
+      --output-json "$R/latency_qwen3-0.6b_b1_side_$run.json"
+    step lat_l8_b64_side_$run 80 env GYRFALCON_SIDE_STREAM_COPIES=$v $G bench latency --model /tmp/ck/l8 \
+      --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --async-scheduling \
+      --output-json "$R/latency_llama-3.1-8b_b64_side_$run.json"
+  done
+  for run in a_0 b_1; do
+    step tput_l8_side_$run 150 env GYRFALCON_SIDE_STREAM_COPIES=${run#*_} $G bench throughput --model /tmp/ck/l8 \
+      --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling \
+      --output-json "$R/throughput_llama-3.1-8b_768x1024_async_side_$run.json"
+  done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -47,6 +47,18 @@ from gyrfalcon.runner.precompile import ladder_warmup_steps, parallel_compile_en
 logger = logging.getLogger(__name__)
 
 
+def side_stream_copies() -> bool:
+    """GYRFALCON_SIDE_STREAM_COPIES=1: a decode step's input copy to the device (DecodeInputs.fill) and its sampled
+    tokens' copy back (ModelRunner.launch) run on side streams, ordered by events, instead of in the compute
+    stream between the kernels. In the stream, each sits between one step's kernels and the next: the input
+    copy (the row-major block table, batch x max_model_len / 16 entries: 2 MB a step at Llama-3.1-8B batch 64,
+    12.6 MB at 384 sequences) after the last step's argmax, the token copy after its own. On the side the input
+    copy waits only for the last replay to finish reading the inputs, and runs under the LM head and argmax.
+    Off by default: not yet measured on the GPU (the Llama-8B b64 step runs ~0.13 ms a step beyond its kernels,
+    run 67)."""
+    return os.environ.get("GYRFALCON_SIDE_STREAM_COPIES", "0") == "1"
+
+
 def graph_logits_enabled() -> bool:
     return os.environ.get("GYRFALCON_GRAPH_LOGITS", "0") == "1"
 
@@ -233,6 +245,12 @@ class DecodeInputs:
             h32.numpy()[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
             self._staging.append((hraw, h64.numpy(), h32.numpy()))
         self._turn = 0
+        # side_stream_copies: the copy runs on its own stream once the last replay is done reading the buffers
+        # (replayed() marks that), and the compute stream waits for it before the next replay.
+        self._copy_stream = self._read_done = self._copied = None
+        if pin and side_stream_copies():
+            self._copy_stream = torch.cuda.Stream(device)
+            self._read_done, self._copied = torch.cuda.Event(), torch.cuda.Event()
 
     def _split(self, raw: torch.Tensor, n32: int):
         return raw[:4 * self.B], raw[4 * self.B:].view(torch.int32)[:n32]
@@ -306,8 +324,22 @@ class DecodeInputs:
         # One copy, up to the last block-table column in use: entries past a row's own blocks, or in rows past n,
         # are never read (seq_lens bounds every read; padding rows have seq_len 0).
         words = 4 * B + -(-(2 * B + 1 + (w * B if self.columns else b * W)) // 2)
-        self.raw[:words].copy_(hraw[:words], non_blocking=True)
+        if self._copy_stream is None:
+            self.raw[:words].copy_(hraw[:words], non_blocking=True)
+            return n
+        # The last replay may still be reading these buffers: the copy waits for it on the side stream (an event
+        # never recorded, before the first replay, waits for nothing), and the next replay waits for the copy.
+        self._copy_stream.wait_event(self._read_done)
+        with torch.cuda.stream(self._copy_stream):
+            self.raw[:words].copy_(hraw[:words], non_blocking=True)
+            self._copied.record(self._copy_stream)
+        torch.cuda.current_stream(self.raw.device).wait_event(self._copied)
         return n
+
+    def replayed(self) -> None:
+        """Mark, on the current stream, the end of a replay that reads these buffers (side_stream_copies)."""
+        if self._read_done is not None:
+            self._read_done.record(torch.cuda.current_stream(self.raw.device))
 
 
 class CudaGraphRunner:
@@ -401,4 +433,5 @@ class CudaGraphRunner:
             return tuple(t[:n] if t is not None else None for t in out)
         graphs, outputs = (self.short_graphs, self.short_outputs) if short else (self.graphs, self.outputs)
         graphs[b].replay()
+        self.inputs.replayed()
         return tuple(t[:n] if t is not None else None for t in outputs[b])

@@ -16,7 +16,7 @@ import torch
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.models.loader import load_model
-from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled
+from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled, side_stream_copies
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner, budget_graph_enabled, prefill_graphs_enabled
 from gyrfalcon.runner.precompile import parallel_compile_enabled, precompile
@@ -152,6 +152,9 @@ class ModelRunner:
             # Two pinned buffers: a step copies its tokens into one while the host reads the other.
             self._pinned = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._pinned_turn = 0
+            # side_stream_copies: the sampled tokens go to the host on their own stream, after an event on the
+            # compute stream, so the copy does not sit between this step's argmax and the next step's kernels.
+            self._d2h_stream = torch.cuda.Stream(self.device) if side_stream_copies() else None
         self.graph_runner: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
@@ -300,9 +303,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._pinned_turn ^= 1
             handle.host = self._pinned[self._pinned_turn][:n]
-            handle.host.copy_(handle.sampled, non_blocking=True)
             handle.event = torch.cuda.Event()
-            handle.event.record()
+            if self._d2h_stream is None or greedy is not None:
+                # (greedy from the graph is its static output, which the next replay overwrites: copied in order)
+                handle.host.copy_(handle.sampled, non_blocking=True)
+                handle.event.record()
+            else:
+                sampled = torch.cuda.Event()
+                sampled.record()
+                self._d2h_stream.wait_event(sampled)
+                with torch.cuda.stream(self._d2h_stream):
+                    handle.host.copy_(handle.sampled, non_blocking=True)
+                    handle.event.record(self._d2h_stream)
+                # The allocator must not hand the tokens' memory to the compute stream before the copy ran.
+                handle.sampled.record_stream(self._d2h_stream)
         return handle
 
     def complete(self, handle: StepHandle) -> RunnerOutput:

@@ -436,3 +436,20 @@ def test_lm_head_bf16_logits_give_the_fp32_argmax():
     assert low.dtype == torch.bfloat16 and full.dtype == torch.float32
     assert torch.equal(low.argmax(-1), full.argmax(-1))
     assert torch.equal(low.float(), full)
+
+
+def test_side_stream_copies_switch_and_cpu_inputs(monkeypatch):
+    """GYRFALCON_SIDE_STREAM_COPIES=1 moves a CUDA step's input copy to a side stream; CPU inputs (no pinned
+    staging, no streams) fill as before, and replayed() is a no-op there."""
+    from gyrfalcon.runner.cuda_graph import side_stream_copies
+    monkeypatch.delenv("GYRFALCON_SIDE_STREAM_COPIES", raising=False)
+    assert not side_stream_copies()
+    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "1")
+    assert side_stream_copies()
+    sched = _decode_reqs(4)
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
+    assert inputs._copy_stream is None
+    assert inputs.fill(sched, 4, 4) == 3
+    inputs.replayed()
+    eager = build_forward_batch(sched, 4, torch.device("cpu"))
+    assert inputs.views(4).positions[:3].tolist() == eager.positions.tolist()
