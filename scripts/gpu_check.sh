@@ -16,7 +16,8 @@
 #   earlyloads   decode attention's prep loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS): Llama-8B b64
 #                (ABAB) / b16 (AB) against the default, its model token tests, the launch alone at b16 / b64 (ABAB)
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES):
-#                its model token tests, then Qwen3-0.6B b1 and Llama-8B b64 (ABAB) and the throughput row (AB)
+#                its model token tests, then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
+#   sidetput     the same switch on the throughput row (AB; a call of its own)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -148,6 +149,9 @@ if has sidecopies; then  # the decode steps' host <-> device copies off the comp
       --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --async-scheduling \
       --output-json "$R/latency_llama-3.1-8b_b64_side_$run.json"
   done
+fi
+if has sidetput; then  # the throughput row with the decode steps' copies on side streams vs in the compute stream
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for run in a_0 b_1; do
     step tput_l8_side_$run 150 env GYRFALCON_SIDE_STREAM_COPIES=${run#*_} $G bench throughput --model /tmp/ck/l8 \
       --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling \
