@@ -205,6 +205,18 @@ def bench_decode_attention_sweep(rows):
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
 
 
+def ab_rounds(timed, name: str, a_val: str, b_val: str, rounds: int = 4) -> dict:
+    """A same-process A/B of an environment switch read at launch: timed() with `name` at a_val and at b_val
+    ("unset": the variable removed), in `rounds` rounds of alternating order (A B, B A, ...) -> {value: [us per
+    round]}."""
+    ab = {a_val: [], b_val: []}
+    for rnd in range(rounds):
+        for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
+            with scoped_env({name: None if val == "unset" else val}):
+                ab[val].append(round(timed(), 2))
+    return ab
+
+
 def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_env: str | None = None):
     """Decode attention where the throughput benchmark spends its steps (768 x 1024/1024 on Llama-3.1-8B:
     ~256 sequences at 1-2k tokens of context, where the KV reads are ~3/4 of a step's bytes): launch
@@ -237,11 +249,7 @@ def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_
             # NAME: the variable at "0" against "1"; NAME=VALUE: unset against VALUE.
             name, _, value = ab_env.partition("=")
             a_val, b_val = ("0", "1") if not value else ("unset", value)
-            ab = {a_val: [], b_val: []}
-            for rnd in range(4):
-                for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
-                    with scoped_env({name: None if val == "unset" else val}):
-                        ab[val].append(round(timed(), 2))
+            ab = ab_rounds(timed, name, a_val, b_val)
             med = {v: statistics.median(ts) for v, ts in ab.items()}
             print(f"attn tput{' fp8' if fp8 else ''} B={B:3d} ctx={ctx:5d}: {name}={a_val} {med[a_val]:.1f} us "
                   f"({frac(med[a_val]):.0%}), ={b_val} {med[b_val]:.1f} us ({frac(med[b_val]):.0%}); b/a "
@@ -391,11 +399,7 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
         kv_bytes = 2 * B * ctx * 8 * d * 2
         frac = lambda us: kv_bytes / (us * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
         if ab_env:
-            ab = {"0": [], "1": []}
-            for rnd in range(4):
-                for val in (("0", "1") if rnd % 2 == 0 else ("1", "0")):
-                    with scoped_env({ab_env: val}):
-                        ab[val].append(round(timed(), 2))
+            ab = ab_rounds(timed, ab_env, "0", "1")
             med = {v: statistics.median(ts) for v, ts in ab.items()}
             rows.append({"B": B, "ctx": ctx, "layers": layers, "ab_env": ab_env, "ab_rounds_us": ab,
                          "ab_median_us": med})

@@ -155,6 +155,7 @@ class ModelRunner:
             # side_stream_copies: the sampled tokens go to the host on their own stream, after an event on the
             # compute stream, so the copy does not sit between this step's argmax and the next step's kernels.
             self._d2h_stream = torch.cuda.Stream(self.device) if side_stream_copies() else None
+            self._sampled_event = torch.cuda.Event()  # reused: the side stream's wait takes its latest record
         self.graph_runner: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
@@ -309,9 +310,8 @@ class ModelRunner:
                 handle.host.copy_(handle.sampled, non_blocking=True)
                 handle.event.record()
             else:
-                sampled = torch.cuda.Event()
-                sampled.record()
-                self._d2h_stream.wait_event(sampled)
+                self._sampled_event.record()
+                self._d2h_stream.wait_event(self._sampled_event)
                 with torch.cuda.stream(self._d2h_stream):
                     handle.host.copy_(handle.sampled, non_blocking=True)
                     handle.event.record(self._d2h_stream)

@@ -41,3 +41,17 @@ def test_real_decode_inputs_and_kernel_calls(scattered):
                                             x["seq_lens"], d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x["k_cache"], kc, rtol=1e-5, atol=1e-5)  # the new token's K, rotated, stored
+
+
+def test_ab_rounds_alternate_and_restore_the_switch(monkeypatch):
+    """small_m_gemv.ab_rounds: A B, B A, ... with the variable at each value ("unset": removed), restored after."""
+    import os
+
+    bench = load_benchmark("small_m_gemv")
+    monkeypatch.setenv("GYRFALCON_AB_PROBE", "keep")
+    seen = []
+    ab = bench.ab_rounds(lambda: seen.append(os.environ.get("GYRFALCON_AB_PROBE")) or 1.0, "GYRFALCON_AB_PROBE",
+                         "unset", "7", rounds=3)
+    assert seen == [None, "7", "7", None, None, "7"]
+    assert ab == {"unset": [1.0, 1.0, 1.0], "7": [1.0, 1.0, 1.0]}
+    assert os.environ["GYRFALCON_AB_PROBE"] == "keep"
