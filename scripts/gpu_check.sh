@@ -11,15 +11,11 @@
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes; cuBLAS's decode GEMMs
 #                with swapped operands (benchmarks/skinny_gemm.py)
-#   minpart      256-key decode-attention splits in batched launches (GYRFALCON_DECODE_MIN_PART): the decode kernel
-#                tests, the model token tests with every launch on them, Llama-8B b16 against one-tile splits (ABAB)
-#   earlyloads   decode attention's prep loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS): Llama-8B b64
-#                (ABAB) / b16 (AB) against the default, its model token tests, the launch alone at b16 / b64 (ABAB)
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES):
 #                its model token tests, then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
 #   sidetput     the same switch on the throughput row (AB; a call of its own)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
-#   attntput     the same at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
+#   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
 #   sweep        GEMV launch-shape sweep vs cuBLAS
 #   kernels      kernel benchmarks at the default launch shapes; greedy argmax vs torch's at S 1/16/64
@@ -33,8 +29,6 @@
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
 #   ncu          Nsight Compute on short-context decode kernels (benchmarks/ncu_probe.py; the log holds ncu's report)
 #   ncusrc       ncu's PC sampling of the batch-1 / batch-64 decode attention launches, per SASS instruction (CSV logs)
-#   merged       the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS): its GPU tests, Qwen3-0.6B b1 off / 2 / 4
-#                splits (ABCABC), Llama-8B b1 off / 2
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -75,7 +69,8 @@
 # budgetgraph, btcolumns) were removed after commit d92262b; session 13's kvlayout (run 42) after e95b880; session 15's
 # mergedrows (run 53) after c7d33ea; session 16's fp8ab (run 56: decode attention's K staging, prefill attention's fp16
 # dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
-# after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2.
+# after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2; merged (run 61), minpart (run 66)
+# and earlyloads (run 68) after 6a05250.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -123,19 +118,6 @@ if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b6
   step attn_prep_sweep 330 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
   step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
 fi
-if has earlyloads; then  # the fused-prep decode attention with its loads hoisted vs the default
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for run in a_0:64 b_1:64 c_1:64 d_0:64 e_0:16 f_1:16; do
-    IFS=: read -r tag B <<< "$run"
-    step lat_l8_b${B}_early_$tag 80 env GYRFALCON_DECODE_EARLY_LOADS=${tag#*_} $G bench latency --model /tmp/ck/l8 \
-      --batch-size $B --input-len 128 --output-len 128 --max-num-seqs $B --async-scheduling \
-      --output-json "$R/latency_llama-3.1-8b_b${B}_early_$tag.json"
-  done
-  step gpu_early_models 150 env GYRFALCON_DECODE_EARLY_LOADS=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -k "fp32 and (graphs or long-splits) and not prefill" -p no:cacheprovider
-  step attn_prep_early_ab 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep \
-    --ab-env GYRFALCON_DECODE_EARLY_LOADS --output-json "$R/attn_prep_early_ab.json"
-fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "side-copies" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
@@ -161,18 +143,6 @@ fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
 fi
-if has minpart; then  # 256-key splits in batched decode attention launches vs one-tile splits
-  step gpu_decode_kernels 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "decode" -p no:cacheprovider
-  step gpu_long_splits 150 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "long-splits or (fp32 and graphs)" \
-    -p no:cacheprovider
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  l8="$G bench latency --model /tmp/ck/l8 --batch-size 16 --input-len 128 --output-len 128 --max-num-seqs 16"
-  for run in a_tile b_256 c_tile d_256; do
-    case $run in *tile) mp=0 ;; *) mp=256 ;; esac
-    step lat_l8_b16_minpart_$run 90 env GYRFALCON_DECODE_MIN_PART=$mp $l8 --async-scheduling \
-      --output-json "$R/latency_llama-3.1-8b_b16_minpart_$run.json"
-  done
-fi
 if has attntput; then  # decode attention at the throughput benchmark's batch (64 / 256) and contexts (1-2k)
   step attn_tput 300 python3 benchmarks/small_m_gemv.py --attn-tput --output-json "$R/decode_attn_tput.json"
   # A decode step where the throughput benchmark runs (batch 256, ~1k tokens of context): its kernel profile
@@ -191,28 +161,6 @@ fi
 if has pdlchain; then  # a Qwen3-0.6B decode layer's batch-1 kernels, 28 layers in a graph: PDL off / serialized / on,
   # on distinct weights and on one layer's weights shared by all (L2-resident: the bound of prefetching weights)
   step pdl_chain 150 python3 benchmarks/small_m_gemv.py --pdl-chain --output-json "$R/pdl_chain.json"
-fi
-if has merged; then  # the merged batch-1 graph (GYRFALCON_B1_MERGED_SPLITS=S: S attention splits merged in o_proj, no
-  # reduce launch): its GPU tests, then Qwen3-0.6B b1 off / 2 / 4 splits twice each, apart in the order (a / b with
-  # --profile: replay times at 0-256 tokens of context), then Llama-8B b1 off / 2
-  step gpu_merged_kernels 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k merging -p no:cacheprovider
-  step gpu_merged_models 240 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "merge-o-proj or merged-b1" \
-    -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  q06="$G bench latency --model /tmp/ck/q06 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1"
-  for run in a_off b_m2 c_m4 d_m2 e_off f_m4; do
-    prof=""; case $run in a_*|b_*) prof="--profile" ;; esac
-    case $run in *off) s=0 ;; *m2) s=2 ;; *m4) s=4 ;; esac
-    step lat_q06_b1_merged_$run 80 env GYRFALCON_B1_MERGED_SPLITS=$s $q06 --async-scheduling $prof \
-      --output-json "$R/latency_qwen3-0.6b_b1_merged_$run.json"
-  done
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for run in a_off b_m2; do
-    case $run in *off) s=0 ;; *m2) s=2 ;; esac
-    step lat_l8_b1_merged_$run 90 env GYRFALCON_B1_MERGED_SPLITS=$s $G bench latency --model /tmp/ck/l8 --batch-size 1 \
-      --input-len 128 --output-len 128 --max-num-seqs 1 --async-scheduling \
-      --output-json "$R/latency_llama-3.1-8b_b1_merged_$run.json"
-  done
 fi
 if has ncu; then  # short-context decode kernels under Nsight Compute (benchmarks/ncu_probe.py): batch-64 / 16 attention,
   # Qwen3-0.6B batch 1's attention + reduce + o_proj vs the merged graph's two kernels; graph timings first
