@@ -11,9 +11,13 @@
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes; cuBLAS's decode GEMMs
 #                with swapped operands (benchmarks/skinny_gemm.py)
-#   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES):
-#                its model token tests, then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
+#   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES,
+#                the default since run 69) or in the compute stream: the model token tests with them in the stream
+#                (mode inline-copies), then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
 #   sidetput     the same switch on the throughput row (AB; a call of its own)
+#   stepgaps     where a decode step's device idles (bench latency --profile's idle_by_pair) at Qwen3-0.6B b1, Llama-8B
+#                b16 / b64; the LM head and argmax in the decode graph (GYRFALCON_GRAPH_LOGITS): its model token
+#                tests, Qwen3-0.6B b1 and Llama-8B b64 ABAB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -119,7 +123,7 @@ if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b6
   step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
-  step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "side-copies" -p no:cacheprovider
+  step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
   for run in a_0 b_1 c_1 d_0; do
@@ -138,6 +142,24 @@ if has sidetput; then  # the throughput row with the decode steps' copies on sid
     step tput_l8_side_$run 150 env GYRFALCON_SIDE_STREAM_COPIES=${run#*_} $G bench throughput --model /tmp/ck/l8 \
       --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling \
       --output-json "$R/throughput_llama-3.1-8b_768x1024_async_side_$run.json"
+  done
+fi
+if has stepgaps; then  # the device's idle time inside decode steps; the LM head in the graph or after it
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  step prof_q06_b1 60 $G bench latency --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling \
+    --profile --output-json "$R/latency_qwen3-0.6b_b1_gaps.json"
+  for b in 16 64; do
+    step prof_l8_b$b 80 $G bench latency --model /tmp/ck/l8 --batch-size $b --max-num-seqs $b --async-scheduling \
+      --profile --output-json "$R/latency_llama-3.1-8b_b${b}_gaps.json"
+  done
+  step gpu_graph_logits 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graph-logits" -p no:cacheprovider
+  for run in a_0 b_1 c_1 d_0; do
+    v=${run#*_}
+    step lat_q06_b1_glogits_$run 60 env GYRFALCON_GRAPH_LOGITS=$v $G bench latency --model /tmp/ck/q06 \
+      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_glogits_$run.json"
+    step lat_l8_b64_glogits_$run 80 env GYRFALCON_GRAPH_LOGITS=$v $G bench latency --model /tmp/ck/l8 \
+      --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_glogits_$run.json"
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)

@@ -111,3 +111,17 @@ def test_profile_prefill_drains_the_engine(qwen3_ckpt, monkeypatch):
     assert profile_prefill(llm, [[3, 4, 5, 6], [7, 8, 9]]) == {}
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_count_launches_drains_the_engine(qwen3_ckpt, monkeypatch):
+    """The decode-step profile's plumbing on the CPU: no CUDA activity, so no kernels, no busy time and no idle
+    pairs, while the profiled steps and the drain run for real."""
+    from gyrfalcon import LLM
+    from gyrfalcon.bench.latency import count_launches
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
+    pr = count_launches(llm, [[3, 4, 5, 6], [7, 8, 9]], steps=3)
+    assert pr["kernels_per_step"] == 0 and pr["gpu_busy_union_us_per_step"] == 0 and pr["idle_by_pair"] == []
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

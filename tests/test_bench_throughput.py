@@ -128,7 +128,7 @@ def test_bench_throughput_launch_phases(qwen3_ckpt, tmp_path, capsys):
 
 
 def test_busy_span_gaps_unions_overlapping_kernels():
-    from gyrfalcon.bench.throughput import busy_span_gaps
+    from gyrfalcon.bench.common import busy_span_gaps
 
     # (start us, end us, name): b overlaps a, c sits inside b, then a 500 us gap, d; then 2 ms before e
     ev = [(0, 1000, "a"), (500, 3000, "b"), (1000, 2000, "c"), (3500, 4000, "d"), (6000, 6100, "e")]
@@ -136,6 +136,17 @@ def test_busy_span_gaps_unions_overlapping_kernels():
     assert busy == pytest.approx(3.0 + 0.5 + 0.1) and span == pytest.approx(6.1)
     assert gaps == [(pytest.approx(2.0), "d", "e"), (pytest.approx(0.5), "b", "d")]
     assert busy_span_gaps([]) == (0.0, 0.0, [])
+
+
+def test_gaps_by_pair_sums_each_pair_per_step():
+    from gyrfalcon.bench.common import gaps_by_pair
+
+    # over 2 steps: head -> graph idles 0.03 + 0.01 ms, graph -> head 0.005 ms once
+    gaps = [(0.03, "head", "graph"), (0.005, "graph", "head"), (0.01, "head", "graph")]
+    rows = gaps_by_pair(gaps, steps=2)
+    assert rows == [[pytest.approx(20.0), 1.0, "head", "graph"], [pytest.approx(2.5), 0.5, "graph", "head"]]
+    assert gaps_by_pair(gaps, steps=2, top=1) == rows[:1]
+    assert gaps_by_pair([], steps=4) == []
 
 
 def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch):

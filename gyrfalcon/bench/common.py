@@ -228,3 +228,36 @@ class GCPauses:
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._callback)
+
+
+def busy_span_gaps(events: list) -> tuple:
+    """events: [(start us, end us, name)] sorted by start, possibly overlapping (concurrent streams) ->
+    (busy ms: the union of the intervals, span ms: first start to last end, gaps: [(idle ms, name of the
+    kernel that ended the busy stretch, name of the one that began the next)], longest first)."""
+    busy, gaps = 0.0, []
+    end, prev_name = None, None  # the end of the busy stretch so far, and the kernel that ends it
+    for start, stop, name in events:
+        if end is not None and start > end:
+            gaps.append(((start - end) / 1e3, prev_name, name))
+        if end is None or start > end:
+            busy += (stop - start) / 1e3
+        elif stop > end:
+            busy += (stop - end) / 1e3
+        if end is None or stop > end:
+            end, prev_name = stop, name
+    span = (end - events[0][0]) / 1e3 if events else 0.0
+    gaps.sort(key=lambda g: -g[0])
+    return busy, span, gaps
+
+
+def gaps_by_pair(gaps: list, steps: int, top: int = 8) -> list:
+    """gaps from busy_span_gaps -> [[idle us a step, gaps a step, kernel before, kernel after]] summed over each
+    (before, after) pair of names, most idle first: where in a step the device waits, not only the longest waits."""
+    pairs: dict = {}
+    for ms, before, after in gaps:
+        key = ((before or "")[:60], (after or "")[:60])
+        tot = pairs.setdefault(key, [0.0, 0])
+        tot[0] += ms * 1e3
+        tot[1] += 1
+    rows = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[round(us / steps, 2), round(n / steps, 2), b, a] for (b, a), (us, n) in rows]

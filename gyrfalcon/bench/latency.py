@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, format_startup, hf_sampling_kwargs,
+from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, busy_span_gaps, format_startup,
+                                    gaps_by_pair, hf_sampling_kwargs,
                                     print_table, random_prompts, run_info, startup_phases, write_json)
 
 
@@ -56,14 +57,16 @@ def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> di
     engine.step()  # prefill
     engine.step()  # first decode (lazy init outside the profile)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # (the CPU activity where there is no GPU: the tests run this plumbing on the CPU, kernels none)
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     per_step = len(kernels) / steps
     layers = llm.config.model_config.hf_config.num_hidden_layers
     names, times = {}, {}
@@ -75,8 +78,13 @@ def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> di
     # Wall span of the profiled steps on the GPU: busy time well below it means the GPU waited on the host.
     span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / steps \
         if kernels else 0.0
+    # The device's idle time between its busy stretches (copies count as busy: a copy in the compute stream
+    # is time no kernel runs, but not idle), summed by the pair of activities around each gap.
+    union_ms, _, gaps = busy_span_gaps(sorted((e.time_range.start, e.time_range.end, e.name) for e in device))
     return {"kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
             "gpu_busy_us_per_step": busy_us, "gpu_span_us_per_step": span_us,
+            "gpu_busy_union_us_per_step": union_ms * 1e3 / steps,
+            "idle_by_pair": gaps_by_pair(gaps, steps),
             "top_kernels": [[n[:80], c / steps, times[n] / steps] for n, c in top]}
 
 
@@ -103,8 +111,8 @@ def profile_prefill(llm, prompts) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     engine.block_manager.reset_prefix_cache()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     layer_params = sum(p.numel() for p in llm.engine.runner.model.model.layers.parameters())
     return prefill_summary([(e.name, e.time_range.start, e.time_range.end) for e in kernels],
                            sum(len(p) for p in prompts), layer_params)
@@ -406,6 +414,11 @@ def main(args: argparse.Namespace) -> int:
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")
+        if pr.get("idle_by_pair"):
+            print(f"device busy (kernels and copies, overlaps once) {pr['gpu_busy_union_us_per_step']:.0f} us a step; "
+                  "idle a step between:")
+            for us, n, before, after in pr["idle_by_pair"]:
+                print(f"  {us:8.2f} us {n:5.2f}x  {before} -> {after}")
         pp = g.get("prefill_profile") or {}
         if pp:
             print(f"prefill of {pp['tokens']} tokens: {pp['kernels']} kernels, GPU busy {pp['gpu_busy_ms']:.2f} ms of "

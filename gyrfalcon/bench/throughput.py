@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
-                                    format_startup, hf_sampling_kwargs, print_table, random_prompts, run_info,
+                                    busy_span_gaps, format_startup, hf_sampling_kwargs, print_table, random_prompts, run_info,
                                     startup_phases, write_json)
 
 
@@ -141,26 +141,6 @@ def run_gyrfalcon(args) -> dict:
             "allocator": alloc,
             "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {},
             "gpu_timeline": timeline.report(floor.step_log, host) if timeline is not None else {}}
-
-
-def busy_span_gaps(events: list) -> tuple:
-    """events: [(start us, end us, name)] sorted by start, possibly overlapping (concurrent streams) ->
-    (busy ms: the union of the intervals, span ms: first start to last end, gaps: [(idle ms, name of the
-    kernel that ended the busy stretch, name of the one that began the next)], longest first)."""
-    busy, gaps = 0.0, []
-    end, prev_name = None, None  # the end of the busy stretch so far, and the kernel that ends it
-    for start, stop, name in events:
-        if end is not None and start > end:
-            gaps.append(((start - end) / 1e3, prev_name, name))
-        if end is None or start > end:
-            busy += (stop - start) / 1e3
-        elif stop > end:
-            busy += (stop - end) / 1e3
-        if end is None or stop > end:
-            end, prev_name = stop, name
-    span = (end - events[0][0]) / 1e3 if events else 0.0
-    gaps.sort(key=lambda g: -g[0])
-    return busy, span, gaps
 
 
 class GpuTimeline:

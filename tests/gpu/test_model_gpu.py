@@ -63,7 +63,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "side-copies"])
+                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -84,9 +84,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
     stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); long-splits: every decode
     attention launch covers at least 256 keys a split (GYRFALCON_DECODE_MIN_PART=256; by default only launches of
-    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); side-copies: the decode
-    steps' input copy and the sampled tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES=1; off by
-    default)."""
+    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); inline-copies: the decode
+    steps' input copy and the sampled tokens' copy back in the compute stream (GYRFALCON_SIDE_STREAM_COPIES=0; every
+    other mode runs them on side streams, the default since run 69)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj") else "0")
@@ -112,7 +112,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "256")
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
-    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "1" if mode == "side-copies" else "0")
+    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0" if mode == "inline-copies" else "1")
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
@@ -128,9 +128,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
-    assert (llm.engine.runner._d2h_stream is not None) == (mode == "side-copies")
+    assert (llm.engine.runner._d2h_stream is not None) == (mode != "inline-copies")
     if not enforce_eager:
-        assert (llm.engine.runner.graph_runner.inputs._copy_stream is not None) == (mode == "side-copies")
+        assert (llm.engine.runner.graph_runner.inputs._copy_stream is not None) == (mode != "inline-copies")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
     if mode in ("pdl", "merge-o-proj"):  # batch-1 decode paths: one request at a time

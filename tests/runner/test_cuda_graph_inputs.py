@@ -439,11 +439,13 @@ def test_lm_head_bf16_logits_give_the_fp32_argmax():
 
 
 def test_side_stream_copies_switch_and_cpu_inputs(monkeypatch):
-    """GYRFALCON_SIDE_STREAM_COPIES=1 moves a CUDA step's input copy to a side stream; CPU inputs (no pinned
-    staging, no streams) fill as before, and replayed() is a no-op there."""
+    """GYRFALCON_SIDE_STREAM_COPIES (on unless 0) moves a CUDA step's input copy to a side stream; CPU inputs (no
+    pinned staging, no streams) fill as before, and replayed() is a no-op there."""
     from gyrfalcon.runner.cuda_graph import side_stream_copies
-    monkeypatch.delenv("GYRFALCON_SIDE_STREAM_COPIES", raising=False)
+    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0")
     assert not side_stream_copies()
+    monkeypatch.delenv("GYRFALCON_SIDE_STREAM_COPIES", raising=False)
+    assert side_stream_copies()
     monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "1")
     assert side_stream_copies()
     sched = _decode_reqs(4)
