@@ -18,6 +18,8 @@
 #   stepgaps     where a decode step's device idles (bench latency --profile's idle_by_pair) at Qwen3-0.6B b1, Llama-8B
 #                b16 / b64; the LM head and argmax in the decode graph (GYRFALCON_GRAPH_LOGITS): its model token
 #                tests, Qwen3-0.6B b1 and Llama-8B b64 ABAB
+#   rows64       o_proj and down_proj of up to 64 rows on gyrfalcon's GEMV instead of cuBLAS (GYRFALCON_SMALL_M_PLAIN_ROWS=64;
+#                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -160,6 +162,13 @@ if has stepgaps; then  # the device's idle time inside decode steps; the LM head
       --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_glogits_$run.json"
     step lat_l8_b64_glogits_$run 80 env GYRFALCON_GRAPH_LOGITS=$v $G bench latency --model /tmp/ck/l8 \
       --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_glogits_$run.json"
+  done
+fi
+if has rows64; then  # cuBLAS's split-K down_proj at b64 (78% of HBM, plus its reduce) against the GEMV kernel's
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_16 b_64 c_64 d_16; do
+    step lat_l8_b64_rows_$run 80 env GYRFALCON_SMALL_M_PLAIN_ROWS=${run#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_rows_$run.json"
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
