@@ -435,5 +435,6 @@ if has throughput_vllm_defaults; then  # vLLM's batch limits on >= 70 GiB GPUs, 
     --output-len 1024 --max-num-seqs 1024 --max-num-batched-tokens 16384 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_1024seqs.json"
 fi
-(cd "$OUT" && tar cf results.tar results && rm -rf results)
+# A second run of this script in the same call (run 72 ran two) appends to the first one's tar, not over it.
+(cd "$OUT" && if [ -f results.tar ]; then tar rf results.tar results; else tar cf results.tar results; fi && rm -rf results)
 echo "=== done in $(( $(date +%s) - START )) s"
