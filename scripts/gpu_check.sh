@@ -19,7 +19,8 @@
 #                b16 / b64; the LM head and argmax in the decode graph (GYRFALCON_GRAPH_LOGITS): its model token
 #                tests, Qwen3-0.6B b1 and Llama-8B b64 ABAB
 #   rows64       o_proj and down_proj of up to 64 rows on gyrfalcon's GEMV instead of cuBLAS (GYRFALCON_SMALL_M_PLAIN_ROWS=64;
-#                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB
+#                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB (run 72: lost,
+#                5.330 / 5.343 vs 5.095 / 5.099 ms a step)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
