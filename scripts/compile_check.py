@@ -71,9 +71,10 @@ def _harness(arch: int):
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
+                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm", "fused_mlp")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     mods["skinny_gemm"].sm_count = lambda device, cpu_default: 132  # its programs
+    mods["fused_mlp"].sm_count = lambda device, cpu_default: 132
     return mods, compiled
 
 
@@ -136,7 +137,7 @@ def cases(mods):
     """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off
     and its wide grid, the in-kernel and in-o_proj merges, batch 16, the GEMVs and the argmax."""
     A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
-    PA, S = mods["paged_attention"], mods["store_kv"]
+    PA, S, FM = mods["paged_attention"], mods["store_kv"], mods["fused_mlp"]
     bf = torch.bfloat16
     out = []
     for name, (H, KVH, D, hid, inter) in SHAPES.items():
@@ -251,6 +252,13 @@ def cases(mods):
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False)),
                 (f"{name} o_proj GEMM M=16, residual add", gemv(16, hid, H * D, pdl=False, add=True)),
                 (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True))]
+        def mlp(pdl):  # the batch-1 MLP in one launch (GYRFALCON_FUSED_MLP=1)
+            def run():
+                x = torch.zeros(1, hid, dtype=bf)
+                return FM.fused_mlp_triton(x, x, torch.ones(hid, dtype=bf), torch.zeros(2 * inter, hid, dtype=bf),
+                                           torch.zeros(hid, inter, dtype=bf), 1e-6, pdl=pdl)
+            return run
+        out += [(f"{name} fused MLP pdl={p}", mlp(p)) for p in (True, False)]
         sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
         out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
                 (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),

@@ -21,6 +21,8 @@
 #   rows64       o_proj and down_proj of up to 64 rows on gyrfalcon's GEMV instead of cuBLAS (GYRFALCON_SMALL_M_PLAIN_ROWS=64;
 #                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB (run 72: lost,
 #                5.330 / 5.343 vs 5.095 / 5.099 ms a step)
+#   fusedmlp     a batch-1 layer's MLP in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py): its GPU kernel and
+#                model token tests, Qwen3-0.6B b1 ABAB (and BLOCK_I 16: 192 programs), Llama-8B b1 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -170,6 +172,23 @@ if has rows64; then  # cuBLAS's split-K down_proj at b64 (78% of HBM, plus its r
   for run in a_16 b_64 c_64 d_16; do
     step lat_l8_b64_rows_$run 80 env GYRFALCON_SMALL_M_PLAIN_ROWS=${run#*_} $G bench latency --model /tmp/ck/l8 \
       --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_rows_$run.json"
+  done
+fi
+if has fusedmlp; then  # gate_up + SiLU-and-mul + down_proj of a single row in one launch vs two
+  step gpu_fused_mlp 120 python3 -m pytest -q tests/gpu/test_fused_mlp_gpu.py -p no:cacheprovider
+  step gpu_model_fused_mlp 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fused-mlp" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  for run in a_0 b_1 c_1 d_0; do
+    step lat_q06_b1_mlp_$run 60 env GYRFALCON_FUSED_MLP=${run#*_} $G bench latency --model /tmp/ck/q06 \
+      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_mlp_$run.json"
+  done
+  step lat_q06_b1_mlp_e_1_bi16 60 env GYRFALCON_FUSED_MLP=1 GYRFALCON_FUSED_MLP_BLOCK_I=16 $G bench latency \
+    --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling --profile \
+    --output-json "$R/latency_qwen3-0.6b_b1_mlp_e_1_bi16.json"
+  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  for run in a_0 b_1; do
+    step lat_l8_b1_mlp_$run 80 env GYRFALCON_FUSED_MLP=${run#*_} $G bench latency --model /tmp/ck/l8 \
+      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b1_mlp_$run.json"
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)

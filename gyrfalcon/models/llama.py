@@ -12,6 +12,7 @@ from torch import nn
 
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
+from gyrfalcon.kernels.fused_mlp import fused_mlp, fused_mlp_enabled
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
 from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
@@ -133,6 +134,8 @@ class LlamaDecoderLayer(nn.Module):
         # Rows up to which each norm folds into the GEMV after it (single rows unless
         # GYRFALCON_NORM_GEMV_ROWS / GYRFALCON_NORM_GEMV_GATE_UP_ROWS raise them).
         self.norm_rows_qkv, self.norm_rows_gate_up = norm_gemv_rows()
+        # GYRFALCON_FUSED_MLP=1: single rows run the whole MLP in one launch (kernels/fused_mlp.py; off).
+        self.fused_mlp = self.small_m_gemv and fused_mlp_enabled()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +182,9 @@ class LlamaDecoderLayer(nn.Module):
                 normed, residual = ln1(hidden, residual)
             qkv = self.self_attn.qkv_proj(normed)
         hidden = self.self_attn(positions, None, qkv=qkv)
+        if rows == 1 and self.fused_mlp:
+            return fused_mlp(hidden, residual, ln2.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
+                             ln2.eps)
         if rows <= self.norm_rows_gate_up:
             act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
                                       silu_mul=True)
