@@ -12,8 +12,8 @@ import time
 from typing import Optional
 
 from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
-                                    busy_span_gaps, format_startup, hf_sampling_kwargs, print_table, random_prompts, run_info,
-                                    startup_phases, write_json)
+                                    busy_span_gaps, format_startup, hf_sampling_kwargs, print_table, random_prompts,
+                                    run_info, startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
