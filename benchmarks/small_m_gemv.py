@@ -129,7 +129,8 @@ def bench_gemv(args, rows):
             del ws
 
 
-def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8, kv_dtype=torch.bfloat16):
+def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8, kv_dtype=torch.bfloat16,
+                 device="cuda"):
     """q [B, H, d] and `copies` distinct paged K/V caches (kv_dtype: bf16, or float8_e4m3fn for the fp8 cache)
     holding ctx tokens per sequence, with a block table as wide as max_len (as under a CUDA graph) and
     seq_lens."""
@@ -137,12 +138,12 @@ def _attn_inputs(B, ctx, n_heads, n_kv, d, max_len=40960, block=16, copies=8, kv
     blocks_per = -(-ctx // block)
     caches = []
     for _ in range(copies):
-        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device="cuda")
+        kc = torch.randn(B * blocks_per + 1, block, n_kv, d, device=device)
         caches.append((kc.to(kv_dtype), torch.randn_like(kc).to(kv_dtype)))
-    bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
-    bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device="cuda").view(B, blocks_per)
-    sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, n_heads, d, device="cuda").bfloat16()
+    bt = torch.zeros(B, width, dtype=torch.int32, device=device)
+    bt[:, :blocks_per] = torch.arange(B * blocks_per, dtype=torch.int32, device=device).view(B, blocks_per)
+    sl = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(B, n_heads, d, device=device).bfloat16()
     return q, caches, bt, sl
 
 
@@ -433,52 +434,72 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
         del ins, pool
 
 
-def bench_pdl_chain(rows):
+class QwenB1Chain:
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 as the model runs them (norm+qkv GEMV, decode
-    attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV,
-    norm+gate_up+SiLU GEMV, down GEMV), layer after layer in one CUDA graph, with programmatic dependent launch
-    off, serialized, and on; each on distinct weights per layer (as the model: 31.5 MB a layer, read from HBM)
+    attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV, then the MLP:
+    norm+gate_up+SiLU GEMV and down GEMV, or with fused_mlp one launch), layer after layer, on distinct weights
+    per layer (as the model: 31.5 MB a layer, read from HBM). step(Ws, pdl, mlp) runs the 28 layers once.
+    device / dtype / dims (H, KV, D, hid, inter, layers, ctx): smaller chains for the CPU tests of this script."""
+
+    H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
+
+    def __init__(self, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **dims) -> None:
+        for k, v in dims.items():
+            setattr(self, k, v)
+        dev, bf = device, dtype
+        H, KV, D, hid, inter = self.H, self.KV, self.D, self.hid, self.inter
+        _, self.caches, self.bt, self.sl = _attn_inputs(1, self.ctx, H, KV, D, copies=self.layers, kv_dtype=dtype,
+                                                        device=device)
+        self.pos = torch.tensor([self.ctx - 1], device=dev)
+        self.slot = torch.tensor([self.ctx - 1], device=dev)
+        self.cs = torch.randn(max(4096, self.ctx), D, device=dev)
+        self.distinct = [dict(qkv=torch.randn((H + 2 * KV) * D, hid, device=dev, dtype=bf) * 0.02,
+                              o=torch.randn(hid, H * D, device=dev, dtype=bf) * 0.02,
+                              gu=torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02,
+                              down=torch.randn(hid, inter, device=dev, dtype=bf) * 0.02,
+                              n1=torch.ones(hid, device=dev, dtype=bf), n2=torch.ones(hid, device=dev, dtype=bf),
+                              qn=torch.ones(D, device=dev, dtype=bf), kn=torch.ones(D, device=dev, dtype=bf))
+                         for _ in range(self.layers)]
+        self.x0 = torch.randn(1, hid, device=dev, dtype=bf)
+        self.bytes = (sum(t.numel() * t.element_size() for t in self.distinct[0].values()) * self.layers
+                      + self.layers * 2 * self.ctx * KV * D * self.caches[0][0].element_size())
+
+    def step(self, Ws, pdl: bool, mlp=None):
+        """mlp: None (two launches), else a FusedMlpConfig for kernels/fused_mlp.py."""
+        from gyrfalcon.kernels.fused_mlp import fused_mlp_triton
+        from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
+
+        H, KV, D = self.H, self.KV, self.D
+        x, res = self.x0, torch.zeros_like(self.x0)
+        for w, (kc, vc) in zip(Ws, self.caches):
+            qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
+            o = decode_attention_with_prep_triton(qkv, H, KV, D, self.pos, self.cs, D, True, kc, vc, self.slot,
+                                                  self.bt, self.sl, D ** -0.5, q_norm_weight=w["qn"],
+                                                  k_norm_weight=w["kn"], pdl=pdl)
+            x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
+            if mlp is None:
+                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
+                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
+            else:
+                x, res = fused_mlp_triton(x, res, w["n2"], w["gu"], w["down"], 1e-6, config=mlp, pdl=pdl)
+        return x
+
+
+def bench_pdl_chain(rows):
+    """QwenB1Chain with programmatic dependent launch off, serialized, and on; each on distinct weights per layer
     and on one layer's weights shared by all (after the first layer they sit in the 50 MB L2: the bound of what
     prefetching the next kernels' weights into L2 ahead of time could gain). On the H200 (run 58,
     pdl_chain-h200-2026-12-01-run58.json) PDL on: 634.0 us a step distinct, 564.4 shared, so ~20 us a layer is
     the chain of dependent launches itself; GEMVs that pulled the GEMV two launches on into L2
     (prefetch.global.L2, GYRFALCON_L2_PREFETCH at commit b027b23) ran 639.6 us, and the model's step 0.731 vs 0.722 ms
     (ABBA): removed."""
-    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
-
-    H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
-    dev, bf = "cuda", torch.bfloat16
-    _, caches, bt, sl = _attn_inputs(1, ctx, H, KV, D, copies=layers)
-    pos = torch.tensor([ctx - 1], device=dev)
-    slot = torch.tensor([ctx - 1], device=dev)
-    cs = torch.randn(4096, D, device=dev)
-
-    def layer_weights():
-        return dict(qkv=torch.randn((H + 2 * KV) * D, hid, device=dev, dtype=bf) * 0.02,
-                    o=torch.randn(hid, H * D, device=dev, dtype=bf) * 0.02,
-                    gu=torch.randn(2 * inter, hid, device=dev, dtype=bf) * 0.02,
-                    down=torch.randn(hid, inter, device=dev, dtype=bf) * 0.02,
-                    n1=torch.ones(hid, device=dev, dtype=bf), n2=torch.ones(hid, device=dev, dtype=bf),
-                    qn=torch.ones(D, device=dev, dtype=bf), kn=torch.ones(D, device=dev, dtype=bf))
-
-    distinct = [layer_weights() for _ in range(layers)]
-    x0 = torch.randn(1, hid, device=dev, dtype=bf)
-    wbytes = sum(t.numel() * 2 for t in distinct[0].values()) * layers
-    kvb = layers * 2 * ctx * KV * D * 2
-    for mode, Ws in (("distinct", distinct), ("shared", [distinct[0]] * layers)):
+    c = QwenB1Chain()
+    layers, ctx = c.layers, c.ctx
+    for mode, Ws in (("distinct", c.distinct), ("shared", [c.distinct[0]] * layers)):
         out = {}
         for pdl in (False, "serial", True):
             def step(pdl=bool(pdl)):
-                x, res = x0, torch.zeros_like(x0)
-                for w, (kc, vc) in zip(Ws, caches):
-                    qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
-                    o = decode_attention_with_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slot, bt, sl,
-                                                          D ** -0.5, q_norm_weight=w["qn"], k_norm_weight=w["kn"],
-                                                          pdl=pdl)
-                    x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
-                    h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
-                    x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
-                return x
+                return c.step(Ws, pdl)
             # "serial": the PDL kernel variants launched without the attribute (no overlap, same arithmetic)
             with scoped_env({"GYRFALCON_PDL": "serial" if pdl == "serial" else "1"}):
                 out[pdl] = step().float()
@@ -487,7 +508,7 @@ def bench_pdl_chain(rows):
         for pdl, name in ((False, "off"), ("serial", "serial"), (True, "on")):
             t = out[pdl, "us"]
             print(f"pdl chain ({layers} Qwen3-0.6B layers, {mode} weights, batch 1, ctx {ctx}): PDL {name:6s} "
-                  f"{t:7.1f} us per step ({(wbytes + kvb) / (t * 1e-6) / HBM_BYTES_PER_S:.0%} of HBM, "
+                  f"{t:7.1f} us per step ({c.bytes / (t * 1e-6) / HBM_BYTES_PER_S:.0%} of HBM, "
                   f"{t / layers:.2f} us a layer)", flush=True)
         print(f"pdl chain ({mode}): PDL output identical to its serialized launch: {same}; speedup over PDL off "
               f"x{out[False, 'us'] / out[True, 'us']:.3f}", flush=True)
@@ -495,6 +516,40 @@ def bench_pdl_chain(rows):
                      "us_pdl_serial": round(out["serial", "us"], 1),
                      "us_pdl_on": round(out[True, "us"], 1), "identical_to_serial": same,
                      "speedup": round(out[False, "us"] / out[True, "us"], 3)})
+
+
+def bench_mlp_chain(rows, rounds: int = 4):
+    """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with each layer's MLP as two
+    launches (norm+gate_up+SiLU GEMV, down GEMV) or as one (kernels/fused_mlp.py) at BLOCK_I 16 / 32 / 64 and 4 / 8
+    warps, in rounds of alternating order; each variant's outputs against the two launches'."""
+    from gyrfalcon.kernels.fused_mlp import fused_mlp_config
+
+    c = QwenB1Chain()
+    base = fused_mlp_config(c.hid, c.inter, 2, torch.cuda.get_device_properties(0).multi_processor_count)
+    variants = {"two launches": None}
+    for bi in (16, 32, 64):
+        with scoped_env({"GYRFALCON_FUSED_MLP_BLOCK_I": str(bi)}):
+            cfg = fused_mlp_config(c.hid, c.inter, 2, 132)
+        for warps in (4, 8):
+            variants[f"fused BLOCK_I {bi} {warps} warps" + (" (default)" if cfg._replace(num_warps=warps) == base
+                                                          else "")] = cfg._replace(num_warps=warps)
+    with scoped_env({"GYRFALCON_PDL": "1"}):
+        ref = c.step(c.distinct, True).float()
+        times = {name: [] for name in variants}
+        diffs = {}
+        for rnd in range(rounds):
+            for name in (list(variants) if rnd % 2 == 0 else list(variants)[::-1]):
+                def step(cfg=variants[name]):
+                    return c.step(c.distinct, True, cfg)
+                if rnd == 0:
+                    diffs[name] = float((step().float() - ref).abs().max())
+                times[name].append(round(graph_time_us([step], reps=3), 1))
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"mlp chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name:34s} {t:7.1f} us per step "
+              f"({t / c.layers:.2f} us a layer; rounds {ts}); max |out - two launches'| {diffs[name]:.3g}", flush=True)
+        rows.append({"variant": name, "us_rounds": ts, "us_median": t, "max_abs_diff": diffs[name],
+                     "config": variants[name]._asdict() if variants[name] else None})
 
 
 def bench_argmax(rows, sweep: bool = True):
@@ -564,6 +619,8 @@ def main() -> None:
                     help="decode attention with its fused prep at Llama-8B batch 16 / 64 and short contexts: prefetch, "
                          "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
+    ap.add_argument("--mlp-chain", action="store_true",
+                    help="the same chain with each MLP as two launches or one (kernels/fused_mlp.py), launch shapes")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
     gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []
@@ -573,6 +630,9 @@ def main() -> None:
     if args.pdl_chain:
         args.skip_gemv = args.skip_attention = True
         bench_pdl_chain(chain_rows)
+    if args.mlp_chain:
+        args.skip_gemv = args.skip_attention = True
+        bench_mlp_chain(chain_rows)
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)

@@ -22,7 +22,8 @@
 #                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB (run 72: lost,
 #                5.330 / 5.343 vs 5.095 / 5.099 ms a step)
 #   fusedmlp     a batch-1 layer's MLP in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py): its GPU kernel and
-#                model token tests, Qwen3-0.6B b1 ABAB (and BLOCK_I 16: 192 programs), Llama-8B b1 AB
+#                model token tests, the 28-layer Qwen3-0.6B chain with two launches / one at six launch shapes
+#                (small_m_gemv.py --mlp-chain), Qwen3-0.6B b1 ABAB (and BLOCK_I 16: 192 programs), Llama-8B b1 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -176,6 +177,7 @@ if has rows64; then  # cuBLAS's split-K down_proj at b64 (78% of HBM, plus its r
 fi
 if has fusedmlp; then  # gate_up + SiLU-and-mul + down_proj of a single row in one launch vs two
   step gpu_fused_mlp 120 python3 -m pytest -q tests/gpu/test_fused_mlp_gpu.py -p no:cacheprovider
+  step mlp_chain 150 python3 benchmarks/small_m_gemv.py --mlp-chain --output-json "$R/mlp_chain.json"
   step gpu_model_fused_mlp 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fused-mlp" -p no:cacheprovider
   [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
   for run in a_0 b_1 c_1 d_0; do

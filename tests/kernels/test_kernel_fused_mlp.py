@@ -79,3 +79,16 @@ def test_switch_is_off_by_default(monkeypatch):
     assert not fused_mlp_enabled()
     monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1")
     assert fused_mlp_enabled()
+
+
+def test_mlp_chain_benchmark_matches_the_two_launches():
+    """benchmarks/small_m_gemv.py --mlp-chain's layer chain (qkv GEMV, decode attention with its prep, o GEMV,
+    then the MLP), small, under the interpreter: the fused MLP's chain output equals the two launches'."""
+    from benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("small_m_gemv")
+    c = bench.QwenB1Chain(device=DEV, dtype=torch.float32, H=2, KV=1, D=16, hid=64, inter=96, layers=2, ctx=20)
+    two = c.step(c.distinct, False)
+    fused = c.step(c.distinct, False, FusedMlpConfig(16, 32, 32, 4))
+    assert two.shape == (1, 64) and float(two.abs().max()) > 1e-3  # not a chain of zeros
+    torch.testing.assert_close(fused, two, rtol=1e-4, atol=1e-4)
