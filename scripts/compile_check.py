@@ -139,8 +139,12 @@ def cases(mods):
     A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
     PA, S, FM = mods["paged_attention"], mods["store_kv"], mods["fused_mlp"]
     bf = torch.bfloat16
-    out = []
-    for name, (H, KVH, D, hid, inter) in SHAPES.items():
+
+    def model_cases(name, H, KVH, D, hid, inter):
+        """One model shape's launches. (A function of its own, not a loop body: each thunk's closure must see
+        its own model's shapes when it runs, after the loop; in the loop they all saw the last model's.)"""
+        out = []
+
         def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, fold=False, **kw):
             def run():
                 with scoped_env(env or {}):
@@ -159,6 +163,10 @@ def cases(mods):
                     return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
                                                                D ** -0.5, splits, w, w, 1e-6, **kw)
             return run
+        wo = lambda dt: torch.zeros(hid, H * D, dtype=dt)  # noqa: E731  (o_proj's weight)
+        out += [(f"{name} attention + o_proj b1 pdl={p}", attn(1, pdl=p, o_proj=wo(bf))) for p in (True, False)]
+        out += [(f"{name} attention + o_proj b1 fp32 pdl", attn(1, dtype=torch.float32, pdl=True,
+                                                                o_proj=wo(torch.float32)))]
         out += [(f"{name} attention b1 pdl (prefetch)", attn(1, pdl=True)),
                 (f"{name} attention b1 pdl, no prefetch", attn(1, pdl=True, prefetch=False)),
                 (f"{name} attention b1 no pdl", attn(1, pdl=False)),
@@ -305,6 +313,11 @@ def cases(mods):
             out.append((f"{name} SiLU-and-mul, folded norms, {rows} rows",
                         lambda r=rows: Act.silu_and_mul_triton(torch.zeros(r, 2 * inter, dtype=bf),
                                                                (torch.zeros(r, hid, dtype=bf), 1e-5))))
+        return out
+
+    out = []
+    for name, shape in SHAPES.items():
+        out += model_cases(name, *shape)
     out.append(("greedy argmax, Llama vocab", lambda: M.greedy_argmax_triton(torch.zeros(1, 128256))))
     out.append(("greedy argmax, bf16 Qwen vocab",
                 lambda: M.greedy_argmax_triton(torch.zeros(16, 151936, dtype=torch.bfloat16))))
@@ -344,6 +357,8 @@ def main(argv=None) -> int:
         except Exception as e:  # a compile error: report it, go on with the rest
             failed += 1
             print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+            if os.environ.get("COMPILE_CHECK_TRACEBACK"):
+                traceback.print_exc()
             continue
         for i, (kname, smem, nw, res, kernel) in enumerate(compiled[n0:]):
             over = smem > args.smem_limit

@@ -24,6 +24,8 @@
 #   fusedmlp     a batch-1 layer's MLP in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py): its GPU kernel and
 #                model token tests, the 28-layer Qwen3-0.6B chain with two launches / one at six launch shapes
 #                (small_m_gemv.py --mlp-chain), Qwen3-0.6B b1 ABAB (and BLOCK_I 16: 192 programs), Llama-8B b1 AB
+#   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
+#                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -191,6 +193,21 @@ if has fusedmlp; then  # gate_up + SiLU-and-mul + down_proj of a single row in o
   for run in a_0 b_1; do
     step lat_l8_b1_mlp_$run 80 env GYRFALCON_FUSED_MLP=${run#*_} $G bench latency --model /tmp/ck/l8 \
       --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b1_mlp_$run.json"
+  done
+fi
+if has attnoproj; then  # attention (+ its prep) and o_proj of a single row in one launch vs split + reduce + GEMV
+  step gpu_attn_o_proj 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "with_o_proj" -p no:cacheprovider
+  step gpu_model_attn_o_proj 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "attn-o-proj" -p no:cacheprovider
+  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
+  for run in a_0 b_512 c_512 d_0; do
+    step lat_q06_b1_aop_$run 60 env GYRFALCON_B1_ATTN_O_PROJ=${run#*_} $G bench latency --model /tmp/ck/q06 \
+      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_aop_$run.json"
+  done
+  for run in e_0 f_1; do  # both single-row fusions on, against neither
+    v=${run#*_}
+    step lat_q06_b1_both_$run 60 env GYRFALCON_B1_ATTN_O_PROJ=$(( v * 512 )) GYRFALCON_FUSED_MLP=$v $G bench latency \
+      --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling --profile \
+      --output-json "$R/latency_qwen3-0.6b_b1_both_$run.json"
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)

@@ -75,6 +75,11 @@ class LlamaAttention(nn.Module):
                 norms = (self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6)
+                if (get_forward_context().batch.decode_fused_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
+                        and add_to is None):
+                    # ... and o_proj in that same launch (no reduce, no o_proj launch).
+                    return self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale,
+                                                      o_proj=self.o_proj.weight)
                 if (get_forward_context().batch.decode_merge_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
                         and add_to is None):
                     # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).

@@ -294,6 +294,41 @@ def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
     torch.testing.assert_close(kc, kc_ref, **TOL)
 
 
+@pytest.mark.parametrize("ctx", [1, 129, 256, 1000])
+@pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_attention_with_o_proj(ctx, n_heads, hidden, pdl):
+    """Batch 1: decode attention with its prep and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ) against the
+    attention reference through F.linear, at the default launch shape; twice, as a graph replays it (the
+    accumulator and its counter are left at zero)."""
+    from gyrfalcon.kernels.paged_decode_attention import (_o_proj_workspace, decode_attention_with_prep_ref,
+                                                          decode_attention_with_prep_triton)
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm90+")
+    kc, vc, bt = _paged([ctx], HKV, D, 16, width=ctx // 16 + 1)
+    sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    pos = sl.long() - 1
+    slots = bt.long()[0, pos // 16] * 16 + pos % 16
+    qkv = torch.randn(1, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    freqs = torch.outer(torch.arange(ctx + 1, device=DEV).float(), inv)
+    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
+    w = (torch.randn(hidden, n_heads * D, device=DEV) / (n_heads * D) ** 0.5).to(BF16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    o = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                       D ** -0.5)
+    want = o.reshape(1, -1).float() @ w.float().t()
+    for _ in range(2):
+        got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
+                                                D ** -0.5, pdl=pdl, o_proj=w)
+        torch.testing.assert_close(got.float(), want, **TOL)
+    torch.testing.assert_close(kc, kc_ref, **TOL)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    acc, cnt = _o_proj_workspace(kc.device)
+    torch.cuda.synchronize()
+    assert int(cnt.item()) == 0 and float(acc.abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 4), (256, 16, 2), (128, 64, 8)])
 def test_paged_decode_head_dims(head_dim, n_heads, n_kv):
     seq_lens = [3000, 1, 17, 0, 5000]

@@ -64,7 +64,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "fused-mlp"])
+                                  "fused-mlp", "attn-o-proj"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -88,11 +88,14 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); inline-copies: the decode
     steps' input copy and the sampled tokens' copy back in the compute stream (GYRFALCON_SIDE_STREAM_COPIES=0; every
     other mode runs them on side streams, the default since run 69); fused-mlp: batch-1 decode layers run their MLP
-    in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py; off by default), with PDL, one request at a time."""
+    in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py; off by default), with PDL, one request at a time;
+    attn-o-proj: batch-1 decode steps of up to 512 tokens of context replay a graph whose layers run decode attention
+    and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=512; off by default), with PDL, one request at a time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp") else "0")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj") else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1" if mode == "fused-mlp" else "0")
+    monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ", "512" if mode == "attn-o-proj" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
@@ -137,7 +140,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
     assert llm.engine.runner.model.model.layers[0].fused_mlp == (mode == "fused-mlp")
-    if mode in ("pdl", "merge-o-proj", "fused-mlp"):  # batch-1 decode paths: one request at a time
+    if mode == "attn-o-proj":
+        assert llm.engine.runner.graph_runner.fused_o_proj == 512 and 1 in llm.engine.runner.graph_runner.short_graphs
+    if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj"):  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

@@ -242,3 +242,45 @@ def test_fused_with_a_column_major_block_table(num_splits, prefetch, early):
                                             32 ** -0.5, q_norm_weight=qw, k_norm_weight=kw, **args)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@requires_triton
+@pytest.mark.parametrize("seq_len", [1, 5, 47])
+@pytest.mark.parametrize("H,KVH,D,rot", [(4, 2, 32, 32), (6, 2, 16, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,o_block_n", [(48, 16), (40, 16)])
+def test_attention_with_o_proj_matches_unfused(seq_len, H, KVH, D, rot, dtype, N, o_block_n):
+    """The O_PROJ launch (GYRFALCON_B1_ATTN_O_PROJ): one sequence's decode attention with its prep and o_proj in
+    one launch, every program of a kv head attending over the whole context (47 tokens: three 16-key tiles, the new
+    token in the third) and adding its output columns' share; 40 outputs leave the last column block part-empty.
+    Against decode attention's reference then F.linear; the cache ends as the reference's (one writer), and the
+    accumulator and counter end at zero."""
+    from gyrfalcon.kernels.paged_decode_attention import _o_proj_workspace, decode_attention_o_proj_ref
+
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case([seq_len], H, KVH, D, rot, dtype, norm=True, seed=seq_len)
+    wo = (torch.randn(N, H * D, generator=torch.Generator().manual_seed(7)) / (H * D) ** 0.5).to(dtype).to(DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_o_proj_ref(qkv, H, KVH, D, pos, cs, rot, True, kc_ref, vc_ref, slots, bt, sl, D ** -0.5,
+                                       wo, qw, kw, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc, vc, slots, bt, sl, D ** -0.5,
+                                            None, qw, kw, 1e-6, block_n=16, o_proj=wo, o_block_n=o_block_n,
+                                            pdl=False)
+    assert got.shape == (1, N) and got.dtype == dtype
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    ktol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kc, kc_ref, **ktol)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    acc, cnt = _o_proj_workspace(kc.device)
+    assert int(cnt.item()) == 0 and float(acc.abs().max()) == 0.0
+
+
+def test_o_proj_block_n(monkeypatch):
+    """A program's o_proj tile within 32 KB, 16-64 rows; the environment overrides it."""
+    from gyrfalcon.kernels.paged_decode_attention import o_proj_block_n
+    monkeypatch.delenv("GYRFALCON_B1_ATTN_O_PROJ_BLOCK_N", raising=False)
+    assert o_proj_block_n(2 * 128, 2) == 64  # Qwen3-0.6B: 2 query heads a kv head
+    assert o_proj_block_n(4 * 128, 2) == 32  # Llama-3.1-8B: 4
+    assert o_proj_block_n(8 * 128, 4) == 16  # floor
+    monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ_BLOCK_N", "32")
+    assert o_proj_block_n(2 * 128, 2) == 32
