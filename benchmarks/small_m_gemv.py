@@ -464,8 +464,9 @@ class QwenB1Chain:
         self.bytes = (sum(t.numel() * t.element_size() for t in self.distinct[0].values()) * self.layers
                       + self.layers * 2 * self.ctx * KV * D * self.caches[0][0].element_size())
 
-    def step(self, Ws, pdl: bool, mlp=None):
-        """mlp: None (two launches), else a FusedMlpConfig for kernels/fused_mlp.py."""
+    def step(self, Ws, pdl: bool, mlp=None, attn_o_proj: bool = False):
+        """mlp: None (two launches), else a FusedMlpConfig for kernels/fused_mlp.py. attn_o_proj: decode attention
+        and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's)."""
         from gyrfalcon.kernels.fused_mlp import fused_mlp_triton
         from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
@@ -475,8 +476,9 @@ class QwenB1Chain:
             qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
             o = decode_attention_with_prep_triton(qkv, H, KV, D, self.pos, self.cs, D, True, kc, vc, self.slot,
                                                   self.bt, self.sl, D ** -0.5, q_norm_weight=w["qn"],
-                                                  k_norm_weight=w["kn"], pdl=pdl)
-            x, _ = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)
+                                                  k_norm_weight=w["kn"], pdl=pdl,
+                                                  **({"o_proj": w["o"]} if attn_o_proj else {}))
+            x = o if attn_o_proj else norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)[0]
             if mlp is None:
                 h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
                 x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
@@ -521,35 +523,40 @@ def bench_pdl_chain(rows):
 def bench_mlp_chain(rows, rounds: int = 4):
     """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with each layer's MLP as two
     launches (norm+gate_up+SiLU GEMV, down GEMV) or as one (kernels/fused_mlp.py) at BLOCK_I 16 / 32 / 64 and 4 / 8
-    warps, in rounds of alternating order; each variant's outputs against the two launches'."""
+    warps; then decode attention and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's), alone and with the fused MLP
+    at its default shape (3 launches a layer instead of 6); in rounds of alternating order; each variant's outputs
+    against the unfused chain's."""
     from gyrfalcon.kernels.fused_mlp import fused_mlp_config
 
     c = QwenB1Chain()
     base = fused_mlp_config(c.hid, c.inter, 2, torch.cuda.get_device_properties(0).multi_processor_count)
-    variants = {"two launches": None}
+    variants = {"two launches": (None, False)}
     for bi in (16, 32, 64):
         with scoped_env({"GYRFALCON_FUSED_MLP_BLOCK_I": str(bi)}):
             cfg = fused_mlp_config(c.hid, c.inter, 2, 132)
         for warps in (4, 8):
             variants[f"fused BLOCK_I {bi} {warps} warps" + (" (default)" if cfg._replace(num_warps=warps) == base
-                                                          else "")] = cfg._replace(num_warps=warps)
+                                                          else "")] = (cfg._replace(num_warps=warps), False)
+    variants["attention + o_proj fused"] = (None, True)
+    variants["attention + o_proj, MLP fused"] = (base, True)
     with scoped_env({"GYRFALCON_PDL": "1"}):
         ref = c.step(c.distinct, True).float()
         times = {name: [] for name in variants}
         diffs = {}
         for rnd in range(rounds):
             for name in (list(variants) if rnd % 2 == 0 else list(variants)[::-1]):
-                def step(cfg=variants[name]):
-                    return c.step(c.distinct, True, cfg)
+                def step(v=variants[name]):
+                    return c.step(c.distinct, True, v[0], v[1])
                 if rnd == 0:
                     diffs[name] = float((step().float() - ref).abs().max())
                 times[name].append(round(graph_time_us([step], reps=3), 1))
     for name, ts in times.items():
         t = statistics.median(ts)
-        print(f"mlp chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name:34s} {t:7.1f} us per step "
+        print(f"fusion chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name:34s} {t:7.1f} us a step "
               f"({t / c.layers:.2f} us a layer; rounds {ts}); max |out - two launches'| {diffs[name]:.3g}", flush=True)
+        mlp, aop = variants[name]
         rows.append({"variant": name, "us_rounds": ts, "us_median": t, "max_abs_diff": diffs[name],
-                     "config": variants[name]._asdict() if variants[name] else None})
+                     "mlp_config": mlp._asdict() if mlp else None, "attn_o_proj": aop})
 
 
 def bench_argmax(rows, sweep: bool = True):
@@ -620,7 +627,8 @@ def main() -> None:
                          "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
     ap.add_argument("--mlp-chain", action="store_true",
-                    help="the same chain with each MLP as two launches or one (kernels/fused_mlp.py), launch shapes")
+                    help="the same chain with each MLP as two launches or one (kernels/fused_mlp.py) at several "
+                         "launch shapes, and with decode attention + o_proj in one launch")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
     gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []

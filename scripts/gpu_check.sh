@@ -22,8 +22,9 @@
 #                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB (run 72: lost,
 #                5.330 / 5.343 vs 5.095 / 5.099 ms a step)
 #   fusedmlp     a batch-1 layer's MLP in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py): its GPU kernel and
-#                model token tests, the 28-layer Qwen3-0.6B chain with two launches / one at six launch shapes
-#                (small_m_gemv.py --mlp-chain), Qwen3-0.6B b1 ABAB (and BLOCK_I 16: 192 programs), Llama-8B b1 AB
+#                model token tests, the 28-layer Qwen3-0.6B chain with two launches / one at six launch shapes, and
+#                with attention + o_proj in one launch (small_m_gemv.py --mlp-chain), Qwen3-0.6B b1 ABAB (and
+#                BLOCK_I 16: 192 programs), Llama-8B b1 AB
 #   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
 #                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)

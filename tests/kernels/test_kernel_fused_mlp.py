@@ -83,7 +83,8 @@ def test_switch_is_off_by_default(monkeypatch):
 
 def test_mlp_chain_benchmark_matches_the_two_launches():
     """benchmarks/small_m_gemv.py --mlp-chain's layer chain (qkv GEMV, decode attention with its prep, o GEMV,
-    then the MLP), small, under the interpreter: the fused MLP's chain output equals the two launches'."""
+    then the MLP), small, under the interpreter: the fused MLP's chain output equals the two launches', and so
+    does the chain with decode attention and o_proj in one launch as well."""
     from benchmark_scripts import load_benchmark
 
     bench = load_benchmark("small_m_gemv")
@@ -92,3 +93,6 @@ def test_mlp_chain_benchmark_matches_the_two_launches():
     fused = c.step(c.distinct, False, FusedMlpConfig(16, 32, 32, 4))
     assert two.shape == (1, 64) and float(two.abs().max()) > 1e-3  # not a chain of zeros
     torch.testing.assert_close(fused, two, rtol=1e-4, atol=1e-4)
+    # decode attention and o_proj in one launch too (3 launches a layer)
+    both = c.step(c.distinct, False, FusedMlpConfig(16, 32, 32, 4), attn_o_proj=True)
+    torch.testing.assert_close(both, two, rtol=1e-4, atol=1e-4)
