@@ -60,7 +60,7 @@ DOWN_TILE_BYTES = 32 * 1024  # its first down_proj tile [BLOCK_H, BLOCK_I]: half
 
 def fused_mlp_config(H: int, I: int, elem_size: int, sms: int) -> FusedMlpConfig:
     """At most one program an SM (Qwen3-0.6B: BLOCK_I 32, 96 programs; Llama-3.1-8B: 128, 112), so that every
-    program is resident from the start: what loads before the wait (up to 96 KB, in registers) holds ~240
+    program is resident from the start: what loads before the wait (up to 96 KB, in registers) holds 245-255
     registers a thread at 8 warps (scripts/compile_check.py, sm_90), one program an SM. Tiles sized to those
     bytes. GYRFALCON_FUSED_MLP_BLOCK_I overrides BLOCK_I (launch-shape experiments)."""
     env = os.environ.get("GYRFALCON_FUSED_MLP_BLOCK_I")
