@@ -49,12 +49,13 @@ logger = logging.getLogger(__name__)
 
 
 def side_stream_copies() -> bool:
-    """GYRFALCON_SIDE_STREAM_COPIES (on by default; 0 turns it off): a decode step's input copy to the device (DecodeInputs.fill) and its sampled
-    tokens' copy back (ModelRunner.launch) run on side streams, ordered by events, instead of in the compute
-    stream between the kernels. In the stream, each sits between one step's kernels and the next: the input
-    copy (the row-major block table, batch x max_model_len / 16 entries: 2 MB a step at Llama-3.1-8B batch 64,
-    12.6 MB at 384 sequences) after the last step's argmax, the token copy after its own. On the side the input
-    copy waits only for the last replay to finish reading the inputs, and runs under the LM head and argmax.
+    """GYRFALCON_SIDE_STREAM_COPIES (on by default; 0 turns it off): a decode step's input copy to the device
+    (DecodeInputs.fill) and its sampled tokens' copy back (ModelRunner.launch) run on side streams, ordered by
+    events, instead of in the compute stream between the kernels. In the stream, each sits between one step's
+    kernels and the next: the input copy (the row-major block table, batch x max_model_len / 16 entries: 2 MB a
+    step at Llama-3.1-8B batch 64, 12.6 MB at 384 sequences) after the last step's argmax, the token copy after
+    its own. On the side the input copy waits only for the last replay to finish reading the inputs, and runs
+    under the LM head and argmax.
     H200, run 69, same call ABAB: Qwen3-0.6B batch 1 0.702 / 0.701 vs 0.718 / 0.718 ms a step, Llama-3.1-8B batch
     64 5.166 / 5.168 vs 5.229 / 5.222 ms; the throughput row tied (run 70: 9,819 vs 9,778 tok/s)."""
     return os.environ.get("GYRFALCON_SIDE_STREAM_COPIES", "1") != "0"
