@@ -261,19 +261,11 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ctx,splits", [(1, None), (200, None), (8192, None), (200, 2), (256, 2), (129, 4),
-                                        (512, 4), (1000, 4)])
-@pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
-    """Batch 1: o_proj's GEMV merging decode attention's split partials (no reduce launch) against the
-    attention output through F.linear, at the default launch shapes; splits 2 / 4: the merged batch-1 graph's
-    (whole-row input tiles under PDL), within their 128 keys a split and past them (1000 tokens)."""
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                          decode_attention_with_prep_triton)
-    from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm90+")
+def _b1_decode_case(ctx, n_heads, hidden):
+    """One sequence's decode step at ctx tokens (this one included): its paged K/V, block table, seq_lens,
+    position, slot, fused qkv row, RoPE table and an o_proj weight [hidden, n_heads * D]; then the references'
+    o_proj output [1, hidden] (fp32) and the cache they leave (copies: kc_ref, vc_ref)."""
+    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_ref
     kc, vc, bt = _paged([ctx], HKV, D, 16, width=ctx // 16 + 1)
     sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
     pos = sl.long() - 1
@@ -286,10 +278,26 @@ def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
     kc_ref, vc_ref = kc.clone(), vc.clone()
     o = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                        D ** -0.5)
+    want = o.reshape(1, -1).float() @ w.float().t()
+    return (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, vc_ref)
+
+
+@pytest.mark.parametrize("ctx,splits", [(1, None), (200, None), (8192, None), (200, 2), (256, 2), (129, 4),
+                                        (512, 4), (1000, 4)])
+@pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
+    """Batch 1: o_proj's GEMV merging decode attention's split partials (no reduce launch) against the
+    attention output through F.linear, at the default launch shapes; splits 2 / 4: the merged batch-1 graph's
+    (whole-row input tiles under PDL), within their 128 keys a split and past them (1000 tokens)."""
+    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
+    from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm90+")
+    (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, _) = _b1_decode_case(ctx, n_heads, hidden)
     parts = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
                                               D ** -0.5, splits, pdl=pdl, partials=True)
     got = merged_heads_gemv_triton(parts, w, pdl=pdl)
-    want = o.reshape(1, -1).float() @ w.float().t()
     torch.testing.assert_close(got.float(), want, **TOL)
     torch.testing.assert_close(kc, kc_ref, **TOL)
 
@@ -301,23 +309,10 @@ def test_decode_attention_with_o_proj(ctx, n_heads, hidden, pdl):
     """Batch 1: decode attention with its prep and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ) against the
     attention reference through F.linear, at the default launch shape; twice, as a graph replays it (the
     accumulator and its counter are left at zero)."""
-    from gyrfalcon.kernels.paged_decode_attention import (_o_proj_workspace, decode_attention_with_prep_ref,
-                                                          decode_attention_with_prep_triton)
+    from gyrfalcon.kernels.paged_decode_attention import _o_proj_workspace, decode_attention_with_prep_triton
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm90+")
-    kc, vc, bt = _paged([ctx], HKV, D, 16, width=ctx // 16 + 1)
-    sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
-    pos = sl.long() - 1
-    slots = bt.long()[0, pos // 16] * 16 + pos % 16
-    qkv = torch.randn(1, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
-    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
-    freqs = torch.outer(torch.arange(ctx + 1, device=DEV).float(), inv)
-    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
-    w = (torch.randn(hidden, n_heads * D, device=DEV) / (n_heads * D) ** 0.5).to(BF16)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    o = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
-                                       D ** -0.5)
-    want = o.reshape(1, -1).float() @ w.float().t()
+    (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, vc_ref) = _b1_decode_case(ctx, n_heads, hidden)
     for _ in range(2):
         got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
                                                 D ** -0.5, pdl=pdl, o_proj=w)
