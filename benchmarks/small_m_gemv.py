@@ -206,16 +206,27 @@ def bench_decode_attention_sweep(rows):
               + ", ".join(f"{k}={res[k]:.2f}" for k in best), flush=True)
 
 
+def alternating_rounds(timers: dict, rounds: int = 4) -> dict:
+    """timers {name: timed()} run in `rounds` rounds of alternating order (forward, reversed, ...), so that drift
+    hits all alike -> {name: [us per round]}."""
+    out = {name: [] for name in timers}
+    for rnd in range(rounds):
+        for name in (list(timers) if rnd % 2 == 0 else list(timers)[::-1]):
+            out[name].append(round(timers[name](), 2))
+    return out
+
+
 def ab_rounds(timed, name: str, a_val: str, b_val: str, rounds: int = 4) -> dict:
     """A same-process A/B of an environment switch read at launch: timed() with `name` at a_val and at b_val
     ("unset": the variable removed), in `rounds` rounds of alternating order (A B, B A, ...) -> {value: [us per
     round]}."""
-    ab = {a_val: [], b_val: []}
-    for rnd in range(rounds):
-        for val in ((a_val, b_val) if rnd % 2 == 0 else (b_val, a_val)):
+    def with_env(val):
+        def run():
             with scoped_env({name: None if val == "unset" else val}):
-                ab[val].append(round(timed(), 2))
-    return ab
+                return timed()
+        return run
+
+    return alternating_rounds({a_val: with_env(a_val), b_val: with_env(b_val)}, rounds)
 
 
 def bench_decode_attention_tput(rows, fp8: bool = False, sweep: bool = True, ab_env: str | None = None):
@@ -529,27 +540,23 @@ def bench_mlp_chain(rows, rounds: int = 4):
     from gyrfalcon.kernels.fused_mlp import fused_mlp_config
 
     c = QwenB1Chain()
-    base = fused_mlp_config(c.hid, c.inter, 2, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = fused_mlp_config(c.hid, c.inter, 2, sms)
     variants = {"two launches": (None, False)}
     for bi in (16, 32, 64):
         with scoped_env({"GYRFALCON_FUSED_MLP_BLOCK_I": str(bi)}):
-            cfg = fused_mlp_config(c.hid, c.inter, 2, 132)
+            cfg = fused_mlp_config(c.hid, c.inter, 2, sms)
         for warps in (4, 8):
             variants[f"fused BLOCK_I {bi} {warps} warps" + (" (default)" if cfg._replace(num_warps=warps) == base
                                                           else "")] = (cfg._replace(num_warps=warps), False)
     variants["attention + o_proj fused"] = (None, True)
     variants["attention + o_proj, MLP fused"] = (base, True)
+    steps = {name: (lambda v=v: c.step(c.distinct, True, v[0], v[1])) for name, v in variants.items()}
     with scoped_env({"GYRFALCON_PDL": "1"}):
         ref = c.step(c.distinct, True).float()
-        times = {name: [] for name in variants}
-        diffs = {}
-        for rnd in range(rounds):
-            for name in (list(variants) if rnd % 2 == 0 else list(variants)[::-1]):
-                def step(v=variants[name]):
-                    return c.step(c.distinct, True, v[0], v[1])
-                if rnd == 0:
-                    diffs[name] = float((step().float() - ref).abs().max())
-                times[name].append(round(graph_time_us([step], reps=3), 1))
+        diffs = {name: float((step().float() - ref).abs().max()) for name, step in steps.items()}
+        times = alternating_rounds({name: (lambda step=step: graph_time_us([step], reps=3))
+                                    for name, step in steps.items()}, rounds)
     for name, ts in times.items():
         t = statistics.median(ts)
         print(f"fusion chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name:34s} {t:7.1f} us a step "

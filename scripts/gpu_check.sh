@@ -103,6 +103,20 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" 2>&1 | tee "$R/$name.log" | grep -vE "^\s*$|Warning|warn\(" | tail -n 25
   echo "=== $name exit ${PIPESTATUS[0]}"
 }
+ckpt() {  # ckpt q06|l8: the random-weight checkpoint under /tmp/ck, made once a call
+  local preset=qwen3-0.6b secs=60
+  [ "$1" = l8 ] && preset=llama-3.1-8b secs=150
+  [ -f /tmp/ck/$1/config.json ] || step ckpt_$1 $secs $G bench make-checkpoint --preset $preset --out /tmp/ck/$1
+}
+lat() {  # lat q06|l8 BATCH NAME [VAR=VALUE ...] [--flag ...]: one bench latency step (128 in / 128 out, async
+  # scheduling) with those variables set, as lat_<ck>_b<BATCH>_<NAME>, its JSON latency_<model>_b<BATCH>_<NAME>.json
+  local ck=$1 b=$2 name=$3 model=qwen3-0.6b envs=() flags=()
+  shift 3
+  [ "$ck" = l8 ] && model=llama-3.1-8b
+  for a in "$@"; do if [[ $a == --* ]]; then flags+=("$a"); else envs+=("$a"); fi; done
+  step lat_${ck}_b${b}_$name 80 env "${envs[@]}" $G bench latency --model /tmp/ck/$ck --batch-size $b \
+    --max-num-seqs $b --async-scheduling "${flags[@]}" --output-json "$R/latency_${model}_b${b}_$name.json"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -133,20 +147,14 @@ if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b6
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  ckpt q06; ckpt l8
   for run in a_0 b_1 c_1 d_0; do
-    v=${run#*_}
-    step lat_q06_b1_side_$run 60 env GYRFALCON_SIDE_STREAM_COPIES=$v $G bench latency --model /tmp/ck/q06 \
-      --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 1 --async-scheduling \
-      --output-json "$R/latency_qwen3-0.6b_b1_side_$run.json"
-    step lat_l8_b64_side_$run 80 env GYRFALCON_SIDE_STREAM_COPIES=$v $G bench latency --model /tmp/ck/l8 \
-      --batch-size 64 --input-len 128 --output-len 128 --max-num-seqs 64 --async-scheduling \
-      --output-json "$R/latency_llama-3.1-8b_b64_side_$run.json"
+    lat q06 1 side_$run GYRFALCON_SIDE_STREAM_COPIES=${run#*_}
+    lat l8 64 side_$run GYRFALCON_SIDE_STREAM_COPIES=${run#*_}
   done
 fi
 if has sidetput; then  # the throughput row with the decode steps' copies on side streams vs in the compute stream
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
+  ckpt l8
   for run in a_0 b_1; do
     step tput_l8_side_$run 150 env GYRFALCON_SIDE_STREAM_COPIES=${run#*_} $G bench throughput --model /tmp/ck/l8 \
       --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling \
@@ -154,61 +162,38 @@ if has sidetput; then  # the throughput row with the decode steps' copies on sid
   done
 fi
 if has stepgaps; then  # the device's idle time inside decode steps; the LM head in the graph or after it
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  step prof_q06_b1 60 $G bench latency --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling \
-    --profile --output-json "$R/latency_qwen3-0.6b_b1_gaps.json"
-  for b in 16 64; do
-    step prof_l8_b$b 80 $G bench latency --model /tmp/ck/l8 --batch-size $b --max-num-seqs $b --async-scheduling \
-      --profile --output-json "$R/latency_llama-3.1-8b_b${b}_gaps.json"
-  done
+  ckpt q06; ckpt l8
+  lat q06 1 gaps --profile
+  lat l8 16 gaps --profile
+  lat l8 64 gaps --profile
   step gpu_graph_logits 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graph-logits" -p no:cacheprovider
   for run in a_0 b_1 c_1 d_0; do
-    v=${run#*_}
-    step lat_q06_b1_glogits_$run 60 env GYRFALCON_GRAPH_LOGITS=$v $G bench latency --model /tmp/ck/q06 \
-      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_glogits_$run.json"
-    step lat_l8_b64_glogits_$run 80 env GYRFALCON_GRAPH_LOGITS=$v $G bench latency --model /tmp/ck/l8 \
-      --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_glogits_$run.json"
+    lat q06 1 glogits_$run GYRFALCON_GRAPH_LOGITS=${run#*_}
+    lat l8 64 glogits_$run GYRFALCON_GRAPH_LOGITS=${run#*_}
   done
 fi
 if has rows64; then  # cuBLAS's split-K down_proj at b64 (78% of HBM, plus its reduce) against the GEMV kernel's
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for run in a_16 b_64 c_64 d_16; do
-    step lat_l8_b64_rows_$run 80 env GYRFALCON_SMALL_M_PLAIN_ROWS=${run#*_} $G bench latency --model /tmp/ck/l8 \
-      --batch-size 64 --max-num-seqs 64 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b64_rows_$run.json"
-  done
+  ckpt l8
+  for run in a_16 b_64 c_64 d_16; do lat l8 64 rows_$run GYRFALCON_SMALL_M_PLAIN_ROWS=${run#*_}; done
 fi
 if has fusedmlp; then  # gate_up + SiLU-and-mul + down_proj of a single row in one launch vs two
   step gpu_fused_mlp 120 python3 -m pytest -q tests/gpu/test_fused_mlp_gpu.py -p no:cacheprovider
   step mlp_chain 150 python3 benchmarks/small_m_gemv.py --mlp-chain --output-json "$R/mlp_chain.json"
   step gpu_model_fused_mlp 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fused-mlp" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  for run in a_0 b_1 c_1 d_0; do
-    step lat_q06_b1_mlp_$run 60 env GYRFALCON_FUSED_MLP=${run#*_} $G bench latency --model /tmp/ck/q06 \
-      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_mlp_$run.json"
-  done
-  step lat_q06_b1_mlp_e_1_bi16 60 env GYRFALCON_FUSED_MLP=1 GYRFALCON_FUSED_MLP_BLOCK_I=16 $G bench latency \
-    --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling --profile \
-    --output-json "$R/latency_qwen3-0.6b_b1_mlp_e_1_bi16.json"
-  [ -f /tmp/ck/l8/config.json ] || step ckpt_l8 150 $G bench make-checkpoint --preset llama-3.1-8b --out /tmp/ck/l8
-  for run in a_0 b_1; do
-    step lat_l8_b1_mlp_$run 80 env GYRFALCON_FUSED_MLP=${run#*_} $G bench latency --model /tmp/ck/l8 \
-      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_llama-3.1-8b_b1_mlp_$run.json"
-  done
+  ckpt q06
+  for run in a_0 b_1 c_1 d_0; do lat q06 1 mlp_$run GYRFALCON_FUSED_MLP=${run#*_}; done
+  lat q06 1 mlp_e_1_bi16 GYRFALCON_FUSED_MLP=1 GYRFALCON_FUSED_MLP_BLOCK_I=16 --profile
+  ckpt l8
+  for run in a_0 b_1; do lat l8 1 mlp_$run GYRFALCON_FUSED_MLP=${run#*_}; done
 fi
 if has attnoproj; then  # attention (+ its prep) and o_proj of a single row in one launch vs split + reduce + GEMV
   step gpu_attn_o_proj 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "with_o_proj" -p no:cacheprovider
   step gpu_model_attn_o_proj 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "attn-o-proj" -p no:cacheprovider
-  [ -f /tmp/ck/q06/config.json ] || step ckpt_q06 60 $G bench make-checkpoint --preset qwen3-0.6b --out /tmp/ck/q06
-  for run in a_0 b_512 c_512 d_0; do
-    step lat_q06_b1_aop_$run 60 env GYRFALCON_B1_ATTN_O_PROJ=${run#*_} $G bench latency --model /tmp/ck/q06 \
-      --batch-size 1 --max-num-seqs 1 --async-scheduling --output-json "$R/latency_qwen3-0.6b_b1_aop_$run.json"
-  done
+  ckpt q06
+  for run in a_0 b_512 c_512 d_0; do lat q06 1 aop_$run GYRFALCON_B1_ATTN_O_PROJ=${run#*_}; done
   for run in e_0 f_1; do  # both single-row fusions on, against neither
     v=${run#*_}
-    step lat_q06_b1_both_$run 60 env GYRFALCON_B1_ATTN_O_PROJ=$(( v * 512 )) GYRFALCON_FUSED_MLP=$v $G bench latency \
-      --model /tmp/ck/q06 --batch-size 1 --max-num-seqs 1 --async-scheduling --profile \
-      --output-json "$R/latency_qwen3-0.6b_b1_both_$run.json"
+    lat q06 1 both_$run GYRFALCON_B1_ATTN_O_PROJ=$(( v * 512 )) GYRFALCON_FUSED_MLP=$v --profile
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)

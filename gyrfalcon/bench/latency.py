@@ -12,8 +12,8 @@ import argparse
 import time
 
 from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, busy_span_gaps, format_startup,
-                                    gaps_by_pair, hf_sampling_kwargs,
-                                    print_table, random_prompts, run_info, startup_phases, write_json)
+                                    gaps_by_pair, hf_sampling_kwargs, print_table, random_prompts, run_info,
+                                    startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,14 @@ def kv_bytes_per_token(runner) -> int:
     return runner.bytes_per_block // runner.block_size
 
 
+def _device_events(prof) -> tuple:
+    """A torch.profiler run's CUDA activity: (every event, copies and memsets included; the kernels alone)."""
+    import torch
+
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return device, [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
 def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> dict:
     """CUDA kernels per decode step (and per layer), from a profiled run of `steps` decode steps."""
     import torch
@@ -65,8 +73,7 @@ def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> di
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    device, kernels = _device_events(prof)
     per_step = len(kernels) / steps
     layers = llm.config.model_config.hf_config.num_hidden_layers
     names, times = {}, {}
@@ -111,8 +118,7 @@ def profile_prefill(llm, prompts) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     engine.block_manager.reset_prefix_cache()
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    _, kernels = _device_events(prof)
     layer_params = sum(p.numel() for p in llm.engine.runner.model.model.layers.parameters())
     return prefill_summary([(e.name, e.time_range.start, e.time_range.end) for e in kernels],
                            sum(len(p) for p in prompts), layer_params)
