@@ -27,6 +27,8 @@
 #                BLOCK_I 16: 192 programs), Llama-8B b1 AB
 #   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
 #                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
+#   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1):
+#                the GEMV's GPU tests, its model token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -195,6 +197,14 @@ if has attnoproj; then  # attention (+ its prep) and o_proj of a single row in o
     v=${run#*_}
     lat q06 1 both_$run GYRFALCON_B1_ATTN_O_PROJ=$(( v * 512 )) GYRFALCON_FUSED_MLP=$v --profile
   done
+fi
+if has onepass; then  # one block-wide reduction fewer after each batch-1 norm GEMV's PDL wait
+  step gpu_one_pass 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k test_matches_reference -p no:cacheprovider
+  step gpu_model_one_pass 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "one-pass-b1" -p no:cacheprovider
+  ckpt q06
+  for run in a_0 b_1 c_1 d_0; do lat q06 1 op_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
+  ckpt l8
+  for run in a_0 b_1; do lat l8 1 op_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

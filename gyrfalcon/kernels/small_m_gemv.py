@@ -90,6 +90,15 @@ def one_pass_norm_default() -> bool:
     return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM", "1") != "0"
 
 
+def one_pass_norm_b1() -> bool:
+    """GYRFALCON_GEMV_ONE_PASS_NORM_B1=1 (off by default): single rows with a norm scale by rstd after the dot too
+    (ONE_PASS), so that after the PDL wait the row's sum of squares and its dot with the weight (already in
+    registers, whole_row) reduce side by side instead of one after the other: one block-wide reduction fewer
+    on each batch-1 qkv and gate_up launch's path after its wait (an experiment: batch 1 is a chain of such
+    paths, README). Rounds x * norm_weight to the weight dtype where the first pass rounds the normed row."""
+    return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "0") == "1"
+
+
 def split_k_default() -> int:
     """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment)."""
     return max(1, int(os.environ.get("GYRFALCON_GEMV_SPLIT_K", "1")))
@@ -452,7 +461,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
-    one_pass_norm_default() for 2+ rows with a norm): the row scale of the norm applied after the loop
+    one_pass_norm_default() for 2+ rows with a norm, one_pass_norm_b1() for one): the row scale of the norm applied after the loop
     instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
@@ -480,7 +489,9 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     n_tiles = triton.cdiv(N, bn)
     split_k = cfg.split_k if block_m > 1 else 1
     # (ONE_PASS only with a norm: the kernel checks ONE_PASS alone.)
-    one_pass = norm_weight is not None and (block_m > 1 and one_pass_norm_default() if one_pass is None else one_pass)
+    if one_pass is None:
+        one_pass = one_pass_norm_default() if block_m > 1 else one_pass_norm_b1()
+    one_pass = norm_weight is not None and one_pass
     dummy = x
     ws = cnt = dummy
     k_per_split = K

@@ -64,7 +64,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "fused-mlp", "attn-o-proj"])
+                                  "fused-mlp", "attn-o-proj", "one-pass-b1"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -90,12 +90,15 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     other mode runs them on side streams, the default since run 69); fused-mlp: batch-1 decode layers run their MLP
     in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py; off by default), with PDL, one request at a time;
     attn-o-proj: batch-1 decode steps of up to 512 tokens of context replay a graph whose layers run decode attention
-    and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=512; off by default), with PDL, one request at a time."""
+    and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=512; off by default), with PDL, one request at a time;
+    one-pass-b1: batch-1 qkv / gate_up GEMVs apply the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1;
+    off by default), with PDL, one request at a time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj") else "0")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1") else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1" if mode == "fused-mlp" else "0")
     monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ", "512" if mode == "attn-o-proj" else "0")
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1" if mode == "one-pass-b1" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
@@ -142,7 +145,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert llm.engine.runner.model.model.layers[0].fused_mlp == (mode == "fused-mlp")
     if mode == "attn-o-proj":
         assert llm.engine.runner.graph_runner.fused_o_proj == 512 and 1 in llm.engine.runner.graph_runner.short_graphs
-    if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj"):  # batch-1 decode paths: one request at a time
+    if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1"):  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
@@ -152,25 +155,30 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1", "one-pass-b1"])
 def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
     sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
     merged-b1: one request at a time through the merged batch-1 graph (2 splits merged in o_proj's whole-row
-    GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take.
+    GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take. one-pass-b1: one
+    request at a time, batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot
+    (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's.
     Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
     that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
     path, refs = ckpt
     merged = mode == "merged-b1"
+    one_at_a_time = mode in ("merged-b1", "one-pass-b1")
     monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if merged else "0")
-    if merged:
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1" if mode == "one-pass-b1" else "0")
+    if one_at_a_time:
         monkeypatch.setenv("GYRFALCON_PDL", "1")
     llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     if merged:
         assert llm.engine.runner.graph_runner.merged_splits == 2
+    if one_at_a_time:
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

@@ -200,13 +200,14 @@ def test_peel_switch(monkeypatch):
         assert seen == [want], (env, pdl, peel)
 
 
-@pytest.mark.parametrize("M", [3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("peel", [False, True])
 @pytest.mark.parametrize("mode", ["norm", "norm+res", "norm+res+silu"])
 def test_one_pass_norm_matches_unfused(M, one_pass, peel, mode):
-    """Rows > 1 with a norm: the rows' rstd applied after the loop (one pass over the input, the default)
-    or from a first pass (GYRFALCON_GEMV_ONE_PASS_NORM=0), with and without the peeled first tile."""
+    """Rows with a norm: the rows' rstd applied after the loop (one pass over the input, the default for 2+
+    rows, GYRFALCON_GEMV_ONE_PASS_NORM_B1=1 for one) or from a first pass (GYRFALCON_GEMV_ONE_PASS_NORM=0),
+    with and without the peeled first tile."""
     silu = mode.endswith("silu")
     x, r, w, nw = _data(M, 200, 48, torch.float32, silu)
     kw = dict(norm_weight=nw, residual=r if "res" in mode else None, eps=1e-6, silu_mul=silu)
@@ -218,12 +219,40 @@ def test_one_pass_norm_matches_unfused(M, one_pass, peel, mode):
 
 
 def test_one_pass_norm_switch(monkeypatch):
-    from gyrfalcon.kernels.small_m_gemv import one_pass_norm_default
+    from gyrfalcon.kernels.small_m_gemv import one_pass_norm_b1, one_pass_norm_default
 
     monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM", raising=False)
-    assert one_pass_norm_default()
+    monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
+    assert one_pass_norm_default() and not one_pass_norm_b1()
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM", "0")
-    assert not one_pass_norm_default()
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
+    assert not one_pass_norm_default() and one_pass_norm_b1()
+
+
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_one_pass_norm_b1_switch_reaches_the_launch(monkeypatch, env):
+    """A single row's launch compiles ONE_PASS exactly when GYRFALCON_GEMV_ONE_PASS_NORM_B1=1 (and a norm is
+    given); its output matches the reference either way."""
+    import gyrfalcon.kernels.small_m_gemv as smg
+
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", env)
+    x, r, w, nw = _data(1, 200, 48, torch.float32, True)
+    seen = []
+    real = smg._norm_gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["ONE_PASS"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(smg, "_norm_gemv_kernel", Spy())
+    kw = dict(norm_weight=nw, residual=r, eps=1e-6, silu_mul=True)
+    y, _ = smg.norm_gemv_triton(x, w, block_n=16, block_k=32, **kw)
+    smg.norm_gemv_triton(x, w, block_n=16, block_k=32)  # no norm: never ONE_PASS
+    assert seen == [env == "1", False]
+    torch.testing.assert_close(y, norm_gemv_ref(x, w, **kw)[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("M,split_k", [(1, 1), (3, 1), (16, 1), (33, 2)])
