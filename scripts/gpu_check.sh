@@ -27,8 +27,10 @@
 #                BLOCK_I 16: 192 programs), Llama-8B b1 AB
 #   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
 #                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
-#   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1):
-#                the GEMV's GPU tests, its model token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB
+#   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1
+#                forces it; the default since run 74 where one tile spans the row): the GEMV's GPU tests, its model
+#                token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs 0.699 / 0.699 ms, Llama
+#                4.366 vs 4.225)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts

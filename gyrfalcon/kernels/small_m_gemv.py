@@ -90,13 +90,19 @@ def one_pass_norm_default() -> bool:
     return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM", "1") != "0"
 
 
-def one_pass_norm_b1() -> bool:
-    """GYRFALCON_GEMV_ONE_PASS_NORM_B1=1 (off by default): single rows with a norm scale by rstd after the dot too
-    (ONE_PASS), so that after the PDL wait the row's sum of squares and its dot with the weight (already in
-    registers, whole_row) reduce side by side instead of one after the other: one block-wide reduction fewer
-    on each batch-1 qkv and gate_up launch's path after its wait (an experiment: batch 1 is a chain of such
-    paths, README). Rounds x * norm_weight to the weight dtype where the first pass rounds the normed row."""
-    return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "0") == "1"
+def one_pass_norm_b1(single_tile: bool) -> bool:
+    """Whether a single row with a norm scales by rstd after the dot (ONE_PASS) instead of a first pass over the
+    row: GYRFALCON_GEMV_ONE_PASS_NORM_B1 "auto" (the default: when one tile covers the whole row, single_tile),
+    "1" (always), "0" (never). With the row in one tile (the peeled whole-row launches under PDL: Qwen3-0.6B's
+    qkv and gate_up) the row's sum of squares and its dot with the weight, already in registers, then reduce
+    side by side after the PDL wait instead of one after the other: one block-wide reduction fewer on the
+    path after each wait of the batch-1 chain (README). H200, run 74, same call ABAB
+    (latency_qwen3-0.6b_b1_op_*-h200-2026-12-02-run74.json): Qwen3-0.6B batch 1 0.687 / 0.685 ms a step against
+    0.699 / 0.699 without. Over several tiles it lost: Llama-3.1-8B batch 1 (K 4096 in 1024-wide tiles, its graph
+    without PDL) 4.366 against 4.225 ms (the qkv launch holds 205 registers a thread against the first pass's
+    fewer). Rounds x * norm_weight to the weight dtype where the first pass rounds the normed row."""
+    env = os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "auto")
+    return single_tile if env == "auto" else env == "1"
 
 
 def split_k_default() -> int:
@@ -490,7 +496,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     split_k = cfg.split_k if block_m > 1 else 1
     # (ONE_PASS only with a norm: the kernel checks ONE_PASS alone.)
     if one_pass is None:
-        one_pass = one_pass_norm_default() if block_m > 1 else one_pass_norm_b1()
+        one_pass = one_pass_norm_default() if block_m > 1 else one_pass_norm_b1(single_tile=bk >= K)
     one_pass = norm_weight is not None and one_pass
     dummy = x
     ws = cnt = dummy

@@ -91,8 +91,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py; off by default), with PDL, one request at a time;
     attn-o-proj: batch-1 decode steps of up to 512 tokens of context replay a graph whose layers run decode attention
     and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=512; off by default), with PDL, one request at a time;
-    one-pass-b1: batch-1 qkv / gate_up GEMVs apply the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1;
-    off by default), with PDL, one request at a time."""
+    one-pass-b1: batch-1 qkv / gate_up GEMVs apply the norm's rstd after the dot even where the row spans several
+    tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by default only where one tile covers it), with PDL, one request at a
+    time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1") else "0")
@@ -161,7 +162,7 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
     merged-b1: one request at a time through the merged batch-1 graph (2 splits merged in o_proj's whole-row
     GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take. one-pass-b1: one
-    request at a time, batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot
+    request at a time, every batch-1 qkv / gate_up GEMV scaling by the norm's rstd after the dot
     (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's.
     Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by

@@ -21,7 +21,8 @@ SHAPES = {  # (K, N, silu): Llama-3.1-8B's qkv, o, gate_up, down; Qwen3-0.6B's q
 @pytest.mark.parametrize("M,one_pass", [(1, None), (1, True), (8, None), (16, None), (16, False), (64, None)])
 def test_matches_reference(name, M, one_pass):
     """Default launch shapes; rows > 1 with a norm apply its rstd after the loop (one pass) unless
-    one_pass=False; single rows only with one_pass=True (GYRFALCON_GEMV_ONE_PASS_NORM_B1)."""
+    one_pass=False; single rows where one tile spans the row (q06_qkv) or with one_pass=True
+    (GYRFALCON_GEMV_ONE_PASS_NORM_B1)."""
     K, N, silu = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()

@@ -223,19 +223,26 @@ def test_one_pass_norm_switch(monkeypatch):
 
     monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM", raising=False)
     monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    assert one_pass_norm_default() and not one_pass_norm_b1()
+    assert one_pass_norm_default() and one_pass_norm_b1(True) and not one_pass_norm_b1(False)
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM", "0")
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
-    assert not one_pass_norm_default() and one_pass_norm_b1()
+    assert not one_pass_norm_default() and one_pass_norm_b1(True) and one_pass_norm_b1(False)
+    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "0")
+    assert not one_pass_norm_b1(True) and not one_pass_norm_b1(False)
 
 
-@pytest.mark.parametrize("env", ["0", "1"])
-def test_one_pass_norm_b1_switch_reaches_the_launch(monkeypatch, env):
-    """A single row's launch compiles ONE_PASS exactly when GYRFALCON_GEMV_ONE_PASS_NORM_B1=1 (and a norm is
-    given); its output matches the reference either way."""
+@pytest.mark.parametrize("env,block_k,want", [(None, 32, False), (None, 256, True), ("0", 256, False),
+                                              ("1", 32, True)])
+def test_one_pass_norm_b1_switch_reaches_the_launch(monkeypatch, env, block_k, want):
+    """A single row's launch compiles ONE_PASS when GYRFALCON_GEMV_ONE_PASS_NORM_B1 says so: by default exactly
+    when one tile spans the row (K = 200: block_k 256, not 32), and only with a norm; its output matches the
+    reference either way."""
     import gyrfalcon.kernels.small_m_gemv as smg
 
-    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", env)
+    if env is None:
+        monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
+    else:
+        monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", env)
     x, r, w, nw = _data(1, 200, 48, torch.float32, True)
     seen = []
     real = smg._norm_gemv_kernel
@@ -249,9 +256,9 @@ def test_one_pass_norm_b1_switch_reaches_the_launch(monkeypatch, env):
 
     monkeypatch.setattr(smg, "_norm_gemv_kernel", Spy())
     kw = dict(norm_weight=nw, residual=r, eps=1e-6, silu_mul=True)
-    y, _ = smg.norm_gemv_triton(x, w, block_n=16, block_k=32, **kw)
-    smg.norm_gemv_triton(x, w, block_n=16, block_k=32)  # no norm: never ONE_PASS
-    assert seen == [env == "1", False]
+    y, _ = smg.norm_gemv_triton(x, w, block_n=16, block_k=block_k, **kw)
+    smg.norm_gemv_triton(x, w, block_n=16, block_k=block_k)  # no norm: never ONE_PASS
+    assert seen == [want, False]
     torch.testing.assert_close(y, norm_gemv_ref(x, w, **kw)[0], rtol=1e-4, atol=1e-4)
 
 
