@@ -28,7 +28,7 @@
 #   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
 #                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
 #   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1
-#                forces it; the default since run 74 where one tile spans the row): the GEMV's GPU tests, its model
+#                forces it; the default since run 74 where one tile spans a row of <= 1024 inputs): the GEMV's GPU tests, its model
 #                token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs 0.699 / 0.699 ms, Llama
 #                4.366 vs 4.225)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)

@@ -19,7 +19,15 @@ Numerics: the same roundings as norm_gemv (silu_mul) followed by norm_gemv on do
 rounded once, the normalized row rounded to the weight dtype, gate and up rounded before the activation,
 the activation rounded before down_proj, down_proj's fp32 sum rounded once); only the order of down_proj's
 fp32 sum differs, and it is not fixed: atomic adds land in arrival order, so two runs can differ in the
-last bit of an output. Off by default (GYRFALCON_FUSED_MLP=1), not yet timed on the GPU.
+last bit of an output. Off by default (GYRFALCON_FUSED_MLP=1): it lost on the H200 (run 73,
+latency_*_b1_mlp_*-h200-2026-12-02-run73.json, mlp_chain-h200-2026-12-02-run73.json). Its GPU tests pass, but
+Qwen3-0.6B batch 1 ran 0.805 / 0.804 ms a step against 0.702 / 0.701 with two launches (ABAB; 0.882 at BLOCK_I 16,
+192 programs), Llama-3.1-8B batch 1 4.882 against 4.172; the 28-layer Qwen3-0.6B chain (`small_m_gemv.py
+--mlp-chain`) 725.3 us a step at the default BLOCK_I 32 / 8 warps, 813.5-1271.3 at the other five launch shapes,
+against 628.5 with two launches. With at most one program an SM, half of each program's gate / up tiles and of its
+down_proj columns load after the wait (its 96 KB before it fill the registers), and 96 programs' 1,024 atomic adds
+each land on the same 1,024 addresses; the two launches it replaces spread the same bytes over 768 + 128 programs
+that all load before their waits.
 """
 
 from __future__ import annotations

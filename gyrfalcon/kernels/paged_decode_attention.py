@@ -864,7 +864,10 @@ def b1_attn_o_proj_context() -> int:
     """GYRFALCON_B1_ATTN_O_PROJ=N (default 0: off): batch-1 decode steps whose context is under N tokens replay a
     graph whose layers run decode attention (with its prep) and o_proj in one launch (_launch's o_proj): one
     split per kv head, no reduce launch, no o_proj launch; each of a kv head's programs attends over the whole
-    context, so N stays small (it multiplies the L2 reads of K/V by the column blocks). Not yet timed."""
+    context, so N stays small (it multiplies the L2 reads of K/V by the column blocks). Lost on the H200 in the
+    28-layer Qwen3-0.6B chain at 256 tokens (run 73, `small_m_gemv.py --mlp-chain`,
+    mlp_chain-h200-2026-12-02-run73.json): 761.7 us a step against 628.5 with attention, reduce and o_proj
+    launched apart (836.6 with the fused MLP too), so the model's A/B (gpu_check.sh attnoproj) has not been run."""
     return max(0, int(os.environ.get("GYRFALCON_B1_ATTN_O_PROJ", "0")))
 
 

@@ -90,19 +90,24 @@ def one_pass_norm_default() -> bool:
     return os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM", "1") != "0"
 
 
-def one_pass_norm_b1(single_tile: bool) -> bool:
-    """Whether a single row with a norm scales by rstd after the dot (ONE_PASS) instead of a first pass over the
-    row: GYRFALCON_GEMV_ONE_PASS_NORM_B1 "auto" (the default: when one tile covers the whole row, single_tile),
-    "1" (always), "0" (never). With the row in one tile (the peeled whole-row launches under PDL: Qwen3-0.6B's
-    qkv and gate_up) the row's sum of squares and its dot with the weight, already in registers, then reduce
-    side by side after the PDL wait instead of one after the other: one block-wide reduction fewer on the
-    path after each wait of the batch-1 chain (README). H200, run 74, same call ABAB
-    (latency_qwen3-0.6b_b1_op_*-h200-2026-12-02-run74.json): Qwen3-0.6B batch 1 0.687 / 0.685 ms a step against
-    0.699 / 0.699 without. Over several tiles it lost: Llama-3.1-8B batch 1 (K 4096 in 1024-wide tiles, its graph
-    without PDL) 4.366 against 4.225 ms (the qkv launch holds 205 registers a thread against the first pass's
-    fewer). Rounds x * norm_weight to the weight dtype where the first pass rounds the normed row."""
+ONE_PASS_B1_MAX_K = 1024  # the widest single row that applies its norm after the dot by default (one_pass_norm_b1)
+
+
+def one_pass_norm_b1(K: int, block_k: int) -> bool:
+    """Whether a single row of K inputs with a norm, in tiles of block_k, scales by rstd after the dot (ONE_PASS)
+    instead of a first pass over the row: GYRFALCON_GEMV_ONE_PASS_NORM_B1 "auto" (the default: when one tile
+    covers a row of up to ONE_PASS_B1_MAX_K inputs), "1" (always), "0" (never). With the row in one tile the
+    row's sum of squares and its dot with the weight (already in registers under PDL) then reduce side by side
+    after the wait instead of one after the other: one block-wide reduction fewer on the path after each wait of
+    the batch-1 chain (README). H200, run 74, same call ABAB (latency_*_b1_op_*-h200-2026-12-02-run74.json):
+    Qwen3-0.6B batch 1 (qkv, gate_up: K 1024) 0.687 / 0.685 ms a step against 0.699 / 0.699 without. It lost on
+    Llama-3.1-8B (K 4096, its qkv launch at 205 registers a thread): batch 1 4.366 against 4.225 ms (its graph
+    without PDL, four 1024-wide tiles), and the PDL graph timed at startup 4.348 against 4.284 (one whole-row
+    tile). Rounds x * norm_weight to the weight dtype where the first pass rounds the normed row."""
     env = os.environ.get("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "auto")
-    return single_tile if env == "auto" else env == "1"
+    if env == "auto":
+        return block_k >= K and K <= ONE_PASS_B1_MAX_K
+    return env == "1"
 
 
 def split_k_default() -> int:
@@ -496,7 +501,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     split_k = cfg.split_k if block_m > 1 else 1
     # (ONE_PASS only with a norm: the kernel checks ONE_PASS alone.)
     if one_pass is None:
-        one_pass = one_pass_norm_default() if block_m > 1 else one_pass_norm_b1(single_tile=bk >= K)
+        one_pass = one_pass_norm_default() if block_m > 1 else one_pass_norm_b1(K, bk)
     one_pass = norm_weight is not None and one_pass
     dummy = x
     ws = cnt = dummy

@@ -223,12 +223,14 @@ def test_one_pass_norm_switch(monkeypatch):
 
     monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM", raising=False)
     monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    assert one_pass_norm_default() and one_pass_norm_b1(True) and not one_pass_norm_b1(False)
+    # auto: one tile spans a row of at most 1024 inputs
+    assert one_pass_norm_default() and one_pass_norm_b1(1024, 1024) and one_pass_norm_b1(200, 256)
+    assert not one_pass_norm_b1(1024, 512) and not one_pass_norm_b1(4096, 4096)
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM", "0")
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
-    assert not one_pass_norm_default() and one_pass_norm_b1(True) and one_pass_norm_b1(False)
+    assert not one_pass_norm_default() and one_pass_norm_b1(1024, 512) and one_pass_norm_b1(4096, 4096)
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "0")
-    assert not one_pass_norm_b1(True) and not one_pass_norm_b1(False)
+    assert not one_pass_norm_b1(1024, 1024)
 
 
 @pytest.mark.parametrize("env,block_k,want", [(None, 32, False), (None, 256, True), ("0", 256, False),
