@@ -31,6 +31,8 @@
 #                forces it; the default since run 74 where one tile spans a row of <= 1024 inputs): the GEMV's GPU tests, its model
 #                token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs 0.699 / 0.699 ms, Llama
 #                4.366 vs 4.225)
+#   onepassab    the one-pass default (auto) against GYRFALCON_GEMV_ONE_PASS_NORM_B1=0: Qwen3-0.6B b1 ABAB, then the
+#                default with --profile
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -207,6 +209,11 @@ if has onepass; then  # one block-wide reduction fewer after each batch-1 norm G
   for run in a_0 b_1 c_1 d_0; do lat q06 1 op_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
   ckpt l8
   for run in a_0 b_1; do lat l8 1 op_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
+fi
+if has onepassab; then  # the auto rule as shipped, against the first pass everywhere
+  ckpt q06
+  for run in a_auto b_0 c_0 d_auto; do lat q06 1 opd_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
+  lat q06 1 opd_prof --profile
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
