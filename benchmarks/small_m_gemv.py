@@ -28,6 +28,7 @@ import triton
 
 from gyrfalcon.bench.common import HBM_BYTES_PER_S, run_info, scoped_env
 from gyrfalcon.kernels import rms_norm, silu_and_mul
+from gyrfalcon.kernels._common import next_pow2
 from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, norm_gemv_triton
 
 # name: (K, N, norm, silu). N is the output width (gate_up: the weight has 2N rows).
@@ -475,24 +476,26 @@ class QwenB1Chain:
         self.bytes = (sum(t.numel() * t.element_size() for t in self.distinct[0].values()) * self.layers
                       + self.layers * 2 * self.ctx * KV * D * self.caches[0][0].element_size())
 
-    def step(self, Ws, pdl: bool, mlp=None, attn_o_proj: bool = False):
+    def step(self, Ws, pdl: bool, mlp=None, attn_o_proj: bool = False, gemv: dict | None = None):
         """mlp: None (two launches), else a FusedMlpConfig for kernels/fused_mlp.py. attn_o_proj: decode attention
-        and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's)."""
+        and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's). gemv: {"qkv" | "o" | "gu" | "down": GemvConfig}, launch
+        shapes that replace those GEMVs' defaults (the others keep theirs)."""
         from gyrfalcon.kernels.fused_mlp import fused_mlp_triton
         from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
         H, KV, D = self.H, self.KV, self.D
+        cfg = gemv or {}
         x, res = self.x0, torch.zeros_like(self.x0)
         for w, (kc, vc) in zip(Ws, self.caches):
-            qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl)
+            qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl, config=cfg.get("qkv"))
             o = decode_attention_with_prep_triton(qkv, H, KV, D, self.pos, self.cs, D, True, kc, vc, self.slot,
                                                   self.bt, self.sl, D ** -0.5, q_norm_weight=w["qn"],
                                                   k_norm_weight=w["kn"], pdl=pdl,
                                                   **({"o_proj": w["o"]} if attn_o_proj else {}))
-            x = o if attn_o_proj else norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl)[0]
+            x = o if attn_o_proj else norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl, config=cfg.get("o"))[0]
             if mlp is None:
-                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl)
-                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl)
+                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl, config=cfg.get("gu"))
+                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl, config=cfg.get("down"))
             else:
                 x, res = fused_mlp_triton(x, res, w["n2"], w["gu"], w["down"], 1e-6, config=mlp, pdl=pdl)
         return x
@@ -566,6 +569,56 @@ def bench_mlp_chain(rows, rounds: int = 4):
                      "mlp_config": mlp._asdict() if mlp else None, "attn_o_proj": aop})
 
 
+def chain_gemv_configs(c: QwenB1Chain, whole_row_max: int | None = None) -> dict:
+    """Launch shapes for QwenB1Chain's four single-row GEMVs to try in place of each default: {(gemv, BLOCK_N,
+    warps): GemvConfig}; BLOCK_K spans the row where the program's slice fits the whole-row bound (as
+    default_config does under PDL), else 1024 inputs; the default's stages."""
+    from gyrfalcon.kernels.small_m_gemv import WHOLE_ROW_MAX_BYTES
+
+    bound = WHOLE_ROW_MAX_BYTES if whole_row_max is None else whole_row_max
+    dims = {"qkv": ((c.H + 2 * c.KV) * c.D, c.hid, False), "o": (c.hid, c.H * c.D, False),
+            "gu": (c.inter, c.hid, True), "down": (c.hid, c.inter, False)}
+    out = {}
+    for name, (N, K, silu) in dims.items():
+        base = default_config(1, N, K, silu, 2, whole_row=True)
+        for bn in ((2, 4, 8) if silu else (4, 8, 16, 32)):
+            for warps in (2, 4, 8):
+                whole = bn * next_pow2(K) * 2 * (2 if silu else 1) <= bound
+                bk = next_pow2(K) if whole else min(1024, next_pow2(K))
+                cfg = base._replace(block_n=bn, block_k=bk, num_warps=warps)
+                if cfg != base:
+                    out[name, bn, warps] = cfg
+    return out
+
+
+def bench_gemv_chain_sweep(rows, rounds: int = 2):
+    """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with one of its four GEMVs at
+    another launch shape (chain_gemv_configs), each against the all-default chain in the same rounds of alternating
+    order. The default shapes come from sweeps of each GEMV alone (small_m_gemv_sweep-*.json: throughput of one
+    launch); in the chain what counts is the work after each PDL wait (README: one-pass norm, run 74), which
+    fewer rows a program or fewer warps (a narrower block-wide sum) may shorten."""
+    c = QwenB1Chain()
+    variants = {("default", 0, 0): None, **chain_gemv_configs(c)}
+    with scoped_env({"GYRFALCON_PDL": "1"}):
+        ref = c.step(c.distinct, True).float()
+        diffs, timers = {}, {}
+        for key, cfg in variants.items():
+            gemv = None if cfg is None else {key[0]: cfg}
+            diffs[key] = float((c.step(c.distinct, True, gemv=gemv).float() - ref).abs().max())
+            timers[key] = lambda gemv=gemv: graph_time_us([lambda: c.step(c.distinct, True, gemv=gemv)], reps=3)
+        times = alternating_rounds(timers, rounds)
+    base = statistics.median(times["default", 0, 0])
+    for key, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
+        t = statistics.median(ts)
+        cfg = variants[key]
+        label = "all defaults" if cfg is None else f"{key[0]} BLOCK_N {key[1]} {key[2]} warps BLOCK_K {cfg.block_k}"
+        print(f"gemv chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {label:38s} {t:7.1f} us a step "
+              f"(x{base / t:.3f} vs defaults; rounds {ts}); max |out - defaults'| {diffs[key]:.3g}", flush=True)
+        rows.append({"gemv": key[0], "block_n": key[1], "num_warps": key[2],
+                     "config": cfg._asdict() if cfg else None, "us_rounds": ts, "us_median": t,
+                     "speedup_vs_default": round(base / t, 4), "max_abs_diff": diffs[key]})
+
+
 def bench_argmax(rows, sweep: bool = True):
     """Greedy argmax of [S, V] logits (S = 1, 16, 64; Llama-3 and Qwen vocabularies; fp32, which is what
     the runner's compute_logits returns, and bf16): torch's argmax against greedy_argmax (the dispatcher,
@@ -636,6 +689,8 @@ def main() -> None:
     ap.add_argument("--mlp-chain", action="store_true",
                     help="the same chain with each MLP as two launches or one (kernels/fused_mlp.py) at several "
                          "launch shapes, and with decode attention + o_proj in one launch")
+    ap.add_argument("--gemv-chain-sweep", action="store_true",
+                    help="the Qwen3-0.6B batch-1 chain with each GEMV at other launch shapes")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
     gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []
@@ -648,6 +703,9 @@ def main() -> None:
     if args.mlp_chain:
         args.skip_gemv = args.skip_attention = True
         bench_mlp_chain(chain_rows)
+    if args.gemv_chain_sweep:
+        args.skip_gemv = args.skip_attention = True
+        bench_gemv_chain_sweep(chain_rows)
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)

@@ -33,6 +33,8 @@
 #                4.366 vs 4.225)
 #   onepassab    the one-pass default (auto) against GYRFALCON_GEMV_ONE_PASS_NORM_B1=0: Qwen3-0.6B b1 ABAB, then the
 #                default with --profile
+#   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 8-11 other launch shapes (small_m_gemv.py
+#                --gemv-chain-sweep), against the defaults in the same rounds
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -214,6 +216,30 @@ if has onepassab; then  # the auto rule as shipped, against the first pass every
   ckpt q06
   for run in a_auto b_0 c_0 d_auto; do lat q06 1 opd_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
   lat q06 1 opd_prof --profile
+fi
+if has gemvchain; then  # launch shapes chosen in the chain, where the work after each wait counts
+  step gemv_chain 300 python3 benchmarks/small_m_gemv.py --gemv-chain-sweep --output-json "$R/gemv_chain.json"
+  # Each GEMV's best shape in the chain, where >= 1% faster than its default, tried together in the model
+  # (GYRFALCON_GEMV_B1_SHAPES), Qwen3-0.6B b1 ABAB against the defaults.
+  SHAPES=$(python3 - "$R/gemv_chain.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["pdl_chain"]
+nk = {"qkv": "4096x1024", "o": "1024x2048", "gu": "3072x1024", "down": "1024x3072"}
+best = {}
+for r in rows:
+    if r["gemv"] in nk and r["speedup_vs_default"] >= 1.01 and r["speedup_vs_default"] > best.get(r["gemv"], (0,))[0]:
+        best[r["gemv"]] = (r["speedup_vs_default"], r["block_n"], r["num_warps"])
+print(";".join(f"{nk[g]}={bn},{w}" for g, (_, bn, w) in best.items()))
+PY
+)
+  echo "gemv chain sweep picks: ${SHAPES:-none}"
+  if [ -n "$SHAPES" ]; then
+    ckpt q06
+    for run in a_dflt b_pick c_pick d_dflt; do
+      v=""; [ "${run#*_}" = pick ] && v=$SHAPES
+      lat q06 1 shapes_$run "GYRFALCON_GEMV_B1_SHAPES=$v"
+    done
+  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

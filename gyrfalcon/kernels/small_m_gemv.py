@@ -165,6 +165,26 @@ def peel_default() -> bool:
 WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps
 
 
+def b1_shape_overrides() -> dict:
+    """GYRFALCON_GEMV_B1_SHAPES="NxK=BLOCK_N,warps;..." (an experiment, unset by default): single-row launches of
+    N outputs (SiLU-and-mul: N units) over K inputs take that many rows a program and warps instead of
+    default_config's (BLOCK_K and stages follow from them as usual) -> {(N, K): (BLOCK_N, warps)}. For trying in
+    the model the shapes that benchmarks/small_m_gemv.py --gemv-chain-sweep picks in the batch-1 chain."""
+    spec = os.environ.get("GYRFALCON_GEMV_B1_SHAPES", "").strip()
+    out = {}
+    for item in filter(None, (t.strip() for t in spec.split(";"))):
+        try:
+            nk, shape = item.split("=")
+            n, k = (int(v) for v in nk.lower().split("x"))
+            bn, warps = (int(v) for v in shape.split(","))
+        except ValueError:
+            raise ValueError(f"GYRFALCON_GEMV_B1_SHAPES: '{item}' is not NxK=BLOCK_N,warps") from None
+        if bn < 1 or bn & (bn - 1) or warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GYRFALCON_GEMV_B1_SHAPES: '{item}': BLOCK_N a power of two, warps 1-16")
+        out[n, k] = (bn, warps)
+    return out
+
+
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
                    whole_row: bool = False) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
@@ -186,6 +206,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
         bk = min(1024, max(64, next_pow2(K)))
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
+        bn, nw = b1_shape_overrides().get((N, K), (bn, nw))
         if (whole_row and elem_size <= 2 and 1024 < K
                 and bn * next_pow2(K) * elem_size * (2 if silu_mul else 1) <= WHOLE_ROW_MAX_BYTES
                 and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") == "1"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gyrfalcon.kernels._common import next_pow2
 from gyrfalcon.kernels.small_m_gemv import norm_gemv_ref, norm_gemv_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -283,3 +284,51 @@ def test_add_to_adds_into_the_residual_in_place(M, split_k, dtype):
     assert not torch.allclose(r.float(), r0.float())
     with pytest.raises(ValueError, match="plain GEMM"):
         norm_gemv_triton(x, w, norm_weight=torch.ones(200, dtype=dtype, device=DEV), add_to=r)
+
+
+def test_gemv_chain_sweep_benchmark_configs_and_chain():
+    """benchmarks/small_m_gemv.py --gemv-chain-sweep: its launch shapes differ from each GEMV's default in BLOCK_N or
+    warps only, span the row where the whole-row bound allows (else 1024 inputs), and the layer chain run with one
+    GEMV at another shape (small, under the interpreter) matches the all-default chain."""
+    from benchmark_scripts import load_benchmark
+
+    from gyrfalcon.kernels.small_m_gemv import WHOLE_ROW_MAX_BYTES
+
+    bench = load_benchmark("small_m_gemv")
+    full = bench.QwenB1Chain.__new__(bench.QwenB1Chain)  # the real Qwen3-0.6B dims, no tensors
+    cfgs = bench.chain_gemv_configs(full)
+    assert {k[0] for k in cfgs} == {"qkv", "o", "gu", "down"} and len(cfgs) == 41
+    for (name, bn, warps), cfg in cfgs.items():
+        assert (cfg.block_n, cfg.num_warps) == (bn, warps)
+        K = {"qkv": 1024, "o": 2048, "gu": 1024, "down": 3072}[name]
+        slice_bytes = bn * next_pow2(K) * 2 * (2 if name == "gu" else 1)
+        assert cfg.block_k == (next_pow2(K) if slice_bytes <= WHOLE_ROW_MAX_BYTES else min(1024, next_pow2(K)))
+    c = bench.QwenB1Chain(device=DEV, dtype=torch.float32, H=2, KV=1, D=16, hid=64, inter=96, layers=2, ctx=20)
+    small = bench.chain_gemv_configs(c, whole_row_max=1 << 20)
+    ref = c.step(c.distinct, False)
+    assert float(ref.abs().max()) > 1e-3  # not a chain of zeros
+    for key in (("qkv", 4, 2), ("o", 16, 4), ("gu", 2, 8), ("down", 32, 2)):
+        got = c.step(c.distinct, False, gemv={key[0]: small[key]})
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_b1_shape_overrides(monkeypatch):
+    """GYRFALCON_GEMV_B1_SHAPES replaces single-row launches' rows a program and warps for the listed (N, K) only;
+    BLOCK_K still follows the whole-row rule; malformed entries are refused with the variable's name."""
+    from gyrfalcon.kernels.small_m_gemv import b1_shape_overrides, default_config
+
+    monkeypatch.delenv("GYRFALCON_GEMV_B1_SHAPES", raising=False)
+    base = default_config(1, 4096, 1024)
+    plain, rows16 = default_config(1, 2048, 1024), default_config(16, 4096, 1024)
+    assert b1_shape_overrides() == {}
+    monkeypatch.setenv("GYRFALCON_GEMV_B1_SHAPES", "4096x1024=16,4; 1024x3072=4,2")
+    assert b1_shape_overrides() == {(4096, 1024): (16, 4), (1024, 3072): (4, 2)}
+    got = default_config(1, 4096, 1024)
+    assert (got.block_n, got.num_warps, got.block_k) == (16, 4, base.block_k)
+    assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096  # 4 x 4096 x 2 B fits the bound
+    # shapes not listed, and launches of 2+ rows, keep their defaults
+    assert default_config(1, 2048, 1024) == plain and default_config(16, 4096, 1024) == rows16
+    for bad in ("4096x1024=16", "4096=16,4", "4096x1024=12,4", "4096x1024=16,3"):
+        monkeypatch.setenv("GYRFALCON_GEMV_B1_SHAPES", bad)
+        with pytest.raises(ValueError, match="GYRFALCON_GEMV_B1_SHAPES"):
+            b1_shape_overrides()
