@@ -34,7 +34,8 @@
 #   onepassab    the one-pass default (auto) against GYRFALCON_GEMV_ONE_PASS_NORM_B1=0: Qwen3-0.6B b1 ABAB, then the
 #                default with --profile
 #   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 8-11 other launch shapes (small_m_gemv.py
-#                --gemv-chain-sweep), against the defaults in the same rounds
+#                --gemv-chain-sweep), against the defaults in the same rounds; each GEMV's winner (>= 1%) together in the
+#                model, Qwen3-0.6B b1 ABAB (run 76: 0.677 / 0.678 vs 0.688 / 0.688 ms; now the defaults, B1_CHAIN_SHAPES)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts

@@ -165,12 +165,25 @@ def peel_default() -> bool:
 WHOLE_ROW_MAX_BYTES = 64 * 1024  # one program's weight slice in registers: 8 x 4096 bf16 = 64 a thread at 8 warps
 
 
-def b1_shape_overrides() -> dict:
-    """GYRFALCON_GEMV_B1_SHAPES="NxK=BLOCK_N,warps;..." (an experiment, unset by default): single-row launches of
-    N outputs (SiLU-and-mul: N units) over K inputs take that many rows a program and warps instead of
-    default_config's (BLOCK_K and stages follow from them as usual) -> {(N, K): (BLOCK_N, warps)}. For trying in
-    the model the shapes that benchmarks/small_m_gemv.py --gemv-chain-sweep picks in the batch-1 chain."""
-    spec = os.environ.get("GYRFALCON_GEMV_B1_SHAPES", "").strip()
+# Rows a program and warps of the peeled (PDL) single-row launches of these (N outputs, K inputs), chosen in the
+# Qwen3-0.6B batch-1 chain rather than one launch at a time (benchmarks/small_m_gemv.py --gemv-chain-sweep, H200 run
+# 76, gemv_chain-h200-2026-12-02-run76.json: each GEMV at 8-11 other shapes against the defaults in the same rounds;
+# 28-layer chain 613.1 us a step at the defaults, qkv 4 rows / 2 warps 597.3, down 4 / 8 599.9, o_proj 4 / 4 603.0,
+# gate_up 8 units / 2 warps 606.5). All four in the model, same call ABAB (latency_qwen3-0.6b_b1_shapes_*-run76):
+# 0.677 / 0.678 ms a step against 0.688 / 0.688. Fewer rows a program (2x the programs) and fewer warps shorten
+# what each program does after its PDL wait; in a launch alone (the sweeps default_config comes from) the defaults
+# streamed faster.
+B1_CHAIN_SHAPES = {(4096, 1024): (4, 2), (1024, 2048): (4, 4), (3072, 1024): (8, 2), (1024, 3072): (4, 8)}
+
+
+def b1_shape_overrides(whole_row: bool = True) -> dict:
+    """Single-row launch shapes that replace default_config's -> {(N, K): (BLOCK_N, warps)} for launches of N
+    outputs (SiLU-and-mul: N units) over K inputs. GYRFALCON_GEMV_B1_SHAPES unset: B1_CHAIN_SHAPES for the peeled
+    (whole_row) launches, none for the others; set, "NxK=BLOCK_N,warps;..." for every single-row launch ("": none,
+    the shapes before run 76). BLOCK_K and stages follow from them as usual."""
+    spec = os.environ.get("GYRFALCON_GEMV_B1_SHAPES")
+    if spec is None:
+        return dict(B1_CHAIN_SHAPES) if whole_row else {}
     out = {}
     for item in filter(None, (t.strip() for t in spec.split(";"))):
         try:
@@ -206,7 +219,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
         bk = min(1024, max(64, next_pow2(K)))
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
-        bn, nw = b1_shape_overrides().get((N, K), (bn, nw))
+        bn, nw = b1_shape_overrides(whole_row).get((N, K), (bn, nw))
         if (whole_row and elem_size <= 2 and 1024 < K
                 and bn * next_pow2(K) * elem_size * (2 if silu_mul else 1) <= WHOLE_ROW_MAX_BYTES
                 and os.environ.get("GYRFALCON_GEMV_WHOLE_ROW", "1") == "1"):

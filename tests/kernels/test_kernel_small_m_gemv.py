@@ -313,14 +313,23 @@ def test_gemv_chain_sweep_benchmark_configs_and_chain():
 
 
 def test_b1_shape_overrides(monkeypatch):
-    """GYRFALCON_GEMV_B1_SHAPES replaces single-row launches' rows a program and warps for the listed (N, K) only;
+    """Single-row launch shapes: by default the chain-tuned table (B1_CHAIN_SHAPES) for peeled launches only;
+    GYRFALCON_GEMV_B1_SHAPES replaces it for every single-row launch ("" = none) and only for the listed (N, K);
     BLOCK_K still follows the whole-row rule; malformed entries are refused with the variable's name."""
-    from gyrfalcon.kernels.small_m_gemv import b1_shape_overrides, default_config
+    from gyrfalcon.kernels.small_m_gemv import B1_CHAIN_SHAPES, b1_shape_overrides, default_config
 
-    monkeypatch.delenv("GYRFALCON_GEMV_B1_SHAPES", raising=False)
+    monkeypatch.setenv("GYRFALCON_GEMV_B1_SHAPES", "")
+    assert b1_shape_overrides() == {}
     base = default_config(1, 4096, 1024)
     plain, rows16 = default_config(1, 2048, 1024), default_config(16, 4096, 1024)
-    assert b1_shape_overrides() == {}
+    assert (base.block_n, base.num_warps) == (8, 8)
+    monkeypatch.delenv("GYRFALCON_GEMV_B1_SHAPES")
+    assert b1_shape_overrides() == B1_CHAIN_SHAPES and b1_shape_overrides(whole_row=False) == {}
+    assert default_config(1, 4096, 1024) == base  # not peeled: untouched
+    tuned = default_config(1, 4096, 1024, whole_row=True)
+    assert (tuned.block_n, tuned.num_warps) == B1_CHAIN_SHAPES[4096, 1024]
+    gu = default_config(1, 3072, 1024, silu_mul=True, whole_row=True)
+    assert (gu.block_n, gu.num_warps) == B1_CHAIN_SHAPES[3072, 1024]
     monkeypatch.setenv("GYRFALCON_GEMV_B1_SHAPES", "4096x1024=16,4; 1024x3072=4,2")
     assert b1_shape_overrides() == {(4096, 1024): (16, 4), (1024, 3072): (4, 2)}
     got = default_config(1, 4096, 1024)
