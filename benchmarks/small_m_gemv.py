@@ -619,6 +619,49 @@ def bench_gemv_chain_sweep(rows, rounds: int = 2):
                      "speedup_vs_default": round(base / t, 4), "max_abs_diff": diffs[key]})
 
 
+def bench_chain_env(rows, spec: str, rounds: int = 4, chain=None, timer=None, pdl: bool = True):
+    """QwenB1Chain (distinct weights, PDL on) with an environment switch read at launch at each of its values
+    (spec "NAME=V1/V2/...", each against the variable unset) in rounds of alternating order: launch shapes of
+    the chain's other kernels chosen in the chain, e.g. GYRFALCON_DECODE_ATTN_CONFIG=64,8/128,4 (decode
+    attention's keys a tile and warps), GYRFALCON_DECODE_REDUCE_WARPS=1/2/8. chain: a QwenB1Chain (default: the
+    real one); timer(step) -> us (default: graph_time_us in a CUDA graph); pdl=False: the kernels' non-PDL
+    variants (the interpreter's tests)."""
+    name, _, vals = spec.partition("=")
+    values = ["unset"] + [v for v in vals.split("/") if v]
+    c = chain or QwenB1Chain()
+    timer = timer or (lambda step: graph_time_us([step], reps=3))
+
+    def env(val):
+        return scoped_env({"GYRFALCON_PDL": "1", name: None if val == "unset" else val})
+
+    def timed(val):
+        def run():
+            with env(val):
+                return timer(lambda: c.step(c.distinct, pdl))
+        return run
+
+    outs = {}
+    for val in values:
+        try:
+            with env(val):
+                outs[val] = c.step(c.distinct, pdl).float()
+        except Exception as e:  # a launch shape that does not compile (e.g. too much shared memory): skipped
+            if val == "unset":
+                raise
+            print(f"chain env: {name}={val} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            rows.append({"env": name, "value": val, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+    values = [v for v in values if v in outs]
+    times = alternating_rounds({v: timed(v) for v in values}, rounds)
+    base = statistics.median(times["unset"])
+    for val, ts in times.items():
+        t = statistics.median(ts)
+        diff = float((outs[val] - outs["unset"]).abs().max())
+        print(f"chain env ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name}={val:12s} {t:7.1f} us a "
+              f"step (x{base / t:.3f} vs unset; rounds {ts}); max |out - unset's| {diff:.3g}", flush=True)
+        rows.append({"env": name, "value": val, "us_rounds": ts, "us_median": t,
+                     "speedup_vs_unset": round(base / t, 4), "max_abs_diff": diff})
+
+
 def bench_argmax(rows, sweep: bool = True):
     """Greedy argmax of [S, V] logits (S = 1, 16, 64; Llama-3 and Qwen vocabularies; fp32, which is what
     the runner's compute_logits returns, and bf16): torch's argmax against greedy_argmax (the dispatcher,
@@ -691,6 +734,8 @@ def main() -> None:
                          "launch shapes, and with decode attention + o_proj in one launch")
     ap.add_argument("--gemv-chain-sweep", action="store_true",
                     help="the Qwen3-0.6B batch-1 chain with each GEMV at other launch shapes")
+    ap.add_argument("--chain-env", action="append", default=[], metavar="NAME=V1/V2",
+                    help="the Qwen3-0.6B batch-1 chain with an environment switch at each value vs unset (repeatable)")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
     gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []
@@ -706,6 +751,9 @@ def main() -> None:
     if args.gemv_chain_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_gemv_chain_sweep(chain_rows)
+    for spec in args.chain_env:
+        args.skip_gemv = args.skip_attention = True
+        bench_chain_env(chain_rows, spec)
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)

@@ -28,14 +28,16 @@
 #   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
 #                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
 #   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1
-#                forces it; the default since run 74 where one tile spans a row of <= 1024 inputs): the GEMV's GPU tests, its model
-#                token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs 0.699 / 0.699 ms, Llama
-#                4.366 vs 4.225)
+#                forces it; the default since run 74 where one tile spans a row of <= 1024 inputs): the GEMV's GPU
+#                tests, its model token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs
+#                0.699 / 0.699 ms, Llama 4.366 vs 4.225)
 #   onepassab    the one-pass default (auto) against GYRFALCON_GEMV_ONE_PASS_NORM_B1=0: Qwen3-0.6B b1 ABAB, then the
 #                default with --profile
 #   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 8-11 other launch shapes (small_m_gemv.py
 #                --gemv-chain-sweep), against the defaults in the same rounds; each GEMV's winner (>= 1%) together in the
 #                model, Qwen3-0.6B b1 ABAB (run 76: 0.677 / 0.678 vs 0.688 / 0.688 ms; now the defaults, B1_CHAIN_SHAPES)
+#   chainenv     the Qwen3-0.6B batch-1 chain with decode attention's launch shape (GYRFALCON_DECODE_ATTN_CONFIG) and
+#                the split merge's warps (GYRFALCON_DECODE_REDUCE_WARPS) at other values (small_m_gemv.py --chain-env)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -206,7 +208,8 @@ if has attnoproj; then  # attention (+ its prep) and o_proj of a single row in o
   done
 fi
 if has onepass; then  # one block-wide reduction fewer after each batch-1 norm GEMV's PDL wait
-  step gpu_one_pass 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k test_matches_reference -p no:cacheprovider
+  step gpu_one_pass 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k test_matches_reference \
+    -p no:cacheprovider
   step gpu_model_one_pass 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "one-pass-b1" -p no:cacheprovider
   ckpt q06
   for run in a_0 b_1 c_1 d_0; do lat q06 1 op_$run GYRFALCON_GEMV_ONE_PASS_NORM_B1=${run#*_}; done
@@ -220,27 +223,35 @@ if has onepassab; then  # the auto rule as shipped, against the first pass every
 fi
 if has gemvchain; then  # launch shapes chosen in the chain, where the work after each wait counts
   step gemv_chain 300 python3 benchmarks/small_m_gemv.py --gemv-chain-sweep --output-json "$R/gemv_chain.json"
-  # Each GEMV's best shape in the chain, where >= 1% faster than its default, tried together in the model
-  # (GYRFALCON_GEMV_B1_SHAPES), Qwen3-0.6B b1 ABAB against the defaults.
+  # Each GEMV's best shape in the chain, where >= 1% faster than its default, put in place of that default
+  # (small_m_gemv.B1_CHAIN_SHAPES) and tried together in the model (GYRFALCON_GEMV_B1_SHAPES), Qwen3-0.6B b1 ABAB
+  # against the defaults. (Run 76 ran this against the shapes before the table, GYRFALCON_GEMV_B1_SHAPES="".)
   SHAPES=$(python3 - "$R/gemv_chain.json" <<'PY' 2>/dev/null
 import json, sys
+from gyrfalcon.kernels.small_m_gemv import B1_CHAIN_SHAPES
 rows = json.load(open(sys.argv[1]))["pdl_chain"]
-nk = {"qkv": "4096x1024", "o": "1024x2048", "gu": "3072x1024", "down": "1024x3072"}
+nk = {"qkv": (4096, 1024), "o": (1024, 2048), "gu": (3072, 1024), "down": (1024, 3072)}
 best = {}
 for r in rows:
     if r["gemv"] in nk and r["speedup_vs_default"] >= 1.01 and r["speedup_vs_default"] > best.get(r["gemv"], (0,))[0]:
         best[r["gemv"]] = (r["speedup_vs_default"], r["block_n"], r["num_warps"])
-print(";".join(f"{nk[g]}={bn},{w}" for g, (_, bn, w) in best.items()))
+if best:
+    shapes = dict(B1_CHAIN_SHAPES) | {nk[g]: (bn, w) for g, (_, bn, w) in best.items()}
+    print(";".join(f"{n}x{k}={bn},{w}" for (n, k), (bn, w) in shapes.items()))
 PY
 )
   echo "gemv chain sweep picks: ${SHAPES:-none}"
   if [ -n "$SHAPES" ]; then
     ckpt q06
     for run in a_dflt b_pick c_pick d_dflt; do
-      v=""; [ "${run#*_}" = pick ] && v=$SHAPES
-      lat q06 1 shapes_$run "GYRFALCON_GEMV_B1_SHAPES=$v"
+      if [ "${run#*_}" = pick ]; then lat q06 1 shapes_$run "GYRFALCON_GEMV_B1_SHAPES=$SHAPES"
+      else lat q06 1 shapes_$run; fi
     done
   fi
+fi
+if has chainenv; then  # the chain's other launches, shaped in the chain
+  step chain_env 300 python3 benchmarks/small_m_gemv.py --chain-env "GYRFALCON_DECODE_ATTN_CONFIG=64,8/64,4/128,4/128,16/256,8" \
+    --chain-env "GYRFALCON_DECODE_REDUCE_WARPS=1/2/8" --output-json "$R/chain_env.json"
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -827,9 +827,19 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         _decode_reduce_kernel[(n_seqs, n_heads)](
             pacc, pml, o, seq_lens, num_splits, n_heads, o.stride(0), o.stride(1),
             HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_S=next_pow2(num_splits), BLOCK_N=bn, MIN_PART=min_part_,
-            USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
+            USE_PDL=pdl, num_warps=reduce_warps(), **pdl_launch_kwargs(pdl),
         )
     return o
+
+
+def reduce_warps() -> int:
+    """Warps of the split-merge (reduce) launch: 4, or GYRFALCON_DECODE_REDUCE_WARPS (1, 2, 4 or 8; an experiment
+    for the batch-1 chain, where what the launch does after its PDL wait is on the step's path:
+    benchmarks/small_m_gemv.py --chain-env)."""
+    w = int(os.environ.get("GYRFALCON_DECODE_REDUCE_WARPS", "4"))
+    if w not in (1, 2, 4, 8):
+        raise ValueError(f"GYRFALCON_DECODE_REDUCE_WARPS must be 1, 2, 4 or 8, not {w}")
+    return w
 
 
 O_PROJ_TILE_BYTES = 32 * 1024  # a program's o_proj tile, loaded before the PDL wait

@@ -506,8 +506,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     block_n / block_k alone) overrides default_config (tests, benchmark sweeps). pdl: launch with
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
-    one_pass_norm_default() for 2+ rows with a norm, one_pass_norm_b1() for one): the row scale of the norm applied after the loop
-    instead of a first pass over the input (the kernel's ONE_PASS)."""
+    one_pass_norm_default() for 2+ rows with a norm, one_pass_norm_b1() for one): the row scale of the norm
+    applied after the loop instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K

@@ -96,7 +96,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1") else "0")
+    one_at_a_time = mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1")  # batch-1 paths
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1" if mode == "fused-mlp" else "0")
     monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ", "512" if mode == "attn-o-proj" else "0")
     monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1" if mode == "one-pass-b1" else "0")
@@ -146,7 +147,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert llm.engine.runner.model.model.layers[0].fused_mlp == (mode == "fused-mlp")
     if mode == "attn-o-proj":
         assert llm.engine.runner.graph_runner.fused_o_proj == 512 and 1 in llm.engine.runner.graph_runner.short_graphs
-    if mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1"):  # batch-1 decode paths: one request at a time
+    if one_at_a_time:  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)

@@ -256,3 +256,37 @@ def test_column_major_block_table(dtype, num_splits, merge, k_rows, monkeypatch)
     got = paged_decode_attention_triton(q, kc, vc, _column_major(bt, width=bt.shape[1] + 5), sl, 0.2,
                                         num_splits=num_splits, block_n=16, min_part=16, merge_in_kernel=merge)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("warps", ["1", "8"])
+def test_reduce_warps_switch(monkeypatch, warps):
+    """GYRFALCON_DECODE_REDUCE_WARPS sets the split-merge launch's warps (an experiment; default 4), the merged
+    output unchanged; other values are refused."""
+    import sys
+
+    from gyrfalcon.kernels.paged_decode_attention import reduce_warps
+
+    pda = sys.modules[paged_decode_attention_triton.__module__]
+    real, seen = pda._decode_reduce_kernel, []
+
+    class _Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["num_warps"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_REDUCE_WARPS", raising=False)
+    assert reduce_warps() == 4
+    monkeypatch.setenv("GYRFALCON_DECODE_REDUCE_WARPS", warps)
+    monkeypatch.setattr(pda, "_decode_reduce_kernel", _Spy())
+    lens = [40, 17]
+    q, kc, vc, bt, sl, _, _ = _batch(lens, 4, 2, 32, 4, torch.float32)
+    got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=3, block_n=16, min_part=16)
+    assert seen == [int(warps)]
+    torch.testing.assert_close(got, paged_decode_attention_ref(q, kc, vc, bt, sl, 0.2), **ATTN_TOL[torch.float32])
+    monkeypatch.setenv("GYRFALCON_DECODE_REDUCE_WARPS", "3")
+    with pytest.raises(ValueError, match="GYRFALCON_DECODE_REDUCE_WARPS"):
+        reduce_warps()

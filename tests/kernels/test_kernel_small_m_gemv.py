@@ -341,3 +341,49 @@ def test_b1_shape_overrides(monkeypatch):
         monkeypatch.setenv("GYRFALCON_GEMV_B1_SHAPES", bad)
         with pytest.raises(ValueError, match="GYRFALCON_GEMV_B1_SHAPES"):
             b1_shape_overrides()
+
+
+def test_chain_env_benchmark_sets_each_value():
+    """benchmarks/small_m_gemv.py --chain-env: every value (and unset) is in force while its chain runs and is
+    timed, in alternating rounds; one row a value with its output's distance from the unset chain's (small chain,
+    interpreter, a stand-in timer that records the variable instead of timing)."""
+    import os
+
+    from benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("small_m_gemv")
+    c = bench.QwenB1Chain(device=DEV, dtype=torch.float32, H=2, KV=1, D=16, hid=64, inter=96, layers=1, ctx=20)
+    seen = []
+
+    def timer(step):
+        seen.append(os.environ.get("GYRFALCON_DECODE_REDUCE_WARPS"))
+        step()
+        return 10.0 + len(seen)
+
+    rows = []
+    bench.bench_chain_env(rows, "GYRFALCON_DECODE_REDUCE_WARPS=1/8", rounds=2, chain=c, timer=timer, pdl=False)
+    assert seen == [None, "1", "8", "8", "1", None]
+    assert [r["value"] for r in rows] == ["unset", "1", "8"]
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows) and rows[0]["speedup_vs_unset"] == 1.0
+
+
+def test_chain_env_benchmark_skips_a_failing_value():
+    """A value whose chain raises (a launch shape that does not compile) is reported and left out of the timing."""
+    from benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("small_m_gemv")
+
+    class Chain:
+        layers, ctx, distinct = 1, 8, None
+
+        def step(self, Ws, pdl):
+            import os
+            if os.environ.get("GYRFALCON_DECODE_REDUCE_WARPS") == "3":
+                raise ValueError("no such launch")
+            return torch.zeros(1, 4)
+
+    rows = []
+    bench.bench_chain_env(rows, "GYRFALCON_DECODE_REDUCE_WARPS=3/2", rounds=2, chain=Chain(),
+                          timer=lambda step: (step(), 5.0)[1], pdl=False)
+    assert [r["value"] for r in rows] == ["3", "unset", "2"] and "no such launch" in rows[0]["error"]
+    assert rows[1]["us_median"] == 5.0 and rows[2]["max_abs_diff"] == 0.0
