@@ -252,6 +252,26 @@ fi
 if has chainenv; then  # the chain's other launches, shaped in the chain
   step chain_env 300 python3 benchmarks/small_m_gemv.py --chain-env "GYRFALCON_DECODE_ATTN_CONFIG=64,8/64,4/128,4/128,16/256,8" \
     --chain-env "GYRFALCON_DECODE_REDUCE_WARPS=1/2/8" --output-json "$R/chain_env.json"
+  # Each switch's best value in the chain, where >= 1% faster than unset, all together in the model: Qwen3-0.6B b1
+  # ABAB against the defaults (one VAR=VALUE a line).
+  mapfile -t PICKS < <(python3 - "$R/chain_env.json" <<'PY' 2>/dev/null
+import json, sys
+best = {}
+for r in json.load(open(sys.argv[1]))["pdl_chain"]:
+    if "error" not in r and r["value"] != "unset" and r["speedup_vs_unset"] >= 1.01:
+        if r["speedup_vs_unset"] > best.get(r["env"], (0, None))[0]:
+            best[r["env"]] = (r["speedup_vs_unset"], r["value"])
+for name, (_, value) in best.items():
+    print(f"{name}={value}")
+PY
+)
+  echo "chain env picks: ${PICKS[*]:-none}"
+  if [ ${#PICKS[@]} -gt 0 ]; then
+    ckpt q06
+    for run in a_dflt b_pick c_pick d_dflt; do
+      if [ "${run#*_}" = pick ]; then lat q06 1 env_$run "${PICKS[@]}"; else lat q06 1 env_$run; fi
+    done
+  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
