@@ -13,6 +13,7 @@ python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 --shapes l8_qkv_pl
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
 python3 benchmarks/small_m_gemv.py --attn-prep-sweep [--quick | --ab-env NAME]   (the fused-prep kernel, b16 / b64)
+python3 benchmarks/small_m_gemv.py --pdl-chain | --gemv-chain-sweep | --chain-env NAME=V1/V2   (the Qwen3-0.6B b1 chain)
 """
 
 from __future__ import annotations
@@ -449,8 +450,8 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
 class QwenB1Chain:
     """A Qwen3-0.6B-shaped decode layer's kernels at batch 1 as the model runs them (norm+qkv GEMV, decode
     attention with the q/k norm, RoPE and KV store fused in over 256 tokens + its reduce, o GEMV, then the MLP:
-    norm+gate_up+SiLU GEMV and down GEMV, or with fused_mlp one launch), layer after layer, on distinct weights
-    per layer (as the model: 31.5 MB a layer, read from HBM). step(Ws, pdl, mlp) runs the 28 layers once.
+    norm+gate_up+SiLU GEMV and down GEMV), layer after layer, on distinct weights per layer (as the model: 31.5 MB
+    a layer, read from HBM). step(Ws, pdl[, gemv]) runs the 28 layers once.
     device / dtype / dims (H, KV, D, hid, inter, layers, ctx): smaller chains for the CPU tests of this script."""
 
     H, KV, D, hid, inter, layers, ctx = 16, 8, 128, 1024, 3072, 28, 256
@@ -476,11 +477,9 @@ class QwenB1Chain:
         self.bytes = (sum(t.numel() * t.element_size() for t in self.distinct[0].values()) * self.layers
                       + self.layers * 2 * self.ctx * KV * D * self.caches[0][0].element_size())
 
-    def step(self, Ws, pdl: bool, mlp=None, attn_o_proj: bool = False, gemv: dict | None = None):
-        """mlp: None (two launches), else a FusedMlpConfig for kernels/fused_mlp.py. attn_o_proj: decode attention
-        and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's). gemv: {"qkv" | "o" | "gu" | "down": GemvConfig}, launch
-        shapes that replace those GEMVs' defaults (the others keep theirs)."""
-        from gyrfalcon.kernels.fused_mlp import fused_mlp_triton
+    def step(self, Ws, pdl: bool, gemv: dict | None = None):
+        """gemv: {"qkv" | "o" | "gu" | "down": GemvConfig}, launch shapes that replace those GEMVs' defaults (the
+        others keep theirs)."""
         from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
         H, KV, D = self.H, self.KV, self.D
@@ -490,14 +489,10 @@ class QwenB1Chain:
             qkv, res = norm_gemv_triton(x, w["qkv"], w["n1"], res, pdl=pdl, config=cfg.get("qkv"))
             o = decode_attention_with_prep_triton(qkv, H, KV, D, self.pos, self.cs, D, True, kc, vc, self.slot,
                                                   self.bt, self.sl, D ** -0.5, q_norm_weight=w["qn"],
-                                                  k_norm_weight=w["kn"], pdl=pdl,
-                                                  **({"o_proj": w["o"]} if attn_o_proj else {}))
-            x = o if attn_o_proj else norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl, config=cfg.get("o"))[0]
-            if mlp is None:
-                h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl, config=cfg.get("gu"))
-                x, _ = norm_gemv_triton(h, w["down"], pdl=pdl, config=cfg.get("down"))
-            else:
-                x, res = fused_mlp_triton(x, res, w["n2"], w["gu"], w["down"], 1e-6, config=mlp, pdl=pdl)
+                                                  k_norm_weight=w["kn"], pdl=pdl)
+            x = norm_gemv_triton(o.view(1, -1), w["o"], pdl=pdl, config=cfg.get("o"))[0]
+            h, res = norm_gemv_triton(x, w["gu"], w["n2"], res, silu_mul=True, pdl=pdl, config=cfg.get("gu"))
+            x, _ = norm_gemv_triton(h, w["down"], pdl=pdl, config=cfg.get("down"))
         return x
 
 
@@ -532,41 +527,6 @@ def bench_pdl_chain(rows):
                      "us_pdl_serial": round(out["serial", "us"], 1),
                      "us_pdl_on": round(out[True, "us"], 1), "identical_to_serial": same,
                      "speedup": round(out[False, "us"] / out[True, "us"], 3)})
-
-
-def bench_mlp_chain(rows, rounds: int = 4):
-    """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with each layer's MLP as two
-    launches (norm+gate_up+SiLU GEMV, down GEMV) or as one (kernels/fused_mlp.py) at BLOCK_I 16 / 32 / 64 and 4 / 8
-    warps; then decode attention and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ's), alone and with the fused MLP
-    at its default shape (3 launches a layer instead of 6); in rounds of alternating order; each variant's outputs
-    against the unfused chain's."""
-    from gyrfalcon.kernels.fused_mlp import fused_mlp_config
-
-    c = QwenB1Chain()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    base = fused_mlp_config(c.hid, c.inter, 2, sms)
-    variants = {"two launches": (None, False)}
-    for bi in (16, 32, 64):
-        with scoped_env({"GYRFALCON_FUSED_MLP_BLOCK_I": str(bi)}):
-            cfg = fused_mlp_config(c.hid, c.inter, 2, sms)
-        for warps in (4, 8):
-            variants[f"fused BLOCK_I {bi} {warps} warps" + (" (default)" if cfg._replace(num_warps=warps) == base
-                                                          else "")] = (cfg._replace(num_warps=warps), False)
-    variants["attention + o_proj fused"] = (None, True)
-    variants["attention + o_proj, MLP fused"] = (base, True)
-    steps = {name: (lambda v=v: c.step(c.distinct, True, v[0], v[1])) for name, v in variants.items()}
-    with scoped_env({"GYRFALCON_PDL": "1"}):
-        ref = c.step(c.distinct, True).float()
-        diffs = {name: float((step().float() - ref).abs().max()) for name, step in steps.items()}
-        times = alternating_rounds({name: (lambda step=step: graph_time_us([step], reps=3))
-                                    for name, step in steps.items()}, rounds)
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        print(f"fusion chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name:34s} {t:7.1f} us a step "
-              f"({t / c.layers:.2f} us a layer; rounds {ts}); max |out - two launches'| {diffs[name]:.3g}", flush=True)
-        mlp, aop = variants[name]
-        rows.append({"variant": name, "us_rounds": ts, "us_median": t, "max_abs_diff": diffs[name],
-                     "mlp_config": mlp._asdict() if mlp else None, "attn_o_proj": aop})
 
 
 def chain_gemv_configs(c: QwenB1Chain, whole_row_max: int | None = None) -> dict:
@@ -729,9 +689,6 @@ def main() -> None:
                     help="decode attention with its fused prep at Llama-8B batch 16 / 64 and short contexts: prefetch, "
                          "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
     ap.add_argument("--pdl-chain", action="store_true", help="a decode layer's kernel chain, PDL off / on")
-    ap.add_argument("--mlp-chain", action="store_true",
-                    help="the same chain with each MLP as two launches or one (kernels/fused_mlp.py) at several "
-                         "launch shapes, and with decode attention + o_proj in one launch")
     ap.add_argument("--gemv-chain-sweep", action="store_true",
                     help="the Qwen3-0.6B batch-1 chain with each GEMV at other launch shapes")
     ap.add_argument("--chain-env", action="append", default=[], metavar="NAME=V1/V2",
@@ -745,9 +702,6 @@ def main() -> None:
     if args.pdl_chain:
         args.skip_gemv = args.skip_attention = True
         bench_pdl_chain(chain_rows)
-    if args.mlp_chain:
-        args.skip_gemv = args.skip_attention = True
-        bench_mlp_chain(chain_rows)
     if args.gemv_chain_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_gemv_chain_sweep(chain_rows)

@@ -71,10 +71,9 @@ def _harness(arch: int):
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm", "fused_mlp")}
+                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     mods["skinny_gemm"].sm_count = lambda device, cpu_default: 132  # its programs
-    mods["fused_mlp"].sm_count = lambda device, cpu_default: 132
     return mods, compiled
 
 
@@ -137,7 +136,7 @@ def cases(mods):
     """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off
     and its wide grid, the in-kernel and in-o_proj merges, batch 16, the GEMVs and the argmax."""
     A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
-    PA, S, FM = mods["paged_attention"], mods["store_kv"], mods["fused_mlp"]
+    PA, S = mods["paged_attention"], mods["store_kv"]
     bf = torch.bfloat16
 
     def model_cases(name, H, KVH, D, hid, inter):
@@ -163,10 +162,6 @@ def cases(mods):
                     return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
                                                                D ** -0.5, splits, w, w, 1e-6, **kw)
             return run
-        wo = lambda dt: torch.zeros(hid, H * D, dtype=dt)  # noqa: E731  (o_proj's weight)
-        out += [(f"{name} attention + o_proj b1 pdl={p}", attn(1, pdl=p, o_proj=wo(bf))) for p in (True, False)]
-        out += [(f"{name} attention + o_proj b1 fp32 pdl", attn(1, dtype=torch.float32, pdl=True,
-                                                                o_proj=wo(torch.float32)))]
         out += [(f"{name} attention b1 pdl (prefetch)", attn(1, pdl=True)),
                 (f"{name} attention b1 pdl, no prefetch", attn(1, pdl=True, prefetch=False)),
                 (f"{name} attention b1 no pdl", attn(1, pdl=False)),
@@ -264,13 +259,6 @@ def cases(mods):
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False)),
                 (f"{name} o_proj GEMM M=16, residual add", gemv(16, hid, H * D, pdl=False, add=True)),
                 (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True))]
-        def mlp(pdl):  # the batch-1 MLP in one launch (GYRFALCON_FUSED_MLP=1)
-            def run():
-                x = torch.zeros(1, hid, dtype=bf)
-                return FM.fused_mlp_triton(x, x, torch.ones(hid, dtype=bf), torch.zeros(2 * inter, hid, dtype=bf),
-                                           torch.zeros(hid, inter, dtype=bf), 1e-6, pdl=pdl)
-            return run
-        out += [(f"{name} fused MLP pdl={p}", mlp(p)) for p in (True, False)]
         sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
         out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
                 (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),

@@ -21,12 +21,6 @@
 #   rows64       o_proj and down_proj of up to 64 rows on gyrfalcon's GEMV instead of cuBLAS (GYRFALCON_SMALL_M_PLAIN_ROWS=64;
 #                run 30 lost with it, before folded norms and the GEMV's later changes): Llama-8B b64 ABAB (run 72: lost,
 #                5.330 / 5.343 vs 5.095 / 5.099 ms a step)
-#   fusedmlp     a batch-1 layer's MLP in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py): its GPU kernel and
-#                model token tests, the 28-layer Qwen3-0.6B chain with two launches / one at six launch shapes, and
-#                with attention + o_proj in one launch (small_m_gemv.py --mlp-chain), Qwen3-0.6B b1 ABAB (and
-#                BLOCK_I 16: 192 programs), Llama-8B b1 AB
-#   attnoproj    batch-1 decode attention and o_proj in one launch for short contexts (GYRFALCON_B1_ATTN_O_PROJ=512):
-#                its GPU kernel and model token tests, Qwen3-0.6B b1 ABAB, and with the fused MLP too (AB)
 #   onepass      batch-1 qkv / gate_up GEMVs scaling by the norm's rstd after the dot (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1
 #                forces it; the default since run 74 where one tile spans a row of <= 1024 inputs): the GEMV's GPU
 #                tests, its model token tests, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB (run 74: Qwen 0.687 / 0.685 vs
@@ -186,26 +180,6 @@ fi
 if has rows64; then  # cuBLAS's split-K down_proj at b64 (78% of HBM, plus its reduce) against the GEMV kernel's
   ckpt l8
   for run in a_16 b_64 c_64 d_16; do lat l8 64 rows_$run GYRFALCON_SMALL_M_PLAIN_ROWS=${run#*_}; done
-fi
-if has fusedmlp; then  # gate_up + SiLU-and-mul + down_proj of a single row in one launch vs two
-  step gpu_fused_mlp 120 python3 -m pytest -q tests/gpu/test_fused_mlp_gpu.py -p no:cacheprovider
-  step mlp_chain 150 python3 benchmarks/small_m_gemv.py --mlp-chain --output-json "$R/mlp_chain.json"
-  step gpu_model_fused_mlp 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "fused-mlp" -p no:cacheprovider
-  ckpt q06
-  for run in a_0 b_1 c_1 d_0; do lat q06 1 mlp_$run GYRFALCON_FUSED_MLP=${run#*_}; done
-  lat q06 1 mlp_e_1_bi16 GYRFALCON_FUSED_MLP=1 GYRFALCON_FUSED_MLP_BLOCK_I=16 --profile
-  ckpt l8
-  for run in a_0 b_1; do lat l8 1 mlp_$run GYRFALCON_FUSED_MLP=${run#*_}; done
-fi
-if has attnoproj; then  # attention (+ its prep) and o_proj of a single row in one launch vs split + reduce + GEMV
-  step gpu_attn_o_proj 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "with_o_proj" -p no:cacheprovider
-  step gpu_model_attn_o_proj 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "attn-o-proj" -p no:cacheprovider
-  ckpt q06
-  for run in a_0 b_512 c_512 d_0; do lat q06 1 aop_$run GYRFALCON_B1_ATTN_O_PROJ=${run#*_}; done
-  for run in e_0 f_1; do  # both single-row fusions on, against neither
-    v=${run#*_}
-    lat q06 1 both_$run GYRFALCON_B1_ATTN_O_PROJ=$(( v * 512 )) GYRFALCON_FUSED_MLP=$v --profile
-  done
 fi
 if has onepass; then  # one block-wide reduction fewer after each batch-1 norm GEMV's PDL wait
   step gpu_one_pass 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k test_matches_reference \

@@ -201,8 +201,6 @@ if HAS_TRITON:
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
         BLOCK_H: tl.constexpr = 16, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True,
         EARLY_LOADS: tl.constexpr = False,
-        wo_ptr=None, s_wo=0, y_ptr=None, oacc_ptr=None, ocnt_ptr=None, n_out=0,
-        O_PROJ: tl.constexpr = False, O_BLOCK_N: tl.constexpr = 16,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -226,19 +224,9 @@ if HAS_TRITON:
             gdc_launch_dependents()
             if not PREFETCH:
                 gdc_wait()  # q and this step's K/V come from the previous kernel; every program waits
-        # O_PROJ (one sequence, one split, with PREP and PREFETCH): the grid's third axis is o_proj's output
-        # column blocks, not splits. Every program of a kv head attends over the whole context (the K/V tiles
-        # come from L2 after the first), then multiplies its query group's output by its [O_BLOCK_N, GROUP *
-        # HEAD_DV] tile of o_proj's weight (loaded before the wait) and adds that into an fp32 accumulator; the
-        # last program to arrive stores the row and leaves the accumulator and counter at zero. No reduce launch
-        # and no o_proj launch (GYRFALCON_B1_ATTN_O_PROJ).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        if O_PROJ:
-            col = tl.program_id(2)
-            split = 0
-        else:
-            split = tl.program_id(2)
+        split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
         if EARLY_LOADS:
             d_e = tl.arange(0, BLOCK_DK)
@@ -287,14 +275,6 @@ if HAS_TRITON:
         if PREFETCH:
             kpos0, kmask0, k0, v0 = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, start, end, kvh, s_kb, s_ko, s_kh,
                                              s_vb, s_vo, s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
-        if O_PROJ:
-            # o_proj's rows `on`, its columns of this kv head's query heads: [O_BLOCK_N, GROUP_P2, BLOCK_DV].
-            on = col * O_BLOCK_N + tl.arange(0, O_BLOCK_N)
-            onmask = on < n_out
-            g3 = tl.arange(0, GROUP_P2)
-            wmask = onmask[:, None, None] & (g3 < GROUP)[None, :, None] & (dv < HEAD_DV)[None, None, :]
-            wo = tl.load(wo_ptr + on[:, None, None].to(tl.int64) * s_wo
-                         + ((kvh * GROUP + g3) * HEAD_DV)[None, :, None] + dv[None, None, :], mask=wmask, other=0.0)
         if PREP:
             # q_ptr is this step's fused qkv row [q heads | k heads | v heads] (HEAD_DK = HEAD_DV):
             # q/k RMSNorm + RoPE happen here, and the split holding the new token (the last active
@@ -331,10 +311,7 @@ if HAS_TRITON:
                                      HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty,
                                      ROW_SCALE)
                 knew_t = tl.trans(knew)  # [BLOCK_DK, 1], the layout of a K^T tile
-                store_new = (split == n_active - 1) & (slot >= 0)
-                if O_PROJ:
-                    store_new = store_new & (col == 0)  # one writer; the others patch it in from registers too
-                if store_new:
+                if (split == n_active - 1) & (slot >= 0):
                     _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
                                    s_vh, BLOCK_SIZE)
                 new_pos = tl.where(slot >= 0, seq_len - 1, -1)
@@ -380,28 +357,7 @@ if HAS_TRITON:
             m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_STAGE,
                                          Q16)
 
-        if DIRECT and O_PROJ:
-            # The group's output rounded as the unfused path stores it, times this program's o_proj tile.
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            of = (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty).to(tl.float32)
-            y = tl.zeros([O_BLOCK_N], tl.float32)
-            for gi in tl.static_range(GROUP):
-                o_row = tl.sum(tl.where((g == gi)[:, None], of, 0.0), axis=0)  # [BLOCK_DV]
-                w_g = tl.sum(tl.where((g3 == gi)[None, :, None], wo, 0.0), axis=1).to(tl.float32)
-                y += tl.sum(w_g * o_row[None, :], axis=1)
-            tl.atomic_add(oacc_ptr + on, y, mask=onmask, sem="relaxed")
-            # Every thread's adds before the release; the last program reads the sums from L2 after its acquire.
-            tl.debug_barrier()
-            done = tl.atomic_add(ocnt_ptr, 1, sem="acq_rel")
-            if done == tl.num_programs(1) * tl.num_programs(2) - 1:
-                for n0 in range(0, n_out, O_BLOCK_N):
-                    nn = n0 + tl.arange(0, O_BLOCK_N)
-                    nmask = nn < n_out
-                    tot = tl.load(oacc_ptr + nn, mask=nmask, other=0.0, cache_modifier=".cg")
-                    tl.store(y_ptr + nn, tot.to(y_ptr.dtype.element_ty), mask=nmask)
-                    tl.store(oacc_ptr + nn, tl.zeros([O_BLOCK_N], tl.float32), mask=nmask)
-                tl.store(ocnt_ptr, 0)
-        elif DIRECT:
+        if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             tl.store(
@@ -717,15 +673,13 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
             num_warps=None, num_stages=None, merge_in_kernel=None, min_part=None, pdl=None, partials=False,
-            prefetch=None, early_loads=None, o_proj=None, o_block_n=None):
+            prefetch=None, early_loads=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
     q_norm_weight, k_norm_weight, eps, row_scale (None, or (x [B, hidden], eps): qkv_prep_ref)).
     partials=True: no reduce; returns DecodePartials. prefetch (prep
     only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row. early_loads (prep without
-    the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's. o_proj (prep, one
-    sequence): o_proj's weight [N, n_heads * dv]; the launch returns y [1, N] = o @ o_proj^T instead of o, one
-    split, the prefetch on, o_block_n (default o_proj_block_n) output rows a program (the kernel's O_PROJ)."""
+    the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]
@@ -742,19 +696,12 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     # once the loop is software-pipelined (270 KB of 227 KB on the H200), so it is not the default there.
     if prefetch is None:
         prefetch = prefetch_default(pdl) and k_cache.element_size() <= 2
-    if o_proj is not None:
-        assert prep is not None and n_seqs == 1 and not partials, "o_proj: one sequence's decode with its prep"
-        assert o_proj.shape[1] == n_heads * dv and o_proj.stride(-1) == 1
-        # Every program patches the new token in from registers (only one stores it): the prefetch's path.
-        prefetch, num_splits, merge_in_kernel = True, 1, False
     prefetch = prefetch and prep is not None
     if early_loads is None:
         early_loads = early_loads_default()
     early_loads = early_loads and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
-    if o_proj is not None and k_cache.element_size() > 2 and block_n is None:
-        bn = 64  # fp32 caches: 128-key tiles with the prefetch outgrow shared memory (265 KB, compile_check)
     if num_splits is None:
         ms = prefetch_splits() if prefetch else MAX_SPLITS
         num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device,
@@ -788,16 +735,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         kw = q if kw is None else kw
     xs, eps_xs = row_scale if row_scale is not None else (q, 0.0)
     assert xs.stride(-1) == 1
-    o_kw, grid2, y = {}, num_splits, None
-    if o_proj is not None:
-        obn = o_block_n or o_proj_block_n(group * dv, o_proj.element_size())
-        y = torch.empty(1, o_proj.shape[0], dtype=q.dtype, device=q.device)
-        oacc, ocnt = _o_proj_workspace(q.device)
-        assert o_proj.shape[0] <= oacc.numel()
-        grid2 = triton.cdiv(o_proj.shape[0], obn)
-        o_kw = dict(wo_ptr=o_proj, s_wo=o_proj.stride(0), y_ptr=y, oacc_ptr=oacc, ocnt_ptr=ocnt,
-                    n_out=o_proj.shape[0], O_PROJ=True, O_BLOCK_N=obn)
-    _decode_split_kernel[(n_seqs, n_kv, grid2)](
+    _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o, pacc, pml, counters,
         float(scale) * _LOG2E, num_splits,
         s_qb, s_qh, o.stride(0), o.stride(1),
@@ -816,11 +754,9 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
         V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2, EARLY_LOADS=early_loads,
-        num_warps=nw, num_stages=ns, **o_kw,
+        num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )
-    if y is not None:
-        return y
     if partials:
         return DecodePartials(pacc, pml, seq_lens, num_splits, bn, min_part_, n_heads, dv, q.dtype)
     if not direct and not merge_in_kernel:
@@ -840,56 +776,6 @@ def reduce_warps() -> int:
     if w not in (1, 2, 4, 8):
         raise ValueError(f"GYRFALCON_DECODE_REDUCE_WARPS must be 1, 2, 4 or 8, not {w}")
     return w
-
-
-O_PROJ_TILE_BYTES = 32 * 1024  # a program's o_proj tile, loaded before the PDL wait
-
-
-def o_proj_block_n(cols: int, elem_size: int) -> int:
-    """o_proj rows a program of the O_PROJ launch takes: its [rows, cols] weight tile (cols = a kv head's query
-    heads x head_dim) within O_PROJ_TILE_BYTES, 16-64 rows (Qwen3-0.6B: 64 rows of 256, 16 column blocks, 128
-    programs). GYRFALCON_B1_ATTN_O_PROJ_BLOCK_N overrides it (launch-shape experiments)."""
-    env = os.environ.get("GYRFALCON_B1_ATTN_O_PROJ_BLOCK_N")
-    if env:
-        return int(env)
-    rows = O_PROJ_TILE_BYTES // max(1, cols * elem_size)
-    return max(16, min(64, 1 << (max(1, rows).bit_length() - 1)))
-
-
-_O_PROJ_WORKSPACES: dict = {}
-_O_PROJ_MAX_N = 1 << 16
-
-
-def _o_proj_workspace(device: torch.device):
-    """The O_PROJ launch's zeroed fp32 accumulator [_O_PROJ_MAX_N] and int32 arrival counter, allocated once per
-    device (outside any CUDA graph: a graph's first call runs eagerly) and left at zero by every launch."""
-    key = (device.type, device.index)
-    if key not in _O_PROJ_WORKSPACES:
-        _O_PROJ_WORKSPACES[key] = (torch.zeros(_O_PROJ_MAX_N, dtype=torch.float32, device=device),
-                                   torch.zeros(1, dtype=torch.int32, device=device))
-    return _O_PROJ_WORKSPACES[key]
-
-
-def b1_attn_o_proj_context() -> int:
-    """GYRFALCON_B1_ATTN_O_PROJ=N (default 0: off): batch-1 decode steps whose context is under N tokens replay a
-    graph whose layers run decode attention (with its prep) and o_proj in one launch (_launch's o_proj): one
-    split per kv head, no reduce launch, no o_proj launch; each of a kv head's programs attends over the whole
-    context, so N stays small (it multiplies the L2 reads of K/V by the column blocks). Lost on the H200 in the
-    28-layer Qwen3-0.6B chain at 256 tokens (run 73, `small_m_gemv.py --mlp-chain`,
-    mlp_chain-h200-2026-12-02-run73.json): 761.7 us a step against 628.5 with attention, reduce and o_proj
-    launched apart (836.6 with the fused MLP too), so the model's A/B (gpu_check.sh attnoproj) has not been run."""
-    return max(0, int(os.environ.get("GYRFALCON_B1_ATTN_O_PROJ", "0")))
-
-
-def decode_attention_o_proj_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,
-                                is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, o_proj,
-                                q_norm_weight=None, k_norm_weight=None, eps=1e-6, row_scale=None):
-    """The unfused composition of the O_PROJ launch: decode attention with its prep, then o_proj -> [B, N]."""
-    o = decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,
-                                       is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
-                                       q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
-                                       row_scale=row_scale)
-    return torch.nn.functional.linear(o.reshape(o.shape[0], -1), o_proj)
 
 
 def decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,

@@ -50,12 +50,11 @@ class Attention(nn.Module):
         return get_forward_context().kv_caches[self.layer_idx]
 
     def decode_with_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm_weight, k_norm_weight,
-                         eps: float, partials: bool = False, row_scale=None, o_proj: Optional[torch.Tensor] = None):
+                         eps: float, partials: bool = False, row_scale=None):
         """Decode step from the fused qkv rows [T, (num_heads + 2 * num_kv_heads) * head_dim]: q/k norm,
         RoPE, the K/V store and attention in one split launch (+ the reduce) -> [T, num_heads * head_dim].
         partials=True (Triton only): no reduce; returns the DecodePartials for a consumer to merge. row_scale:
-        (x [T, hidden], eps) with the input norm folded into the qkv GEMM (qkv_prep_ref). o_proj (Triton, one
-        row): o_proj's weight; the same launch applies it and returns [1, hidden] (GYRFALCON_B1_ATTN_O_PROJ)."""
+        (x [T, hidden], eps) with the input norm folded into the qkv GEMM (qkv_prep_ref)."""
         fb = get_forward_context().batch
         k_cache, v_cache = self.kv_cache()
         args = (qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rotary.cos_sin_cache,
@@ -63,8 +62,6 @@ class Attention(nn.Module):
                 self.scale, fb.decode_num_splits, q_norm_weight, k_norm_weight, eps)
         if partials:
             return decode_attention_with_prep_triton(*args, partials=True, row_scale=row_scale)
-        if o_proj is not None:
-            return decode_attention_with_prep_triton(*args, row_scale=row_scale, o_proj=o_proj)
         o = decode_attention_with_prep(*args, row_scale=row_scale)
         return o.reshape(o.shape[0], self.num_heads * self.head_dim)
 

@@ -12,7 +12,6 @@ from torch import nn
 
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
-from gyrfalcon.kernels.fused_mlp import fused_mlp, fused_mlp_enabled
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
 from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
@@ -75,11 +74,6 @@ class LlamaAttention(nn.Module):
                 norms = (self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6)
-                if (get_forward_context().batch.decode_fused_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
-                        and add_to is None):
-                    # ... and o_proj in that same launch (no reduce, no o_proj launch).
-                    return self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale,
-                                                      o_proj=self.o_proj.weight)
                 if (get_forward_context().batch.decode_merge_o_proj and qkv.shape[0] == 1 and self.o_proj.small_m
                         and add_to is None):
                     # ... and the attention's split merge inside o_proj's GEMV (no reduce launch).
@@ -139,8 +133,6 @@ class LlamaDecoderLayer(nn.Module):
         # Rows up to which each norm folds into the GEMV after it (single rows unless
         # GYRFALCON_NORM_GEMV_ROWS / GYRFALCON_NORM_GEMV_GATE_UP_ROWS raise them).
         self.norm_rows_qkv, self.norm_rows_gate_up = norm_gemv_rows()
-        # GYRFALCON_FUSED_MLP=1: single rows run the whole MLP in one launch (kernels/fused_mlp.py; off).
-        self.fused_mlp = self.small_m_gemv and fused_mlp_enabled()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,9 +179,6 @@ class LlamaDecoderLayer(nn.Module):
                 normed, residual = ln1(hidden, residual)
             qkv = self.self_attn.qkv_proj(normed)
         hidden = self.self_attn(positions, None, qkv=qkv)
-        if rows == 1 and self.fused_mlp:
-            return fused_mlp(hidden, residual, ln2.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                             ln2.eps)
         if rows <= self.norm_rows_gate_up:
             act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
                                       silu_mul=True)

@@ -41,7 +41,6 @@ import torch
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.kernels.argmax import greedy_argmax
-from gyrfalcon.kernels.paged_decode_attention import b1_attn_o_proj_context
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.precompile import ladder_warmup_steps, parallel_compile_enabled, precompile
 
@@ -365,14 +364,7 @@ class CudaGraphRunner:
                              if s <= SHORT_GRAPH_MAX_BATCH and self.short_context}
         merged = merged_graph_splits()
         self.merged_splits = merged if 0 < merged * MERGED_SPLIT_TOKENS < max_model_len and 1 in self.sizes else 0
-        # Batch 1's second graph with decode attention and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=N: up
-        # to N tokens of context), in place of the merged one.
-        fused = b1_attn_o_proj_context()
-        self.fused_o_proj = min(fused, max_model_len) if fused and 1 in self.sizes else 0
-        if self.fused_o_proj:
-            self.merged_splits = 0
-            self.short_limits[1] = self.fused_o_proj
-        elif self.merged_splits:
+        if self.merged_splits:
             self.short_limits[1] = self.merged_splits * MERGED_SPLIT_TOKENS
         self.short_sizes = sorted(self.short_limits)
         self.short_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
@@ -383,8 +375,6 @@ class CudaGraphRunner:
     def views(self, b: int, short: bool = False) -> ForwardBatch:
         """The static inputs of size b; short: as the one-split (batch 1: maybe the merged) graphs see them."""
         fb = self.inputs.views(b)
-        if short and b == 1 and self.fused_o_proj:
-            return dataclasses.replace(fb, decode_num_splits=1, decode_fused_o_proj=True)
         if short and b == 1 and self.merged_splits:
             return dataclasses.replace(fb, decode_num_splits=self.merged_splits, decode_merge_o_proj=True)
         return dataclasses.replace(fb, decode_num_splits=1) if short else fb

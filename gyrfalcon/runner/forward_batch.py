@@ -34,9 +34,6 @@ class ForwardBatch:
     # Batch-1 decode graphs of few splits: o_proj merges the attention's split partials (no reduce launch;
     # CudaGraphRunner's merged graph, LlamaAttention.forward).
     decode_merge_o_proj: bool = False
-    # Batch-1 decode graphs of short contexts: decode attention and o_proj in one launch (CudaGraphRunner's
-    # b1_attn_o_proj graph, GYRFALCON_B1_ATTN_O_PROJ; LlamaAttention.forward).
-    decode_fused_o_proj: bool = False
 
     @property
     def num_tokens(self) -> int:

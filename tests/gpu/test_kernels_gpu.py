@@ -302,28 +302,6 @@ def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
     torch.testing.assert_close(kc, kc_ref, **TOL)
 
 
-@pytest.mark.parametrize("ctx", [1, 129, 256, 1000])
-@pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_decode_attention_with_o_proj(ctx, n_heads, hidden, pdl):
-    """Batch 1: decode attention with its prep and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ) against the
-    attention reference through F.linear, at the default launch shape; twice, as a graph replays it (the
-    accumulator and its counter are left at zero)."""
-    from gyrfalcon.kernels.paged_decode_attention import _o_proj_workspace, decode_attention_with_prep_triton
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm90+")
-    (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, vc_ref) = _b1_decode_case(ctx, n_heads, hidden)
-    for _ in range(2):
-        got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                                D ** -0.5, pdl=pdl, o_proj=w)
-        torch.testing.assert_close(got.float(), want, **TOL)
-    torch.testing.assert_close(kc, kc_ref, **TOL)
-    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
-    acc, cnt = _o_proj_workspace(kc.device)
-    torch.cuda.synchronize()
-    assert int(cnt.item()) == 0 and float(acc.abs().max()) == 0.0
-
-
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 4), (256, 16, 2), (128, 64, 8)])
 def test_paged_decode_head_dims(head_dim, n_heads, n_kv):
     seq_lens = [3000, 1, 17, 0, 5000]

@@ -64,7 +64,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "fused-mlp", "attn-o-proj", "one-pass-b1"])
+                                  "one-pass-b1"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -87,20 +87,17 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     attention launch covers at least 256 keys a split (GYRFALCON_DECODE_MIN_PART=256; by default only launches of
     128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); inline-copies: the decode
     steps' input copy and the sampled tokens' copy back in the compute stream (GYRFALCON_SIDE_STREAM_COPIES=0; every
-    other mode runs them on side streams, the default since run 69); fused-mlp: batch-1 decode layers run their MLP
-    in one launch (GYRFALCON_FUSED_MLP=1, kernels/fused_mlp.py; off by default), with PDL, one request at a time;
-    attn-o-proj: batch-1 decode steps of up to 512 tokens of context replay a graph whose layers run decode attention
-    and o_proj in one launch (GYRFALCON_B1_ATTN_O_PROJ=512; off by default), with PDL, one request at a time;
-    one-pass-b1: batch-1 qkv / gate_up GEMVs apply the norm's rstd after the dot even where the row spans several
-    tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by default only where one tile covers it), with PDL, one request at a
-    time."""
+    other mode runs them on side streams, the default since run 69); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
+    the norm's rstd after the dot even where the row spans several tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by
+    default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    one_at_a_time = mode in ("pdl", "merge-o-proj", "fused-mlp", "attn-o-proj", "one-pass-b1")  # batch-1 paths
+    one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
     monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
-    monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1" if mode == "fused-mlp" else "0")
-    monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ", "512" if mode == "attn-o-proj" else "0")
-    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1" if mode == "one-pass-b1" else "0")
+    if mode == "one-pass-b1":
+        monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
+    else:  # the default: one pass where one tile spans a row of <= 1024 inputs
+        monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
@@ -144,9 +141,6 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         assert (llm.engine.runner.graph_runner.inputs._copy_stream is not None) == (mode != "inline-copies")
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
-    assert llm.engine.runner.model.model.layers[0].fused_mlp == (mode == "fused-mlp")
-    if mode == "attn-o-proj":
-        assert llm.engine.runner.graph_runner.fused_o_proj == 512 and 1 in llm.engine.runner.graph_runner.short_graphs
     if one_at_a_time:  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
@@ -172,7 +166,10 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     merged = mode == "merged-b1"
     one_at_a_time = mode in ("merged-b1", "one-pass-b1")
     monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if merged else "0")
-    monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1" if mode == "one-pass-b1" else "0")
+    if mode == "one-pass-b1":
+        monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
+    else:  # the default: one pass where one tile spans a row of <= 1024 inputs
+        monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
     if one_at_a_time:
         monkeypatch.setenv("GYRFALCON_PDL", "1")
     llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)

@@ -178,29 +178,6 @@ def test_small_m_gemv_path_parity(tiny_ckpt, hf_refs, monkeypatch):
         torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_mlp_path_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_FUSED_MLP=1: single-row batches run the MLP through kernels/fused_mlp.py (on a CPU its reference):
-    same tokens, same logits, and every decode step of every layer goes through it."""
-    import gyrfalcon.models.llama as llama
-
-    monkeypatch.setenv("GYRFALCON_FUSED_MLP", "1")
-    calls = []
-    real = llama.fused_mlp
-    monkeypatch.setattr(llama, "fused_mlp", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    _, model, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16, max_num_seqs=1)
-    assert llm.engine.runner.model.model.layers[0].fused_mlp
-    out = llm.generate([{"prompt_token_ids": refs[0][0]}],
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=model.config.vocab_size),
-                       use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == refs[0][1][:6]
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        got = torch.tensor([entry[t].logprob for t in range(model.config.vocab_size)])
-        torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-5, atol=1e-5)
-    # 5 decode steps (the first token comes from the prefill) x the layers, each of one row
-    assert calls == [1] * (5 * model.config.num_hidden_layers)
-
-
 @pytest.mark.parametrize("qkv_rows,gate_up_rows", [(16, 1), (1, 16), (16, 16), (3, 8)])
 def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_up_rows):
     """GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS route multi-row batches (decode batches and short prompt

@@ -316,32 +316,6 @@ def test_merged_batch1_graph_choice(monkeypatch):
         runner()
 
 
-def test_b1_attention_o_proj_graph_choice(monkeypatch):
-    """GYRFALCON_B1_ATTN_O_PROJ=N: batch 1's second graph runs decode attention and o_proj in one launch (one
-    split) for contexts under N tokens, in place of the merged graph; the other short sizes keep theirs."""
-    from types import SimpleNamespace
-
-    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
-
-    def runner(max_model_len=1024):
-        return CudaGraphRunner(None, [], 64, max_model_len, 16, torch.device("cpu"), None)
-
-    reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
-    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2")
-    monkeypatch.delenv("GYRFALCON_B1_ATTN_O_PROJ", raising=False)
-    assert runner().fused_o_proj == 0 and runner().merged_splits == 2
-    monkeypatch.setenv("GYRFALCON_B1_ATTN_O_PROJ", "384")
-    r = runner()
-    assert r.fused_o_proj == 384 and r.merged_splits == 0  # it takes the merged graph's place
-    assert r.short_limits == {1: 384, 2: 128, 4: 128}
-    assert r.uses_short_graph(reqs(383), 1) and not r.uses_short_graph(reqs(384), 1)
-    fb1, fb2 = r.views(1, short=True), r.views(2, short=True)
-    assert fb1.decode_fused_o_proj and fb1.decode_num_splits == 1 and not fb1.decode_merge_o_proj
-    assert not fb2.decode_fused_o_proj and not r.views(1).decode_fused_o_proj
-    assert runner(max_model_len=256).short_limits[1] == 256  # every context of a shorter model
-
-
 def _eager_and_graph_runner_tokens(ckpt, monkeypatch, kw, prompts, params, env, probe):
     """(eager outputs, outputs through a CudaGraphRunner stepping eagerly on the CPU with `env` set, and
     probe(fb) of every ForwardBatch the runner stepped)."""
