@@ -541,8 +541,10 @@ def chain_gemv_configs(c: QwenB1Chain, whole_row_max: int | None = None) -> dict
     out = {}
     for name, (N, K, silu) in dims.items():
         base = default_config(1, N, K, silu, 2, whole_row=True)
-        for bn in ((2, 4, 8) if silu else (4, 8, 16, 32)):
-            for warps in (2, 4, 8):
+        # (32 rows a program lost up to 4x in run 76's sweep; run 76's winners sat at its grid's narrow end: 2 rows /
+        # 1 warp added.)
+        for bn in (2, 4, 8, 16):
+            for warps in (1, 2, 4, 8):
                 whole = bn * next_pow2(K) * 2 * (2 if silu else 1) <= bound
                 bk = next_pow2(K) if whole else min(1024, next_pow2(K))
                 cfg = base._replace(block_n=bn, block_k=bk, num_warps=warps)
@@ -553,8 +555,8 @@ def chain_gemv_configs(c: QwenB1Chain, whole_row_max: int | None = None) -> dict
 
 def bench_gemv_chain_sweep(rows, rounds: int = 2):
     """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with one of its four GEMVs at
-    another launch shape (chain_gemv_configs), each against the all-default chain in the same rounds of alternating
-    order. The default shapes come from sweeps of each GEMV alone (small_m_gemv_sweep-*.json: throughput of one
+    another launch shape (chain_gemv_configs: 15 a GEMV), each against the all-default chain in the same rounds of
+    alternating order. The default shapes come from sweeps of each GEMV alone (small_m_gemv_sweep-*.json: throughput of one
     launch); in the chain what counts is the work after each PDL wait (README: one-pass norm, run 74), which
     fewer rows a program or fewer warps (a narrower block-wide sum) may shorten."""
     c = QwenB1Chain()

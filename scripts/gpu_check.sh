@@ -27,7 +27,7 @@
 #                0.699 / 0.699 ms, Llama 4.366 vs 4.225)
 #   onepassab    the one-pass default (auto) against GYRFALCON_GEMV_ONE_PASS_NORM_B1=0: Qwen3-0.6B b1 ABAB, then the
 #                default with --profile
-#   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 8-11 other launch shapes (small_m_gemv.py
+#   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 15 other launch shapes (small_m_gemv.py
 #                --gemv-chain-sweep), against the defaults in the same rounds; each GEMV's winner (>= 1%) together in the
 #                model, Qwen3-0.6B b1 ABAB (run 76: 0.677 / 0.678 vs 0.688 / 0.688 ms; now the defaults, B1_CHAIN_SHAPES)
 #   chainenv     the Qwen3-0.6B batch-1 chain with decode attention's launch shape (GYRFALCON_DECODE_ATTN_CONFIG) and
@@ -196,7 +196,7 @@ if has onepassab; then  # the auto rule as shipped, against the first pass every
   lat q06 1 opd_prof --profile
 fi
 if has gemvchain; then  # launch shapes chosen in the chain, where the work after each wait counts
-  step gemv_chain 300 python3 benchmarks/small_m_gemv.py --gemv-chain-sweep --output-json "$R/gemv_chain.json"
+  step gemv_chain 420 python3 benchmarks/small_m_gemv.py --gemv-chain-sweep --output-json "$R/gemv_chain.json"
   # Each GEMV's best shape in the chain, where >= 1% faster than its default, put in place of that default
   # (small_m_gemv.B1_CHAIN_SHAPES) and tried together in the model (GYRFALCON_GEMV_B1_SHAPES), Qwen3-0.6B b1 ABAB
   # against the defaults. (Run 76 ran this against the shapes before the table, GYRFALCON_GEMV_B1_SHAPES="".)
