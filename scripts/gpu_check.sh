@@ -207,7 +207,9 @@ rows = json.load(open(sys.argv[1]))["pdl_chain"]
 nk = {"qkv": (4096, 1024), "o": (1024, 2048), "gu": (3072, 1024), "down": (1024, 3072)}
 best = {}
 for r in rows:
-    if r["gemv"] in nk and r["speedup_vs_default"] >= 1.01 and r["speedup_vs_default"] > best.get(r["gemv"], (0,))[0]:
+    if "error" in r or r["gemv"] not in nk:
+        continue
+    if r["speedup_vs_default"] >= 1.01 and r["speedup_vs_default"] > best.get(r["gemv"], (0,))[0]:
         best[r["gemv"]] = (r["speedup_vs_default"], r["block_n"], r["num_warps"])
 if best:
     shapes = dict(B1_CHAIN_SHAPES) | {nk[g]: (bn, w) for g, (_, bn, w) in best.items()}
