@@ -29,7 +29,6 @@ import triton
 
 from gyrfalcon.bench.common import HBM_BYTES_PER_S, run_info, scoped_env
 from gyrfalcon.kernels import rms_norm, silu_and_mul
-from gyrfalcon.kernels._common import next_pow2
 from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, norm_gemv_triton
 
 # name: (K, N, norm, silu). N is the output width (gate_up: the weight has 2N rows).
@@ -529,28 +528,39 @@ def bench_pdl_chain(rows):
                      "speedup": round(out[False, "us"] / out[True, "us"], 3)})
 
 
-def chain_gemv_configs(c: QwenB1Chain, whole_row_max: int | None = None) -> dict:
-    """Launch shapes for QwenB1Chain's four single-row GEMVs to try in place of each default: {(gemv, BLOCK_N,
-    warps): GemvConfig}; BLOCK_K spans the row where the program's slice fits the whole-row bound (as
-    default_config does under PDL), else 1024 inputs; the default's stages."""
-    from gyrfalcon.kernels.small_m_gemv import WHOLE_ROW_MAX_BYTES
-
-    bound = WHOLE_ROW_MAX_BYTES if whole_row_max is None else whole_row_max
-    dims = {"qkv": ((c.H + 2 * c.KV) * c.D, c.hid, False), "o": (c.hid, c.H * c.D, False),
+def chain_gemv_dims(c: QwenB1Chain) -> dict:
+    """QwenB1Chain's four single-row GEMVs: {name: (N outputs (gate_up: units), K inputs, SiLU-and-mul)}."""
+    return {"qkv": ((c.H + 2 * c.KV) * c.D, c.hid, False), "o": (c.hid, c.H * c.D, False),
             "gu": (c.inter, c.hid, True), "down": (c.hid, c.inter, False)}
+
+
+def chain_gemv_configs(c: QwenB1Chain) -> dict:
+    """Launch shapes for QwenB1Chain's four single-row GEMVs to try in place of each default: {(gemv, BLOCK_N,
+    warps): GemvConfig}, each default_config's peeled (PDL) launch with that override (GYRFALCON_GEMV_B1_SHAPES),
+    so BLOCK_K and stages follow its rules (one tile over the row where the slice fits WHOLE_ROW_MAX_BYTES)."""
     out = {}
-    for name, (N, K, silu) in dims.items():
+    for name, (N, K, silu) in chain_gemv_dims(c).items():
         base = default_config(1, N, K, silu, 2, whole_row=True)
         # (32 rows a program lost up to 4x in run 76's sweep; run 76's winners sat at its grid's narrow end: 2 rows /
         # 1 warp added.)
         for bn in (2, 4, 8, 16):
             for warps in (1, 2, 4, 8):
-                whole = bn * next_pow2(K) * 2 * (2 if silu else 1) <= bound
-                bk = next_pow2(K) if whole else min(1024, next_pow2(K))
-                cfg = base._replace(block_n=bn, block_k=bk, num_warps=warps)
+                with scoped_env({"GYRFALCON_GEMV_B1_SHAPES": f"{N}x{K}={bn},{warps}"}):
+                    cfg = default_config(1, N, K, silu, 2, whole_row=True)
                 if cfg != base:
                     out[name, bn, warps] = cfg
     return out
+
+
+def _checked(rows: list, row: dict, label: str, fn):
+    """fn() -> its result; or, where it raises (a launch shape that does not compile), None after printing why and
+    appending row with the error to rows: that variant is reported and left out of the timing."""
+    try:
+        return fn()
+    except Exception as e:
+        print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        return None
 
 
 def bench_gemv_chain_sweep(rows, rounds: int = 2):
@@ -560,19 +570,22 @@ def bench_gemv_chain_sweep(rows, rounds: int = 2):
     launch); in the chain what counts is the work after each PDL wait (README: one-pass norm, run 74), which
     fewer rows a program or fewer warps (a narrower block-wide sum) may shorten."""
     c = QwenB1Chain()
+    dims = chain_gemv_dims(c)
     variants = {("default", 0, 0): None, **chain_gemv_configs(c)}
+
+    def row(key):  # (N, K): the GEMV's shape, the key of GYRFALCON_GEMV_B1_SHAPES
+        n, k = dims[key[0]][:2] if key[0] in dims else (0, 0)
+        return {"gemv": key[0], "block_n": key[1], "num_warps": key[2], "n": n, "k": k}
+
     with scoped_env({"GYRFALCON_PDL": "1"}):
         ref = c.step(c.distinct, True).float()
         diffs, timers = {}, {}
         for key, cfg in variants.items():
             gemv = None if cfg is None else {key[0]: cfg}
-            try:
-                diffs[key] = float((c.step(c.distinct, True, gemv=gemv).float() - ref).abs().max())
-            except Exception as e:  # a shape that does not compile: reported, not timed
-                print(f"gemv chain: {key} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append({"gemv": key[0], "block_n": key[1], "num_warps": key[2],
-                             "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            out = _checked(rows, row(key), f"gemv chain: {key}", lambda: c.step(c.distinct, True, gemv=gemv))
+            if out is None:
                 continue
+            diffs[key] = float((out.float() - ref).abs().max())
             timers[key] = lambda gemv=gemv: graph_time_us([lambda: c.step(c.distinct, True, gemv=gemv)], reps=3)
         times = alternating_rounds(timers, rounds)
     base = statistics.median(times["default", 0, 0])
@@ -582,8 +595,7 @@ def bench_gemv_chain_sweep(rows, rounds: int = 2):
         label = "all defaults" if cfg is None else f"{key[0]} BLOCK_N {key[1]} {key[2]} warps BLOCK_K {cfg.block_k}"
         print(f"gemv chain ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {label:38s} {t:7.1f} us a step "
               f"(x{base / t:.3f} vs defaults; rounds {ts}); max |out - defaults'| {diffs[key]:.3g}", flush=True)
-        rows.append({"gemv": key[0], "block_n": key[1], "num_warps": key[2],
-                     "config": cfg._asdict() if cfg else None, "us_rounds": ts, "us_median": t,
+        rows.append({**row(key), "config": cfg._asdict() if cfg else None, "us_rounds": ts, "us_median": t,
                      "speedup_vs_default": round(base / t, 4), "max_abs_diff": diffs[key]})
 
 
@@ -608,16 +620,15 @@ def bench_chain_env(rows, spec: str, rounds: int = 4, chain=None, timer=None, pd
                 return timer(lambda: c.step(c.distinct, pdl))
         return run
 
-    outs = {}
-    for val in values:
-        try:
-            with env(val):
-                outs[val] = c.step(c.distinct, pdl).float()
-        except Exception as e:  # a launch shape that does not compile (e.g. too much shared memory): skipped
-            if val == "unset":
-                raise
-            print(f"chain env: {name}={val} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            rows.append({"env": name, "value": val, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+    def run(val):
+        with env(val):
+            return c.step(c.distinct, pdl).float()
+
+    outs = {"unset": run("unset")}  # the reference must run
+    for val in values[1:]:
+        out = _checked(rows, {"env": name, "value": val}, f"chain env: {name}={val}", lambda: run(val))
+        if out is not None:
+            outs[val] = out
     values = [v for v in values if v in outs]
     times = alternating_rounds({v: timed(v) for v in values}, rounds)
     base = statistics.median(times["unset"])

@@ -203,16 +203,14 @@ if has gemvchain; then  # launch shapes chosen in the chain, where the work afte
   SHAPES=$(python3 - "$R/gemv_chain.json" <<'PY' 2>/dev/null
 import json, sys
 from gyrfalcon.kernels.small_m_gemv import B1_CHAIN_SHAPES
-rows = json.load(open(sys.argv[1]))["pdl_chain"]
-nk = {"qkv": (4096, 1024), "o": (1024, 2048), "gu": (3072, 1024), "down": (1024, 3072)}
-best = {}
-for r in rows:
-    if "error" in r or r["gemv"] not in nk:
-        continue
-    if r["speedup_vs_default"] >= 1.01 and r["speedup_vs_default"] > best.get(r["gemv"], (0,))[0]:
-        best[r["gemv"]] = (r["speedup_vs_default"], r["block_n"], r["num_warps"])
+best = {}  # (N, K) -> (speedup, BLOCK_N, warps)
+for r in json.load(open(sys.argv[1]))["pdl_chain"]:
+    nk = (r.get("n"), r.get("k"))
+    if "error" not in r and r["gemv"] != "default" and r["speedup_vs_default"] >= 1.01 \
+            and r["speedup_vs_default"] > best.get(nk, (0,))[0]:
+        best[nk] = (r["speedup_vs_default"], r["block_n"], r["num_warps"])
 if best:
-    shapes = dict(B1_CHAIN_SHAPES) | {nk[g]: (bn, w) for g, (_, bn, w) in best.items()}
+    shapes = dict(B1_CHAIN_SHAPES) | {nk: (bn, w) for nk, (_, bn, w) in best.items()}
     print(";".join(f"{n}x{k}={bn},{w}" for (n, k), (bn, w) in shapes.items()))
 PY
 )

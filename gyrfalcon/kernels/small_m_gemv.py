@@ -177,13 +177,13 @@ B1_CHAIN_SHAPES = {(4096, 1024): (4, 2), (1024, 2048): (4, 4), (3072, 1024): (8,
 
 
 def b1_shape_overrides(whole_row: bool = True) -> dict:
-    """Single-row launch shapes that replace default_config's -> {(N, K): (BLOCK_N, warps)} for launches of N
-    outputs (SiLU-and-mul: N units) over K inputs. GYRFALCON_GEMV_B1_SHAPES unset: B1_CHAIN_SHAPES for the peeled
-    (whole_row) launches, none for the others; set, "NxK=BLOCK_N,warps;..." for every single-row launch ("": none,
-    the shapes before run 76). BLOCK_K and stages follow from them as usual."""
+    """Single-row launch shapes that replace default_config's -> {(N, K): (BLOCK_N, warps)} (read only) for
+    launches of N outputs (SiLU-and-mul: N units) over K inputs. GYRFALCON_GEMV_B1_SHAPES unset: B1_CHAIN_SHAPES
+    for the peeled (whole_row) launches, none for the others; set, "NxK=BLOCK_N,warps;..." for every single-row
+    launch ("": none, the shapes before run 76). BLOCK_K and stages follow from them as usual."""
     spec = os.environ.get("GYRFALCON_GEMV_B1_SHAPES")
     if spec is None:
-        return dict(B1_CHAIN_SHAPES) if whole_row else {}
+        return B1_CHAIN_SHAPES if whole_row else {}
     out = {}
     for item in filter(None, (t.strip() for t in spec.split(";"))):
         try:

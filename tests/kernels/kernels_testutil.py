@@ -96,3 +96,17 @@ def naive_causal_attention(q, k, v, scale):
     k_pos = torch.arange(s, device=q.device)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     return torch.einsum("hqs,shd->qhd", torch.softmax(scores, dim=-1), vd)
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel (monkeypatched over it): every launch records its keyword `key` (a constexpr,
+    num_warps, ...) in .seen, then runs the real kernel."""
+
+    def __init__(self, kernel, key: str):
+        self.kernel, self.key, self.seen = kernel, key, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(kw[self.key])
+            return self.kernel[grid](*args, **kw)
+        return launch

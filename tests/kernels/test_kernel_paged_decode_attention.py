@@ -8,7 +8,8 @@ from gyrfalcon.kernels.paged_decode_attention import (
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from kernels_testutil import ATTN_TOL, DEVICE, DTYPES, make_paged_kv, naive_causal_attention, requires_triton
+from kernels_testutil import (ATTN_TOL, DEVICE, DTYPES, LaunchSpy, make_paged_kv, naive_causal_attention,
+                              requires_triton)
 
 # Contexts: partly filled blocks, a single token, CUDA-graph padding rows (seq_len 0), a longer one.
 SEQ_LENS = [5, 0, 1, 33, 16, 0]
@@ -268,20 +269,13 @@ def test_reduce_warps_switch(monkeypatch, warps):
     from gyrfalcon.kernels.paged_decode_attention import reduce_warps
 
     pda = sys.modules[paged_decode_attention_triton.__module__]
-    real, seen = pda._decode_reduce_kernel, []
-
-    class _Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["num_warps"])
-                return real[grid](*args, **kw)
-            return launch
-
+    spy = LaunchSpy(pda._decode_reduce_kernel, "num_warps")
+    seen = spy.seen
     monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_REDUCE_WARPS", raising=False)
     assert reduce_warps() == 4
     monkeypatch.setenv("GYRFALCON_DECODE_REDUCE_WARPS", warps)
-    monkeypatch.setattr(pda, "_decode_reduce_kernel", _Spy())
+    monkeypatch.setattr(pda, "_decode_reduce_kernel", spy)
     lens = [40, 17]
     q, kc, vc, bt, sl, _, _ = _batch(lens, 4, 2, 32, 4, torch.float32)
     got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.2, num_splits=3, block_n=16, min_part=16)

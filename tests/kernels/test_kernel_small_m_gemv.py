@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from gyrfalcon.kernels._common import next_pow2
 from gyrfalcon.kernels.small_m_gemv import norm_gemv_ref, norm_gemv_triton
+from kernels_testutil import LaunchSpy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -247,17 +248,9 @@ def test_one_pass_norm_b1_switch_reaches_the_launch(monkeypatch, env, block_k, w
     else:
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", env)
     x, r, w, nw = _data(1, 200, 48, torch.float32, True)
-    seen = []
-    real = smg._norm_gemv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["ONE_PASS"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(smg, "_norm_gemv_kernel", Spy())
+    spy = LaunchSpy(smg._norm_gemv_kernel, "ONE_PASS")
+    seen = spy.seen
+    monkeypatch.setattr(smg, "_norm_gemv_kernel", spy)
     kw = dict(norm_weight=nw, residual=r, eps=1e-6, silu_mul=True)
     y, _ = smg.norm_gemv_triton(x, w, block_n=16, block_k=block_k, **kw)
     smg.norm_gemv_triton(x, w, block_n=16, block_k=block_k)  # no norm: never ONE_PASS
@@ -304,7 +297,7 @@ def test_gemv_chain_sweep_benchmark_configs_and_chain():
         slice_bytes = bn * next_pow2(K) * 2 * (2 if name == "gu" else 1)
         assert cfg.block_k == (next_pow2(K) if slice_bytes <= WHOLE_ROW_MAX_BYTES else min(1024, next_pow2(K)))
     c = bench.QwenB1Chain(device=DEV, dtype=torch.float32, H=2, KV=1, D=16, hid=64, inter=96, layers=2, ctx=20)
-    small = bench.chain_gemv_configs(c, whole_row_max=1 << 20)
+    small = bench.chain_gemv_configs(c)
     ref = c.step(c.distinct, False)
     assert float(ref.abs().max()) > 1e-3  # not a chain of zeros
     for key in (("qkv", 8, 2), ("o", 16, 1), ("gu", 2, 8), ("down", 2, 2)):
