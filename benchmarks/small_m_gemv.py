@@ -13,7 +13,8 @@ python3 benchmarks/small_m_gemv.py --skip-attention --ms 8 16 --shapes l8_qkv_pl
 python3 benchmarks/small_m_gemv.py --argmax [--quick] [--output-json FILE]
 python3 benchmarks/small_m_gemv.py --attn-real [--output-json FILE]   (decode attention on a throughput run's layout)
 python3 benchmarks/small_m_gemv.py --attn-prep-sweep [--quick | --ab-env NAME]   (the fused-prep kernel, b16 / b64)
-python3 benchmarks/small_m_gemv.py --pdl-chain | --gemv-chain-sweep | --chain-env NAME=V1/V2   (the Qwen3-0.6B b1 chain)
+python3 benchmarks/small_m_gemv.py --pdl-chain | --gemv-chain-sweep | --chain-env NAME=V1/V2 [--chain-ctx N ...]
+                                                                                     (the Qwen3-0.6B b1 chain)
 """
 
 from __future__ import annotations
@@ -637,7 +638,7 @@ def bench_chain_env(rows, spec: str, rounds: int = 4, chain=None, timer=None, pd
         diff = float((outs[val] - outs["unset"]).abs().max())
         print(f"chain env ({c.layers} Qwen3-0.6B layers, batch 1, ctx {c.ctx}, PDL): {name}={val:12s} {t:7.1f} us a "
               f"step (x{base / t:.3f} vs unset; rounds {ts}); max |out - unset's| {diff:.3g}", flush=True)
-        rows.append({"env": name, "value": val, "us_rounds": ts, "us_median": t,
+        rows.append({"env": name, "value": val, "ctx": c.ctx, "us_rounds": ts, "us_median": t,
                      "speedup_vs_unset": round(base / t, 4), "max_abs_diff": diff})
 
 
@@ -712,6 +713,8 @@ def main() -> None:
                     help="the Qwen3-0.6B batch-1 chain with each GEMV at other launch shapes")
     ap.add_argument("--chain-env", action="append", default=[], metavar="NAME=V1/V2",
                     help="the Qwen3-0.6B batch-1 chain with an environment switch at each value vs unset (repeatable)")
+    ap.add_argument("--chain-ctx", type=int, nargs="+", default=[QwenB1Chain.ctx], metavar="TOKENS",
+                    help="with --chain-env: the chain at these contexts (each spec at each)")
     ap.add_argument("--argmax", action="store_true", help="greedy argmax vs torch's (--quick: no sweep)")
     args = ap.parse_args()
     gemv_rows, attn_rows, chain_rows, argmax_rows = [], [], [], []
@@ -724,9 +727,12 @@ def main() -> None:
     if args.gemv_chain_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_gemv_chain_sweep(chain_rows)
-    for spec in args.chain_env:
+    for ctx in args.chain_ctx if args.chain_env else ():
         args.skip_gemv = args.skip_attention = True
-        bench_chain_env(chain_rows, spec)
+        chain = QwenB1Chain(ctx=ctx)
+        for spec in args.chain_env:
+            bench_chain_env(chain_rows, spec, chain=chain)
+        del chain
     if args.attn_sweep:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_sweep(attn_rows)

@@ -30,8 +30,12 @@
 #   gemvchain    the Qwen3-0.6B batch-1 chain with each single-row GEMV at 15 other launch shapes (small_m_gemv.py
 #                --gemv-chain-sweep), against the defaults in the same rounds; each GEMV's winner (>= 1%) together in the
 #                model, Qwen3-0.6B b1 ABAB (run 76: 0.677 / 0.678 vs 0.688 / 0.688 ms; now the defaults, B1_CHAIN_SHAPES)
-#   chainenv     the Qwen3-0.6B batch-1 chain with decode attention's launch shape (GYRFALCON_DECODE_ATTN_CONFIG) and
-#                the split merge's warps (GYRFALCON_DECODE_REDUCE_WARPS) at other values (small_m_gemv.py --chain-env)
+#   chainenv     the Qwen3-0.6B batch-1 chain with decode attention's launch shape (GYRFALCON_DECODE_ATTN_CONFIG),
+#                its splits (GYRFALCON_DECODE_PREFETCH_SPLITS) and the split merge's warps (GYRFALCON_DECODE_REDUCE_WARPS)
+#                at other values (small_m_gemv.py --chain-env; CHAIN_ENVS, CHAIN_CTX), at 256 / 1,024 / 4,096 tokens;
+#                the winners at 256 together in the model, Qwen3-0.6B b1 ABAB
+#   b1tile       batch-1 decode attention's split tiles: 64 keys (B1_SPLIT_TILE, the default since run 77) vs 128,
+#                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -224,15 +228,21 @@ PY
   fi
 fi
 if has chainenv; then  # the chain's other launches, shaped in the chain
-  step chain_env 300 python3 benchmarks/small_m_gemv.py --chain-env "GYRFALCON_DECODE_ATTN_CONFIG=64,8/64,4/128,4/128,16/256,8" \
-    --chain-env "GYRFALCON_DECODE_REDUCE_WARPS=1/2/8" --output-json "$R/chain_env.json"
-  # Each switch's best value in the chain, where >= 1% faster than unset, all together in the model: Qwen3-0.6B b1
-  # ABAB against the defaults (one VAR=VALUE a line).
+  # CHAIN_ENVS: the switches and values (NAME=V1/V2/..., space-separated); CHAIN_CTX: the chain's contexts. Run 77
+  # (decode attention 64,8/64,4/128,4/128,16/256,8, reduce warps 1/2/8 at 256 tokens) found the 64-key tiles now
+  # the default (B1_SPLIT_TILE); the defaults below sweep around them, and the old 128-key tile at longer contexts.
+  CE_ARGS=()
+  for spec in ${CHAIN_ENVS-GYRFALCON_DECODE_ATTN_CONFIG=128,8/32,4/32,8/64,4/64,16/64,8,2/64,8,4 \
+      GYRFALCON_DECODE_PREFETCH_SPLITS=8/32 GYRFALCON_DECODE_REDUCE_WARPS=2/8}; do CE_ARGS+=(--chain-env "$spec"); done
+  step chain_env 300 python3 benchmarks/small_m_gemv.py "${CE_ARGS[@]}" --chain-ctx ${CHAIN_CTX-256 1024 4096} \
+    --output-json "$R/chain_env.json"
+  # Each switch's best value in the chain at 256 tokens (the latency row's contexts), where >= 1% faster than
+  # unset, all together in the model: Qwen3-0.6B b1 ABAB against the defaults (one VAR=VALUE a line).
   mapfile -t PICKS < <(python3 - "$R/chain_env.json" <<'PY' 2>/dev/null
 import json, sys
 best = {}
 for r in json.load(open(sys.argv[1]))["pdl_chain"]:
-    if "error" not in r and r["value"] != "unset" and r["speedup_vs_unset"] >= 1.01:
+    if "error" not in r and r["value"] != "unset" and r["speedup_vs_unset"] >= 1.01 and r.get("ctx", 256) == 256:
         if r["speedup_vs_unset"] > best.get(r["env"], (0, None))[0]:
             best[r["env"]] = (r["speedup_vs_unset"], r["value"])
 for name, (_, value) in best.items():
@@ -246,6 +256,16 @@ PY
       if [ "${run#*_}" = pick ]; then lat q06 1 env_$run "${PICKS[@]}"; else lat q06 1 env_$run; fi
     done
   fi
+fi
+if has b1tile; then  # batch-1 decode attention's 64-key split tiles (the default since run 77) against 128-key ones
+  ckpt q06
+  for run in a_64 b_128 c_128 d_64; do
+    if [ "${run#*_}" = 128 ]; then lat q06 1 tile_$run GYRFALCON_DECODE_ATTN_CONFIG=128,8; else lat q06 1 tile_$run; fi
+  done
+  for run in a_64 b_128; do  # 4,096-token prompts: 16 splits of 4 tiles against 2
+    if [ "${run#*_}" = 128 ]; then lat q06 1 tile4k_$run GYRFALCON_DECODE_ATTN_CONFIG=128,8 --input-len=4096
+    else lat q06 1 tile4k_$run --input-len=4096; fi
+  done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

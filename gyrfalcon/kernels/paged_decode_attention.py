@@ -567,21 +567,36 @@ def merge_in_kernel_default(n_seqs: int) -> bool:
 _FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs: 128-key tiles (_decode_config)
 
 
-def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False):
+# Keys a tile of the prefetching (batch-1, PDL) launch when it splits the context (_decode_config).
+B1_SPLIT_TILE = 64
+
+
+def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False,
+                   one_split: bool = False):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
+    one_split: the caller asked for one split (the short graphs: a whole context in one program).
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
     head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
     19.0 vs 23.1 at 8192), within ~0.5 us of the best at 128-512 tokens; at batch 64, 64-key tiles
     (22.5 vs 24.4 us). With the first tile prefetched (its K and V held in registers across the qkv
     prep) 8 warps: the Qwen3-0.6B batch-1 graph at 256 tokens replayed in 0.717 ms with 8 warps, 0.771
-    with 4, 0.775 with 64-key tiles and 4 warps (latency_qwen3-0.6b_b1_prefetch*-h200-2026-11-30-run13)."""
+    with 4, 0.775 with 64-key tiles and 4 warps (latency_qwen3-0.6b_b1_prefetch*-h200-2026-11-30-run13).
+    Since run 77 the prefetching launch that splits the context uses B1_SPLIT_TILE-key tiles (8 warps): twice the
+    splits hold keys, each with one prefetched tile, so less of the work follows the PDL wait. Timed inside the
+    28-layer Qwen3-0.6B batch-1 chain at 256 tokens (small_m_gemv.py --chain-env, chain_env-h200-2026-12-02-
+    run77.json): 526.5 us a step against 600.0 with 128-key tiles (64 keys and 4 warps 580.7, 128 / 4 643.2,
+    128 / 16 602.0); the model, same call ABAB: 0.619 / 0.634 ms a step against 0.679 / 0.680, and the batch-1
+    graph at 1,024 tokens of context 0.573 / 0.582 against 0.613 / 0.625 (latency_qwen3-0.6b_b1_env_*-h200-
+    2026-12-02-run77.json). The one-split launch keeps 128-key tiles: a second tile would load after the wait."""
     env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps[,num_stages]": launch-shape experiments
     if env:
         parts = [int(x) for x in env.split(",")]
         return parts[0], parts[1], parts[2] if len(parts) > 2 else 3
     if head_dim <= 128:
         if programs <= _SMALL_LAUNCH_PROGRAMS:
+            if prefetch and not one_split:
+                return B1_SPLIT_TILE, 8, 3
             return 128, (8 if prefetch else 4), 3
         if fp8 and not prefetch and programs > _FP8_WIDE_TILE_PROGRAMS:
             # An fp8 cache (half the bytes a key) over many programs: 128-key tiles with 3 stages. With V pinned
@@ -700,7 +715,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if early_loads is None:
         early_loads = early_loads_default()
     early_loads = early_loads and prep is not None and not prefetch
-    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1)
+    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
+                                one_split=num_splits == 1)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     if num_splits is None:
         ms = prefetch_splits() if prefetch else MAX_SPLITS

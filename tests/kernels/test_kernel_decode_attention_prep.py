@@ -36,7 +36,7 @@ def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
                           for i, s in enumerate(seq_lens)])
     qkv = torch.randn(B, (H + 2 * KVH) * D, generator=g).to(dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
-    freqs = torch.outer(torch.arange(64).float(), inv)
+    freqs = torch.outer(torch.arange(max(64, max(seq_lens))).float(), inv)
     cs = torch.cat([freqs.cos(), freqs.sin()], -1)
     qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype) if norm else None
     kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype) if norm else None
@@ -242,3 +242,28 @@ def test_fused_with_a_column_major_block_table(num_splits, prefetch, early):
                                             32 ** -0.5, q_norm_weight=qw, k_norm_weight=kw, **args)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@requires_triton
+@pytest.mark.parametrize("num_splits,want_bn", [(None, 64), (1, 128)], ids=["split", "one-split"])
+def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
+    """The batch-1 prefetching launch at its default shape (no block_n given): B1_SPLIT_TILE-key tiles where it
+    splits the context (each split's one tile prefetched), 128-key tiles for the short graphs' one split; both
+    match the reference, a 200-token context spanning several 64-key tiles (and two 128-key ones)."""
+    import sys
+
+    from kernels_testutil import LaunchSpy
+    pda = sys.modules[paged_decode_attention_triton.__module__]  # the package re-exports a same-named function
+    monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
+    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
+    H, KVH, D = 4, 2, 32
+    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case([200], H, KVH, D, D, torch.float32, True, block_size=16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                          D ** -0.5, None, qw, kw, 1e-6)
+    got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, D ** -0.5,
+                                            num_splits, qw, kw, 1e-6, prefetch=True)
+    assert spy.seen == [want_bn]
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    torch.testing.assert_close(kc, kc_ref, rtol=1e-5, atol=1e-5)

@@ -131,6 +131,8 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 16 * 8) == (128, 4, 3)
     assert _decode_config(128, 256 * 8) == (64, 4, 2)
     assert _decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
+    assert _decode_config(128, 8, prefetch=True) == (64, 8, 3)  # batch 1 with the prefetch: B1_SPLIT_TILE keys
+    assert _decode_config(128, 8, prefetch=True, one_split=True) == (128, 8, 3)  # ... but one split: 128
     assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
     assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
     assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
