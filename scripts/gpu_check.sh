@@ -230,7 +230,8 @@ fi
 if has chainenv; then  # the chain's other launches, shaped in the chain
   # CHAIN_ENVS: the switches and values (NAME=V1/V2/..., space-separated); CHAIN_CTX: the chain's contexts. Run 77
   # (decode attention 64,8/64,4/128,4/128,16/256,8, reduce warps 1/2/8 at 256 tokens) found the 64-key tiles now
-  # the default (B1_SPLIT_TILE); the defaults below sweep around them, and the old 128-key tile at longer contexts.
+  # the default (B1_SPLIT_TILE); the defaults below swept around them in run 78 (none taken: 32-key tiles and 8
+  # splits won at 256 tokens and lost at 1,024-4,096).
   CE_ARGS=()
   for spec in ${CHAIN_ENVS-GYRFALCON_DECODE_ATTN_CONFIG=128,8/32,4/32,8/64,4/64,16/64,8,2/64,8,4 \
       GYRFALCON_DECODE_PREFETCH_SPLITS=8/32 GYRFALCON_DECODE_REDUCE_WARPS=2/8}; do CE_ARGS+=(--chain-env "$spec"); done

@@ -588,7 +588,10 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     run77.json): 526.5 us a step against 600.0 with 128-key tiles (64 keys and 4 warps 580.7, 128 / 4 643.2,
     128 / 16 602.0); the model, same call ABAB: 0.619 / 0.634 ms a step against 0.679 / 0.680, and the batch-1
     graph at 1,024 tokens of context 0.573 / 0.582 against 0.613 / 0.625 (latency_qwen3-0.6b_b1_env_*-h200-
-    2026-12-02-run77.json). The one-split launch keeps 128-key tiles: a second tile would load after the wait."""
+    2026-12-02-run77.json). The one-split launch keeps 128-key tiles: a second tile would load after the wait.
+    2 stages instead of 3 (GYRFALCON_DECODE_ATTN_CONFIG=64,8,2; runs 78, 80): the chain x1.005 / 1.029 / 1.011 at
+    256 / 1,024 / 4,096 tokens, the model 0.617 / 0.618 ms a step against 0.622 / 0.651 (ABAB), within the calls'
+    variance; not adopted yet (the GPU tests ran with 3)."""
     env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps[,num_stages]": launch-shape experiments
     if env:
         parts = [int(x) for x in env.split(",")]
