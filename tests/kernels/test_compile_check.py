@@ -29,8 +29,8 @@ def test_kernels_compile_for_sm90_and_fit_shared_memory():
 
 
 def test_the_check_catches_a_shared_memory_overflow():
-    """The launch that overflowed on the H200 in run 13 (fp32 caches with the prefetch: 270 KB of 227 KB)
-    is reported over the limit."""
+    """The launch that overflowed on the H200 in run 13 (fp32 caches with the prefetch, 128-key tiles: 270 KB of
+    227 KB) is reported over the limit."""
     code = """
 import sys, torch
 sys.path.insert(0, "scripts")
@@ -46,7 +46,7 @@ pos = torch.zeros(1, dtype=torch.int64)
 A.decode_attention_with_prep_triton(torch.zeros(1, (H + 2 * KVH) * D), H, KVH, D, pos, torch.zeros(4096, D), D, True,
                                     kc, torch.zeros_like(kc), pos, torch.zeros(1, 2560, dtype=torch.int32),
                                     torch.ones(1, dtype=torch.int32), 0.1, None, torch.ones(D), torch.ones(D), 1e-6,
-                                    pdl=True, prefetch=True)
+                                    pdl=True, prefetch=True, block_n=128, num_warps=8)  # run 13's launch shape
 print("SHARED", dict((c[0], c[1]) for c in compiled)["_decode_split_kernel"])
 """
     r = _run(["-c", code])
