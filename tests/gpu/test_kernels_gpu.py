@@ -479,3 +479,45 @@ def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
     _fp8_ulp_close(kc, kc_ref)
     _fp8_ulp_close(vc, vc_ref)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_l2_prefetch_changes_nothing_and_forks_in_a_graph(monkeypatch):
+    """kernels/l2_prefetch.py on the GPU: a prefetch of a weight (and of a size that is not a whole number of
+    lines or programs) leaves it bit-identical; layers/side_prefetch.SidePrefetch around a computation inside a
+    graph capture forks the prefetch onto a side branch and joins it: replays give the eager result, and the
+    computation after the block sees the block's output (the join orders it)."""
+    from gyrfalcon.kernels.l2_prefetch import l2_prefetch, l2_prefetch_triton
+    from gyrfalcon.layers import side_prefetch
+    from gyrfalcon.kernels._common import pdl_warmup
+    for shape in ((4096, 4096), (3, 1000), (1,)):
+        w = torch.randn(*shape, device=DEV, dtype=BF16)
+        before = w.clone()
+        l2_prefetch_triton(w, lines_per_program=7)
+        l2_prefetch(w)
+        torch.cuda.synchronize()
+        assert torch.equal(w, before)
+    monkeypatch.setenv("GYRFALCON_ATTN_L2_PREFETCH", "16")
+    x = torch.randn(16, 1024, device=DEV, dtype=BF16)
+    w1 = torch.randn(1024, 1024, device=DEV, dtype=BF16)
+    w2 = torch.randn(1024, 1024, device=DEV, dtype=BF16)
+
+    def step():
+        with side_prefetch.SidePrefetch(w2, x.shape[0]):
+            h = torch.relu(x @ w1)
+        return h @ w2
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), pdl_warmup():
+        step()  # compile outside the capture, as the graph runner's warm-up does
+    torch.cuda.current_stream().wait_stream(s)
+    forks = side_prefetch.FORKS[0]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    assert side_prefetch.FORKS[0] == forks + 1
+    for _ in range(3):
+        x.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, torch.relu(x @ w1) @ w2, rtol=2e-2, atol=2e-2)
