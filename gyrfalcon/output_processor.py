@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Tuple
 
-from gyrfalcon.detokenizer import IncrementalDetokenizer
+from gyrfalcon.detokenizer import IncrementalDetokenizer, finish_all
 from gyrfalcon.outputs import CompletionOutput, Logprob, RequestOutput
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -50,6 +50,7 @@ class SampleState:
         # Nobody reads the text before the end (offline, no stop strings): decode once at the end.
         self.defer_text = defer_text and not params.stop
         self._pending: List[int] = []
+        self.final_text_pending = False  # deferred: finished, its text not decoded yet (see finish_texts)
         # What a streaming consumer has already been given.
         self.sent_text = 0
         self.sent_tokens = 0
@@ -82,10 +83,10 @@ class SampleState:
                 if not stop_token:
                     self._pending.append(tid)
                 if last and finish_reason is not None:
-                    self.detok.add_tokens(self._pending)
-                    self.detok.flush()
+                    # decoded with the step's other finished samples (OutputProcessor.process: finish_all)
+                    self.detok.extend(self._pending)
                     self._pending = []
-                self.text = self.detok.output_text
+                    self.final_text_pending = True
                 continue
             if not stop_token:
                 self.detok.add_token(tid)
@@ -176,6 +177,16 @@ class RequestState:
                              else None)
 
 
+def finish_texts(samples: List[SampleState]) -> None:
+    """Decode the text of the deferred samples that finished, all in one batch (detokenizer.finish_all)."""
+    done = [s for s in samples if s.final_text_pending]
+    if done:
+        finish_all([s.detok for s in done])
+        for s in done:
+            s.text = s.detok.output_text
+            s.final_text_pending = False
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, defer_text: bool = False) -> None:
         """defer_text=True: outputs are read only when finished (offline generate), so text without
@@ -234,6 +245,7 @@ class OutputProcessor:
                 if not u.finished:
                     to_finish.append(u.request_id)
             touched[st.request_id] = st
+        finish_texts([s for st in touched.values() for s in st.samples])
         for rid, st in touched.items():
             if st.finished:
                 self.requests.pop(rid, None)
