@@ -8,7 +8,7 @@ emits the difference once it no longer ends in U+FFFD (an incomplete UTF-8 seque
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 # Prompt tokens kept as left context, so the first output token decodes with its true spacing.
 _CONTEXT_TOKENS = 5
@@ -100,8 +100,7 @@ def finish_all(detoks: Sequence[IncrementalDetokenizer]) -> None:
             key = (id(d.backend), d.skip_special_tokens) if d.backend is not None else None
             groups.setdefault(key, []).append(d)
     for key, ds in groups.items():
-        windows = [w for d in ds for w in d._windows()]
-        texts: Optional[List[str]] = None
+        windows = [w for d in ds for w in d._windows()]  # (prefix, prefix + pending) per detokenizer
         if key is not None:
             texts = ds[0].backend.decode_batch(windows, skip_special_tokens=ds[0].skip_special_tokens)
         else:
