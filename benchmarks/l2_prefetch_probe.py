@@ -7,7 +7,8 @@ from one layer to the next), each schedule captured in one CUDA graph (graph_tim
 
   seq     the layer as the model runs it now
   seq_pf  the same with o_proj's weight prefetched into L2 on a side branch forked after the qkv GEMM and joined
-          before o_proj (layers/side_prefetch.SidePrefetch, GYRFALCON_ATTN_L2_PREFETCH)
+          before o_proj (layers/side_prefetch.SidePrefetch, GYRFALCON_ATTN_L2_PREFETCH), evict-last
+  seq_pfn the same at the normal eviction priority (GYRFALCON_ATTN_L2_PREFETCH_EVICT=normal)
   attn / attn_pf   the qkv GEMM and attention alone, without / with the prefetch beside them (what it costs them)
   o / o_pf  o_proj alone (L2 cold) / right after the prefetch of its weight (the most the prefetch can save)
 
@@ -49,9 +50,10 @@ def schedules(layers, inp, resid: torch.Tensor) -> dict:
     bt, sl, pos, slots, cs = (inp[k] for k in ("bt", "sl", "pos", "slots", "cs"))
     qkv = resid.new_empty(B, (H + 2 * KV) * D)
 
-    def attn(w, kc, vc, pf: bool):
+    def attn(w, kc, vc, pf: bool, evict: str = "last"):
         torch.matmul(resid, w["qkv"].t(), out=qkv)
-        with SidePrefetch(w["o"], B) if pf else contextlib.nullcontext():
+        with scoped_env({"GYRFALCON_ATTN_L2_PREFETCH_EVICT": evict}), \
+                (SidePrefetch(w["o"], B) if pf else contextlib.nullcontext()):
             o = decode_attention_with_prep_triton(qkv, H, KV, D, pos, cs, D, True, kc, vc, slots, bt, sl, D ** -0.5,
                                                   row_scale=(resid, 1e-5))
         return o.view(B, H * D)
@@ -65,8 +67,8 @@ def schedules(layers, inp, resid: torch.Tensor) -> dict:
     def body(kind: str):
         def run():
             for w, kc, vc in layers:
-                if kind in ("seq", "seq_pf"):
-                    mlp(attn(w, kc, vc, kind == "seq_pf"), w)
+                if kind in ("seq", "seq_pf", "seq_pfn"):
+                    mlp(attn(w, kc, vc, kind != "seq", "normal" if kind == "seq_pfn" else "last"), w)
                 elif kind in ("attn", "attn_pf"):
                     attn(w, kc, vc, kind == "attn_pf")
                 else:  # o / o_pf
@@ -74,7 +76,7 @@ def schedules(layers, inp, resid: torch.Tensor) -> dict:
                         l2_prefetch(w["o"])
                     resid.addmm_(o_in, w["o"].t())
         return run
-    return {k: body(k) for k in ("seq", "seq_pf", "attn", "attn_pf", "o", "o_pf")}
+    return {k: body(k) for k in ("seq", "seq_pf", "seq_pfn", "attn", "attn_pf", "o", "o_pf")}
 
 
 def main() -> None:

@@ -38,7 +38,8 @@
 #                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
 #   l2attn       the batched decode graphs prefetch o_proj's weight into L2 on a side branch beside decode attention
 #                (GYRFALCON_ATTN_L2_PREFETCH=N: graphs of 2..N rows; off by default): its GPU tests, the layer probe
-#                (benchmarks/l2_prefetch_probe.py, Llama-8B shapes, batch 16 / 64), then Llama-8B b64 and b16 ABAB
+#                (benchmarks/l2_prefetch_probe.py, Llama-8B shapes, batch 16 / 64), then Llama-8B b64 ABAB (and once
+#                at the normal eviction priority, GYRFALCON_ATTN_L2_PREFETCH_EVICT=normal), b16 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -277,7 +278,8 @@ if has l2attn; then  # o_proj's weight prefetched into L2 beside decode attentio
   step l2_prefetch_probe 150 python3 benchmarks/l2_prefetch_probe.py --output-json "$R/l2_prefetch_probe.json"
   ckpt l8
   for run in a_0 b_64 c_64 d_0; do lat l8 64 l2pf_$run GYRFALCON_ATTN_L2_PREFETCH=${run#*_}; done
-  for run in a_0 b_16 c_16 d_0; do lat l8 16 l2pf_$run GYRFALCON_ATTN_L2_PREFETCH=${run#*_}; done
+  lat l8 64 l2pf_e_64_normal GYRFALCON_ATTN_L2_PREFETCH=64 GYRFALCON_ATTN_L2_PREFETCH_EVICT=normal
+  for run in a_0 b_16; do lat l8 16 l2pf_$run GYRFALCON_ATTN_L2_PREFETCH=${run#*_}; done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -31,16 +31,22 @@ def l2_prefetch_ref(t: torch.Tensor) -> None:
 
 if HAS_TRITON:
     @triton.jit
-    def _l2_prefetch_kernel(base_ptr, n_lines, LINES_PER_PROG: tl.constexpr, BLOCK: tl.constexpr):
-        """Program p prefetches lines [p * LINES_PER_PROG, (p + 1) * LINES_PER_PROG) of the region (clipped)."""
+    def _l2_prefetch_kernel(base_ptr, n_lines, LINES_PER_PROG: tl.constexpr, BLOCK: tl.constexpr,
+                            EVICT_LAST: tl.constexpr = True):
+        """Program p prefetches lines [p * LINES_PER_PROG, (p + 1) * LINES_PER_PROG) of the region (clipped);
+        EVICT_LAST=False: at the normal eviction priority."""
         lo = tl.program_id(0) * LINES_PER_PROG
         hi = tl.minimum(lo + LINES_PER_PROG, n_lines)
         b8 = base_ptr.to(tl.pointer_type(tl.int8))
         for i0 in range(lo, hi, BLOCK):
             # Past the end, lanes repeat the last line (an asm statement takes no mask).
             idx = tl.minimum(i0 + tl.arange(0, BLOCK), hi - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
+            if EVICT_LAST:
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def l2_prefetch_launch(nbytes: int, lines_per_program: int = LINES_PER_PROGRAM) -> tuple:
@@ -49,19 +55,20 @@ def l2_prefetch_launch(nbytes: int, lines_per_program: int = LINES_PER_PROGRAM) 
     return lines, -(-lines // lines_per_program)
 
 
-def l2_prefetch_triton(t: torch.Tensor, lines_per_program: int = LINES_PER_PROGRAM) -> None:
+def l2_prefetch_triton(t: torch.Tensor, lines_per_program: int = LINES_PER_PROGRAM, evict_last: bool = True) -> None:
     """The launch: one warp a program, so that its programs fit beside a running kernel's. t: contiguous."""
     if not t.is_contiguous():
         raise ValueError("l2_prefetch needs a contiguous tensor")
     lines, programs = l2_prefetch_launch(t.numel() * t.element_size(), lines_per_program)
     if lines:
-        _l2_prefetch_kernel[(programs,)](t, lines, LINES_PER_PROG=lines_per_program, BLOCK=LANES, num_warps=1)
+        _l2_prefetch_kernel[(programs,)](t, lines, LINES_PER_PROG=lines_per_program, BLOCK=LANES,
+                                         EVICT_LAST=evict_last, num_warps=1)
 
 
-def l2_prefetch(t: torch.Tensor) -> None:
-    """Prefetch contiguous tensor t into L2 (evict-last) in the current stream; a no-op where the kernel cannot
-    run (see the module docstring)."""
+def l2_prefetch(t: torch.Tensor, evict_last: bool = True) -> None:
+    """Prefetch contiguous tensor t into L2 (evict-last unless evict_last=False) in the current stream; a no-op
+    where the kernel cannot run (see the module docstring)."""
     if HAS_TRITON and t.is_cuda and not interpreting() and getattr(torch.version, "hip", None) is None:
-        l2_prefetch_triton(t)
+        l2_prefetch_triton(t, evict_last=evict_last)
     else:
         l2_prefetch_ref(t)

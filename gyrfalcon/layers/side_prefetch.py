@@ -28,6 +28,15 @@ def attn_l2_prefetch_rows() -> int:
     return max(0, int(os.environ.get("GYRFALCON_ATTN_L2_PREFETCH", "0") or 0))
 
 
+def attn_l2_prefetch_evict_last() -> bool:
+    """GYRFALCON_ATTN_L2_PREFETCH_EVICT: "last" (default: the prefetched lines outlast attention's streaming K/V)
+    or "normal" (the default eviction priority: they do not linger after o_proj)."""
+    v = os.environ.get("GYRFALCON_ATTN_L2_PREFETCH_EVICT", "last")
+    if v not in ("last", "normal"):
+        raise ValueError(f"GYRFALCON_ATTN_L2_PREFETCH_EVICT must be last or normal, not {v!r}")
+    return v == "last"
+
+
 def side_prefetch_wanted(rows: int, capturing: bool) -> bool:
     """Whether a decode step of `rows` rows forks the prefetch: only while capturing (or warming up for) a graph,
     for 2..attn_l2_prefetch_rows() rows."""
@@ -61,7 +70,7 @@ class SidePrefetch:
             side = _side_stream(self.weight.device)
             side.wait_stream(main)  # after qkv_proj: the prefetch must not compete with that GEMM's reads
             with torch.cuda.stream(side):
-                l2_prefetch(self.weight)
+                l2_prefetch(self.weight, evict_last=attn_l2_prefetch_evict_last())
                 self._done = torch.cuda.Event()
                 self._done.record(side)
             FORKS[0] += 1

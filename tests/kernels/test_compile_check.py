@@ -98,8 +98,10 @@ except Exception:
     sys.exit(2)
 P = mods["l2_prefetch"]
 P.l2_prefetch_triton(torch.zeros(4096, 4096, dtype=torch.bfloat16))
-k = [c[4] for c in compiled if c[0] == "_l2_prefetch_kernel"][0]
+P.l2_prefetch_triton(torch.zeros(4096, 4096, dtype=torch.bfloat16), evict_last=False)
+k, kn = [c[4] for c in compiled if c[0] == "_l2_prefetch_kernel"][:2]
 print("PREFETCHES", k.asm["ptx"].count("prefetch.global.L2::evict_last"))
+print("NORMAL", kn.asm["ptx"].count("prefetch.global.L2 "), kn.asm["ptx"].count("evict_last"))
 print("LAUNCH", *P.l2_prefetch_launch(4096 * 4096 * 2))
 """
     r = _run(["-c", code])
@@ -107,5 +109,7 @@ print("LAUNCH", *P.l2_prefetch_launch(4096 * 4096 * 2))
         pytest.skip("this Triton does not allow the compile-only harness")
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split("PREFETCHES")[1].split()[0]) >= 1
+    normal, last = map(int, r.stdout.split("NORMAL")[1].split()[:2])
+    assert normal >= 1 and last == 0  # evict_last=False: plain prefetches
     lines, programs = map(int, r.stdout.split("LAUNCH")[1].split()[:2])
     assert lines == 4096 * 4096 * 2 // 128 and programs * 1024 >= lines > (programs - 1) * 1024

@@ -20,7 +20,7 @@ def test_schedules_run_and_agree(monkeypatch):
     B, ctx = 4, 21
     resid0 = torch.randn(B, 32) * 0.1
     results = {}
-    for kind in ("seq", "seq_pf"):
+    for kind in ("seq", "seq_pf", "seq_pfn"):
         torch.manual_seed(1)  # the same weights and caches for both
         layers, inp = probe.op.make_layers(B, ctx, 2, dev="cpu", dtype=torch.float32)
         resid = resid0.clone()
@@ -28,6 +28,7 @@ def test_schedules_run_and_agree(monkeypatch):
         results[kind] = resid
     assert not torch.equal(results["seq"], resid0)
     torch.testing.assert_close(results["seq_pf"], results["seq"])
+    torch.testing.assert_close(results["seq_pfn"], results["seq"])
     layers, inp = probe.op.make_layers(B, ctx, 2, dev="cpu", dtype=torch.float32)
     bodies = probe.schedules(layers, inp, resid0.clone())
     for kind in ("attn", "attn_pf", "o", "o_pf"):

@@ -42,3 +42,15 @@ def test_launch_covers_every_line():
     assert l2_prefetch_launch(128 * LINES_PER_PROGRAM) == (LINES_PER_PROGRAM, 1)
     assert l2_prefetch_launch(128 * LINES_PER_PROGRAM + 1) == (LINES_PER_PROGRAM + 1, 2)
     assert l2_prefetch_launch(4096 * 4096 * 2) == (262144, 256)  # Llama-3.1-8B's o_proj
+
+
+def test_eviction_switch(monkeypatch):
+    from gyrfalcon.layers.side_prefetch import attn_l2_prefetch_evict_last
+    import pytest
+    monkeypatch.delenv("GYRFALCON_ATTN_L2_PREFETCH_EVICT", raising=False)
+    assert attn_l2_prefetch_evict_last()
+    monkeypatch.setenv("GYRFALCON_ATTN_L2_PREFETCH_EVICT", "normal")
+    assert not attn_l2_prefetch_evict_last()
+    monkeypatch.setenv("GYRFALCON_ATTN_L2_PREFETCH_EVICT", "first")
+    with pytest.raises(ValueError, match="last or normal"):
+        attn_l2_prefetch_evict_last()
