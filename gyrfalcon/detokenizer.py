@@ -103,7 +103,7 @@ def finish_all(detoks: Sequence[IncrementalDetokenizer]) -> None:
         windows = [w for d in ds for w in d._windows()]  # (prefix, prefix + pending) per detokenizer
         if key is not None:
             texts = ds[0].backend.decode_batch(windows, skip_special_tokens=ds[0].skip_special_tokens)
-        else:
-            texts = [d._decode(w) for d in ds for w in d._windows()]
+        else:  # each through its own tokenizer and flag
+            texts = [ds[i // 2]._decode(w) for i, w in enumerate(windows)]
         for i, d in enumerate(ds):
             d._finish(texts[2 * i], texts[2 * i + 1])

@@ -32,21 +32,21 @@ def l2_prefetch_ref(t: torch.Tensor) -> None:
 if HAS_TRITON:
     @triton.jit
     def _l2_prefetch_kernel(base_ptr, n_lines, LINES_PER_PROG: tl.constexpr, BLOCK: tl.constexpr,
-                            EVICT_LAST: tl.constexpr = True):
-        """Program p prefetches lines [p * LINES_PER_PROG, (p + 1) * LINES_PER_PROG) of the region (clipped);
-        EVICT_LAST=False: at the normal eviction priority."""
+                            ASM: tl.constexpr):
+        """Program p prefetches lines [p * LINES_PER_PROG, (p + 1) * LINES_PER_PROG) of the region (clipped) with
+        the prefetch statement ASM (_PREFETCH_ASM: evict-last or normal priority)."""
         lo = tl.program_id(0) * LINES_PER_PROG
         hi = tl.minimum(lo + LINES_PER_PROG, n_lines)
         b8 = base_ptr.to(tl.pointer_type(tl.int8))
         for i0 in range(lo, hi, BLOCK):
             # Past the end, lanes repeat the last line (an asm statement takes no mask).
             idx = tl.minimum(i0 + tl.arange(0, BLOCK), hi - 1)
-            if EVICT_LAST:
-                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                          [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
-            else:
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                          [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(ASM, "=r,l", [b8 + idx.to(tl.int64) * 128], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+
+
+_PREFETCH_ASM = {True: "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                 False: "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;"}
 
 
 def l2_prefetch_launch(nbytes: int, lines_per_program: int = LINES_PER_PROGRAM) -> tuple:
@@ -62,7 +62,7 @@ def l2_prefetch_triton(t: torch.Tensor, lines_per_program: int = LINES_PER_PROGR
     lines, programs = l2_prefetch_launch(t.numel() * t.element_size(), lines_per_program)
     if lines:
         _l2_prefetch_kernel[(programs,)](t, lines, LINES_PER_PROG=lines_per_program, BLOCK=LANES,
-                                         EVICT_LAST=evict_last, num_warps=1)
+                                         ASM=_PREFETCH_ASM[bool(evict_last)], num_warps=1)
 
 
 def l2_prefetch(t: torch.Tensor, evict_last: bool = True) -> None:

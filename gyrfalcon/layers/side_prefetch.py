@@ -61,7 +61,7 @@ class SidePrefetch:
 
     def __init__(self, weight: torch.Tensor, rows: int) -> None:
         self.weight = weight
-        self.active = weight.is_cuda and side_prefetch_wanted(rows, weight.is_cuda and capturing_or_warmup())
+        self.active = weight.is_cuda and side_prefetch_wanted(rows, capturing_or_warmup())
         self._done = None
 
     def __enter__(self) -> "SidePrefetch":

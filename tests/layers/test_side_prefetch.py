@@ -3,6 +3,7 @@ path that cannot prefetch is a no-op that leaves the computation alone (the GPU 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gyrfalcon.kernels.l2_prefetch import LINES_PER_PROGRAM, l2_prefetch, l2_prefetch_launch, l2_prefetch_ref
@@ -46,7 +47,6 @@ def test_launch_covers_every_line():
 
 def test_eviction_switch(monkeypatch):
     from gyrfalcon.layers.side_prefetch import attn_l2_prefetch_evict_last
-    import pytest
     monkeypatch.delenv("GYRFALCON_ATTN_L2_PREFETCH_EVICT", raising=False)
     assert attn_l2_prefetch_evict_last()
     monkeypatch.setenv("GYRFALCON_ATTN_L2_PREFETCH_EVICT", "normal")
