@@ -71,7 +71,7 @@ def _harness(arch: int):
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm", "l2_prefetch")}
+                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
     mods["skinny_gemm"].sm_count = lambda device, cpu_default: 132  # its programs
     return mods, compiled
@@ -318,8 +318,6 @@ def cases(mods):
         out.append((f"gumbel draw, Llama vocab, {rows} rows",
                     lambda r=rows: S_.gumbel_argmax_triton(torch.zeros(r, 128256), torch.zeros(r, dtype=torch.int64),
                                                            torch.zeros(r, dtype=torch.int64))))
-    out.append(("L2 prefetch, Llama o_proj weight",
-                lambda: mods["l2_prefetch"].l2_prefetch_triton(torch.zeros(4096, 4096, dtype=torch.bfloat16))))
     E = mods["embedding"]
     ids = torch.zeros(16, dtype=torch.int64)
     out.append(("embedding with pending tokens, Llama width",

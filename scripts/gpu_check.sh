@@ -36,10 +36,6 @@
 #                the winners at 256 together in the model, Qwen3-0.6B b1 ABAB
 #   b1tile       batch-1 decode attention's split tiles: 64 keys (B1_SPLIT_TILE, the default since run 77) vs 128,
 #                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
-#   l2attn       the batched decode graphs prefetch o_proj's weight into L2 on a side branch beside decode attention
-#                (GYRFALCON_ATTN_L2_PREFETCH=N: graphs of 2..N rows; off by default): its GPU tests, the layer probe
-#                (benchmarks/l2_prefetch_probe.py, Llama-8B shapes, batch 16 / 64), then Llama-8B b64 ABAB (and once
-#                at the normal eviction priority, GYRFALCON_ATTN_L2_PREFETCH_EVICT=normal), b16 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -96,7 +92,8 @@
 # mergedrows (run 53) after c7d33ea; session 16's fp8ab (run 56: decode attention's K staging, prefill attention's fp16
 # dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
 # after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2; merged (run 61), minpart (run 66)
-# and earlyloads (run 68) after 6a05250.
+# and earlyloads (run 68) after 6a05250; session 21's l2attn (run 82: o_proj's weight prefetched into L2 beside
+# decode attention lost at b16 and b64) after d484800.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -271,15 +268,6 @@ if has b1tile; then  # batch-1 decode attention's 64-key split tiles (the defaul
     if [ "${run#*_}" = 128 ]; then lat q06 1 tile4k_$run GYRFALCON_DECODE_ATTN_CONFIG=128,8 --input-len=4096
     else lat q06 1 tile4k_$run --input-len=4096; fi
   done
-fi
-if has l2attn; then  # o_proj's weight prefetched into L2 beside decode attention (GYRFALCON_ATTN_L2_PREFETCH, off)
-  step gpu_l2_prefetch 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_model_gpu.py \
-    -k "l2_prefetch or attn-l2-prefetch" -p no:cacheprovider
-  step l2_prefetch_probe 150 python3 benchmarks/l2_prefetch_probe.py --output-json "$R/l2_prefetch_probe.json"
-  ckpt l8
-  for run in a_0 b_64 c_64 d_0; do lat l8 64 l2pf_$run GYRFALCON_ATTN_L2_PREFETCH=${run#*_}; done
-  lat l8 64 l2pf_e_64_normal GYRFALCON_ATTN_L2_PREFETCH=64 GYRFALCON_ATTN_L2_PREFETCH_EVICT=normal
-  for run in a_0 b_16; do lat l8 16 l2pf_$run GYRFALCON_ATTN_L2_PREFETCH=${run#*_}; done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -106,12 +106,6 @@ def use_pdl(t: torch.Tensor) -> bool:
     0.802 without, Llama-3.1-8B's in 4.289 with it and 3.971 without; hence the runner's timed choice."""
     if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
         return False
-    return capturing_or_warmup()
-
-
-def capturing_or_warmup() -> bool:
-    """True while a CUDA graph is being captured on the current stream, or inside pdl_warmup (the eager step
-    before a capture, which must launch the kernel variants the capture will)."""
     return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
 
 

@@ -21,7 +21,6 @@ from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm, fold_norm_into, fold_norms_enabled
 from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
-from gyrfalcon.layers.side_prefetch import SidePrefetch
 
 # checkpoint name piece -> (fused parameter name piece, shard id)
 STACKED_PARAMS = (
@@ -81,10 +80,8 @@ class LlamaAttention(nn.Module):
                     parts = self.attn.decode_with_prep(qkv, positions, rot, *norms, partials=True,
                                                        row_scale=row_scale)
                     return merged_heads_gemv_triton(parts, self.o_proj.weight)
-                # (GYRFALCON_ATTN_L2_PREFETCH: o_proj's weight pulled into L2 beside attention, batched graphs)
-                with SidePrefetch(self.o_proj.weight, qkv.shape[0]):
-                    o = self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale)
-                return self.o_proj(o, add_to=add_to)
+                return self.o_proj(self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale),
+                                   add_to=add_to)
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
             q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,

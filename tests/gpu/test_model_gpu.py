@@ -19,7 +19,6 @@ from gyrfalcon.bench.make_checkpoint import make_checkpoint  # noqa: E402
 from gyrfalcon.engine.request import Request  # noqa: E402
 from gyrfalcon.engine.scheduler import ScheduledRequest  # noqa: E402
 from gyrfalcon.forward_context import forward_context  # noqa: E402
-from gyrfalcon.layers import side_prefetch  # noqa: E402
 from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
 
 STEPS = 32
@@ -65,7 +64,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "attn-l2-prefetch"])
+                                  "one-pass-b1"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -90,9 +89,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     steps' input copy and the sampled tokens' copy back in the compute stream (GYRFALCON_SIDE_STREAM_COPIES=0; every
     other mode runs them on side streams, the default since run 69); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
     the norm's rstd after the dot even where the row spans several tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by
-    default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; attn-l2-prefetch:
-    the decode graphs of 2-8 rows prefetch o_proj's weight into L2 on a side branch beside attention
-    (GYRFALCON_ATTN_L2_PREFETCH=8; off by default)."""
+    default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
@@ -124,12 +121,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
     monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0" if mode == "inline-copies" else "1")
-    monkeypatch.setenv("GYRFALCON_ATTN_L2_PREFETCH", "8" if mode == "attn-l2-prefetch" else "0")
-    forks = side_prefetch.FORKS[0]
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS)
-    # every layer of each captured size 2..8 (and their warm-ups) forked the prefetch; no other mode forks
-    assert (side_prefetch.FORKS[0] > forks) == (mode == "attn-l2-prefetch")
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     if mode == "graph-logits":
         assert llm.engine.runner.graph_runner.with_logits
