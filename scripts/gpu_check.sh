@@ -36,6 +36,8 @@
 #                the winners at 256 together in the model, Qwen3-0.6B b1 ABAB
 #   b1tile       batch-1 decode attention's split tiles: 64 keys (B1_SPLIT_TILE, the default since run 77) vs 128,
 #                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
+#   gemv16       the GEMV kernel's 16-row launch shapes swept wide (split-K, 8 warps, 6 stages; small_m_gemv.py --wide)
+#                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -268,6 +270,30 @@ if has b1tile; then  # batch-1 decode attention's 64-key split tiles (the defaul
     if [ "${run#*_}" = 128 ]; then lat q06 1 tile4k_$run GYRFALCON_DECODE_ATTN_CONFIG=128,8 --input-len=4096
     else lat q06 1 tile4k_$run --input-len=4096; fi
   done
+fi
+if has gemv16; then  # 16-row GEMV launch shapes (split-K, 8 warps, deeper pipelines) for Llama-8B's b16 GEMMs
+  step gpu_gemv16_tests 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k wide_row -p no:cacheprovider
+  step gemv16_sweep 330 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 16 \
+    --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv16_sweep.json"
+  # A shape's best launch where >= 2% faster than what the b16 graph runs now: the GEMV kernel's default shape for
+  # o_proj / down_proj, cuBLAS (the sweep's "unfused") for qkv; all together in the model, Llama-8B b16 ABAB.
+  PICK=$(python3 - "$R/gemv16_sweep.json" <<'PY' 2>/dev/null
+import json, sys
+picks = []
+for r in json.load(open(sys.argv[1]))["gemv"]:
+    now = r["unfused_us"] if r["shape"].endswith("_plain") else r["default_us"]
+    if r["best_us"] <= 0.98 * now:
+        picks.append(f"{r['N']}x{r['K']}=" + ",".join(map(str, r["best_config"])))
+print(";".join(picks))
+PY
+)
+  echo "gemv16 sweep picks: ${PICK:-none}"
+  if [ -n "$PICK" ]; then
+    ckpt l8
+    for run in a_dflt b_pick c_pick d_dflt; do
+      if [ "${run#*_}" = pick ]; then lat l8 16 g16_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK"; else lat l8 16 g16_$run; fi
+    done
+  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -111,7 +111,8 @@ def one_pass_norm_b1(K: int, block_k: int) -> bool:
 
 
 def split_k_default() -> int:
-    """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment)."""
+    """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment; up to 16 rows
+    a shape's split comes with its launch shape, rows_shape_overrides)."""
     return max(1, int(os.environ.get("GYRFALCON_GEMV_SPLIT_K", "1")))
 
 
@@ -198,6 +199,38 @@ def b1_shape_overrides(whole_row: bool = True) -> dict:
     return out
 
 
+# Launch shapes of the tensor-core path (2..PLAIN_MAX_ROWS rows) for these (N outputs, K inputs) in place of
+# default_config's; a MergedLinear (qkv, gate_up) of a listed shape also leaves cuBLAS for this kernel at those rows.
+ROWS_SHAPES: dict = {}
+
+
+def rows_shape_overrides() -> dict:
+    """Launch shapes for 2..PLAIN_MAX_ROWS rows that replace default_config's -> {(N, K): GemvConfig} (read only).
+    GYRFALCON_GEMV_ROWS_SHAPES unset: ROWS_SHAPES; set, "NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none).
+    N is the launch's output width (SiLU-and-mul: its units)."""
+    spec = os.environ.get("GYRFALCON_GEMV_ROWS_SHAPES")
+    if spec is None:
+        return ROWS_SHAPES
+    out = {}
+    for item in filter(None, (t.strip() for t in spec.split(";"))):
+        try:
+            nk, shape = item.split("=")
+            n, k = (int(v) for v in nk.lower().split("x"))
+            vals = [int(v) for v in shape.split(",")]
+            if len(vals) not in (4, 5):
+                raise ValueError
+            cfg = GemvConfig(*vals)
+        except ValueError:
+            raise ValueError(f"GYRFALCON_GEMV_ROWS_SHAPES: '{item}' is not NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k]") \
+                from None
+        pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k))
+        if not pow2 or cfg.num_warps not in (1, 2, 4, 8, 16) or not 1 <= cfg.num_stages <= 8 or cfg.split_k < 1:
+            raise ValueError(f"GYRFALCON_GEMV_ROWS_SHAPES: '{item}': BLOCK_N / BLOCK_K powers of two, warps 1-16, "
+                             "stages 1-8, split_k >= 1")
+        out[n, k] = cfg
+    return out
+
+
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
                    whole_row: bool = False) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
@@ -215,6 +248,8 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     in 0.634 ms vs 0.693 with 1024-input tiles (step 0.742 vs 0.801 ms). GYRFALCON_GEMV_WHOLE_ROW=0 turns
     it off.
     """
+    if 1 < M <= PLAIN_MAX_ROWS and (N, K) in rows_shape_overrides():
+        return rows_shape_overrides()[N, K]
     if M == 1:
         bk = min(1024, max(64, next_pow2(K)))
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).

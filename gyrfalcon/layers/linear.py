@@ -15,7 +15,7 @@ from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.kernels.skinny_gemm import skinny_gemm_rows, skinny_gemm_triton
-from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows
+from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows, rows_shape_overrides
 
 
 class Linear(nn.Module):
@@ -69,7 +69,10 @@ class MergedLinear(Linear):
         # qkv and gate_up of 2-16 rows stay with cuBLAS: they lost on this path with their norm fused (run 2)
         # and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16 4.662 / 4.673 ms per step
         # against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). Single rows only.
-        self.small_m_rows = GEMV_MAX_ROWS
+        # A shape given its own launch shape for 2+ rows (small_m_gemv.rows_shape_overrides) goes through the GEMV
+        # kernel up to plain_gemm_max_rows rows too.
+        n_out = sum(shard_sizes.values())
+        self.small_m_rows = plain_gemm_max_rows() if (n_out, in_features) in rows_shape_overrides() else GEMV_MAX_ROWS
         self.shards: Dict[object, Tuple[int, int]] = {}
         off = 0
         for sid, size in shard_sizes.items():

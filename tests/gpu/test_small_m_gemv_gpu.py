@@ -42,6 +42,32 @@ def test_matches_reference(name, M, one_pass):
         torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["l8_qkv", "l8_o", "l8_down"])
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 6, 1), (32, 256, 8, 4, 2), (64, 128, 4, 6, 4), (16, 256, 8, 4, 4)])
+def test_wide_row_launch_shapes_match_reference(name, cfg, monkeypatch):
+    """16 plain rows (the batch-16 graphs' o_proj, down_proj and, through GYRFALCON_GEMV_ROWS_SHAPES, qkv) at
+    launch shapes of benchmarks/small_m_gemv.py --wide: 8 warps, 6 stages, split-K 2 / 4, set through the
+    variable as the model would, in a CUDA graph replayed twice (split-K's arrival counters reset in-kernel)."""
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
+    K, N, _ = SHAPES[name]
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", f"{N}x{K}=" + ",".join(map(str, cfg)))
+    assert default_config(16, N, K) == GemvConfig(*cfg)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(16, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    y_ref, _ = norm_gemv_ref(x, w)
+    norm_gemv_triton(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, _ = norm_gemv_triton(x, w)
+    for _ in range(2):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("fused_prep", [False, True], ids=["qkv_prep", "prep_in_attention"])
 def test_pdl_chain_identical_in_a_graph(monkeypatch, fused_prep):
     """A chain of GEMVs, q/k-norm+rope+KV store and decode attention (each reading the previous one's

@@ -336,6 +336,57 @@ def test_b1_shape_overrides(monkeypatch):
             b1_shape_overrides()
 
 
+def test_rows_shape_overrides(monkeypatch):
+    """Launch shapes for 2-16 rows: none by default (ROWS_SHAPES); GYRFALCON_GEMV_ROWS_SHAPES sets them per (N, K),
+    split-K included, for 2..PLAIN_MAX_ROWS rows only ("" = none); malformed entries are refused by name. A
+    MergedLinear of a listed shape (qkv here) leaves cuBLAS for the GEMV up to plain_gemm_max_rows rows, the others
+    keep single rows; a listed shape runs its launch shape and matches the reference, split-K too."""
+    from gyrfalcon.kernels.small_m_gemv import (ROWS_SHAPES, GemvConfig, default_config, norm_gemv_ref,
+                                                norm_gemv_triton, rows_shape_overrides)
+    from gyrfalcon.layers.linear import Linear, MergedLinear
+    monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
+    monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
+    assert rows_shape_overrides() == ROWS_SHAPES == {}
+    base16, base1, base33 = default_config(16, 4096, 4096), default_config(1, 4096, 4096), default_config(33, 4096, 4096)
+    assert MergedLinear(4096, {"q": 4096, "k": 1024, "v": 1024}).small_m_rows == 1
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "4096x4096=64,128,8,6,2; 6144x4096=16,512,4,4")
+    assert rows_shape_overrides() == {(4096, 4096): GemvConfig(64, 128, 8, 6, 2), (6144, 4096): GemvConfig(16, 512, 4, 4, 1)}
+    assert default_config(16, 4096, 4096) == GemvConfig(64, 128, 8, 6, 2) == default_config(2, 4096, 4096)
+    # single rows, more than 16 rows and unlisted shapes keep their defaults
+    assert default_config(1, 4096, 4096) == base1 and default_config(33, 4096, 4096) == base33
+    assert default_config(16, 4096, 14336) == default_config(16, 4096, 14336, elem_size=2)
+    assert MergedLinear(4096, {"q": 4096, "k": 1024, "v": 1024}).small_m_rows == 16
+    assert MergedLinear(4096, {0: 14336, 1: 14336}).small_m_rows == 1
+    assert Linear(4096, 4096).small_m_rows == 16
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "")
+    assert rows_shape_overrides() == {} and default_config(16, 4096, 4096) == base16
+    for bad in ("4096x4096=64,128,8", "4096=64,128,8,6", "4096x4096=48,128,8,6", "4096x4096=64,128,3,6",
+                "4096x4096=64,128,8,6,0", "4096x4096=64,128,8,6,2,1"):
+        monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", bad)
+        with pytest.raises(ValueError, match="GYRFALCON_GEMV_ROWS_SHAPES"):
+            rows_shape_overrides()
+    # the launch takes it: 3 rows over K = 200, split 3 ways (its own launch shape, no config passed)
+    x, _, w, _ = _data(3, 200, 48, torch.float32, False)
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "48x200=16,32,4,2,3")
+    assert default_config(3, 48, 200).split_k == 3
+    torch.testing.assert_close(norm_gemv_triton(x, w)[0], norm_gemv_ref(x, w)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_wide_sweep_configs_fit_shared_memory():
+    """benchmarks/small_m_gemv.py --wide at 2-16 rows: split-K 1 / 2 / 4, 8 warps and 6 stages among the launch
+    shapes, each within ~220 KB of weight + input tiles; without --wide (and at 1 or 64 rows) the old grids."""
+    from benchmark_scripts import load_benchmark
+    bench = load_benchmark("small_m_gemv")
+    wide = list(bench.sweep_configs(16, wide=True))
+    assert {c.split_k for c in wide} == {1, 2, 4} and {c.num_warps for c in wide} == {4, 8}
+    assert max(c.num_stages for c in wide) == 6 and {c.block_k for c in wide} == {128, 256, 512}
+    assert all((c.block_n + 16) * c.block_k * 2 * c.num_stages <= 220 * 1024 for c in wide)
+    assert len(wide) == len(set(wide)) > 50
+    assert list(bench.sweep_configs(16)) == list(bench.sweep_configs(16, wide=False))
+    assert all(c.split_k == 1 and c.num_warps == 4 for c in bench.sweep_configs(16))
+    assert list(bench.sweep_configs(64, wide=True)) == list(bench.sweep_configs(64))
+
+
 def test_chain_env_benchmark_sets_each_value():
     """benchmarks/small_m_gemv.py --chain-env: every value (and unset) is in force while its chain runs and is
     timed, in alternating rounds; one row a value with its output's distance from the unset chain's (small chain,
