@@ -38,6 +38,8 @@
 #                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
 #   gemv16       the GEMV kernel's 16-row launch shapes swept wide (split-K, 8 warps, 6 stages; small_m_gemv.py --wide)
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
+#   gemvpdl      the batch-16 graphs' GEMVs under PDL (GYRFALCON_GEMV_PDL_ROWS=16) at ROWS_PICK's launch shapes: the model
+#                token tests of that mode, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -294,6 +296,20 @@ PY
       if [ "${run#*_}" = pick ]; then lat l8 16 g16_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK"; else lat l8 16 g16_$run; fi
     done
   fi
+fi
+if has gemvpdl; then  # the b16 graphs' GEMVs (o_proj after attention, down_proj after SiLU-and-mul) under PDL
+  # ROWS_PICK: the launch shapes in force on both sides (run 83's gemv16 picks: down_proj and qkv at shapes of their own)
+  PICK=${ROWS_PICK-4096x14336=32,512,4,4,1;6144x4096=64,128,4,6,1}
+  step gpu_gemv_rows_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k gemv-rows -p no:cacheprovider
+  ckpt l8
+  for run in a_pick b_pdl c_pdl d_pick; do
+    if [ "${run#*_}" = pdl ]; then lat l8 16 gpdl_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK" GYRFALCON_GEMV_PDL_ROWS=16
+    else lat l8 16 gpdl_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK"; fi
+  done
+  ckpt q06
+  for run in a_dflt b_pdl; do
+    if [ "${run#*_}" = pdl ]; then lat q06 16 gpdl_$run GYRFALCON_GEMV_PDL_ROWS=16; else lat q06 16 gpdl_$run; fi
+  done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -110,6 +110,14 @@ def one_pass_norm_b1(K: int, block_k: int) -> bool:
     return env == "1"
 
 
+def gemv_pdl_rows() -> int:
+    """Rows up to which a launch captured in a CUDA graph uses PDL (its first weight tile loaded before the wait on
+    the previous kernel): GYRFALCON_GEMV_PDL_ROWS, default 1 (batch-1 graphs only, as every other kernel); up to
+    PLAIN_MAX_ROWS puts the batch-16 graphs' o_proj / down_proj (after decode attention / SiLU-and-mul, both
+    Triton) on it as an experiment."""
+    return min(PLAIN_MAX_ROWS, max(1, int(os.environ.get("GYRFALCON_GEMV_PDL_ROWS", "1"))))
+
+
 def split_k_default() -> int:
     """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment; up to 16 rows
     a shape's split comes with its launch shape, rows_shape_overrides)."""
@@ -248,9 +256,14 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     in 0.634 ms vs 0.693 with 1024-input tiles (step 0.742 vs 0.801 ms). GYRFALCON_GEMV_WHOLE_ROW=0 turns
     it off.
     """
-    if 1 < M <= PLAIN_MAX_ROWS and (N, K) in rows_shape_overrides():
-        return rows_shape_overrides()[N, K]
-    if M == 1:
+    override = rows_shape_overrides().get((N, K)) if 1 < M <= PLAIN_MAX_ROWS else None
+    budget = 160 * 1024
+    if override is not None:
+        # A listed shape's launch; only its stages / BLOCK_K are cut below, against the --wide sweep's bound (for
+        # 4-byte weights, whose tiles are twice the bytes the sweep timed).
+        bn, bk, nw, ns = override.block_n, override.block_k, override.num_warps, override.num_stages
+        budget = 220 * 1024
+    elif M == 1:
         bk = min(1024, max(64, next_pow2(K)))
         # SiLU-and-mul streams two weight tiles per step: fewer warps, one more stage (sweep's best).
         bn, nw, ns = ((8 if N >= 8192 else 4), 4, 4) if silu_mul else (8, 8, 3)
@@ -268,14 +281,15 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
             bn *= 2
         bk, nw, ns = min(256, max(16, next_pow2(K))), 4, (3 if silu_mul else 4)
     tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
-    if M > 16:  # the input tile [BLOCK_M, BLOCK_K] is no longer small next to the weight tile
-        tile_bytes += next_pow2(M) * bk * elem_size
-    while ns > 1 and tile_bytes * ns > 160 * 1024:
+    if M > 16 or override is not None:  # the input tile [BLOCK_M, BLOCK_K] too (as the --wide sweep counts it)
+        tile_bytes += max(16, next_pow2(M)) * bk * elem_size
+    while ns > 1 and tile_bytes * ns > budget:
         ns -= 1
-    while bk > 64 and tile_bytes * ns > 160 * 1024:
+    while bk > 64 and tile_bytes * ns > budget:
         bk //= 2
         tile_bytes //= 2
-    return GemvConfig(bn, bk, nw, ns, split_k_default() if M > 16 else 1)
+    split_k = override.split_k if override is not None else split_k_default() if M > 16 else 1
+    return GemvConfig(bn, bk, nw, ns, split_k)
 
 
 if HAS_TRITON:
@@ -559,7 +573,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
-    pdl = use_pdl(x) if pdl is None else pdl
+    pdl = use_pdl(x, gemv_pdl_rows()) if pdl is None else pdl
     peel = pdl and peel_default() if peel is None else peel
     cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)

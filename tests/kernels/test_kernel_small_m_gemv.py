@@ -372,6 +372,23 @@ def test_rows_shape_overrides(monkeypatch):
     torch.testing.assert_close(norm_gemv_triton(x, w)[0], norm_gemv_ref(x, w)[0], rtol=1e-4, atol=1e-4)
 
 
+def test_gemv_pdl_rows_switch(monkeypatch):
+    """GYRFALCON_GEMV_PDL_ROWS: rows up to which a captured GEMV launch uses PDL (1 by default, at most 16); use_pdl
+    takes the bound (off CUDA it stays False); a listed launch shape keeps its split but loses stages to the shared-
+    memory bound with 4-byte weights."""
+    from gyrfalcon.kernels._common import use_pdl
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, gemv_pdl_rows
+    monkeypatch.delenv("GYRFALCON_GEMV_PDL_ROWS", raising=False)
+    assert gemv_pdl_rows() == 1
+    for env, want in (("16", 16), ("100", 16), ("0", 1), ("8", 8)):
+        monkeypatch.setenv("GYRFALCON_GEMV_PDL_ROWS", env)
+        assert gemv_pdl_rows() == want
+    assert not use_pdl(torch.zeros(4, 8), max_rows=16)
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "4096x14336=32,512,4,4,2")
+    assert default_config(16, 4096, 14336) == GemvConfig(32, 512, 4, 4, 2)
+    assert default_config(16, 4096, 14336, elem_size=4) == GemvConfig(32, 512, 4, 2, 2)  # 48 x 512 x 4 B x 2
+
+
 def test_wide_sweep_configs_fit_shared_memory():
     """benchmarks/small_m_gemv.py --wide at 2-16 rows: split-K 1 / 2 / 4, 8 warps and 6 stages among the launch
     shapes, each within ~220 KB of weight + input tiles; without --wide (and at 1 or 64 rows) the old grids."""
