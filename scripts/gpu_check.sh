@@ -38,8 +38,8 @@
 #                Qwen3-0.6B b1 ABAB at 128-token prompts, AB at 4,096
 #   gemv16       the GEMV kernel's 16-row launch shapes swept wide (split-K, 8 warps, 6 stages; small_m_gemv.py --wide)
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
-#   gemvpdl      the batch-16 graphs' GEMVs under PDL (GYRFALCON_GEMV_PDL_ROWS=16) at ROWS_PICK's launch shapes: the model
-#                token tests of that mode, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
+#   gemv16ab     the 16-row launch shapes now the default (small_m_gemv.ROWS_SHAPES) against none: GEMV and Llama model
+#                GPU tests, Llama-8B b16 ABAB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -97,7 +97,8 @@
 # dots, one process each: small_m_gemv.py --attn-tput --quick --ab-env, kernels.py --prefill-fp8-ab) and l2pf (run 58)
 # after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2; merged (run 61), minpart (run 66)
 # and earlyloads (run 68) after 6a05250; session 21's l2attn (run 82: o_proj's weight prefetched into L2 beside
-# decode attention lost at b16 and b64) after d484800.
+# decode attention lost at b16 and b64) after d484800; gemvpdl (run 84: the b16 graphs' GEMVs under PDL lost) after
+# d593341.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -297,18 +298,13 @@ PY
     done
   fi
 fi
-if has gemvpdl; then  # the b16 graphs' GEMVs (o_proj after attention, down_proj after SiLU-and-mul) under PDL
-  # ROWS_PICK: the launch shapes in force on both sides (run 83's gemv16 picks: down_proj and qkv at shapes of their own)
-  PICK=${ROWS_PICK-4096x14336=32,512,4,4,1;6144x4096=64,128,4,6,1}
-  step gpu_gemv_rows_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k gemv-rows -p no:cacheprovider
+if has gemv16ab; then  # ROWS_SHAPES (run 83's 16-row launch shapes, qkv off cuBLAS; the default since) vs none
+  step gpu_small_m_gemv 200 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -p no:cacheprovider
+  step gpu_model_rows 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider \
+    -k "llama and (graphs or eager or gemv-rows or cublas-rows or prefill-graphs)"
   ckpt l8
-  for run in a_pick b_pdl c_pdl d_pick; do
-    if [ "${run#*_}" = pdl ]; then lat l8 16 gpdl_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK" GYRFALCON_GEMV_PDL_ROWS=16
-    else lat l8 16 gpdl_$run "GYRFALCON_GEMV_ROWS_SHAPES=$PICK"; fi
-  done
-  ckpt q06
-  for run in a_dflt b_pdl; do
-    if [ "${run#*_}" = pdl ]; then lat q06 16 gpdl_$run GYRFALCON_GEMV_PDL_ROWS=16; else lat q06 16 gpdl_$run; fi
+  for run in a_rows b_none c_none d_rows; do
+    if [ "${run#*_}" = none ]; then lat l8 16 rows_$run GYRFALCON_GEMV_ROWS_SHAPES=; else lat l8 16 rows_$run; fi
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)

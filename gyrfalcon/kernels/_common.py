@@ -92,7 +92,7 @@ def pdl_mode() -> str:
     return os.environ.get("GYRFALCON_PDL", "auto")
 
 
-def use_pdl(t: torch.Tensor, max_rows: int = 1) -> bool:
+def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
     compute capability >= 9.0, with a Triton that has grid-dependency control, not under the
@@ -104,8 +104,9 @@ def use_pdl(t: torch.Tensor, max_rows: int = 1) -> bool:
     decode attention alone at batch 16 it was slower (12.4 -> 15.2 us). Whether it pays even there
     depends on the model: in run 9-10 the Qwen3-0.6B batch-1 graph replayed in 0.729 ms with it and
     0.802 without, Llama-3.1-8B's in 4.289 with it and 3.971 without; hence the runner's timed choice.
-    max_rows: a launch of up to that many rows qualifies (the GEMV's GYRFALCON_GEMV_PDL_ROWS experiment)."""
-    if t.dim() == 0 or not 1 <= t.shape[0] <= max_rows or not pdl_possible(t):
+    The batch-16 graphs' o_proj / down_proj GEMVs under PDL lost too (run 84: Llama-3.1-8B b16 4.674 / 4.681 ms a
+    step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213)."""
+    if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
         return False
     return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
 

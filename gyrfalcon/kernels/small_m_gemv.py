@@ -110,14 +110,6 @@ def one_pass_norm_b1(K: int, block_k: int) -> bool:
     return env == "1"
 
 
-def gemv_pdl_rows() -> int:
-    """Rows up to which a launch captured in a CUDA graph uses PDL (its first weight tile loaded before the wait on
-    the previous kernel): GYRFALCON_GEMV_PDL_ROWS, default 1 (batch-1 graphs only, as every other kernel); up to
-    PLAIN_MAX_ROWS puts the batch-16 graphs' o_proj / down_proj (after decode attention / SiLU-and-mul, both
-    Triton) on it as an experiment."""
-    return min(PLAIN_MAX_ROWS, max(1, int(os.environ.get("GYRFALCON_GEMV_PDL_ROWS", "1"))))
-
-
 def split_k_default() -> int:
     """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment; up to 16 rows
     a shape's split comes with its launch shape, rows_shape_overrides)."""
@@ -209,7 +201,13 @@ def b1_shape_overrides(whole_row: bool = True) -> dict:
 
 # Launch shapes of the tensor-core path (2..PLAIN_MAX_ROWS rows) for these (N outputs, K inputs) in place of
 # default_config's; a MergedLinear (qkv, gate_up) of a listed shape also leaves cuBLAS for this kernel at those rows.
-ROWS_SHAPES: dict = {}
+# Llama-3.1-8B's at 16 rows from the wide sweep (benchmarks/small_m_gemv.py --wide, H200 run 83, L2-cold,
+# gemv16_sweep-h200-2026-12-02-run83.json): down_proj 30.54 us at 512-input steps against 31.64 at the default 256
+# (cuBLAS 32.25), qkv 15.28 at 64 columns / 6 stages against cuBLAS's 15.81, o_proj 11.48 against 11.65. down_proj
+# and qkv together in the model, same call ABAB: Llama-8B b16 4.444 / 4.444 ms a step (steady medians) against
+# 4.504 / 4.504 (latency_llama-3.1-8b_b16_g16_*-run83.json); split-K and 8 warps never won.
+ROWS_SHAPES: dict = {(4096, 14336): GemvConfig(32, 512, 4, 4), (6144, 4096): GemvConfig(64, 128, 4, 6),
+                     (4096, 4096): GemvConfig(32, 512, 4, 4)}
 
 
 def rows_shape_overrides() -> dict:
@@ -573,7 +571,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, r_out
-    pdl = use_pdl(x, gemv_pdl_rows()) if pdl is None else pdl
+    pdl = use_pdl(x) if pdl is None else pdl
     peel = pdl and peel_default() if peel is None else peel
     cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)

@@ -92,19 +92,17 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     other mode runs them on side streams, the default since run 69); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
     the norm's rstd after the dot even where the row spans several tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by
     default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; gemv-rows: batches of
-    2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at launch shapes of their own (GYRFALCON_GEMV_ROWS_SHAPES:
-    512-input steps, 6 stages, split-K 2; qkv off cuBLAS) under PDL (GYRFALCON_GEMV_PDL_ROWS=16, GYRFALCON_PDL=auto);
-    the Qwen3 checkpoint's shapes are not listed (PDL only)."""
+    2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at other launch shapes than the default ROWS_SHAPES
+    (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
+    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "auto" if mode == "gemv-rows" else "0")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
     if mode == "gemv-rows":
         monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
-        monkeypatch.setenv("GYRFALCON_GEMV_PDL_ROWS", "16")
     else:
         monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
-        monkeypatch.delenv("GYRFALCON_GEMV_PDL_ROWS", raising=False)
     if mode == "one-pass-b1":
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
     else:  # the default: one pass where one tile spans a row of <= 1024 inputs
@@ -147,7 +145,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
     llama = layer0.self_attn.qkv_proj.weight.shape == (6144, 4096)
-    assert layer0.self_attn.qkv_proj.small_m_rows == (16 if mode == "gemv-rows" and llama else 1)
+    assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama and mode != "cublas-rows" else 1)
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     assert (llm.engine.runner._d2h_stream is not None) == (mode != "inline-copies")
     if not enforce_eager:

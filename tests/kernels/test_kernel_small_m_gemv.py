@@ -108,10 +108,12 @@ def test_plain_rows_switch_routes_only_plain_linears(monkeypatch):
     assert MergedLinear(8, {0: 4, 1: 4}).small_m_rows == 1  # the plain-rows switch leaves qkv / gate_up alone
 
 
-def test_multi_row_config_follows_the_sweep():
+def test_multi_row_config_follows_the_sweep(monkeypatch):
     """16 rows: 32-column tiles (64 where 64-wide tiles still give >= 2 x 132 programs), 4 stages; with
-    SiLU-and-mul's two weight tiles 3, cut to 2 where 3 would pass the 160 KB shared-memory budget."""
+    SiLU-and-mul's two weight tiles 3, cut to 2 where 3 would pass the 160 KB shared-memory budget (the rule for
+    shapes without a launch shape of their own: none listed here)."""
     from gyrfalcon.kernels.small_m_gemv import default_config
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "")
     assert tuple(default_config(16, 4096, 4096)) == (32, 256, 4, 4, 1)
     assert tuple(default_config(16, 14336, 4096, silu_mul=True)) == (64, 256, 4, 2, 1)
     assert tuple(default_config(16, 3072, 1024, silu_mul=True)) == (32, 256, 4, 3, 1)
@@ -346,7 +348,12 @@ def test_rows_shape_overrides(monkeypatch):
     from gyrfalcon.layers.linear import Linear, MergedLinear
     monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
     monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    assert rows_shape_overrides() == ROWS_SHAPES == {}
+    # by default Llama-3.1-8B's down_proj, qkv (off cuBLAS) and o_proj (run 83's sweep)
+    assert rows_shape_overrides() == ROWS_SHAPES and set(ROWS_SHAPES) == {(4096, 14336), (6144, 4096), (4096, 4096)}
+    assert default_config(16, 4096, 14336) == GemvConfig(32, 512, 4, 4, 1)
+    assert MergedLinear(4096, {"q": 4096, "k": 1024, "v": 1024}).small_m_rows == 16
+    assert MergedLinear(1024, {"q": 2048, "k": 1024, "v": 1024}).small_m_rows == 1  # Qwen3-0.6B's: not listed
+    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "")
     base16, base1, base33 = default_config(16, 4096, 4096), default_config(1, 4096, 4096), default_config(33, 4096, 4096)
     assert MergedLinear(4096, {"q": 4096, "k": 1024, "v": 1024}).small_m_rows == 1
     monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "4096x4096=64,128,8,6,2; 6144x4096=16,512,4,4")
@@ -372,18 +379,10 @@ def test_rows_shape_overrides(monkeypatch):
     torch.testing.assert_close(norm_gemv_triton(x, w)[0], norm_gemv_ref(x, w)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_gemv_pdl_rows_switch(monkeypatch):
-    """GYRFALCON_GEMV_PDL_ROWS: rows up to which a captured GEMV launch uses PDL (1 by default, at most 16); use_pdl
-    takes the bound (off CUDA it stays False); a listed launch shape keeps its split but loses stages to the shared-
-    memory bound with 4-byte weights."""
-    from gyrfalcon.kernels._common import use_pdl
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config, gemv_pdl_rows
-    monkeypatch.delenv("GYRFALCON_GEMV_PDL_ROWS", raising=False)
-    assert gemv_pdl_rows() == 1
-    for env, want in (("16", 16), ("100", 16), ("0", 1), ("8", 8)):
-        monkeypatch.setenv("GYRFALCON_GEMV_PDL_ROWS", env)
-        assert gemv_pdl_rows() == want
-    assert not use_pdl(torch.zeros(4, 8), max_rows=16)
+def test_listed_shape_loses_stages_with_4_byte_weights(monkeypatch):
+    """A listed launch shape keeps its split and BLOCK_K but loses stages to the 220 KB shared-memory bound (weight
+    and input tiles) where the weights are fp32 (twice the bytes the sweep timed)."""
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
     monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", "4096x14336=32,512,4,4,2")
     assert default_config(16, 4096, 14336) == GemvConfig(32, 512, 4, 4, 2)
     assert default_config(16, 4096, 14336, elem_size=4) == GemvConfig(32, 512, 4, 2, 2)  # 48 x 512 x 4 B x 2
