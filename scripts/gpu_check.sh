@@ -40,6 +40,8 @@
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
 #   gemv16ab     the 16-row launch shapes now the default (small_m_gemv.ROWS_SHAPES) against none: GEMV and Llama model
 #                GPU tests, Llama-8B b16 ABAB
+#   normrows16   b16 layers with RMSNorm fused into qkv and gate_up + SiLU-and-mul (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS
+#                =16) at their best wide launch shapes: the sweep, Llama-8B b16 ABAB, the Llama model token tests that way
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -278,16 +280,20 @@ if has gemv16; then  # 16-row GEMV launch shapes (split-K, 8 warps, deeper pipel
   step gpu_gemv16_tests 150 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py -k wide_row -p no:cacheprovider
   step gemv16_sweep 330 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 16 \
     --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv16_sweep.json"
-  # A shape's best launch where >= 2% faster than what the b16 graph runs now: the GEMV kernel's default shape for
-  # o_proj / down_proj, cuBLAS (the sweep's "unfused") for qkv; all together in the model, Llama-8B b16 ABAB.
+  # A shape's best launch where >= 2% faster than what the b16 graph runs now: the GEMV kernel's default shape
+  # (ROWS_SHAPES' since run 83), or cuBLAS (the sweep's "unfused") for a qkv not in the table; all together in the
+  # model (the table's other entries kept), Llama-8B b16 ABAB.
   PICK=$(python3 - "$R/gemv16_sweep.json" <<'PY' 2>/dev/null
 import json, sys
-picks = []
+from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES
+table, changed = dict(ROWS_SHAPES), False
 for r in json.load(open(sys.argv[1]))["gemv"]:
-    now = r["unfused_us"] if r["shape"].endswith("_plain") else r["default_us"]
+    listed = (r["N"], r["K"]) in table
+    now = r["unfused_us"] if r["shape"].endswith("_plain") and not listed else r["default_us"]
     if r["best_us"] <= 0.98 * now:
-        picks.append(f"{r['N']}x{r['K']}=" + ",".join(map(str, r["best_config"])))
-print(";".join(picks))
+        table[r["N"], r["K"]], changed = tuple(r["best_config"]), True
+if changed:
+    print(";".join(f"{n}x{k}=" + ",".join(map(str, c)) for (n, k), c in table.items()))
 PY
 )
   echo "gemv16 sweep picks: ${PICK:-none}"
@@ -306,6 +312,33 @@ if has gemv16ab; then  # ROWS_SHAPES (run 83's 16-row launch shapes, qkv off cuB
   for run in a_rows b_none c_none d_rows; do
     if [ "${run#*_}" = none ]; then lat l8 16 rows_$run GYRFALCON_GEMV_ROWS_SHAPES=; else lat l8 16 rows_$run; fi
   done
+fi
+if has normrows16; then  # b16 layers in 5 launches: RMSNorm (+ residual) fused into qkv and into gate_up + SiLU-and-mul
+  # (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS=16, the GEMV kernel's one-pass norm) instead of folded norms with
+  # cuBLAS gate_up and a SiLU-and-mul launch; their best wide launch shapes first (run 33 timed the fused norm at 16
+  # rows 2-5x slower than RMSNorm + cuBLAS at the launch shapes of then), then Llama-8B b16 ABAB.
+  step normrows_sweep 240 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 16 \
+    --shapes l8_qkv l8_gate_up --output-json "$R/normrows_sweep.json"
+  NPICK=$(python3 - "$R/normrows_sweep.json" <<'PY' 2>/dev/null
+import json, sys
+from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES
+table = dict(ROWS_SHAPES)  # the norm launches' (N, K) keys: qkv 6144x4096 (shared with the plain qkv), gate_up 14336x4096
+for r in json.load(open(sys.argv[1]))["gemv"]:
+    table[r["N"], r["K"]] = tuple(r["best_config"])
+print(";".join(f"{n}x{k}=" + ",".join(map(str, c)) for (n, k), c in table.items()))
+PY
+)
+  echo "normrows16 shapes: ${NPICK:-none}"
+  if [ -n "$NPICK" ]; then
+    ckpt l8
+    for run in a_dflt b_norm c_norm d_dflt; do
+      if [ "${run#*_}" = norm ]; then lat l8 16 nrows_$run GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
+        "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK"; else lat l8 16 nrows_$run; fi
+    done
+    step gpu_normrows_model 150 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
+      "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK" python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider \
+      -k "llama and (graphs or eager)"
+  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
