@@ -331,11 +331,11 @@ PY
   echo "normrows16 shapes: ${NPICK:-none}"
   if [ -n "$NPICK" ]; then
     ckpt l8
-    for run in a_dflt b_norm c_norm d_dflt; do
+    for run in ${NR_RUNS-a_dflt b_norm c_norm d_dflt}; do  # NR_RUNS="a_dflt b_norm": one pair
       if [ "${run#*_}" = norm ]; then lat l8 16 nrows_$run GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
         "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK"; else lat l8 16 nrows_$run; fi
     done
-    step gpu_normrows_model 150 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
+    [ -n "${NR_NO_TESTS:-}" ] || step gpu_normrows_model 150 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
       "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK" python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider \
       -k "llama and (graphs or eager)"
   fi
