@@ -40,8 +40,6 @@
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
 #   gemv16ab     the 16-row launch shapes now the default (small_m_gemv.ROWS_SHAPES) against none: GEMV and Llama model
 #                GPU tests, Llama-8B b16 ABAB
-#   normrows16   b16 layers with RMSNorm fused into qkv and gate_up + SiLU-and-mul (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS
-#                =16) at their best wide launch shapes: the sweep, Llama-8B b16 ABAB, the Llama model token tests that way
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -100,7 +98,7 @@
 # after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2; merged (run 61), minpart (run 66)
 # and earlyloads (run 68) after 6a05250; session 21's l2attn (run 82: o_proj's weight prefetched into L2 beside
 # decode attention lost at b16 and b64) after d484800; gemvpdl (run 84: the b16 graphs' GEMVs under PDL lost) after
-# d593341.
+# d593341; normrows16 (run 86: RMSNorm fused into the 16-row qkv / gate_up GEMVs 2-4.5x slower) after c8eac96.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -312,33 +310,6 @@ if has gemv16ab; then  # ROWS_SHAPES (run 83's 16-row launch shapes, qkv off cuB
   for run in a_rows b_none c_none d_rows; do
     if [ "${run#*_}" = none ]; then lat l8 16 rows_$run GYRFALCON_GEMV_ROWS_SHAPES=; else lat l8 16 rows_$run; fi
   done
-fi
-if has normrows16; then  # b16 layers in 5 launches: RMSNorm (+ residual) fused into qkv and into gate_up + SiLU-and-mul
-  # (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS=16, the GEMV kernel's one-pass norm) instead of folded norms with
-  # cuBLAS gate_up and a SiLU-and-mul launch; their best wide launch shapes first (run 33 timed the fused norm at 16
-  # rows 2-5x slower than RMSNorm + cuBLAS at the launch shapes of then), then Llama-8B b16 ABAB.
-  step normrows_sweep 240 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 16 \
-    --shapes l8_qkv l8_gate_up --output-json "$R/normrows_sweep.json"
-  NPICK=$(python3 - "$R/normrows_sweep.json" <<'PY' 2>/dev/null
-import json, sys
-from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES
-table = dict(ROWS_SHAPES)  # the norm launches' (N, K) keys: qkv 6144x4096 (shared with the plain qkv), gate_up 14336x4096
-for r in json.load(open(sys.argv[1]))["gemv"]:
-    table[r["N"], r["K"]] = tuple(r["best_config"])
-print(";".join(f"{n}x{k}=" + ",".join(map(str, c)) for (n, k), c in table.items()))
-PY
-)
-  echo "normrows16 shapes: ${NPICK:-none}"
-  if [ -n "$NPICK" ]; then
-    ckpt l8
-    for run in ${NR_RUNS-a_dflt b_norm c_norm d_dflt}; do  # NR_RUNS="a_dflt b_norm": one pair
-      if [ "${run#*_}" = norm ]; then lat l8 16 nrows_$run GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
-        "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK"; else lat l8 16 nrows_$run; fi
-    done
-    [ -n "${NR_NO_TESTS:-}" ] || step gpu_normrows_model 150 env GYRFALCON_NORM_GEMV_ROWS=16 GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 \
-      "GYRFALCON_GEMV_ROWS_SHAPES=$NPICK" python3 -m pytest -q tests/gpu/test_model_gpu.py -p no:cacheprovider \
-      -k "llama and (graphs or eager)"
-  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
