@@ -106,6 +106,8 @@ def bench_gemv(args, rows):
             ws = [(torch.randn(2 * N if silu else N, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(copies)]
             nw = torch.ones(K, device="cuda").bfloat16()
             kw = dict(norm_weight=nw if norm else None, residual=r if norm else None, silu_mul=silu)
+            if norm and args.unit_norm:
+                kw["unit_norm_weight"] = True  # nw is ones: the kernel skips its load (folded norms)
 
             def unfused(w):
                 h = rms_norm(x, nw, 1e-6, residual=r)[0] if norm else x
@@ -714,6 +716,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="only these GEMV shapes")
     ap.add_argument("--wide", action="store_true",
                     help="at 2-16 rows sweep 8 warps, 6 stages, 512-input steps and split-K 2 / 4 too")
+    ap.add_argument("--unit-norm", action="store_true",
+                    help="the norm shapes' launches told that the norm weight is ones (unit_norm_weight: not loaded)")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")

@@ -40,6 +40,8 @@
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
 #   gemv16ab     the 16-row launch shapes now the default (small_m_gemv.ROWS_SHAPES) against none: GEMV and Llama model
 #                GPU tests, Llama-8B b16 ABAB
+#   unitnorm     the fused norm + GEMV without loading a folded norm's weight (GYRFALCON_GEMV_UNIT_NORM=1): GPU tests, the
+#                16-row norm shapes swept, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB, Llama-8B b16 with norms fused (5 launches) AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -310,6 +312,35 @@ if has gemv16ab; then  # ROWS_SHAPES (run 83's 16-row launch shapes, qkv off cuB
   for run in a_rows b_none c_none d_rows; do
     if [ "${run#*_}" = none ]; then lat l8 16 rows_$run GYRFALCON_GEMV_ROWS_SHAPES=; else lat l8 16 rows_$run; fi
   done
+fi
+if has unitnorm; then  # the fused norm + GEMV told that a folded norm's weight is ones (GYRFALCON_GEMV_UNIT_NORM=1, off)
+  # Its [BLOCK_K] load is the K loop's one unpipelined load (sm_90 code, tests/kernels/test_compile_check.py); run 86
+  # timed the 16-row norm launches 2-4.5x slower than the plain GEMV. GPU tests, the 16-row norm shapes swept with
+  # it, batch 1 (Qwen3-0.6B ABAB, Llama-8B AB), then Llama-8B b16 with the norms fused into qkv and gate_up + SiLU at
+  # the sweep's shapes (5 launches a layer) against the default.
+  step gpu_unitnorm_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k unit-norm -p no:cacheprovider
+  step unitnorm_sweep 200 python3 benchmarks/small_m_gemv.py --skip-attention --unit-norm --wide --ms 16 \
+    --shapes l8_qkv l8_gate_up --output-json "$R/unitnorm_sweep.json"
+  ckpt q06
+  for run in a_0 b_1 c_1 d_0; do lat q06 1 unorm_$run GYRFALCON_GEMV_UNIT_NORM=${run#*_}; done
+  ckpt l8
+  for run in a_0 b_1; do lat l8 1 unorm_$run GYRFALCON_GEMV_UNIT_NORM=${run#*_}; done
+  UPICK=$(python3 - "$R/unitnorm_sweep.json" <<'PY' 2>/dev/null
+import json, sys
+from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES
+table = dict(ROWS_SHAPES)
+for r in json.load(open(sys.argv[1]))["gemv"]:
+    table[r["N"], r["K"]] = tuple(r["best_config"])
+print(";".join(f"{n}x{k}=" + ",".join(map(str, c)) for (n, k), c in table.items()))
+PY
+)
+  echo "unitnorm b16 shapes: ${UPICK:-none}"
+  if [ -n "$UPICK" ]; then
+    for run in a_dflt b_norm; do
+      if [ "${run#*_}" = norm ]; then lat l8 16 unorm_$run GYRFALCON_GEMV_UNIT_NORM=1 GYRFALCON_NORM_GEMV_ROWS=16 \
+        GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 "GYRFALCON_GEMV_ROWS_SHAPES=$UPICK"; else lat l8 16 unorm_$run; fi
+    done
+  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
