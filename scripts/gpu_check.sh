@@ -42,6 +42,8 @@
 #                GPU tests, Llama-8B b16 ABAB
 #   unitnorm     the fused norm + GEMV without loading a folded norm's weight (GYRFALCON_GEMV_UNIT_NORM=1): GPU tests, the
 #                16-row norm shapes swept, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB, Llama-8B b16 with norms fused (5 launches) AB
+#   latestore    decode attention with the new token attended from registers and stored after the loop
+#                (GYRFALCON_DECODE_LATE_STORE=1): GPU tests, the fused-prep launch A/B at b16 / b64, Llama-8B b16 and b64 ABAB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -341,6 +343,17 @@ PY
         GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 "GYRFALCON_GEMV_ROWS_SHAPES=$UPICK"; else lat l8 16 unorm_$run; fi
     done
   fi
+fi
+if has latestore; then  # decode attention attends to the new token from registers, stores it after its loop
+  # (GYRFALCON_DECODE_LATE_STORE=1, off): no store -> barrier -> reload between the prep and the first K/V loads
+  step gpu_latestore_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_model_gpu.py \
+    -k "late" -p no:cacheprovider
+  step latestore_attn_ab 150 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_LATE_STORE \
+    --output-json "$R/latestore_attn_ab.json"
+  ckpt l8
+  for B in 16 64; do
+    for run in a_0 b_1 c_1 d_0; do lat l8 $B late_$run GYRFALCON_DECODE_LATE_STORE=${run#*_}; done
+  done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
