@@ -353,6 +353,7 @@ if has latestore; then  # decode attention attends to the new token from registe
   ckpt l8
   for B in 16 64; do
     for run in a_0 b_1 c_1 d_0; do lat l8 $B late_$run GYRFALCON_DECODE_LATE_STORE=${run#*_}; done
+    lat l8 $B late_e_1_early GYRFALCON_DECODE_LATE_STORE=1 GYRFALCON_DECODE_EARLY_LOADS=1  # with the early loads
   done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
