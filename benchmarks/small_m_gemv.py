@@ -444,11 +444,16 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
             continue
         t_default = timed()
         res = {}
+        # (64, 8, 3 / 2): the batch-1 prefetching launch's shape since run 77; (256, 4 / 8, 1): a whole short
+        # context in one tile, all its loads issued at once (one stage: 128 KB of K/V)
         grid = itertools.product((False, True), (1, 2, 4), ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
-                                                            (32, 4, 3), (128, 8, 3)))
+                                                            (32, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2),
+                                                            (256, 4, 1), (256, 8, 1)))
         for prefetch, splits, (bn, nw, ns) in grid:
-            if quick and (nw == 8 or bn == 32):
+            if quick and (nw == 8 or bn == 32 or bn == 256):
                 continue
+            if bn == 256 and (prefetch or splits > 1):
+                continue  # one tile holds the whole context: one split, nothing to prefetch ahead of the prep
             if splits > 1 and bn * (splits - 1) >= ctx:
                 continue  # splits past the context are empty: the same as fewer splits
             try:
