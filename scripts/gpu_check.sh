@@ -9,8 +9,8 @@
 #   ktests       the kernel tests only
 #   attnsweep    decode-attention launch shapes at short contexts
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
-#                and 144-250 tokens: first tile before the prep or not, splits, launch shapes; cuBLAS's decode GEMMs
-#                with swapped operands (benchmarks/skinny_gemm.py)
+#                and 144-250 tokens: first tile before the prep or not, splits, launch shapes (64-key tiles at 8 warps
+#                and a one-stage 256-key tile since session 22)
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES,
 #                the default since run 69) or in the compute stream: the model token tests with them in the stream
 #                (mode inline-copies), then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
@@ -44,6 +44,8 @@
 #                16-row norm shapes swept, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB, Llama-8B b16 with norms fused (5 launches) AB
 #   latestore    decode attention with the new token attended from registers and stored after the loop
 #                (GYRFALCON_DECODE_LATE_STORE=1): GPU tests, the fused-prep launch A/B at b16 / b64, Llama-8B b16 and b64 ABAB
+#   attnpf       batched decode attention with the batch-1 prefetch (GYRFALCON_ATTN_PREFETCH=1, 64-key tiles at 8 warps):
+#                Llama model token tests, Llama-8B b16 ABAB, b64 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -161,8 +163,18 @@ if has attnsweep; then  # decode-attention launch shapes at the model rows' shor
   step attn_sweep 240 python3 benchmarks/small_m_gemv.py --attn-sweep --output-json "$R/decode_attn_sweep.json"
 fi
 if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b64 rows' contexts; cuBLAS operand order
-  step attn_prep_sweep 330 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
-  step skinny_swap 120 python3 benchmarks/skinny_gemm.py --ms 16 64 --output-json "$R/skinny_gemm_swap.json"
+  # (run 65 also timed skinny_gemm.py --ms 16 64 here; the sweep's grid has grown since, so it runs alone)
+  step attn_prep_sweep 500 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
+fi
+if has attnpf; then  # batched decode attention with the batch-1 graphs' prefetch (GYRFALCON_ATTN_PREFETCH=1; by default
+  # only under PDL): since run 77 its launch is 64-key tiles at 8 warps, so at b16 (4 splits, 64 keys each at ~190
+  # tokens) every key's tile loads before the prep; run 65 timed the prefetch at b16 only at 4 warps or 128-key
+  # tiles (all lost). Model token tests that way, then Llama-8B b16 ABAB and b64 AB against the default.
+  step gpu_attnpf_model 200 env GYRFALCON_ATTN_PREFETCH=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -p no:cacheprovider -k "llama and (graphs or eager)"
+  ckpt l8
+  for run in a_pdl b_1 c_1 d_pdl; do lat l8 16 apf_$run GYRFALCON_ATTN_PREFETCH=${run#*_}; done
+  for run in a_pdl b_1; do lat l8 64 apf_$run GYRFALCON_ATTN_PREFETCH=${run#*_}; done
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider
