@@ -73,6 +73,13 @@ def graph_time_us(fns, reps: int = 5) -> float:
 
 
 def sweep_configs(M: int, wide: bool = False):
+    if wide and M > 16:
+        # --wide at 17-64 rows: 64-row tiles with 256-input steps, 8 warps and 128-column tiles too, within ~220 KB
+        for bn, bk, (nw, ns), sk in itertools.product((32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 3)),
+                                                        (1, 2, 4)):
+            if (bn + 64) * bk * 2 * ns <= 220 * 1024:
+                yield GemvConfig(bn, bk, nw, ns, sk)
+        return
     if wide and 1 < M <= 16:
         # --wide: 8 warps, deeper pipelines, 512-input steps and split-K too (2-4 programs a column tile), within
         # ~220 KB of shared memory (weight and input tiles times stages)
@@ -720,7 +727,8 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="rows (at most 64)")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="only these GEMV shapes")
     ap.add_argument("--wide", action="store_true",
-                    help="at 2-16 rows sweep 8 warps, 6 stages, 512-input steps and split-K 2 / 4 too")
+                    help="at 2-16 rows sweep 8 warps, 6 stages, 512-input steps and split-K 2 / 4 too; at 17-64 rows "
+                         "256-input steps, 8 warps and 128-column tiles")
     ap.add_argument("--unit-norm", action="store_true",
                     help="the norm shapes' launches told that the norm weight is ones (unit_norm_weight: not loaded)")
     ap.add_argument("--skip-attention", action="store_true")

@@ -46,6 +46,7 @@
 #                (GYRFALCON_DECODE_LATE_STORE=1): GPU tests, the fused-prep launch A/B at b16 / b64, Llama-8B b16 and b64 ABAB
 #   attnpf       batched decode attention with the batch-1 prefetch (GYRFALCON_ATTN_PREFETCH=1, 64-key tiles at 8 warps):
 #                Llama model token tests, Llama-8B b16 ABAB, b64 AB
+#   gemv64       the GEMV kernel's 64-row launch shapes swept wide against cuBLAS on Llama-8B's b64 GEMMs (sweep only)
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -367,6 +368,11 @@ if has latestore; then  # decode attention attends to the new token from registe
     for run in a_0 b_1 c_1 d_0; do lat l8 $B late_$run GYRFALCON_DECODE_LATE_STORE=${run#*_}; done
     lat l8 $B late_e_1_early GYRFALCON_DECODE_LATE_STORE=1 GYRFALCON_DECODE_EARLY_LOADS=1  # with the early loads
   done
+fi
+if has gemv64; then  # the GEMV kernel's 64-row launch shapes swept wide (256-input steps, 8 warps, 128-column tiles) on
+  # Llama-8B's b64 o_proj / down_proj / qkv against cuBLAS (68-78% of HBM there; run 30's narrower grid only tied it)
+  step gemv64_sweep 400 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 64 \
+    --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv64_sweep.json"
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

@@ -442,7 +442,8 @@ def test_unit_norm_switch_reaches_the_layers(monkeypatch):
 
 def test_wide_sweep_configs_fit_shared_memory():
     """benchmarks/small_m_gemv.py --wide at 2-16 rows: split-K 1 / 2 / 4, 8 warps and 6 stages among the launch
-    shapes, each within ~220 KB of weight + input tiles; without --wide (and at 1 or 64 rows) the old grids."""
+    shapes, each within ~220 KB of weight + input tiles; at 64 rows 256-input steps and 8 warps, within the same
+    bound with the 64-row input tile; without --wide the old grids."""
     from benchmark_scripts import load_benchmark
     bench = load_benchmark("small_m_gemv")
     wide = list(bench.sweep_configs(16, wide=True))
@@ -452,7 +453,10 @@ def test_wide_sweep_configs_fit_shared_memory():
     assert len(wide) == len(set(wide)) > 50
     assert list(bench.sweep_configs(16)) == list(bench.sweep_configs(16, wide=False))
     assert all(c.split_k == 1 and c.num_warps == 4 for c in bench.sweep_configs(16))
-    assert list(bench.sweep_configs(64, wide=True)) == list(bench.sweep_configs(64))
+    w64 = list(bench.sweep_configs(64, wide=True))
+    assert {c.block_k for c in w64} == {64, 128, 256} and {c.num_warps for c in w64} == {4, 8}
+    assert all((c.block_n + 64) * c.block_k * 2 * c.num_stages <= 220 * 1024 for c in w64)
+    assert not any(c.block_k == 256 or c.num_warps == 8 for c in bench.sweep_configs(64))  # the old grid had neither
 
 
 def test_chain_env_benchmark_sets_each_value():
