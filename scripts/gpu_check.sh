@@ -47,6 +47,7 @@
 #   attnpf       batched decode attention with the batch-1 prefetch (GYRFALCON_ATTN_PREFETCH=1, 64-key tiles at 8 warps):
 #                Llama model token tests, Llama-8B b16 ABAB, b64 AB
 #   gemv64       the GEMV kernel's 64-row launch shapes swept wide against cuBLAS on Llama-8B's b64 GEMMs (sweep only)
+#   pdlrows      the batched graphs under PDL (GYRFALCON_PDL_ROWS=16): model token tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -373,6 +374,15 @@ if has gemv64; then  # the GEMV kernel's 64-row launch shapes swept wide (256-in
   # Llama-8B's b64 o_proj / down_proj / qkv against cuBLAS (68-78% of HBM there; run 30's narrower grid only tied it)
   step gemv64_sweep 400 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 64 \
     --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv64_sweep.json"
+fi
+if has pdlrows; then  # the batched graphs' Triton kernels under PDL as the batch-1 graphs run them (GYRFALCON_PDL_ROWS)
+  # qkv's GEMV (off cuBLAS since run 83) -> decode attention (its first K/V tile before the wait) -> o_proj's GEMV form a
+  # PDL chain at b16; run 84 put only o_proj / down_proj under PDL, behind predecessors that never triggered early.
+  step gpu_pdlrows_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k pdl-rows -p no:cacheprovider
+  ckpt l8
+  for run in a_1 b_16 c_16 d_1; do lat l8 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
+  ckpt q06
+  for run in a_1 b_16; do lat q06 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
