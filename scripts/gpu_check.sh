@@ -381,6 +381,8 @@ if has pdlrows; then  # the batched graphs' Triton kernels under PDL as the batc
   step gpu_pdlrows_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k pdl-rows -p no:cacheprovider
   ckpt l8
   for run in a_1 b_16 c_16 d_1; do lat l8 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
+  # once without the GEMVs' peeled first tile (32 KB a program in registers at 512-input steps)
+  lat l8 16 pdlr_e_16_nopeel GYRFALCON_PDL_ROWS=16 GYRFALCON_GEMV_PEEL=0
   ckpt q06
   for run in a_1 b_16; do lat q06 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
 fi
