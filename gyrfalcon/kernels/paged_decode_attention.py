@@ -550,9 +550,9 @@ def early_loads_default() -> bool:
 
 
 def late_store_default() -> bool:
-    """Whether decode attention with prep and without the prefetch patches the new token's K/V into its tile from
-    registers and stores it after the loop (the kernel's LATE_STORE) instead of storing it, waiting at a barrier and
-    reading it back with the tile: GYRFALCON_DECODE_LATE_STORE=1; off by default until timed on the GPU
+    """Whether decode attention with prep and without the prefetch attends to the new token's K/V from registers after
+    its loop and stores it last (the kernel's LATE_STORE) instead of storing it, waiting at a barrier and reading it
+    back with its tile: GYRFALCON_DECODE_LATE_STORE=1; off by default until timed on the GPU
     (gpu_check.sh latestore). Under Nsight Compute (run 63) the batch-64 launch's loop spent 40% of its stall samples
     at a barrier waiting for K/V; the store ahead of it also keeps the compiler from issuing the loop's cache loads
     earlier (they may alias it)."""
@@ -741,7 +741,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     partials=True: no reduce; returns DecodePartials. prefetch (prep
     only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row. early_loads (prep without
     the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's. late_store (prep without the
-    prefetch; default late_store_default()): the new K/V patched into its tile and stored after the loop."""
+    prefetch; default late_store_default()): the new K/V attended from registers after the loop and stored last."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]

@@ -66,11 +66,11 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shard_sizes: Dict[object, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias)
-        # qkv and gate_up of 2-16 rows stay with cuBLAS: they lost on this path with their norm fused (run 2)
-        # and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16 4.662 / 4.673 ms per step
-        # against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). Single rows only.
-        # A shape given its own launch shape for 2+ rows (small_m_gemv.rows_shape_overrides) goes through the GEMV
-        # kernel up to plain_gemm_max_rows rows too.
+        # qkv and gate_up of 2-16 rows stay with cuBLAS at default_config's launch shapes: they lost on this path
+        # with their norm fused (run 2) and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16
+        # 4.662 / 4.673 ms per step against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). A shape with a
+        # 2+-row launch shape of its own (small_m_gemv.rows_shape_overrides; Llama-8B's qkv since run 83) goes
+        # through the GEMV kernel up to plain_gemm_max_rows rows; other shapes single rows only.
         n_out = sum(shard_sizes.values())
         self.small_m_rows = plain_gemm_max_rows() if (n_out, in_features) in rows_shape_overrides() else GEMV_MAX_ROWS
         self.shards: Dict[object, Tuple[int, int]] = {}
