@@ -375,6 +375,18 @@ if has gemv64; then  # the GEMV kernel's 64-row launch shapes swept wide (256-in
   step gemv64_sweep 400 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 64 \
     --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv64_sweep.json"
 fi
+if has tile256; then  # batched decode attention with prep at b16 in one split of 256-key tiles, 8 warps, 1 stage (run 90's
+  # prepsweep: 9.20-10.75 us vs the default 128-key / 4-warp / 3-stage 12.49-12.89 at 144-250 tokens)
+  step gpu_tile256_model 200 env GYRFALCON_DECODE_ATTN_CONFIG=256,8,1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
+    -k "llama and graphs" -p no:cacheprovider
+  ckpt l8
+  for run in a_dflt b_256 c_256 d_dflt; do
+    if [ "${run#*_}" = 256 ]; then lat l8 16 t256_$run GYRFALCON_DECODE_ATTN_CONFIG=256,8,1; else lat l8 16 t256_$run; fi
+  done
+  ckpt q06
+  lat q06 16 t256_a_dflt
+  lat q06 16 t256_b_256 GYRFALCON_DECODE_ATTN_CONFIG=256,8,1
+fi
 if has pdlrows; then  # the batched graphs' Triton kernels under PDL as the batch-1 graphs run them (GYRFALCON_PDL_ROWS)
   # qkv's GEMV (off cuBLAS since run 83) -> decode attention (its first K/V tile before the wait) -> o_proj's GEMV form a
   # PDL chain at b16; run 84 put only o_proj / down_proj under PDL, behind predecessors that never triggered early.
