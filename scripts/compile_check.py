@@ -187,15 +187,6 @@ def cases(mods):
         # The prep's loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS=1)
         out += [(f"{name} attention b{B} early loads, folded norms",
                  attn(B, pdl=False, fold=True, env={"GYRFALCON_DECODE_EARLY_LOADS": "1"})) for B in (16, 64, 256)]
-        # The new token patched from registers and stored after the loop (GYRFALCON_DECODE_LATE_STORE=1), with the
-        # early loads too, and on an fp8 cache
-        out += [(f"{name} attention b{B} late store{e}, folded norms",
-                 attn(B, pdl=False, fold=True, env={"GYRFALCON_DECODE_LATE_STORE": "1", "GYRFALCON_DECODE_EARLY_LOADS": e1}))
-                for B in (16, 64) for e, e1 in (("", "0"), (" + early loads", "1"))]
-        # The batched graphs under PDL (GYRFALCON_PDL_ROWS): the prefetching launch at b16 / b64
-        out += [(f"{name} attention b{B} pdl (prefetch), folded norms", attn(B, pdl=True, fold=True)) for B in (16, 64)]
-        out.append((f"{name} attention b64 late store, fp8 cache",
-                    attn(64, pdl=False, kv_dtype=torch.float8_e4m3fn, env={"GYRFALCON_DECODE_LATE_STORE": "1"})))
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),

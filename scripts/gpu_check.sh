@@ -42,12 +42,6 @@
 #                GPU tests, Llama-8B b16 ABAB
 #   unitnorm     the fused norm + GEMV without loading a folded norm's weight (GYRFALCON_GEMV_UNIT_NORM=1): GPU tests, the
 #                16-row norm shapes swept, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB, Llama-8B b16 with norms fused (5 launches) AB
-#   latestore    decode attention with the new token attended from registers and stored after the loop
-#                (GYRFALCON_DECODE_LATE_STORE=1): GPU tests, the fused-prep launch A/B at b16 / b64, Llama-8B b16 and b64 ABAB
-#   attnpf       batched decode attention with the batch-1 prefetch (GYRFALCON_ATTN_PREFETCH=1, 64-key tiles at 8 warps):
-#                Llama model token tests, Llama-8B b16 ABAB, b64 AB
-#   gemv64       the GEMV kernel's 64-row launch shapes swept wide against cuBLAS on Llama-8B's b64 GEMMs (sweep only)
-#   pdlrows      the batched graphs under PDL (GYRFALCON_PDL_ROWS=16): model token tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -357,46 +351,6 @@ PY
         GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 "GYRFALCON_GEMV_ROWS_SHAPES=$UPICK"; else lat l8 16 unorm_$run; fi
     done
   fi
-fi
-if has latestore; then  # decode attention attends to the new token from registers, stores it after its loop
-  # (GYRFALCON_DECODE_LATE_STORE=1, off): no store -> barrier -> reload between the prep and the first K/V loads
-  step gpu_latestore_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_model_gpu.py \
-    -k "late" -p no:cacheprovider
-  step latestore_attn_ab 150 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_LATE_STORE \
-    --output-json "$R/latestore_attn_ab.json"
-  ckpt l8
-  for B in 16 64; do
-    for run in a_0 b_1 c_1 d_0; do lat l8 $B late_$run GYRFALCON_DECODE_LATE_STORE=${run#*_}; done
-    lat l8 $B late_e_1_early GYRFALCON_DECODE_LATE_STORE=1 GYRFALCON_DECODE_EARLY_LOADS=1  # with the early loads
-  done
-fi
-if has gemv64; then  # the GEMV kernel's 64-row launch shapes swept wide (256-input steps, 8 warps, 128-column tiles) on
-  # Llama-8B's b64 o_proj / down_proj / qkv against cuBLAS (68-78% of HBM there; run 30's narrower grid only tied it)
-  step gemv64_sweep 400 python3 benchmarks/small_m_gemv.py --skip-attention --wide --ms 64 \
-    --shapes l8_o l8_down l8_qkv_plain --output-json "$R/gemv64_sweep.json"
-fi
-if has tile256; then  # batched decode attention with prep at b16 in one split of 256-key tiles, 8 warps, 1 stage (run 90's
-  # prepsweep: 9.20-10.75 us vs the default 128-key / 4-warp / 3-stage 12.49-12.89 at 144-250 tokens)
-  step gpu_tile256_model 200 env GYRFALCON_DECODE_ATTN_CONFIG=256,8,1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -k "llama and graphs" -p no:cacheprovider
-  ckpt l8
-  for run in a_dflt b_256 c_256 d_dflt; do
-    if [ "${run#*_}" = 256 ]; then lat l8 16 t256_$run GYRFALCON_DECODE_ATTN_CONFIG=256,8,1; else lat l8 16 t256_$run; fi
-  done
-  ckpt q06
-  lat q06 16 t256_a_dflt
-  lat q06 16 t256_b_256 GYRFALCON_DECODE_ATTN_CONFIG=256,8,1
-fi
-if has pdlrows; then  # the batched graphs' Triton kernels under PDL as the batch-1 graphs run them (GYRFALCON_PDL_ROWS)
-  # qkv's GEMV (off cuBLAS since run 83) -> decode attention (its first K/V tile before the wait) -> o_proj's GEMV form a
-  # PDL chain at b16; run 84 put only o_proj / down_proj under PDL, behind predecessors that never triggered early.
-  step gpu_pdlrows_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k pdl-rows -p no:cacheprovider
-  ckpt l8
-  for run in a_1 b_16 c_16 d_1; do lat l8 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
-  # once without the GEMVs' peeled first tile (32 KB a program in registers at 512-input steps)
-  lat l8 16 pdlr_e_16_nopeel GYRFALCON_PDL_ROWS=16 GYRFALCON_GEMV_PEEL=0
-  ckpt q06
-  for run in a_1 b_16; do lat q06 16 pdlr_$run GYRFALCON_PDL_ROWS=${run#*_}; done
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

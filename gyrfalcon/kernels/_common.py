@@ -92,12 +92,6 @@ def pdl_mode() -> str:
     return os.environ.get("GYRFALCON_PDL", "auto")
 
 
-def pdl_rows() -> int:
-    """GYRFALCON_PDL_ROWS: the most rows a launch captured in a graph may have and still use PDL (default 1: the
-    batch-1 graphs only; see use_pdl)."""
-    return max(1, int(os.environ.get("GYRFALCON_PDL_ROWS", "1") or 1))
-
-
 def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
@@ -111,11 +105,11 @@ def use_pdl(t: torch.Tensor) -> bool:
     depends on the model: in run 9-10 the Qwen3-0.6B batch-1 graph replayed in 0.729 ms with it and
     0.802 without, Llama-3.1-8B's in 4.289 with it and 3.971 without; hence the runner's timed choice.
     The batch-16 graphs' o_proj / down_proj GEMVs under PDL lost too (run 84: Llama-3.1-8B b16 4.674 / 4.681 ms a
-    step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213), their predecessors not triggering early.
-    GYRFALCON_PDL_ROWS=N (pdl_rows; an experiment, default 1) admits launches of up to N rows, so that a batched
-    graph runs the batch-1 graphs' whole chain (qkv GEMV -> attention with its K/V tile loaded before the wait ->
-    o_proj GEMV, and SiLU-and-mul's successor) under PDL."""
-    if t.dim() == 0 or not 1 <= t.shape[0] <= pdl_rows() or not pdl_possible(t):
+    step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213), their predecessors not triggering early; and
+    so did the whole batched chain under PDL, every Triton kernel of the b16 graphs (qkv GEMV -> attention with its
+    K/V tile loaded before the wait -> o_proj GEMV; run 87, GYRFALCON_PDL_ROWS=16, removed since: Llama-3.1-8B b16
+    4.749 / 4.746 ms against 4.553 / 4.552, ABAB; latency_llama-3.1-8b_b16_pdlr_*-h200-2026-12-02-run87.json)."""
+    if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
         return False
     return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
 

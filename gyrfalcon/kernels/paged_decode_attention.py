@@ -200,7 +200,7 @@ if HAS_TRITON:
         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, PREFETCH: tl.constexpr = False, GROUP_P2: tl.constexpr = 1,
         K_ROWS: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
         BLOCK_H: tl.constexpr = 16, V_STAGE: tl.constexpr = True, Q16: tl.constexpr = True,
-        EARLY_LOADS: tl.constexpr = False, LATE_STORE: tl.constexpr = False,
+        EARLY_LOADS: tl.constexpr = False,
     ):
         # ROW_SCALE (with PREP): the qkv row comes from a GEMM with the layer's input norm folded in, so the
         # q / k / v values are first scaled by rstd of the sequence's row of xs (the residual stream, HIDDEN
@@ -220,11 +220,6 @@ if HAS_TRITON:
         # batch-64 launch otherwise ran ~6 dependent round trips before its first K/V load: seq_len (the exit),
         # the residual row and position, the RoPE row and the q heads, the new K/V (inside its branch), the
         # store's barrier, the block table; with them, seq_len and position, the RoPE row, the block table.
-        # LATE_STORE (with PREP, without PREFETCH): the split holding the new token attends to it from registers after
-        # its loop (which stops short of its slot) and stores it into the cache last, so no store -> barrier ->
-        # reload sits between the prep and the first K/V loads, no store to the cache precedes them, and the tiles
-        # keep the plain path's layouts (patching them in registers, as PREFETCH does, doubled the b16 launch's
-        # shared memory and registers: 132 KB / 255 against 72 KB / 130, compile_check.py).
         if USE_PDL:
             gdc_launch_dependents()
             if not PREFETCH:
@@ -320,18 +315,6 @@ if HAS_TRITON:
                     _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo,
                                    s_vh, BLOCK_SIZE)
                 new_pos = tl.where(slot >= 0, seq_len - 1, -1)
-            elif LATE_STORE:
-                # Every program computes the new K/V (its loads are the prep's own row); only the split holding the
-                # new token (position seq_len - 1, the last active split) uses it: its loop stops short of that
-                # slot, the token is attended from registers after the loop, then stored.
-                if EARLY_LOADS:
-                    knew, vnew = _new_kv_values(kx_e, kxp_e, vx_e, kwd, kwp, cos, sin, sign, rot, scale, eps, HAS_KW,
-                                                HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty, ROW_SCALE)
-                else:
-                    knew, vnew = _new_kv(row, kvh, dk, partner, dmask, kwd, kwp, cos, sin, sign, rot, scale, eps,
-                                         HAS_KW, NUM_HEADS, HEAD_DK, kc_ptr.dtype.element_ty, vc_ptr.dtype.element_ty,
-                                         ROW_SCALE)
-                has_new = (split == n_active - 1) & (slot >= 0)
             elif split == n_active - 1:
                 if slot >= 0:
                     if EARLY_LOADS:
@@ -365,13 +348,8 @@ if HAS_TRITON:
                 m_i, l_i, acc = _attend_tile(q, k0, v0, kmask0, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST,
                                              V_STAGE, Q16)
             loop_start = start + BLOCK_N
-        loop_end = end
-        if LATE_STORE and PREP and not PREFETCH:
-            loop_end = tl.where(has_new, end - 1, end)  # the new token's slot: not read from the cache
-            # Its scores now, so that only they (not a second copy of q) stay live across the loop.
-            s_new = tl.sum(q.to(tl.float32) * knew.to(tl.float32), axis=1) * scale_log2
-        for kstart in range(loop_start, loop_end, BLOCK_N):
-            kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, loop_end, kvh, s_kb, s_ko, s_kh,
+        for kstart in range(loop_start, end, BLOCK_N):
+            kpos, kmask, k, v = _kv_tile(kc_ptr, vc_ptr, bt_row, s_bt_blk, kstart, end, kvh, s_kb, s_ko, s_kh,
                                          s_vb, s_vo, s_vh, dk, dv, BLOCK_SIZE, HEAD_DK, HEAD_DV, BLOCK_N, K_ROWS)
             if PREFETCH:
                 k = tl.where((kpos == new_pos)[None, :], knew_t, k)
@@ -379,17 +357,6 @@ if HAS_TRITON:
             m_i, l_i, acc = _attend_tile(q, k, v, kmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST, V_STAGE,
                                          Q16)
 
-        if LATE_STORE and PREP and not PREFETCH:
-            if has_new:
-                # One more online-softmax step, over the new key alone ([BLOCK_G] scores from registers).
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.math.exp2(m_i - m_new)
-                p_new = tl.math.exp2(s_new - m_new)
-                l_i = l_i * alpha + p_new
-                acc = acc * alpha[:, None] + p_new[:, None] * vnew.to(tl.float32)[None, :]
-                m_i = m_new
-                _store_kv_slot(kc_ptr, vc_ptr, slot, kvh, knew, vnew, dk, dmask, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh,
-                               BLOCK_SIZE)
         if DIRECT:
             # One split: normalize here and skip the reduce launch. seq_len 0 -> l = 0 -> zeros.
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -547,16 +514,6 @@ def early_loads_default() -> bool:
     ms against 5.189 / 5.192 off, ABAB; b16 4.582 against 4.568, one pair; latency_llama-3.1-8b_b*_early_*-
     h200-2026-12-01-run68.json); its GPU model token tests pass."""
     return os.environ.get("GYRFALCON_DECODE_EARLY_LOADS", "0") == "1"
-
-
-def late_store_default() -> bool:
-    """Whether decode attention with prep and without the prefetch attends to the new token's K/V from registers after
-    its loop and stores it last (the kernel's LATE_STORE) instead of storing it, waiting at a barrier and reading it
-    back with its tile: GYRFALCON_DECODE_LATE_STORE=1; off by default until timed on the GPU
-    (gpu_check.sh latestore). Under Nsight Compute (run 63) the batch-64 launch's loop spent 40% of its stall samples
-    at a barrier waiting for K/V; the store ahead of it also keeps the compiler from issuing the loop's cache loads
-    earlier (they may alias it)."""
-    return os.environ.get("GYRFALCON_DECODE_LATE_STORE", "0") == "1"
 
 
 def prefetch_splits() -> int:
@@ -734,14 +691,13 @@ def merge_partials_ref(parts: DecodePartials) -> torch.Tensor:
 
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
             num_warps=None, num_stages=None, merge_in_kernel=None, min_part=None, pdl=None, partials=False,
-            prefetch=None, early_loads=None, late_store=None):
+            prefetch=None, early_loads=None):
     """The split (+ reduce) launch. q: [B, n_heads, dk] queries, or with prep the fused qkv rows
     [B, (n_heads + 2 * n_kv) * dk] and prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping,
     q_norm_weight, k_norm_weight, eps, row_scale (None, or (x [B, hidden], eps): qkv_prep_ref)).
     partials=True: no reduce; returns DecodePartials. prefetch (prep
     only; default prefetch_default(pdl)): the first K/V tile loads before the qkv row. early_loads (prep without
-    the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's. late_store (prep without the
-    prefetch; default late_store_default()): the new K/V attended from registers after the loop and stored last."""
+    the prefetch; default early_loads_default()): the prep's loads issue beside seq_len's."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     n_seqs = q.shape[0]
     dk = k_cache.shape[-1]
@@ -762,9 +718,6 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if early_loads is None:
         early_loads = early_loads_default()
     early_loads = early_loads and prep is not None and not prefetch
-    if late_store is None:
-        late_store = late_store_default()
-    late_store = late_store and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
                                 one_split=num_splits == 1)
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
@@ -819,7 +772,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         PREFETCH=prefetch, GROUP_P2=next_pow2(group), K_ROWS=k_rows(n_seqs * n_kv, prefetch),
         ROW_SCALE=row_scale is not None, HIDDEN=xs.shape[-1] if row_scale is not None else 1,
         BLOCK_H=min(1024, max(16, next_pow2(xs.shape[-1]))) if row_scale is not None else 16,
-        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2, EARLY_LOADS=early_loads, LATE_STORE=late_store,
+        V_STAGE=fp8_v_staged(), Q16=q.element_size() == 2, EARLY_LOADS=early_loads,
         num_warps=nw, num_stages=ns,
         **pdl_launch_kwargs(pdl),
     )
@@ -861,8 +814,7 @@ def decode_attention_with_prep_triton(qkv, num_heads, num_kv_heads, head_dim, po
                                       row_scale=None, **launch):
     """fused_qkv_prep and decode attention in one split launch (+ the reduce): each split program
     normalizes and rotates its kv head's query group itself, and the split that holds the new token
-    writes its K/V into the cache before reading its keys back (with late_store: attends to it from registers
-    after its loop and writes it last). Decode only (one query per sequence,
+    writes its K/V into the cache before reading its keys back. Decode only (one query per sequence,
     positions[i] = seq_lens[i] - 1). launch: paged_decode_attention_triton's keyword overrides."""
     assert qkv.dim() == 2 and k_cache.shape[2] == num_kv_heads and k_cache.shape[-1] == head_dim
     prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping, q_norm_weight, k_norm_weight, eps,

@@ -226,14 +226,12 @@ def test_paged_decode(batch, max_ctx, num_splits, merge):
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (64, 1024)])
 @pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
-@pytest.mark.parametrize("pdl,prefetch,late", [(False, False, False), (True, True, False), (True, False, False),
-                                               (False, True, False), (False, False, True)],
-                         ids=["plain", "pdl-prefetch", "pdl", "prefetch", "late-store"])
-def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch, late):
+@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=["plain", "pdl-prefetch", "pdl", "prefetch"])
+def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch):
     """The q/k norm + RoPE + KV store folded into the decode-attention launch, against the unfused
-    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too, with
-    the first K/V tile loaded before the qkv row (PDL's default), and with the new token attended from registers
-    and stored after the loop (late_store, GYRFALCON_DECODE_LATE_STORE)."""
+    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too, and with
+    the first K/V tile loaded before the qkv row (PDL's default)."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
@@ -257,8 +255,7 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
     want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl, prefetch=prefetch,
-                                            late_store=late)
+                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl, prefetch=prefetch)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(kc, kc_ref, **TOL)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
@@ -454,9 +451,8 @@ def test_paged_prefill_fp8_cache(f16, monkeypatch):
     torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5), want, **TOL)
 
 
-@pytest.mark.parametrize("pdl,prefetch,late", [(False, False, False), (True, True, False), (False, False, True)],
-                         ids=["plain", "pdl-prefetch", "late-store"])
-def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, late):
+@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain", "pdl-prefetch"])
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
     double rounding) and attends over the fp8 cache."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
@@ -479,8 +475,7 @@ def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, late):
     want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, None, None, 1e-6)
     got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                            D ** -0.5, None, None, None, 1e-6, pdl=pdl, prefetch=prefetch,
-                                            late_store=late)
+                                            D ** -0.5, None, None, None, 1e-6, pdl=pdl, prefetch=prefetch)
     _fp8_ulp_close(kc, kc_ref)
     _fp8_ulp_close(vc, vc_ref)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -66,7 +66,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "gemv-rows", "unit-norm", "unit-norm-b1", "late-store", "pdl-rows"])
+                                  "one-pass-b1", "gemv-rows", "unit-norm", "unit-norm-b1"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -97,22 +97,17 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; unit-norm:
     batches of up to 8 rows with the norms fused into qkv and gate_up (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS=8),
     told that the folded norm weights are ones (GYRFALCON_GEMV_UNIT_NORM=1: not loaded); unit-norm-b1: the same
-    at batch 1 with PDL, one request at a time; late-store: decode attention attends to the new token from registers and
-    stores it after its loop (GYRFALCON_DECODE_LATE_STORE=1; the launches without the prefetch); pdl-rows: the
-    batched graphs of up to 8 rows launch their Triton kernels under PDL as the batch-1 graphs do (GYRFALCON_PDL_ROWS=8,
-    GYRFALCON_PDL=auto; decode attention then prefetches its first K/V tile)."""
+    at batch 1 with PDL, one request at a time."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1", "unit-norm-b1")  # batch-1 paths
     monkeypatch.setenv("GYRFALCON_GEMV_UNIT_NORM", "1" if mode.startswith("unit-norm") else "0")
-    monkeypatch.setenv("GYRFALCON_DECODE_LATE_STORE", "1" if mode == "late-store" else "0")
     for var in ("GYRFALCON_NORM_GEMV_ROWS", "GYRFALCON_NORM_GEMV_GATE_UP_ROWS"):
         if mode == "unit-norm":
             monkeypatch.setenv(var, "8")
         else:
             monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "auto" if mode == "pdl-rows" else "0")
-    monkeypatch.setenv("GYRFALCON_PDL_ROWS", "8" if mode == "pdl-rows" else "1")
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
     if mode == "gemv-rows":
         monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
     else:

@@ -44,21 +44,15 @@ def _case(seq_lens, H, KVH, D, rot, dtype, norm, block_size=4, seed=0):
     return [to(t) for t in (qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw)]
 
 
-# Decode-with-prep paths: plain (store, barrier, reload), the prefetched first tile, the prep's loads issued early,
-# the new token patched from registers and stored after the loop (GYRFALCON_DECODE_LATE_STORE), and the last two
-# together.
-PATHS = [(False, False, False), (True, False, False), (False, True, False), (False, False, True), (False, True, True)]
-PATH_IDS = ["plain", "prefetch", "early-loads", "late-store", "early+late"]
-
-
 @requires_triton
 @pytest.mark.parametrize("H,KVH,D,rot", [(4, 2, 32, 32), (6, 2, 16, 8), (2, 2, 64, 64)])
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch,early,late", PATHS, ids=PATH_IDS)
-def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch, early, late):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_splits, prefetch, early):
     """prefetch: the first K/V tile is loaded before the qkv row and the new token's (stale) slot is
     patched from registers; with 1 split the 47-token row's new token sits in its third tile (the loop's
     patch), with 4 splits in its last split's only tile (the prefetched tile's patch). early-loads: the prep's
@@ -69,7 +63,7 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, is_neox, kc, vc, slots, bt, sl,
                                             D ** -0.5, num_splits, qw, kw, 1e-6, block_n=16, min_part=16,
-                                            prefetch=prefetch, early_loads=early, late_store=late)
+                                            prefetch=prefetch, early_loads=early)
     assert got.shape == (len(SEQ_LENS), H, D)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -81,9 +75,10 @@ def test_fused_matches_unfused_refs(H, KVH, D, rot, is_neox, norm, dtype, num_sp
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch,early,late", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, early, late, norm):
+def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, early, norm):
     """Folded input norm (row_scale = (x, eps)): q, the new K and V scaled by each sequence's rstd(x) first, in
     every path (plain, prefetched tile, several splits); padding rows (seq_len 0) stay zero."""
     H, KVH, D, rot = 4, 2, 32, 32
@@ -95,7 +90,7 @@ def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, early, lat
                                           D ** -0.5, None, qw, kw, 1e-6, row_scale=rs)
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, rot, True, kc, vc, slots, bt, sl,
                                             D ** -0.5, num_splits, qw, kw, 1e-6, row_scale=rs, block_n=16,
-                                            min_part=16, prefetch=prefetch, early_loads=early, late_store=late)
+                                            min_part=16, prefetch=prefetch, early_loads=early)
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kc, kc_ref, **tol)
@@ -110,9 +105,10 @@ def test_row_scale_matches_the_reference(dtype, num_splits, prefetch, early, lat
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch,early,late", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
 @pytest.mark.parametrize("k_rows", ["0", "1"])
-def test_fused_equals_the_two_triton_launches(num_splits, prefetch, early, late, k_rows, monkeypatch):
+def test_fused_equals_the_two_triton_launches(num_splits, prefetch, early, k_rows, monkeypatch):
     """Same arithmetic as fused_qkv_prep's kernel followed by the plain split launch: equal outputs
     (up to the order of one reduction) and bitwise-equal caches; k_rows: GYRFALCON_DECODE_K_ROWS."""
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", k_rows)
@@ -121,7 +117,7 @@ def test_fused_equals_the_two_triton_launches(num_splits, prefetch, early, late,
     kc2, vc2 = kc.clone(), vc.clone()
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, 0.2,
                                             num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch,
-                                            early_loads=early, late_store=late)
+                                            early_loads=early)
     q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc2, vc2, slots, qw, kw, 1e-6)
     want = paged_decode_attention_triton(q, kc2, vc2, bt, sl, 0.2, num_splits, block_n=16, min_part=16)
     torch.testing.assert_close(kc, kc2, rtol=0, atol=0)
@@ -191,27 +187,6 @@ def test_prefetch_default_follows_pdl_and_the_switch(monkeypatch, env, pdl, want
     assert prefetch_default(pdl) is want
 
 
-def test_late_store_switch(monkeypatch):
-    """LATE_STORE is off unless GYRFALCON_DECODE_LATE_STORE=1 (not yet timed on the GPU), and never with the
-    prefetch (which patches its tiles anyway) or without the prep (no new token to store)."""
-    import sys
-
-    from kernels_testutil import LaunchSpy
-    from gyrfalcon.kernels.paged_decode_attention import late_store_default
-    pda = sys.modules[paged_decode_attention_triton.__module__]
-    monkeypatch.delenv("GYRFALCON_DECODE_LATE_STORE", raising=False)
-    assert not late_store_default()
-    monkeypatch.setenv("GYRFALCON_DECODE_LATE_STORE", "1")
-    assert late_store_default()
-    spy = LaunchSpy(pda._decode_split_kernel, "LATE_STORE")
-    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
-    qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, 4, 2, 32, 32, torch.float32, True)
-    for prefetch in (False, True):
-        decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc, vc, slots, bt, sl, 0.2, 1, qw, kw,
-                                          1e-6, block_n=16, prefetch=prefetch)
-    assert spy.seen == [True, False]
-
-
 def test_early_loads_switch(monkeypatch):
     """EARLY_LOADS is off unless GYRFALCON_DECODE_EARLY_LOADS=1 (it tied whole steps on the H200, run 68)."""
     from gyrfalcon.kernels.paged_decode_attention import early_loads_default
@@ -223,8 +198,9 @@ def test_early_loads_switch(monkeypatch):
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch,early,late", PATHS, ids=PATH_IDS)
-def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch, early, late):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch, early):
     """kv_cache_dtype fp8: the fused launch stores the new token as float8 e4m3 and attends over the fp8
     cache, the new token included (patched from registers under prefetch): its output equals plain decode
     attention over the cache it left behind. (The stored values themselves are checked on the GPU,
@@ -237,7 +213,7 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch, early, late
     before = kc8.view(torch.uint8).clone()
     got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc8, vc8, slots, bt, sl, 0.2,
                                             num_splits, qw, kw, 1e-6, block_n=16, min_part=16, prefetch=prefetch,
-                                            early_loads=early, late_store=late)
+                                            early_loads=early)
     q = qkv_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc.clone(), vc.clone(), slots, qw, kw, 1e-6)
     want = paged_decode_attention_ref(q, kc8, vc8, bt, sl, 0.2)
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
@@ -248,8 +224,9 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch, early, late
 
 @requires_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch,early,late", PATHS, ids=PATH_IDS)
-def test_fused_with_a_column_major_block_table(num_splits, prefetch, early, late):
+@pytest.mark.parametrize("prefetch,early", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "prefetch", "early-loads"])
+def test_fused_with_a_column_major_block_table(num_splits, prefetch, early):
     """The decode graphs' column-major block table (runner/cuda_graph.DecodeInputs), the prefetched tile
     included: the same output and cache writes as with the row-major table."""
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, 4, 2, 32, 32, torch.float32, True)
@@ -258,7 +235,7 @@ def test_fused_with_a_column_major_block_table(num_splits, prefetch, early, late
     buf = torch.full((w + 4, n + 2), 10**6, dtype=bt.dtype, device=bt.device)
     buf[:w, :n] = bt.t()
     bt_cols = buf.t()[:n]
-    args = dict(num_splits=num_splits, block_n=16, min_part=16, prefetch=prefetch, early_loads=early, late_store=late)
+    args = dict(num_splits=num_splits, block_n=16, min_part=16, prefetch=prefetch, early_loads=early)
     want = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc, vc, slots, bt, sl, 32 ** -0.5,
                                              q_norm_weight=qw, k_norm_weight=kw, **args)
     got = decode_attention_with_prep_triton(qkv, 4, 2, 32, pos, cs, 32, True, kc2, vc2, slots, bt_cols, sl,
