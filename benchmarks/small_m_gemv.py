@@ -113,8 +113,6 @@ def bench_gemv(args, rows):
             ws = [(torch.randn(2 * N if silu else N, K, device="cuda") / K ** 0.5).bfloat16() for _ in range(copies)]
             nw = torch.ones(K, device="cuda").bfloat16()
             kw = dict(norm_weight=nw if norm else None, residual=r if norm else None, silu_mul=silu)
-            if norm and args.unit_norm:
-                kw["unit_norm_weight"] = True  # nw is ones: the kernel skips its load (folded norms)
 
             def unfused(w):
                 h = rms_norm(x, nw, 1e-6, residual=r)[0] if norm else x
@@ -397,7 +395,8 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
               + ", ".join(f"{k} {v:.1f} us ({frac(v):.0%})" for k, v in res.items()), flush=True)
 
 
-def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | None = None):
+def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | None = None,
+                                      batches=(16, 64), contexts=(144, 192, 250)):
     """Decode attention with its fused prep (RoPE, KV store, folded input norm's rstd) as Llama-3.1-8B's batch 16 /
     64 decode graphs launch it, at the latency rows' contexts (128-token prompts, 128 new tokens): the kernel the
     model runs, where --attn-sweep timed the plain kernel. In the model it takes ~23 us a layer at batch 64 (50 MB
@@ -412,11 +411,13 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
     H200, run 65 (attn_prep_sweep-h200-2026-12-01-run65.json): the prefetch never won; at batch 64 the default
     (one split, 64-key tiles, 4 warps, 2 stages) was the best at 144-250 tokens (18.0-23.1 us, 51-69% of HBM); at
     batch 16 one split of 128-key tiles beat the default 4 splits (11.20 vs 11.89 us at 192 tokens), which
-    paged_decode_attention.default_min_part made the default."""
+    paged_decode_attention.default_min_part made the default. Run 90 (attn_prep_sweep-h200-2026-12-02-run90.json): at
+    batch 16 one split of 256-key tiles, 8 warps, one stage 9.20-10.75 us against 12.49-12.89 (now the default,
+    paged_decode_attention.WIDE_TILE_CONFIG). batches / contexts (--prep-batches, --prep-contexts): other rows."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     hidden = 4096
-    for B, ctx in itertools.product((16, 64), (144, 192, 250)):
+    for B, ctx in itertools.product(batches, contexts):
         layers = max(2, -(-(200 << 20) // (2 * B * ctx * 8 * 128 * 2)))
         pool = kv_pool(layers * B * (-(-ctx // 16)) + 1, "cuda")
         ins = []
@@ -459,8 +460,8 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
         for prefetch, splits, (bn, nw, ns) in grid:
             if quick and (nw == 8 or bn == 32 or bn == 256):
                 continue
-            if bn == 256 and (prefetch or splits > 1):
-                continue  # one tile holds the whole context: one split, nothing to prefetch ahead of the prep
+            if bn == 256 and prefetch:
+                continue  # a whole short context in one tile: nothing to prefetch ahead of the prep
             if splits > 1 and bn * (splits - 1) >= ctx:
                 continue  # splits past the context are empty: the same as fewer splits
             try:
@@ -729,8 +730,6 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true",
                     help="at 2-16 rows sweep 8 warps, 6 stages, 512-input steps and split-K 2 / 4 too; at 17-64 rows "
                          "256-input steps, 8 warps and 128-column tiles")
-    ap.add_argument("--unit-norm", action="store_true",
-                    help="the norm shapes' launches told that the norm weight is ones (unit_norm_weight: not loaded)")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--attn-sweep", action="store_true", help="decode-attention launch-shape sweep only")
@@ -743,6 +742,10 @@ def main() -> None:
     ap.add_argument("--attn-real", action="store_true",
                     help="decode attention as a throughput run holds it: consecutive vs scattered blocks over the "
                          "whole KV pool, one token past a tile, the fused-prep kernel")
+    ap.add_argument("--prep-batches", type=int, nargs="+", default=[16, 64],
+                    help="with --attn-prep-sweep: the batches (default 16 64)")
+    ap.add_argument("--prep-contexts", type=int, nargs="+", default=[144, 192, 250],
+                    help="with --attn-prep-sweep: the contexts in tokens (default 144 192 250: the latency rows')")
     ap.add_argument("--attn-prep-sweep", action="store_true",
                     help="decode attention with its fused prep at Llama-8B batch 16 / 64 and short contexts: prefetch, "
                          "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
@@ -779,7 +782,8 @@ def main() -> None:
         bench_decode_attention_tput(attn_rows, fp8=args.fp8, sweep=not args.quick, ab_env=args.ab_env)
     if args.attn_prep_sweep:
         args.skip_gemv = args.skip_attention = True
-        bench_decode_attention_prep_sweep(attn_rows, quick=args.quick, ab_env=args.ab_env)
+        bench_decode_attention_prep_sweep(attn_rows, quick=args.quick, ab_env=args.ab_env,
+                                          batches=args.prep_batches, contexts=args.prep_contexts)
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

@@ -10,7 +10,9 @@
 #   attnsweep    decode-attention launch shapes at short contexts
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes (64-key tiles at 8 warps
-#                and a one-stage 256-key tile since session 22)
+#                and a one-stage 256-key tile since session 22: WIDE_TILE_CONFIG, the b16 default since run 91)
+#   widetile     the b16 wide tile against GYRFALCON_DECODE_WIDE_TILE=0 up to 4,096 tokens (launch A/B), its GPU tests,
+#                Llama-8B b16 at 1,024-token prompts ABAB
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES,
 #                the default since run 69) or in the compute stream: the model token tests with them in the stream
 #                (mode inline-copies), then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
@@ -40,8 +42,6 @@
 #                on Llama-8B's o_proj / down_proj / qkv, the winners in the model (GYRFALCON_GEMV_ROWS_SHAPES), b16 ABAB
 #   gemv16ab     the 16-row launch shapes now the default (small_m_gemv.ROWS_SHAPES) against none: GEMV and Llama model
 #                GPU tests, Llama-8B b16 ABAB
-#   unitnorm     the fused norm + GEMV without loading a folded norm's weight (GYRFALCON_GEMV_UNIT_NORM=1): GPU tests, the
-#                16-row norm shapes swept, Qwen3-0.6B b1 ABAB, Llama-8B b1 AB, Llama-8B b16 with norms fused (5 launches) AB
 #   overlap      two nano-batches of a throughput decode step on two streams (benchmarks/overlap_probe.py)
 #   attntput     decode-attention launch shapes at batch 64 / 256 and 1-2k tokens, and the key-tile layout (GYRFALCON_DECODE_K_ROWS);
 #                a Llama-8B decode step's profile at batch 256 with 1024-token prompts
@@ -100,7 +100,8 @@
 # after b027b23; session 17's short256 and maxnreg (run 60: both lost) after 7cbc0b2; merged (run 61), minpart (run 66)
 # and earlyloads (run 68) after 6a05250; session 21's l2attn (run 82: o_proj's weight prefetched into L2 beside
 # decode attention lost at b16 and b64) after d484800; gemvpdl (run 84: the b16 graphs' GEMVs under PDL lost) after
-# d593341; normrows16 (run 86: RMSNorm fused into the 16-row qkv / gate_up GEMVs 2-4.5x slower) after c8eac96.
+# d593341; normrows16 (run 86: RMSNorm fused into the 16-row qkv / gate_up GEMVs 2-4.5x slower) after c8eac96; session
+# 23's attnpf, pdlrows, latestore, unitnorm, gemv64 and tile256 (runs 87-91) after 989f30d.
 # Each step has its own time limit, later steps get what is left of BUDGET seconds, and a failure does
 # not stop the later steps.
 set -u
@@ -162,15 +163,17 @@ if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b6
   # (run 65 also timed skinny_gemm.py --ms 16 64 here; the sweep's grid has grown since, so it runs alone)
   step attn_prep_sweep 500 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
 fi
-if has attnpf; then  # batched decode attention with the batch-1 graphs' prefetch (GYRFALCON_ATTN_PREFETCH=1; by default
-  # only under PDL): since run 77 its launch is 64-key tiles at 8 warps, so at b16 (4 splits, 64 keys each at ~190
-  # tokens) every key's tile loads before the prep; run 65 timed the prefetch at b16 only at 4 warps or 128-key
-  # tiles (all lost). Model token tests that way, then Llama-8B b16 ABAB and b64 AB against the default.
-  step gpu_attnpf_model 200 env GYRFALCON_ATTN_PREFETCH=1 python3 -m pytest -q tests/gpu/test_model_gpu.py \
-    -p no:cacheprovider -k "llama and (graphs or eager)"
+if has widetile; then  # batched decode attention with prep on WIDE_TILE_CONFIG (256-key tiles, 8 warps, 1 stage: the
+  # b16 default since run 91, timed only at 144-250 tokens) against GYRFALCON_DECODE_WIDE_TILE=0 at longer contexts,
+  # where a split holds several unpipelined tiles: GPU kernel / model tests, the launch A/B at b16 up to 4,096 tokens,
+  # Llama-8B b16 at 1,024-token prompts ABAB and Qwen3-0.6B b16 at 128 AB
+  step gpu_widetile_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "decode_attention_with_prep" \
+    -p no:cacheprovider
+  step gpu_widetile_model 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs or eager" -p no:cacheprovider
+  step widetile_attn_ab 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_WIDE_TILE \
+    --prep-batches 16 --prep-contexts 192 320 600 1100 2100 4100 --output-json "$R/widetile_attn_ab.json"
   ckpt l8
-  for run in a_pdl b_1 c_1 d_pdl; do lat l8 16 apf_$run GYRFALCON_ATTN_PREFETCH=${run#*_}; done
-  for run in a_pdl b_1; do lat l8 64 apf_$run GYRFALCON_ATTN_PREFETCH=${run#*_}; done
+  for run in a_1 b_0 c_0 d_1; do lat l8 16 wide1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider
@@ -322,35 +325,6 @@ if has gemv16ab; then  # ROWS_SHAPES (run 83's 16-row launch shapes, qkv off cuB
   for run in a_rows b_none c_none d_rows; do
     if [ "${run#*_}" = none ]; then lat l8 16 rows_$run GYRFALCON_GEMV_ROWS_SHAPES=; else lat l8 16 rows_$run; fi
   done
-fi
-if has unitnorm; then  # the fused norm + GEMV told that a folded norm's weight is ones (GYRFALCON_GEMV_UNIT_NORM=1, off)
-  # Its [BLOCK_K] load is the K loop's one unpipelined load (sm_90 code, tests/kernels/test_compile_check.py); run 86
-  # timed the 16-row norm launches 2-4.5x slower than the plain GEMV. GPU tests, the 16-row norm shapes swept with
-  # it, batch 1 (Qwen3-0.6B ABAB, Llama-8B AB), then Llama-8B b16 with the norms fused into qkv and gate_up + SiLU at
-  # the sweep's shapes (5 launches a layer) against the default.
-  step gpu_unitnorm_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k unit-norm -p no:cacheprovider
-  step unitnorm_sweep 200 python3 benchmarks/small_m_gemv.py --skip-attention --unit-norm --wide --ms 16 \
-    --shapes l8_qkv l8_gate_up --output-json "$R/unitnorm_sweep.json"
-  ckpt q06
-  for run in a_0 b_1 c_1 d_0; do lat q06 1 unorm_$run GYRFALCON_GEMV_UNIT_NORM=${run#*_}; done
-  ckpt l8
-  for run in a_0 b_1; do lat l8 1 unorm_$run GYRFALCON_GEMV_UNIT_NORM=${run#*_}; done
-  UPICK=$(python3 - "$R/unitnorm_sweep.json" <<'PY' 2>/dev/null
-import json, sys
-from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES
-table = dict(ROWS_SHAPES)
-for r in json.load(open(sys.argv[1]))["gemv"]:
-    table[r["N"], r["K"]] = tuple(r["best_config"])
-print(";".join(f"{n}x{k}=" + ",".join(map(str, c)) for (n, k), c in table.items()))
-PY
-)
-  echo "unitnorm b16 shapes: ${UPICK:-none}"
-  if [ -n "$UPICK" ]; then
-    for run in a_dflt b_norm; do
-      if [ "${run#*_}" = norm ]; then lat l8 16 unorm_$run GYRFALCON_GEMV_UNIT_NORM=1 GYRFALCON_NORM_GEMV_ROWS=16 \
-        GYRFALCON_NORM_GEMV_GATE_UP_ROWS=16 "GYRFALCON_GEMV_ROWS_SHAPES=$UPICK"; else lat l8 16 unorm_$run; fi
-    done
-  fi
 fi
 if has overlap; then  # attention of one half-batch beside the other half's GEMMs, on two streams (NanoFlow)
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"

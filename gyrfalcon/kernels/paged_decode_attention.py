@@ -516,6 +516,12 @@ def early_loads_default() -> bool:
     return os.environ.get("GYRFALCON_DECODE_EARLY_LOADS", "0") == "1"
 
 
+def wide_tile_default() -> bool:
+    """Whether the fused-prep launch may take WIDE_TILE_CONFIG (_decode_config): GYRFALCON_DECODE_WIDE_TILE=0 turns
+    it off (the 128-key tiles of 4 warps and 3 stages before run 91)."""
+    return os.environ.get("GYRFALCON_DECODE_WIDE_TILE", "1") != "0"
+
+
 def prefetch_splits() -> int:
     """Most splits per sequence for the prefetching launch, GYRFALCON_DECODE_PREFETCH_SPLITS (default
     MAX_SPLITS; 64: one 128-key tile per split up to 8192 tokens). The prefetch covers a split's first
@@ -571,10 +577,23 @@ _FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) progr
 B1_SPLIT_TILE = 64
 
 
+# The fused-prep launch of a 2-byte cache at (_SMALL_LAUNCH_PROGRAMS / 2, _SMALL_LAUNCH_PROGRAMS] programs (batch 16
+# at 8 kv heads): one stage of 256-key tiles at 8 warps (_decode_config). Two stages would need 256 KB of shared memory.
+WIDE_TILE_CONFIG = (256, 8, 1)
+
+
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False,
-                   one_split: bool = False):
+                   one_split: bool = False, wide_tile: bool = False):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
     one_split: the caller asked for one split (the short graphs: a whole context in one program).
+    wide_tile: the launch may take WIDE_TILE_CONFIG (the caller passes it for the fused prep on a 2-byte cache; an
+    fp32 cache's 256-key tiles need 270 KB of shared memory). H200, Llama-3.1-8B's 32 / 8 heads, batch 16 (128
+    programs), L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-02-run90.json): one split of
+    256-key tiles, 8 warps, 1 stage 9.20 / 9.85 / 10.75 us at 144 / 192 / 250 tokens against 12.49 / 12.62 / 12.89
+    for 128-key tiles at 4 warps and 3 stages (4 warps 9.78 / 10.55 / 11.57). Whole steps, same call ABAB
+    (latency_*_b16_t256_*-h200-2026-12-02-run91.json): Llama-3.1-8B batch 16 4.471 / 4.473 ms against 4.521 / 4.515,
+    Qwen3-0.6B batch 16 1.126 against 1.215. Not timed beyond 250 tokens, where a split holds several unpipelined
+    tiles.
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
     head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
@@ -598,6 +617,8 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
         return parts[0], parts[1], parts[2] if len(parts) > 2 else 3
     if head_dim <= 128:
         if programs <= _SMALL_LAUNCH_PROGRAMS:
+            if wide_tile and not prefetch and programs > _SMALL_LAUNCH_PROGRAMS // 2 and not fp8:
+                return WIDE_TILE_CONFIG
             if prefetch and not one_split:
                 return B1_SPLIT_TILE, 8, 3
             return 128, (8 if prefetch else 4), 3
@@ -719,7 +740,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         early_loads = early_loads_default()
     early_loads = early_loads and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
-                                one_split=num_splits == 1)
+                                one_split=num_splits == 1,
+                                wide_tile=prep is not None and k_cache.element_size() == 2 and wide_tile_default())
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     if num_splits is None:
         ms = prefetch_splits() if prefetch else MAX_SPLITS

@@ -401,7 +401,7 @@ if HAS_TRITON:
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
         BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
-        ADD_OUT: tl.constexpr = False, UNIT_NW: tl.constexpr = False,
+        ADD_OUT: tl.constexpr = False,
     ):
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
@@ -436,10 +436,7 @@ if HAS_TRITON:
             if SILU_MUL:
                 wu0 = tl.load(w_ptr + (cols[:, None] + N) * stride_w + ks[None, :], mask=wmask0, other=0.0)
             if HAS_NORM:
-                if UNIT_NW:
-                    nw0 = tl.full([BLOCK_K], 1.0, tl.float32)
-                else:
-                    nw0 = tl.load(nw_ptr + ks, mask=kmask0, other=0.0).to(tl.float32)
+                nw0 = tl.load(nw_ptr + ks, mask=kmask0, other=0.0).to(tl.float32)
         n_active = 0
         if MERGE_X:
             # The split kernel's own arithmetic: splits that held >= 1 key of the (single) sequence
@@ -489,13 +486,7 @@ if HAS_TRITON:
             kmask = kk < k_hi
             nw = 0.0
             if HAS_NORM:
-                if UNIT_NW:
-                    # The norm weight is all ones (folded into the weight): nothing to load. Its [BLOCK_K] load
-                    # is the loop's one global load that Triton 3.6 does not pipeline (sm_90 code: one ld.global
-                    # a K step beside the cp.async tiles), so every step would wait on it.
-                    nw = tl.full([BLOCK_K], 1.0, tl.float32)
-                else:
-                    nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
             if ONE_PASS:
                 xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw, rows, rmask, kk, kmask, stride_x,
                                                 stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
@@ -555,8 +546,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      pdl: Optional[bool] = None,
                      peel: Optional[bool] = None,
                      one_pass: Optional[bool] = None,
-                     add_to: Optional[torch.Tensor] = None,
-                     unit_norm_weight: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     add_to: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. add_to [M, N] (no norm,
     no SiLU-and-mul): y is added to it in place and add_to returned as y (a residual add done by the GEMM,
     for folded norms: GYRFALCON_FOLD_NORMS). config (or
@@ -564,9 +554,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
     one_pass_norm_default() for 2+ rows with a norm, one_pass_norm_b1() for one): the row scale of the norm
-    applied after the loop instead of a first pass over the input (the kernel's ONE_PASS). unit_norm_weight: the
-    caller vouches that norm_weight is all ones (folded into weight, layers/norm.fold_norm_into), so the kernel
-    does not load it (UNIT_NW)."""
+    applied after the loop instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
@@ -616,7 +604,6 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
         PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), ADD_OUT=add_to is not None,
-        UNIT_NW=bool(unit_norm_weight) and norm_weight is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_kwargs(pdl),
     )
@@ -683,18 +670,10 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
     return y
 
 
-def unit_norm_enabled() -> bool:
-    """Whether the models tell the kernel that a folded norm's weight is all ones (norm_gemv_triton's
-    unit_norm_weight), so it skips that weight's per-K-step load: GYRFALCON_GEMV_UNIT_NORM=1; off by default until
-    timed on the GPU (gpu_check.sh unitnorm)."""
-    return os.environ.get("GYRFALCON_GEMV_UNIT_NORM", "0") == "1"
-
-
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
               residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
-              silu_mul: bool = False, unit_norm_weight: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """norm_gemv_triton on CUDA inputs of up to MAX_M rows, else the reference (unit_norm_weight: norm_weight is
-    all ones; the reference uses it as given)."""
+              silu_mul: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """norm_gemv_triton on CUDA inputs of up to MAX_M rows, else the reference."""
     if use_triton(x) and x.shape[0] <= MAX_M:
-        return norm_gemv_triton(x, weight, norm_weight, residual, eps, silu_mul, unit_norm_weight=unit_norm_weight)
+        return norm_gemv_triton(x, weight, norm_weight, residual, eps, silu_mul)
     return norm_gemv_ref(x, weight, norm_weight, residual, eps, silu_mul)

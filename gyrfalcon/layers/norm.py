@@ -22,7 +22,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.folded = False  # fold_norm_into moved the weight into the GEMM after it
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """x: [..., hidden]. With a residual returns (norm(x + residual), x + residual)."""
@@ -49,4 +48,3 @@ def fold_norm_into(weight: torch.Tensor, norm: RMSNorm) -> None:
     g = norm.weight.float() + norm.weight_offset
     weight.data.copy_((weight.data.float() * g[None, :]).to(weight.dtype))
     norm.weight.data.fill_(1.0 - norm.weight_offset)
-    norm.folded = True  # its (weight + offset) is all ones from now on

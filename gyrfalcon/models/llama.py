@@ -14,7 +14,7 @@ from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
-from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows, unit_norm_enabled
+from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import Attention, decode_prep_fusion_enabled, fusion_enabled, small_m_gemv_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
@@ -133,7 +133,6 @@ class LlamaDecoderLayer(nn.Module):
         # Rows up to which each norm folds into the GEMV after it (single rows unless
         # GYRFALCON_NORM_GEMV_ROWS / GYRFALCON_NORM_GEMV_GATE_UP_ROWS raise them).
         self.norm_rows_qkv, self.norm_rows_gate_up = norm_gemv_rows()
-        self.unit_norm = unit_norm_enabled()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +163,6 @@ class LlamaDecoderLayer(nn.Module):
         act = self.mlp.act(self.mlp.gate_up_proj(x), row_scale=(x, ln2.eps))
         return self.mlp.down_proj(act, add_to=x)
 
-    def _unit(self, norm: RMSNorm) -> bool:
-        """Whether the fused norm + GEMV may skip loading this norm's weight: folded into the GEMM (all ones, no
-        offset) and GYRFALCON_GEMV_UNIT_NORM=1 (small_m_gemv.unit_norm_enabled, read at init)."""
-        return self.unit_norm and norm.folded and norm.weight_offset == 0
-
     def _forward_small_m(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Same math, fewer launches: [add +] norm + qkv in one kernel, norm + gate_up + SiLU-and-mul
@@ -176,8 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         rows = hidden.shape[0]
         if rows <= self.norm_rows_qkv:
-            qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps,
-                                          unit_norm_weight=self._unit(ln1))
+            qkv, new_residual = norm_gemv(hidden, self.self_attn.qkv_proj.weight, ln1.weight, residual, ln1.eps)
             residual = hidden if residual is None else new_residual
         else:
             if residual is None:
@@ -188,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, None, qkv=qkv)
         if rows <= self.norm_rows_gate_up:
             act, residual = norm_gemv(hidden, self.mlp.gate_up_proj.weight, ln2.weight, residual, ln2.eps,
-                                      silu_mul=True, unit_norm_weight=self._unit(ln2))
+                                      silu_mul=True)
         else:
             normed, residual = ln2(hidden, residual)
             act = self.mlp.act(self.mlp.gate_up_proj(normed))

@@ -224,7 +224,7 @@ def test_paged_decode(batch, max_ctx, num_splits, merge):
         assert torch.count_nonzero(got[-1]) == 0
 
 
-@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (64, 1024)])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (16, 300), (64, 1024)])
 @pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True), (True, False), (False, True)],
                          ids=["plain", "pdl-prefetch", "pdl", "prefetch"])

@@ -66,7 +66,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "gemv-rows", "unit-norm", "unit-norm-b1"])
+                                  "one-pass-b1", "gemv-rows"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -94,19 +94,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; gemv-rows: batches of
     2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at other launch shapes than the default ROWS_SHAPES
     (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
-    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; unit-norm:
-    batches of up to 8 rows with the norms fused into qkv and gate_up (GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS=8),
-    told that the folded norm weights are ones (GYRFALCON_GEMV_UNIT_NORM=1: not loaded); unit-norm-b1: the same
-    at batch 1 with PDL, one request at a time."""
+    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1", "unit-norm-b1")  # batch-1 paths
-    monkeypatch.setenv("GYRFALCON_GEMV_UNIT_NORM", "1" if mode.startswith("unit-norm") else "0")
-    for var in ("GYRFALCON_NORM_GEMV_ROWS", "GYRFALCON_NORM_GEMV_GATE_UP_ROWS"):
-        if mode == "unit-norm":
-            monkeypatch.setenv(var, "8")
-        else:
-            monkeypatch.delenv(var, raising=False)
+    one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
     monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
     if mode == "gemv-rows":
         monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
@@ -155,9 +146,6 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
     llama = layer0.self_attn.qkv_proj.weight.shape == (6144, 4096)
     assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama and mode != "cublas-rows" else 1)
-    assert layer0.unit_norm == mode.startswith("unit-norm")
-    assert layer0._unit(layer0.input_layernorm) == mode.startswith("unit-norm")  # the norms are folded (default)
-    assert layer0.uses_fused_norm_gemv(8) == (mode == "unit-norm")
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     assert (llm.engine.runner._d2h_stream is not None) == (mode != "inline-copies")
     if not enforce_eager:

@@ -267,3 +267,39 @@ def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
     assert spy.seen == [want_bn]
     torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
     torch.testing.assert_close(kc, kc_ref, rtol=1e-5, atol=1e-5)
+
+
+@requires_triton
+@pytest.mark.parametrize("wide_env", [None, "0"], ids=["wide-tile", "off"])
+def test_batch16_wide_tile(wide_env, monkeypatch):
+    """Batch 16 at 8 kv heads (128 programs) with the fused prep on a bf16 cache: by default one stage of 256-key
+    tiles at 8 warps (WIDE_TILE_CONFIG), 128-key tiles on an fp32 cache or with GYRFALCON_DECODE_WIDE_TILE=0.
+    Contexts below, across and past a 256-key tile, over 4 splits of >= 256 keys (the batched graphs' min_part): the
+    output and the cache match the references."""
+    import sys
+
+    from kernels_testutil import LaunchSpy
+    pda = sys.modules[paged_decode_attention_triton.__module__]
+    monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
+    if wide_env is None:
+        monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
+    else:
+        monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", wide_env)
+    spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
+    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
+    lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 600, 128, 33, 2, 513, 160]
+    H, KVH, D = 16, 8, 32
+    for dtype, want_bn in ((torch.bfloat16, 256 if wide_env is None else 128), (torch.float32, 128)):
+        qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(lens, H, KVH, D, D, dtype, True, block_size=16)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
+                                              D ** -0.5, None, qw, kw, 1e-6)
+        got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, D ** -0.5,
+                                                4, qw, kw, 1e-6, pdl=False, prefetch=False)
+        assert spy.seen[-1] == want_bn
+        torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(kc, kc_ref, **tol)
+        torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+        assert torch.count_nonzero(got[2]) == 0  # padding row

@@ -136,6 +136,15 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
     assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
     assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
+    # The fused prep on a 2-byte cache (wide_tile) at 65-128 programs: one stage of 256-key tiles at 8 warps;
+    # not with the prefetch, an fp8 cache, head_dim 256, or outside that band of programs.
+    assert _decode_config(128, 16 * 8, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(64, 12 * 8, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(128, 8 * 8, wide_tile=True) == (128, 4, 3)
+    assert _decode_config(128, 64 * 8, wide_tile=True) == (64, 4, 2)
+    assert _decode_config(128, 16 * 8, prefetch=True, wide_tile=True) == (64, 8, 3)
+    assert _decode_config(128, 16 * 8, fp8=True, wide_tile=True) == (128, 4, 3)
+    assert _decode_config(256, 16 * 8, wide_tile=True) == (32, 4, 3)
     monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "0")
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "0")
     assert not merge_in_kernel_default(64) and not k_rows(2048)

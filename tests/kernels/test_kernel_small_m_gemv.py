@@ -388,58 +388,6 @@ def test_listed_shape_loses_stages_with_4_byte_weights(monkeypatch):
     assert default_config(16, 4096, 14336, elem_size=4) == GemvConfig(32, 512, 4, 2, 2)  # 48 x 512 x 4 B x 2
 
 
-@pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("mode", ["norm", "norm+res", "norm+res+silu"])
-@pytest.mark.parametrize("one_pass,peel", [(True, False), (False, False), (True, True)])
-def test_unit_norm_weight_matches_ones(M, mode, one_pass, peel):
-    """unit_norm_weight: the kernel takes the norm weight as ones without loading it (UNIT_NW) and matches the
-    reference with a weight of ones (K = 200 over 32-input tiles: the peeled first tile and the loop); given a
-    weight that is not ones, it is ignored (the caller vouched) -- the flag reaches the kernel."""
-    silu = mode.endswith("silu")
-    x, r, w, nw = _data(M, 200, 48, torch.float32, silu)
-    ones = torch.ones_like(nw)
-    kw = dict(residual=r if "res" in mode else None, eps=1e-6, silu_mul=silu)
-    y_ref, r_ref = norm_gemv_ref(x, w, ones, **kw)
-    y, r_new = norm_gemv_triton(x, w, ones, block_n=16, block_k=32, one_pass=one_pass, peel=peel,
-                                unit_norm_weight=True, **kw)
-    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
-    if "res" in mode:
-        torch.testing.assert_close(r_new, r_ref, rtol=0, atol=0)
-    y_nw, _ = norm_gemv_triton(x, w, nw, block_n=16, block_k=32, one_pass=one_pass, peel=peel,
-                               unit_norm_weight=True, **kw)
-    torch.testing.assert_close(y_nw, y, rtol=0, atol=0)
-
-
-def test_unit_norm_switch_reaches_the_layers(monkeypatch):
-    """GYRFALCON_GEMV_UNIT_NORM=1 (off by default): a Llama layer passes unit_norm_weight only for a norm that
-    fold_norm_into folded (its weight ones, no offset); fold_norm_into marks the norm and keeps the math."""
-    from gyrfalcon.kernels.small_m_gemv import unit_norm_enabled
-    from gyrfalcon.layers.norm import RMSNorm, fold_norm_into
-    from gyrfalcon.models.llama import LlamaDecoderLayer
-    from transformers import LlamaConfig
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=1, vocab_size=128)
-    monkeypatch.delenv("GYRFALCON_GEMV_UNIT_NORM", raising=False)
-    assert not unit_norm_enabled()
-    assert not LlamaDecoderLayer(cfg, 0, 128).unit_norm
-    monkeypatch.setenv("GYRFALCON_GEMV_UNIT_NORM", "1")
-    layer = LlamaDecoderLayer(cfg, 0, 128)
-    assert layer.unit_norm and not layer._unit(layer.input_layernorm)
-    g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(64)
-    norm.weight.data = 1 + 0.3 * torch.randn(64, generator=g)
-    w = torch.randn(32, 64, generator=g)
-    x = torch.randn(3, 64, generator=g)
-    want = F.linear(norm(x), w)
-    assert not norm.folded
-    fold_norm_into(w, norm)
-    assert norm.folded and torch.equal(norm.weight, torch.ones(64)) and layer._unit(norm)
-    torch.testing.assert_close(F.linear(norm(x), w), want, rtol=1e-5, atol=1e-5)
-    offset = RMSNorm(64, weight_offset=1.0)
-    fold_norm_into(torch.randn(32, 64), offset)
-    assert offset.folded and not layer._unit(offset)  # weight 0 + offset 1: the kernel ignores offsets
-
-
 def test_wide_sweep_configs_fit_shared_memory():
     """benchmarks/small_m_gemv.py --wide at 2-16 rows: split-K 1 / 2 / 4, 8 warps and 6 stages among the launch
     shapes, each within ~220 KB of weight + input tiles; at 64 rows 256-input steps and 8 warps, within the same
