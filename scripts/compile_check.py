@@ -266,6 +266,10 @@ def cases(mods):
                 (f"{name} qkv GEMM M=64 split-K 2", gemv(64, qkv_n, hid, norm=True, res=True, env=sk2, pdl=False)),
                 (f"{name} gate_up GEMM M=64 split-K 2",
                  gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
+        # down_proj of 17-64 rows at run 90's best 64-row launch shape (GYRFALCON_GEMV_WIDE_ROWS_SHAPES), residual add
+        wide = {"GYRFALCON_GEMV_WIDE_ROWS_SHAPES": f"{hid}x{inter}=32,256,4,4"}
+        out += [(f"{name} down GEMM M={rows} wide-rows shape, residual add",
+                 gemv(rows, hid, inter, env=wide, pdl=False, add=True)) for rows in (64, 24)]
         SK = mods["skinny_gemm"]
 
         def skinny(M_, N, K, add=False):

@@ -11,6 +11,7 @@
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes (64-key tiles at 8 warps
 #                and a one-stage 256-key tile since session 22: WIDE_TILE_CONFIG, the b16 default since run 91)
+#   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
 #   widetile     the b16 wide tile against GYRFALCON_DECODE_WIDE_TILE=0 up to 4,096 tokens (launch A/B), its GPU tests,
 #                Llama-8B b16 at 1,024-token prompts ABAB
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES,
@@ -174,6 +175,16 @@ if has widetile; then  # batched decode attention with prep on WIDE_TILE_CONFIG 
     --prep-batches 16 --prep-contexts 192 320 600 1100 2100 4100 --output-json "$R/widetile_attn_ab.json"
   ckpt l8
   for run in a_1 b_0 c_0 d_1; do lat l8 16 wide1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
+fi
+if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel at run 90's best 64-row launch shape
+  # (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; 35.0 vs cuBLAS's 36.9 us at 64 rows, L2-cold): its GPU tests, then b64 ABAB
+  step gpu_widerows_tests 240 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py tests/gpu/test_model_gpu.py \
+    -k "wide_row or wide-rows" -p no:cacheprovider
+  ckpt l8
+  W64="4096x14336=32,256,4,4"
+  for run in a_dflt b_down c_down d_dflt; do
+    if [ "${run#*_}" = down ]; then lat l8 64 wrows_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=$W64; else lat l8 64 wrows_$run; fi
+  done
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider

@@ -210,13 +210,8 @@ ROWS_SHAPES: dict = {(4096, 14336): GemvConfig(32, 512, 4, 4), (6144, 4096): Gem
                      (4096, 4096): GemvConfig(32, 512, 4, 4)}
 
 
-def rows_shape_overrides() -> dict:
-    """Launch shapes for 2..PLAIN_MAX_ROWS rows that replace default_config's -> {(N, K): GemvConfig} (read only).
-    GYRFALCON_GEMV_ROWS_SHAPES unset: ROWS_SHAPES; set, "NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none).
-    N is the launch's output width (SiLU-and-mul: its units)."""
-    spec = os.environ.get("GYRFALCON_GEMV_ROWS_SHAPES")
-    if spec is None:
-        return ROWS_SHAPES
+def _parse_rows_shapes(name: str, spec: str) -> dict:
+    """{(N, K): GemvConfig} from "NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." (the variable `name`'s value)."""
     out = {}
     for item in filter(None, (t.strip() for t in spec.split(";"))):
         try:
@@ -227,14 +222,47 @@ def rows_shape_overrides() -> dict:
                 raise ValueError
             cfg = GemvConfig(*vals)
         except ValueError:
-            raise ValueError(f"GYRFALCON_GEMV_ROWS_SHAPES: '{item}' is not NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k]") \
-                from None
+            raise ValueError(f"{name}: '{item}' is not NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k]") from None
         pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k))
         if not pow2 or cfg.num_warps not in (1, 2, 4, 8, 16) or not 1 <= cfg.num_stages <= 8 or cfg.split_k < 1:
-            raise ValueError(f"GYRFALCON_GEMV_ROWS_SHAPES: '{item}': BLOCK_N / BLOCK_K powers of two, warps 1-16, "
-                             "stages 1-8, split_k >= 1")
+            raise ValueError(f"{name}: '{item}': BLOCK_N / BLOCK_K powers of two, warps 1-16, stages 1-8, split_k >= 1")
         out[n, k] = cfg
     return out
+
+
+def rows_shape_overrides() -> dict:
+    """Launch shapes for 2..PLAIN_MAX_ROWS rows that replace default_config's -> {(N, K): GemvConfig} (read only).
+    GYRFALCON_GEMV_ROWS_SHAPES unset: ROWS_SHAPES; set, "NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none).
+    N is the launch's output width (SiLU-and-mul: its units)."""
+    spec = os.environ.get("GYRFALCON_GEMV_ROWS_SHAPES")
+    return ROWS_SHAPES if spec is None else _parse_rows_shapes("GYRFALCON_GEMV_ROWS_SHAPES", spec)
+
+
+# Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows; a linear layer of a listed (N, K) goes through this kernel up to
+# MAX_M rows instead of cuBLAS. None by default (an experiment: GYRFALCON_GEMV_WIDE_ROWS_SHAPES). At 64 rows (H200
+# run 90, small_m_gemv.py --wide --ms 64, L2-cold, gemv64_sweep-h200-2026-12-02-run90.json) Llama-3.1-8B's down_proj
+# took 35.0 us at 32 columns, 256-input steps, 4 warps, 4 stages against cuBLAS's 36.9 (40.8 at default_config's 3
+# stages); o_proj 12.7 against 12.2 and qkv 17.7 against 16.2 stayed slower. Run 72 had routed o_proj and down_proj
+# of up to 64 rows here at default_config's shapes and lost (Llama-8B b64 5.330 / 5.343 ms against 5.095 / 5.099).
+WIDE_ROWS_SHAPES: dict = {}
+
+
+def wide_rows_shape_overrides() -> dict:
+    """Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows -> {(N, K): GemvConfig} (read only): WIDE_ROWS_SHAPES, or
+    GYRFALCON_GEMV_WIDE_ROWS_SHAPES="NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none)."""
+    spec = os.environ.get("GYRFALCON_GEMV_WIDE_ROWS_SHAPES")
+    return WIDE_ROWS_SHAPES if spec is None else _parse_rows_shapes("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", spec)
+
+
+def linear_gemv_rows(n: int, k: int, merged: bool) -> int:
+    """Rows up to which a bias-free linear layer of n outputs over k inputs runs on this kernel instead of cuBLAS:
+    MAX_M for a shape with a wide launch shape of its own (wide_rows_shape_overrides); else plain_gemm_max_rows()
+    for a norm-less Linear and for a MergedLinear (qkv, gate_up) listed in rows_shape_overrides; else single rows."""
+    if (n, k) in wide_rows_shape_overrides():
+        return MAX_M
+    if not merged or (n, k) in rows_shape_overrides():
+        return plain_gemm_max_rows()
+    return GEMV_MAX_ROWS
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
@@ -254,7 +282,8 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     in 0.634 ms vs 0.693 with 1024-input tiles (step 0.742 vs 0.801 ms). GYRFALCON_GEMV_WHOLE_ROW=0 turns
     it off.
     """
-    override = rows_shape_overrides().get((N, K)) if 1 < M <= PLAIN_MAX_ROWS else None
+    override = (rows_shape_overrides().get((N, K)) if 1 < M <= PLAIN_MAX_ROWS
+                else wide_rows_shape_overrides().get((N, K)) if PLAIN_MAX_ROWS < M <= MAX_M else None)
     budget = 160 * 1024
     if override is not None:
         # A listed shape's launch; only its stages / BLOCK_K are cut below, against the --wide sweep's bound (for

@@ -15,7 +15,7 @@ from torch import nn
 
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.kernels.skinny_gemm import skinny_gemm_rows, skinny_gemm_triton
-from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv_triton, plain_gemm_max_rows, rows_shape_overrides
+from gyrfalcon.kernels.small_m_gemv import linear_gemv_rows, norm_gemv_triton
 
 
 class Linear(nn.Module):
@@ -28,11 +28,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes
         # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark). Up to
-        # small_m_rows rows (plain_gemm_max_rows: 16, or GYRFALCON_SMALL_M_PLAIN_ROWS).
+        # small_m_rows rows (plain_gemm_max_rows: 16, or GYRFALCON_SMALL_M_PLAIN_ROWS; 64 for a shape with a wide
+        # launch shape, GYRFALCON_GEMV_WIDE_ROWS_SHAPES: small_m_gemv.linear_gemv_rows).
         from gyrfalcon.layers.attention import small_m_gemv_enabled
 
         self.small_m = small_m_gemv_enabled() and not bias
-        self.small_m_rows = plain_gemm_max_rows()
+        self.small_m_rows = linear_gemv_rows(out_features, in_features, merged=False)
         # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off: slower than cuBLAS, run 50): the
         # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
         self.skinny_rows = skinny_gemm_rows() if not bias else 0
@@ -70,9 +71,8 @@ class MergedLinear(Linear):
         # with their norm fused (run 2) and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16
         # 4.662 / 4.673 ms per step against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). A shape with a
         # 2+-row launch shape of its own (small_m_gemv.rows_shape_overrides; Llama-8B's qkv since run 83) goes
-        # through the GEMV kernel up to plain_gemm_max_rows rows; other shapes single rows only.
-        n_out = sum(shard_sizes.values())
-        self.small_m_rows = plain_gemm_max_rows() if (n_out, in_features) in rows_shape_overrides() else GEMV_MAX_ROWS
+        # through the GEMV kernel up to plain_gemm_max_rows rows; other shapes single rows only (linear_gemv_rows).
+        self.small_m_rows = linear_gemv_rows(self.out_features, in_features, merged=True)
         self.shards: Dict[object, Tuple[int, int]] = {}
         off = 0
         for sid, size in shard_sizes.items():

@@ -28,6 +28,9 @@ STEPS = 32
 BLOCKS = dict(num_gpu_blocks_override=256)
 # GYRFALCON_GEMV_ROWS_SHAPES of the gemv-rows mode: Llama-3.1-8B's down_proj, qkv and o_proj (split-K 2)
 GEMV_ROWS_LLAMA = "4096x14336=32,512,4,4,1;6144x4096=64,128,4,6,1;4096x4096=32,512,4,4,2"
+# GYRFALCON_GEMV_WIDE_ROWS_SHAPES of the wide-rows mode: Llama-3.1-8B's down_proj at run 90's best 64-row launch shape,
+# o_proj split-K 2
+GEMV_WIDE_ROWS_LLAMA = "4096x14336=32,256,4,4,1;4096x4096=32,256,4,4,2"
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +69,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "gemv-rows"])
+                                  "one-pass-b1", "gemv-rows", "wide-rows"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -94,7 +97,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; gemv-rows: batches of
     2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at other launch shapes than the default ROWS_SHAPES
     (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
-    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed."""
+    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; wide-rows:
+    Llama-3.1-8B's down_proj and o_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; off by
+    default), exercised by prefill chunks of <= 64 tokens (max_num_batched_tokens=64)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
@@ -103,6 +108,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
     else:
         monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
+    if mode == "wide-rows":
+        monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", GEMV_WIDE_ROWS_LLAMA)
+    else:
+        monkeypatch.delenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", raising=False)
     if mode == "one-pass-b1":
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
     else:  # the default: one pass where one tile spans a row of <= 1024 inputs
@@ -130,8 +139,9 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
     monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0" if mode == "inline-copies" else "1")
+    chunk = dict(max_num_batched_tokens=64) if mode == "wide-rows" else {}
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
-              max_num_seqs=8, **BLOCKS)
+              max_num_seqs=8, **BLOCKS, **chunk)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     if mode == "graph-logits":
         assert llm.engine.runner.graph_runner.with_logits
@@ -146,6 +156,8 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
     llama = layer0.self_attn.qkv_proj.weight.shape == (6144, 4096)
     assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama and mode != "cublas-rows" else 1)
+    assert layer0.mlp.down_proj.small_m_rows == (64 if llama and mode == "wide-rows" else
+                                                 1 if mode == "cublas-rows" else 16)
     assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
     assert (llm.engine.runner._d2h_stream is not None) == (mode != "inline-copies")
     if not enforce_eager:

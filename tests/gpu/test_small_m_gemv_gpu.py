@@ -43,17 +43,20 @@ def test_matches_reference(name, M, one_pass):
 
 
 @pytest.mark.parametrize("name", ["l8_qkv", "l8_o", "l8_down"])
-@pytest.mark.parametrize("cfg", [(16, 512, 4, 6, 1), (32, 256, 8, 4, 2), (64, 128, 4, 6, 4), (16, 256, 8, 4, 4)])
-def test_wide_row_launch_shapes_match_reference(name, cfg, monkeypatch):
+@pytest.mark.parametrize("M,cfg", [(16, (16, 512, 4, 6, 1)), (16, (32, 256, 8, 4, 2)), (16, (64, 128, 4, 6, 4)),
+                                   (16, (16, 256, 8, 4, 4)), (64, (32, 256, 4, 4, 1)), (40, (32, 256, 4, 4, 1))])
+def test_wide_row_launch_shapes_match_reference(name, M, cfg, monkeypatch):
     """16 plain rows (the batch-16 graphs' o_proj, down_proj and, through GYRFALCON_GEMV_ROWS_SHAPES, qkv) at
     launch shapes of benchmarks/small_m_gemv.py --wide: 8 warps, 6 stages, split-K 2 / 4, set through the
-    variable as the model would, in a CUDA graph replayed twice (split-K's arrival counters reset in-kernel)."""
+    variable as the model would, in a CUDA graph replayed twice (split-K's arrival counters reset in-kernel);
+    40 / 64 rows through GYRFALCON_GEMV_WIDE_ROWS_SHAPES at run 90's best 64-row shape."""
     from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
     K, N, _ = SHAPES[name]
-    monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", f"{N}x{K}=" + ",".join(map(str, cfg)))
-    assert default_config(16, N, K) == GemvConfig(*cfg)
+    var = "GYRFALCON_GEMV_ROWS_SHAPES" if M <= 16 else "GYRFALCON_GEMV_WIDE_ROWS_SHAPES"
+    monkeypatch.setenv(var, f"{N}x{K}=" + ",".join(map(str, cfg)))
+    assert default_config(M, N, K) == GemvConfig(*cfg)
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(16, K, device="cuda", generator=g).bfloat16()
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     y_ref, _ = norm_gemv_ref(x, w)
     norm_gemv_triton(x, w)  # compile outside the capture

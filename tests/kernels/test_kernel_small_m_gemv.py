@@ -379,6 +379,58 @@ def test_rows_shape_overrides(monkeypatch):
     torch.testing.assert_close(norm_gemv_triton(x, w)[0], norm_gemv_ref(x, w)[0], rtol=1e-4, atol=1e-4)
 
 
+def test_wide_rows_shape_overrides(monkeypatch):
+    """Launch shapes for 17-64 rows: none by default (WIDE_ROWS_SHAPES); GYRFALCON_GEMV_WIDE_ROWS_SHAPES lists them
+    per (N, K) and a linear layer of a listed shape (a MergedLinear too) then runs on the GEMV kernel up to MAX_M
+    rows instead of cuBLAS, at that launch shape (2-16 rows keep theirs); the layer matches F.linear at 17 and 64
+    rows, its residual add (add_to) too."""
+    import torch.nn.functional as F
+
+    from gyrfalcon.kernels.small_m_gemv import (MAX_M, WIDE_ROWS_SHAPES, GemvConfig, default_config,
+                                                wide_rows_shape_overrides)
+    from gyrfalcon.layers.linear import Linear, MergedLinear
+    monkeypatch.delenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", raising=False)
+    monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
+    monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
+    assert WIDE_ROWS_SHAPES == {} and wide_rows_shape_overrides() == {}
+    assert Linear(14336, 4096).small_m_rows == 16
+    base64, base16 = default_config(64, 4096, 14336), default_config(16, 4096, 14336)
+    monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", "4096x14336=32,256,4,4; 96x64=16,32,4,2,2")
+    assert wide_rows_shape_overrides() == {(4096, 14336): GemvConfig(32, 256, 4, 4, 1),
+                                           (96, 64): GemvConfig(16, 32, 4, 2, 2)}
+    assert default_config(64, 4096, 14336) == GemvConfig(32, 256, 4, 4, 1) == default_config(17, 4096, 14336)
+    assert base64 != GemvConfig(32, 256, 4, 4, 1)
+    assert default_config(16, 4096, 14336) == base16  # 2-16 rows: ROWS_SHAPES' entry
+    assert Linear(14336, 4096).small_m_rows == MAX_M == 64
+    assert Linear(4096, 4096).small_m_rows == 16  # not listed
+    assert MergedLinear(64, {0: 48, 1: 48}).small_m_rows == 64
+    monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", "4096x14336=32,256,4")
+    with pytest.raises(ValueError, match="GYRFALCON_GEMV_WIDE_ROWS_SHAPES"):
+        wide_rows_shape_overrides()
+    # The layer's forward takes the kernel (split-K 2) at 17 and 64 rows and matches F.linear, with add_to too
+    # (use_triton stubbed: off CUDA the layer would keep F.linear; the interpreter runs the kernel on CPU tensors).
+    import sys
+
+    import gyrfalcon.layers.linear as linear_mod
+    monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", "96x64=16,32,4,2,2")
+    monkeypatch.setattr(linear_mod, "use_triton", lambda t: True)
+    lin = Linear(64, 96)
+    lin.weight.data = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    gm = sys.modules["gyrfalcon.kernels.small_m_gemv"]
+    spy = LaunchSpy(gm._norm_gemv_kernel, "SPLIT_K")
+    monkeypatch.setattr(gm, "_norm_gemv_kernel", spy)
+    for m in (17, 64):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+        base = torch.randn(m, 96, generator=torch.Generator().manual_seed(m + 1))
+        want = base + F.linear(x, lin.weight)
+        torch.testing.assert_close(lin(x, add_to=base.clone()), want, rtol=1e-4, atol=1e-4)
+    assert spy.seen == [2, 2, 2, 2]
+    x = torch.randn(65, 64)  # past MAX_M: F.linear, no launch
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+    assert len(spy.seen) == 4
+
+
 def test_listed_shape_loses_stages_with_4_byte_weights(monkeypatch):
     """A listed launch shape keeps its split and BLOCK_K but loses stages to the 220 KB shared-memory bound (weight
     and input tiles) where the weights are fp32 (twice the bytes the sweep timed)."""
