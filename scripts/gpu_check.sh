@@ -168,7 +168,7 @@ if has widetile; then  # batched decode attention with prep on WIDE_TILE_CONFIG 
   # b16 default since run 91, timed only at 144-250 tokens) against GYRFALCON_DECODE_WIDE_TILE=0 at longer contexts,
   # where a split holds several unpipelined tiles: GPU kernel / model tests, the launch A/B at b16 up to 4,096 tokens,
   # Llama-8B b16 at 1,024-token prompts ABAB and Qwen3-0.6B b16 at 128 AB
-  step gpu_widetile_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "decode_attention_with_prep" \
+  step gpu_widetile_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k "decode_attention_with_prep or max_shared" \
     -p no:cacheprovider
   step gpu_widetile_model 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs or eager" -p no:cacheprovider
   step widetile_attn_ab 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_WIDE_TILE \

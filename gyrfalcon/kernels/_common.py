@@ -152,3 +152,23 @@ def sm_count(device: torch.device, cpu_default: int) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+# Bytes of shared memory a program (thread block) may opt into on the H200 (sm_90): Triton's bound at compile time
+# there, and what max_shared_mem answers off CUDA, so that the interpreter's tests pick launches as the H200 does.
+H200_MAX_SHARED = 232448
+_MAX_SHARED: dict = {}
+
+
+def max_shared_mem(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device` (Triton's driver property, which its launches are
+    checked against; cached per device); H200_MAX_SHARED off CUDA. Launch shapes tuned on the H200 that need more
+    than a smaller card has (sm_86 / sm_89 / sm_120: ~99 KB, A100: ~163 KB) are cut or not chosen against it."""
+    if device.type != "cuda":
+        return H200_MAX_SHARED
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _MAX_SHARED:
+        from triton.runtime import driver
+
+        _MAX_SHARED[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    return _MAX_SHARED[idx]

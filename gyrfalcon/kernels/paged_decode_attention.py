@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
-                                       pdl_launch_kwargs, sm_count, tl, triton, use_pdl, use_triton)
+from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting,
+                                       max_shared_mem, next_pow2, pdl_launch_kwargs, sm_count, tl, triton, use_pdl,
+                                       use_triton)
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
 
 _LOG2E = 1.4426950408889634
@@ -580,6 +581,7 @@ B1_SPLIT_TILE = 64
 # The fused-prep launch of a 2-byte cache at (_SMALL_LAUNCH_PROGRAMS / 2, _SMALL_LAUNCH_PROGRAMS] programs (batch 16
 # at 8 kv heads): one stage of 256-key tiles at 8 warps (_decode_config). Two stages would need 256 KB of shared memory.
 WIDE_TILE_CONFIG = (256, 8, 1)
+WIDE_TILE_SHARED = 140 * 1024  # shared memory a program may need for it (sm_90 code: 132 KB) -> max_shared_mem
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False,
@@ -741,7 +743,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     early_loads = early_loads and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
                                 one_split=num_splits == 1,
-                                wide_tile=prep is not None and k_cache.element_size() == 2 and wide_tile_default())
+                                wide_tile=(prep is not None and k_cache.element_size() == 2 and wide_tile_default()
+                                           and max_shared_mem(q.device) >= WIDE_TILE_SHARED))
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     if num_splits is None:
         ms = prefetch_splits() if prefetch else MAX_SPLITS

@@ -49,8 +49,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
-                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
+from gyrfalcon.kernels._common import (H200_MAX_SHARED, HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting,
+                                       max_shared_mem, next_pow2, pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
 from gyrfalcon.kernels.activation import silu_and_mul_ref
 from gyrfalcon.kernels.rms_norm import rms_norm_ref
 
@@ -266,7 +266,7 @@ def linear_gemv_rows(n: int, k: int, merged: bool) -> int:
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
-                   whole_row: bool = False) -> GemvConfig:
+                   whole_row: bool = False, max_shared: int = H200_MAX_SHARED) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
 
     A GEMV at batch 1 is a stream over the weight: many narrow programs (8 rows each: 128-1024
@@ -281,6 +281,9 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
     (latency_qwen3-0.6b_b1_whole_row-h200-2026-11-30-run15.json) the Qwen3-0.6B batch-1 graph replayed
     in 0.634 ms vs 0.693 with 1024-input tiles (step 0.742 vs 0.801 ms). GYRFALCON_GEMV_WHOLE_ROW=0 turns
     it off.
+
+    max_shared: the device's bytes of shared memory a program may use (_common.max_shared_mem); the stages and
+    BLOCK_K tuned on the H200 are cut to fit a smaller card (the budgets below stay 7 KB under it).
     """
     override = (rows_shape_overrides().get((N, K)) if 1 < M <= PLAIN_MAX_ROWS
                 else wide_rows_shape_overrides().get((N, K)) if PLAIN_MAX_ROWS < M <= MAX_M else None)
@@ -307,6 +310,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
         while bn < 64 and N // (2 * bn) >= 132:
             bn *= 2
         bk, nw, ns = min(256, max(16, next_pow2(K))), 4, (3 if silu_mul else 4)
+    budget = min(budget, max_shared - 7 * 1024)
     tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
     if M > 16 or override is not None:  # the input tile [BLOCK_M, BLOCK_K] too (as the --wide sweep counts it)
         tile_bytes += max(16, next_pow2(M)) * bk * elem_size
@@ -602,7 +606,8 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         return y, r_out
     pdl = use_pdl(x) if pdl is None else pdl
     peel = pdl and peel_default() if peel is None else peel
-    cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel)
+    cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel,
+                                   max_shared=max_shared_mem(x.device))
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
     block_m = 1 if M == 1 else max(16, next_pow2(M))
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)

@@ -479,3 +479,13 @@ def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
     _fp8_ulp_close(kc, kc_ref)
     _fp8_ulp_close(vc, vc_ref)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_max_shared_mem_reads_the_device():
+    """_common.max_shared_mem reads Triton's driver property: the H100 / H200 (sm_90) allow 227 KB a program
+    (H200_MAX_SHARED, what the CPU tests assume); any card at least 48 KB."""
+    from gyrfalcon.kernels._common import H200_MAX_SHARED, max_shared_mem
+    smem = max_shared_mem(torch.device("cuda"))
+    assert 48 * 1024 <= smem <= 256 * 1024
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert smem == H200_MAX_SHARED

@@ -270,10 +270,11 @@ def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("wide_env", [None, "0"], ids=["wide-tile", "off"])
+@pytest.mark.parametrize("wide_env", [None, "0", "small-card"], ids=["wide-tile", "off", "small-card"])
 def test_batch16_wide_tile(wide_env, monkeypatch):
     """Batch 16 at 8 kv heads (128 programs) with the fused prep on a bf16 cache: by default one stage of 256-key
-    tiles at 8 warps (WIDE_TILE_CONFIG), 128-key tiles on an fp32 cache or with GYRFALCON_DECODE_WIDE_TILE=0.
+    tiles at 8 warps (WIDE_TILE_CONFIG), 128-key tiles on an fp32 cache, with GYRFALCON_DECODE_WIDE_TILE=0 or on a
+    card with less shared memory a program than the tile needs (sm_89's 99 KB: max_shared_mem stubbed).
     Contexts below, across and past a 256-key tile, over 4 splits of >= 256 keys (the batched graphs' min_part): the
     output and the cache match the references."""
     import sys
@@ -282,10 +283,12 @@ def test_batch16_wide_tile(wide_env, monkeypatch):
     pda = sys.modules[paged_decode_attention_triton.__module__]
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
-    if wide_env is None:
-        monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
-    else:
+    if wide_env == "0":
         monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", wide_env)
+    else:
+        monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
+    if wide_env == "small-card":
+        monkeypatch.setattr(pda, "max_shared_mem", lambda device: 99 * 1024)
     spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
     monkeypatch.setattr(pda, "_decode_split_kernel", spy)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 600, 128, 33, 2, 513, 160]

@@ -379,6 +379,24 @@ def test_rows_shape_overrides(monkeypatch):
     torch.testing.assert_close(norm_gemv_triton(x, w)[0], norm_gemv_ref(x, w)[0], rtol=1e-4, atol=1e-4)
 
 
+def test_launch_shapes_fit_a_smaller_card(monkeypatch):
+    """default_config's stages / BLOCK_K (listed launch shapes included) are cut to the device's shared memory a
+    program (max_shared: sm_89's ~99 KB, A100's ~163 KB); at the H200's bound (the default) nothing changes."""
+    from gyrfalcon.kernels._common import H200_MAX_SHARED
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
+    monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
+    assert default_config(16, 4096, 14336, max_shared=H200_MAX_SHARED) == default_config(16, 4096, 14336) \
+        == GemvConfig(32, 512, 4, 4, 1)
+    for smem in (99 * 1024, 163 * 1024):
+        for M, N, K, silu in ((16, 4096, 14336, False), (16, 6144, 4096, False), (16, 1024, 3072, False),
+                              (1, 14336, 4096, True), (64, 4096, 4096, False)):
+            cfg = default_config(M, N, K, silu, max_shared=smem)
+            tile = (max(cfg.block_n, 16 if M > 1 else cfg.block_n) * cfg.block_k * 2 * (2 if silu else 1)
+                    + (max(16, M) * cfg.block_k * 2 if M > 16 or (N, K) in ((4096, 14336), (6144, 4096)) else 0))
+            assert tile * cfg.num_stages <= smem - 7 * 1024, (smem, M, N, K, cfg)
+    assert default_config(16, 4096, 14336, max_shared=99 * 1024).num_stages < 4
+
+
 def test_wide_rows_shape_overrides(monkeypatch):
     """Launch shapes for 17-64 rows: none by default (WIDE_ROWS_SHAPES); GYRFALCON_GEMV_WIDE_ROWS_SHAPES lists them
     per (N, K) and a linear layer of a listed shape (a MergedLinear too) then runs on the GEMV kernel up to MAX_M
