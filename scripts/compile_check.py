@@ -184,6 +184,8 @@ def cases(mods):
                 (f"{name} attention b64, folded norms", attn(64, pdl=False, fold=True)),
                 (f"{name} attention b1 pdl (prefetch), folded norms", attn(1, pdl=True, fold=True)),
                 (f"{name} attention b256 (key rows), folded norms", attn(256, pdl=False, fold=True))]
+        # The batched graphs' plain kernels under PDL (GYRFALCON_PDL_ROWS=16, GYRFALCON_ATTN_PREFETCH=0): the wide tile
+        out.append((f"{name} attention b16 pdl, no prefetch, folded norms", attn(16, pdl=True, prefetch=False, fold=True)))
         # The prep's loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS=1)
         out += [(f"{name} attention b{B} early loads, folded norms",
                  attn(B, pdl=False, fold=True, env={"GYRFALCON_DECODE_EARLY_LOADS": "1"})) for B in (16, 64, 256)]
@@ -258,7 +260,11 @@ def cases(mods):
                 (f"{name} o_proj GEMM M=16", gemv(16, hid, H * D, pdl=False)),
                 (f"{name} down GEMM M=16", gemv(16, hid, inter, pdl=False)),
                 (f"{name} o_proj GEMM M=16, residual add", gemv(16, hid, H * D, pdl=False, add=True)),
-                (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True))]
+                (f"{name} down GEMM M=16, residual add", gemv(16, hid, inter, pdl=False, add=True)),
+                (f"{name} o_proj GEMM M=16 pdl, no peel, residual add",
+                 gemv(16, hid, H * D, pdl=True, peel=False, add=True)),
+                (f"{name} down GEMM M=16 pdl, no peel, residual add",
+                 gemv(16, hid, inter, pdl=True, peel=False, add=True))]
         sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
         out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
                 (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),

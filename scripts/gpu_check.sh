@@ -11,6 +11,8 @@
 #   prepsweep    decode attention with its fused prep (the kernel the batch 16 / 64 graphs run) at Llama-8B b16 / b64
 #                and 144-250 tokens: first tile before the prep or not, splits, launch shapes (64-key tiles at 8 warps
 #                and a one-stage 256-key tile since session 22: WIDE_TILE_CONFIG, the b16 default since run 91)
+#   pdlplain     the batched graphs' plain kernels under PDL (GYRFALCON_PDL_ROWS=16, no prefetch, no peel): model token
+#                tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
 #   widetile     the b16 wide tile against GYRFALCON_DECODE_WIDE_TILE=0 up to 4,096 tokens (launch A/B), its GPU tests,
 #                Llama-8B b16 at 1,024-token prompts ABAB
@@ -191,6 +193,18 @@ if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel a
   for run in a_dflt b_down c_down d_dflt; do
     if [ "${run#*_}" = down ]; then lat l8 64 wrows_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=$W64; else lat l8 64 wrows_$run; fi
   done
+fi
+if has pdlplain; then  # the batched graphs under PDL with the plain kernels: no attention prefetch, no peeled GEMV tile
+  # (runs 84 / 87 ran the batch-1 graphs' PDL variants there and lost; the attention prefetch lost alone too, run 87)
+  step gpu_pdlplain_model 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k pdl-plain -p no:cacheprovider
+  ckpt l8
+  PP="GYRFALCON_PDL_ROWS=16 GYRFALCON_ATTN_PREFETCH=0 GYRFALCON_GEMV_PEEL=0"
+  for run in a_dflt b_pp c_pp d_dflt; do
+    if [ "${run#*_}" = pp ]; then lat l8 16 pdlp_$run $PP; else lat l8 16 pdlp_$run; fi
+  done
+  ckpt q06
+  lat q06 16 pdlp_a_dflt
+  lat q06 16 pdlp_b_pp $PP
 fi
 if has sidecopies; then  # the decode steps' host <-> device copies off the compute stream vs in it
   step gpu_side_copies 200 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "inline-copies" -p no:cacheprovider

@@ -92,6 +92,12 @@ def pdl_mode() -> str:
     return os.environ.get("GYRFALCON_PDL", "auto")
 
 
+def pdl_rows() -> int:
+    """GYRFALCON_PDL_ROWS: the most rows a launch captured in a graph may have and still use PDL (default 1: the
+    batch-1 graphs only; see use_pdl)."""
+    return max(1, int(os.environ.get("GYRFALCON_PDL_ROWS", "1") or 1))
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
@@ -108,8 +114,13 @@ def use_pdl(t: torch.Tensor) -> bool:
     step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213), their predecessors not triggering early; and
     so did the whole batched chain under PDL, every Triton kernel of the b16 graphs (qkv GEMV -> attention with its
     K/V tile loaded before the wait -> o_proj GEMV; run 87, GYRFALCON_PDL_ROWS=16, removed since: Llama-3.1-8B b16
-    4.749 / 4.746 ms against 4.553 / 4.552, ABAB; latency_llama-3.1-8b_b16_pdlr_*-h200-2026-12-02-run87.json)."""
-    if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
+    4.749 / 4.746 ms against 4.553 / 4.552, ABAB; latency_llama-3.1-8b_b16_pdlr_*-h200-2026-12-02-run87.json). Both
+    ran the batch-1 graphs' PDL variants: the GEMVs' first weight tile held in registers before the wait, decode
+    attention's prefetched tile (64-key tiles at 8 warps, which lost alone too: run 87, GYRFALCON_ATTN_PREFETCH=1,
+    4.733 vs 4.550 ms). GYRFALCON_PDL_ROWS=N (pdl_rows; an experiment, default 1) admits launches of up to N rows;
+    with GYRFALCON_ATTN_PREFETCH=0 and GYRFALCON_GEMV_PEEL=0 the batched graphs then run the plain kernels under PDL
+    (only the launch and the wait overlap the previous kernel; gpu_check.sh pdlplain)."""
+    if t.dim() == 0 or not 1 <= t.shape[0] <= pdl_rows() or not pdl_possible(t):
         return False
     return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
 

@@ -69,7 +69,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "gemv-rows", "wide-rows"])
+                                  "one-pass-b1", "gemv-rows", "wide-rows", "pdl-plain"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -99,11 +99,17 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
     through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; wide-rows:
     Llama-3.1-8B's down_proj and o_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; off by
-    default), exercised by prefill chunks of <= 64 tokens (max_num_batched_tokens=64)."""
+    default), exercised by prefill chunks of <= 64 tokens (max_num_batched_tokens=64); pdl-plain: the batched graphs
+    of up to 8 rows under PDL with the plain kernels (GYRFALCON_PDL_ROWS=8, GYRFALCON_PDL=1, no attention prefetch
+    and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0, GYRFALCON_GEMV_PEEL=0)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
+    plain = mode == "pdl-plain"
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time or plain else "0")
+    monkeypatch.setenv("GYRFALCON_PDL_ROWS", "8" if plain else "1")
+    monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH", "0" if plain else "pdl")
+    monkeypatch.setenv("GYRFALCON_GEMV_PEEL", "0" if plain else "1")
     if mode == "gemv-rows":
         monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
     else:

@@ -72,3 +72,19 @@ def test_pdl_never_on_cpu_and_off_by_env(monkeypatch):
     monkeypatch.setenv("GYRFALCON_PDL", "serial")  # the PDL kernel variants, launched one after another
     assert _common.pdl_launch_kwargs(True) == {}
 
+
+
+def test_pdl_rows_bound(monkeypatch):
+    """use_pdl admits single rows by default; GYRFALCON_PDL_ROWS=N admits launches of up to N rows (the batched
+    graphs' experiment); never an empty launch. (pdl_possible stubbed: its device conditions need a GPU.)"""
+    monkeypatch.setattr(_common, "pdl_possible", lambda t: True)
+    monkeypatch.delenv("GYRFALCON_PDL_ROWS", raising=False)
+    assert _common.pdl_rows() == 1
+    with _common.pdl_warmup():
+        assert _common.use_pdl(torch.zeros(1, 4)) and not _common.use_pdl(torch.zeros(16, 4))
+        monkeypatch.setenv("GYRFALCON_PDL_ROWS", "16")
+        assert _common.pdl_rows() == 16
+        assert _common.use_pdl(torch.zeros(16, 4)) and not _common.use_pdl(torch.zeros(17, 4))
+        assert not _common.use_pdl(torch.zeros(0, 4))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not _common.use_pdl(torch.zeros(16, 4))  # outside a capture or its warm-up
