@@ -4,7 +4,8 @@ Cases (each one launch sequence, Llama-3.1-8B's or Qwen3-0.6B's shapes, 192 toke
 the latency rows' 128-in / 128-out runs):
   attn_b64 / attn_b16   decode attention with its fused prep (RoPE, KV store) and folded input norm at batch 64 /
                         16, Llama-8B's 32 / 8 heads: 22-23 us a layer at batch 64 in the model (72% of HBM) and
-                        ~11 us at 16 (~30%), where long contexts reach 95-105%
+                        ~11 us at 16 (~30%; 9.2-10.8 us with the b16 wide tile since run 91: WIDE_TILE_CONFIG),
+                        where long contexts reach 95-105%
   b1_main               Qwen3-0.6B batch 1 as the main decode graph runs it: attention over 16 splits, the reduce
                         launch, o_proj's whole-row GEMV on the merged row
   b1_merged             the merged batch-1 graph's (GYRFALCON_B1_MERGED_SPLITS=2): 2 splits' partials, o_proj

@@ -59,7 +59,8 @@
 #                without it)
 #   pdlchain     the Qwen3-0.6B batch-1 layer chain in a graph, PDL off / on, distinct vs L2-resident (shared) weights
 #   ncu          Nsight Compute on short-context decode kernels (benchmarks/ncu_probe.py; the log holds ncu's report)
-#   ncusrc       ncu's PC sampling of the batch-1 / batch-64 decode attention launches, per SASS instruction (CSV logs)
+#   ncusrc       ncu's PC sampling of the batch-1 / batch-64 decode attention launches, per SASS instruction (CSV logs);
+#                NCU_CASES="attn_b16" for the b16 wide tile
 #   sampled      the rows at temperature 1.0 (vLLM's bench latency / throughput sample; ours default to greedy)
 #   prefillsweep prefill attention's tiles on batches of short prompts (64 x 128 ... 1 x 2048 tokens)
 #   tputab       an older commit (AB_OLD=.ab/<hash>, carried) vs this tree: throughput and Llama-8B b64 in one call
@@ -387,10 +388,12 @@ if has ncu; then  # short-context decode kernels under Nsight Compute (benchmark
     --section SchedulerStats python3 benchmarks/ncu_probe.py --ncu
 fi
 if has ncusrc; then  # where the batch-1 and batch-64 decode attention launches stall, by SASS instruction: ncu's PC
-  # sampling (SourceCounters) over one launch each, exported as CSV (ncu --page source)
-  for c in b1_main attn_b64; do
+  # sampling (SourceCounters) over one launch each, exported as CSV (ncu --page source). NCU_CASES: other cases of
+  # benchmarks/ncu_probe.py (attn_b16: the b16 graphs' wide tile, 9-11 us against ~3 us of K/V at HBM speed)
+  for c in ${NCU_CASES:-b1_main attn_b64}; do
     step ncu_src_$c 150 ncu --clock-control none --nvtx --nvtx-include "probe/" -k regex:_decode_split_kernel -c 1 \
-      --section SourceCounters --section WarpStateStats --import-source yes -o "$R/ncu_src_$c" \
+      --section SourceCounters --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section LaunchStats --section Occupancy --import-source yes -o "$R/ncu_src_$c" \
       python3 benchmarks/ncu_probe.py --ncu --only $c
     step ncu_src_${c}_csv 60 ncu -i "$R/ncu_src_$c.ncu-rep" --page source --csv --print-source sass
     step ncu_src_${c}_details 60 ncu -i "$R/ncu_src_$c.ncu-rep" --page details
