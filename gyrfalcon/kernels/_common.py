@@ -113,7 +113,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     The batch-16 graphs' o_proj / down_proj GEMVs under PDL lost too (run 84: Llama-3.1-8B b16 4.674 / 4.681 ms a
     step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213), their predecessors not triggering early; and
     so did the whole batched chain under PDL, every Triton kernel of the b16 graphs (qkv GEMV -> attention with its
-    K/V tile loaded before the wait -> o_proj GEMV; run 87, GYRFALCON_PDL_ROWS=16, removed since: Llama-3.1-8B b16
+    K/V tile loaded before the wait -> o_proj GEMV; run 87, GYRFALCON_PDL_ROWS=16: Llama-3.1-8B b16
     4.749 / 4.746 ms against 4.553 / 4.552, ABAB; latency_llama-3.1-8b_b16_pdlr_*-h200-2026-12-02-run87.json). Both
     ran the batch-1 graphs' PDL variants: the GEMVs' first weight tile held in registers before the wait, decode
     attention's prefetched tile (64-key tiles at 8 warps, which lost alone too: run 87, GYRFALCON_ATTN_PREFETCH=1,
