@@ -453,10 +453,10 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
         t_default = timed()
         res = {}
         # (64, 8, 3 / 2): the batch-1 prefetching launch's shape since run 77; (256, 4 / 8, 1): a whole short
-        # context in one tile, all its loads issued at once (one stage: 128 KB of K/V)
+        # context in one tile, all its loads issued at once (one stage: 128 KB of K/V; at 16 warps since run 91)
         grid = itertools.product((False, True), (1, 2, 4), ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
                                                             (32, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2),
-                                                            (256, 4, 1), (256, 8, 1)))
+                                                            (256, 4, 1), (256, 8, 1), (256, 16, 1)))
         for prefetch, splits, (bn, nw, ns) in grid:
             if quick and (nw == 8 or bn == 32 or bn == 256):
                 continue

@@ -176,12 +176,12 @@ if has widetile; then  # batched decode attention with prep on WIDE_TILE_CONFIG 
   step gpu_widetile_model 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs or eager" -p no:cacheprovider
   step widetile_attn_ab 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_WIDE_TILE \
     --prep-batches 16 --prep-contexts 192 320 600 1100 2100 4100 --output-json "$R/widetile_attn_ab.json"
-  # the early prep loads on top of the wide tile (tied whole steps with 128-key tiles, run 68), and the sweep at b8 / b32
-  # (64 / 256 programs: outside WIDE_TILE_CONFIG's band) to see whether the band should widen
+  # the early prep loads on top of the wide tile (tied whole steps with 128-key tiles, run 68), and the sweep at b8 / b16 /
+  # b32 (64 / 128 / 256 programs: whether WIDE_TILE_CONFIG's band should widen; the 256-key tile at 16 warps too)
   step widetile_early_ab 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_EARLY_LOADS \
     --prep-batches 16 --prep-contexts 192 --output-json "$R/widetile_early_ab.json"
-  step widetile_b8_b32 150 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 8 32 --prep-contexts 192 \
-    --output-json "$R/widetile_b8_b32_sweep.json"
+  step widetile_sweep 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 8 16 32 --prep-contexts 192 \
+    --output-json "$R/widetile_sweep.json"
   ckpt l8
   for run in a_1 b_0 c_0 d_1; do lat l8 16 wide1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
 fi
