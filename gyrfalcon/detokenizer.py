@@ -71,12 +71,10 @@ class IncrementalDetokenizer:
         """Emit text still held back at the end of a request (an unfinished character)."""
         if self.read_offset >= len(self.tokens):
             return ""
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.tokens[self.prefix_offset:])
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset = len(self.tokens)
-        self.output_text += delta
-        return delta
+        prefix_ids, all_ids = self._windows()
+        before = len(self.output_text)
+        self._finish(self._decode(prefix_ids), self._decode(all_ids))
+        return self.output_text[before:]
 
     def extend(self, token_ids: List[int]) -> None:
         """Append tokens without decoding them (finish_all decodes what is pending, for many at once)."""
