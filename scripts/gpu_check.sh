@@ -14,8 +14,9 @@
 #   pdlplain     the batched graphs' plain kernels under PDL (GYRFALCON_PDL_ROWS=16, no prefetch, no peel): model token
 #                tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
-#   widetile     the b16 wide tile against GYRFALCON_DECODE_WIDE_TILE=0 up to 4,096 tokens (launch A/B), its GPU tests,
-#                Llama-8B b16 at 1,024-token prompts ABAB
+#   wideshort    the one-stage 256-key tile in one-split graphs up to 256 tokens (wide_tile_context): its GPU tests,
+#                Llama-8B b16 / b8 and Qwen3-0.6B b16 against GYRFALCON_DECODE_WIDE_TILE=0 (run 92's widetile section
+#                found the tile losing past one tile: 5.46 vs 5.20 ms a Llama b16 step at 1,024-token prompts)
 #   sidecopies   a decode step's input copy and its tokens' copy back on side streams (GYRFALCON_SIDE_STREAM_COPIES,
 #                the default since run 69) or in the compute stream: the model token tests with them in the stream
 #                (mode inline-copies), then Qwen3-0.6B b1 and Llama-8B b64 (ABAB)
@@ -167,25 +168,18 @@ if has prepsweep; then  # the fused-prep decode attention launch at the b16 / b6
   # (run 65 also timed skinny_gemm.py --ms 16 64 here; the sweep's grid has grown since, so it runs alone)
   step attn_prep_sweep 500 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --output-json "$R/attn_prep_sweep.json"
 fi
-if has widetile; then  # batched decode attention with prep on WIDE_TILE_CONFIG (256-key tiles, 8 warps, 1 stage: the
-  # b16 default since run 91, timed only at 144-250 tokens) against GYRFALCON_DECODE_WIDE_TILE=0 at longer contexts,
-  # where a split holds several unpipelined tiles: GPU kernel / model tests, the launch A/B at b16 up to 4,096 tokens,
-  # Llama-8B b16 at 1,024-token prompts ABAB (~9 min in all: WT_NO_TESTS=1 skips the tests for a call of its own)
-  if [ -z "${WT_NO_TESTS:-}" ]; then
-    step gpu_widetile_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py \
-      -k "decode_attention_with_prep or max_shared" -p no:cacheprovider
-    step gpu_widetile_model 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k "graphs or eager" -p no:cacheprovider
-  fi
-  step widetile_attn_ab 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_WIDE_TILE \
-    --prep-batches 16 --prep-contexts 192 320 600 1100 2100 4100 --output-json "$R/widetile_attn_ab.json"
-  # the early prep loads on top of the wide tile (tied whole steps with 128-key tiles, run 68), and the sweep at b8 / b16 /
-  # b32 (64 / 128 / 256 programs: whether WIDE_TILE_CONFIG's band should widen; the 256-key tile at 16 warps too)
-  step widetile_early_ab 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --ab-env GYRFALCON_DECODE_EARLY_LOADS \
-    --prep-batches 16 --prep-contexts 192 --output-json "$R/widetile_early_ab.json"
-  step widetile_sweep 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 8 16 32 --prep-contexts 192 \
-    --output-json "$R/widetile_sweep.json"
+if has wideshort; then  # the one-stage 256-key tile only in one-split graphs replayed up to 256 tokens of context
+  # (wide_tile_context; run 92: it lost past one tile, 5.46 vs 5.20 ms a Llama b16 step at 1,024-token prompts):
+  # its GPU kernel / model tests, then ABAB against GYRFALCON_DECODE_WIDE_TILE=0 at Llama-8B b16 and b8 (128-token
+  # prompts), AB at 1,024-token prompts (the same main graph either way), Qwen3-0.6B b16 AB
+  step gpu_wideshort_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_model_gpu.py \
+    -k "decode_attention_with_prep or max_shared or (bf16_greedy and (wide-tile or graphs))" -p no:cacheprovider
   ckpt l8
-  for run in a_1 b_0 c_0 d_1; do lat l8 16 wide1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
+  for run in a_1 b_0 c_0 d_1; do lat l8 16 ws_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_}; done
+  for run in a_1 b_0; do lat l8 8 ws_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_}; done
+  for run in a_1 b_0; do lat l8 16 ws1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
+  ckpt q06
+  for run in a_1 b_0; do lat q06 16 ws_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_}; done
 fi
 if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel at run 90's best 64-row launch shape
   # (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; 35.0 vs cuBLAS's 36.9 us at 64 rows, L2-cold): its GPU tests, then b64 ABAB

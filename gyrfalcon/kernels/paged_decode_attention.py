@@ -582,20 +582,37 @@ B1_SPLIT_TILE = 64
 # at 8 kv heads): one stage of 256-key tiles at 8 warps (_decode_config). Two stages would need 256 KB of shared memory.
 WIDE_TILE_CONFIG = (256, 8, 1)
 WIDE_TILE_SHARED = 140 * 1024  # shared memory a program may need for it (sm_90 code: 132 KB) -> max_shared_mem
+WIDE_TILE_MIN_PROGRAMS = _SMALL_LAUNCH_PROGRAMS // 4  # (sequence, kv head) programs above which it may be taken
+
+
+def wide_tile_context(programs: int, element_size: int, device: torch.device) -> int:
+    """Tokens of context up to which a one-split launch of `programs` (sequence, kv head) programs with the fused
+    prep on a cache of element_size bytes runs WIDE_TILE_CONFIG (one tile holds the whole context), 0 where it
+    never does (_decode_config's rule: 33-128 programs, a 2-byte cache, no prefetch, GYRFALCON_DECODE_WIDE_TILE,
+    a card with WIDE_TILE_SHARED of shared memory a program). The decode graphs capture a one-split graph of such
+    sizes for these contexts (cuda_graph.CudaGraphRunner); the main graph keeps 128-key tiles over its splits,
+    which won from 320 tokens on (widetile_attn_ab-h200-2026-12-03-run92.json)."""
+    ok = (WIDE_TILE_MIN_PROGRAMS < programs <= _SMALL_LAUNCH_PROGRAMS and element_size == 2 and wide_tile_default()
+          and max_shared_mem(device) >= WIDE_TILE_SHARED)
+    return WIDE_TILE_CONFIG[0] if ok else 0
 
 
 def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False,
                    one_split: bool = False, wide_tile: bool = False):
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
     one_split: the caller asked for one split (the short graphs: a whole context in one program).
-    wide_tile: the launch may take WIDE_TILE_CONFIG (the caller passes it for the fused prep on a 2-byte cache; an
-    fp32 cache's 256-key tiles need 270 KB of shared memory). H200, Llama-3.1-8B's 32 / 8 heads, batch 16 (128
+    wide_tile: a one-split launch of 33-128 programs may take WIDE_TILE_CONFIG (the caller passes it for the fused
+    prep on a 2-byte cache; an fp32 cache's 256-key tiles need 270 KB of shared memory). H200, Llama-3.1-8B's 32 / 8 heads, batch 16 (128
     programs), L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-02-run90.json): one split of
     256-key tiles, 8 warps, 1 stage 9.20 / 9.85 / 10.75 us at 144 / 192 / 250 tokens against 12.49 / 12.62 / 12.89
     for 128-key tiles at 4 warps and 3 stages (4 warps 9.78 / 10.55 / 11.57). Whole steps, same call ABAB
     (latency_*_b16_t256_*-h200-2026-12-02-run91.json): Llama-3.1-8B batch 16 4.471 / 4.473 ms against 4.521 / 4.515,
-    Qwen3-0.6B batch 16 1.126 against 1.215. Not timed beyond 250 tokens, where a split holds several unpipelined
-    tiles.
+    Qwen3-0.6B batch 16 1.126 against 1.215. Past one tile it lost (run 92, same sweep, the graphs' 4 splits of
+    >= 256 keys): 18.97 / 28.20 / 42.27 / 68.19 / 121.36 us at 320 / 600 / 1,100 / 2,100 / 4,100 tokens against
+    14.97 / 23.67 / 33.93 / 49.53 / 79.58, and the Llama batch-16 step at 1,024-token prompts 5.46 against 5.20 ms;
+    so only the one-split graphs (wide_tile_context: contexts of up to 256 tokens) take it. At batch 8 (64 programs)
+    one split of it took 8.67 us at 192 tokens against 10.88 for the graphs' default (widetile_sweep-h200-2026-12-03-
+    run92.json); at batch 32 (256 programs) 64-key tiles stay the best.
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
     head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,
@@ -619,7 +636,7 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
         return parts[0], parts[1], parts[2] if len(parts) > 2 else 3
     if head_dim <= 128:
         if programs <= _SMALL_LAUNCH_PROGRAMS:
-            if wide_tile and not prefetch and programs > _SMALL_LAUNCH_PROGRAMS // 2 and not fp8:
+            if wide_tile and one_split and not prefetch and not fp8 and programs > WIDE_TILE_MIN_PROGRAMS:
                 return WIDE_TILE_CONFIG
             if prefetch and not one_split:
                 return B1_SPLIT_TILE, 8, 3

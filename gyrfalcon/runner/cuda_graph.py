@@ -20,7 +20,8 @@ The small sizes (up to SHORT_GRAPH_MAX_BATCH) get a second graph whose decode at
 sequence: no split merge, so one launch per layer fewer. A batch whose contexts all fit in
 GYRFALCON_SHORT_GRAPH_CONTEXT tokens (default 128: short_graph_context) replays it; the main graph's splits
 (sized for the block table's full width, max_model_len) then mostly hold no keys, but the reduce launch
-runs anyway. With GYRFALCON_B1_MERGED_SPLITS=S (merged_graph_splits) batch 1's second graph is the merged one
+runs anyway. The sizes whose one-split attention takes the one-stage 256-key tile (batch 5-16 at 8 kv heads:
+paged_decode_attention.wide_tile_context) get one as well, replayed up to 256 tokens of context. With GYRFALCON_B1_MERGED_SPLITS=S (merged_graph_splits) batch 1's second graph is the merged one
 instead: S splits of up to MERGED_SPLIT_TOKENS keys (one prefetched tile each) whose partials o_proj merges
 while loading its input (small_m_gemv.merged_heads_gemv), also without the reduce launch, for contexts of up
 to S * MERGED_SPLIT_TOKENS tokens.
@@ -41,6 +42,7 @@ import torch
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.kernels.argmax import greedy_argmax
+from gyrfalcon.kernels.paged_decode_attention import wide_tile_context
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.precompile import ladder_warmup_steps, parallel_compile_enabled, precompile
 
@@ -362,6 +364,14 @@ class CudaGraphRunner:
         self.short_context = short if 0 < short < max_model_len else 0
         self.short_limits = {s: self.short_context for s in self.sizes
                              if s <= SHORT_GRAPH_MAX_BATCH and self.short_context}
+        # Sizes whose one-split launch takes the wide tile (wide_tile_context: batch 5-16 at 8 kv heads on a bf16
+        # cache) get a one-split graph too, for contexts within that one tile.
+        if kv_caches:
+            k_cache = kv_caches[0][0]
+            for s in self.sizes:
+                wide = wide_tile_context(s * k_cache.shape[2], k_cache.element_size(), device)
+                if s not in self.short_limits and 0 < wide < max_model_len:
+                    self.short_limits[s] = wide
         merged = merged_graph_splits()
         self.merged_splits = merged if 0 < merged * MERGED_SPLIT_TOKENS < max_model_len and 1 in self.sizes else 0
         if self.merged_splits:

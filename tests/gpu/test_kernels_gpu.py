@@ -232,10 +232,24 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
     """The q/k norm + RoPE + KV store folded into the decode-attention launch, against the unfused
     references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too, and with
     the first K/V tile loaded before the qkv row (PDL's default)."""
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                          decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm90+")
+    _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch, None)
+
+
+@pytest.mark.parametrize("batch,max_ctx", [(8, 256), (16, 200), (16, 256), (16, 300), (12, 129)])
+@pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
+def test_decode_attention_with_prep_one_split(batch, max_ctx, n_heads, norm):
+    """The one-split launch the wide-tile graphs capture (batch 5-16 at 8 kv heads: WIDE_TILE_CONFIG's one-stage
+    256-key tile; past 256 tokens, which those graphs never replay, two of its tiles) against the references."""
+    from gyrfalcon.kernels.paged_decode_attention import wide_tile_context
+    assert wide_tile_context(batch * HKV, 2, torch.device(DEV)) == 256  # the H200 runs the wide tile here
+    _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, False, False, 1)
+
+
+def _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch, num_splits):
+    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
+                                                          decode_attention_with_prep_triton)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     if batch > 1:
@@ -255,7 +269,7 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
     want = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                           D ** -0.5, None, qw, kw, 1e-6)
     got = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                            D ** -0.5, None, qw, kw, 1e-6, pdl=pdl, prefetch=prefetch)
+                                            D ** -0.5, num_splits, qw, kw, 1e-6, pdl=pdl, prefetch=prefetch)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(kc, kc_ref, **TOL)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)

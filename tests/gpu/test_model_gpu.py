@@ -180,14 +180,16 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1", "one-pass-b1"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1", "one-pass-b1", "wide-tile"])
 def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
     sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
     merged-b1: one request at a time through the merged batch-1 graph (2 splits merged in o_proj's whole-row
     GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take. one-pass-b1: one
     request at a time, every batch-1 qkv / gate_up GEMV scaling by the norm's rstd after the dot
-    (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's.
+    (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's. wide-tile: the
+    prompts twice over, a batch of 8 (64 programs at 8 kv heads) whose contexts of <= 132 tokens replay the
+    one-split graph of the one-stage 256-key tile (paged_decode_attention.wide_tile_context).
     Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
     that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
@@ -201,15 +203,24 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
         monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
     if one_at_a_time:
         monkeypatch.setenv("GYRFALCON_PDL", "1")
+    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
     llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     if merged:
         assert llm.engine.runner.graph_runner.merged_splits == 2
+    if mode == "wide-tile":
+        rows = rows * 2
+        gr = llm.engine.runner.graph_runner
+        assert gr.short_limits[8] == 256 and 8 in gr.short_graphs
+        choices, uses_short = [], gr.uses_short_graph
+        gr.uses_short_graph = lambda reqs, b: choices.append((b, uses_short(reqs, b))) or choices[-1][1]
     if one_at_a_time:
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    if mode == "wide-tile":
+        assert choices.count((8, True)) >= STEPS // 2, choices  # the decode steps replayed the one-split graph
     del llm
     torch.cuda.empty_cache()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()

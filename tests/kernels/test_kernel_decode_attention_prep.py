@@ -272,11 +272,11 @@ def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("wide_env", [None, "0", "small-card"], ids=["wide-tile", "off", "small-card"])
 def test_batch16_wide_tile(wide_env, monkeypatch):
-    """Batch 16 at 8 kv heads (128 programs) with the fused prep on a bf16 cache: by default one stage of 256-key
-    tiles at 8 warps (WIDE_TILE_CONFIG), 128-key tiles on an fp32 cache, with GYRFALCON_DECODE_WIDE_TILE=0 or on a
-    card with less shared memory a program than the tile needs (sm_89's 99 KB: max_shared_mem stubbed).
-    Contexts below, across and past a 256-key tile, over 4 splits of >= 256 keys (the batched graphs' min_part): the
-    output and the cache match the references."""
+    """Batch 16 at 8 kv heads (128 programs) with the fused prep on a bf16 cache in one split (the one-split
+    graphs): by default one stage of 256-key tiles at 8 warps (WIDE_TILE_CONFIG); 128-key tiles on an fp32 cache,
+    over 4 splits of >= 256 keys (the main graphs' launch), with GYRFALCON_DECODE_WIDE_TILE=0 or on a card with less
+    shared memory a program than the tile needs (sm_89's 99 KB: max_shared_mem stubbed). Contexts below, across and
+    past a 256-key tile: the output and the cache match the references."""
     import sys
 
     from kernels_testutil import LaunchSpy
@@ -293,13 +293,14 @@ def test_batch16_wide_tile(wide_env, monkeypatch):
     monkeypatch.setattr(pda, "_decode_split_kernel", spy)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 600, 128, 33, 2, 513, 160]
     H, KVH, D = 16, 8, 32
-    for dtype, want_bn in ((torch.bfloat16, 256 if wide_env is None else 128), (torch.float32, 128)):
+    for dtype, splits, want_bn in ((torch.bfloat16, 1, 256 if wide_env is None else 128), (torch.bfloat16, 4, 128),
+                                   (torch.float32, 1, 128)):
         qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(lens, H, KVH, D, D, dtype, True, block_size=16)
         kc_ref, vc_ref = kc.clone(), vc.clone()
         want = decode_attention_with_prep_ref(qkv, H, KVH, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
                                               D ** -0.5, None, qw, kw, 1e-6)
         got = decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, slots, bt, sl, D ** -0.5,
-                                                4, qw, kw, 1e-6, pdl=False, prefetch=False)
+                                                splits, qw, kw, 1e-6, pdl=False, prefetch=False)
         assert spy.seen[-1] == want_bn
         torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)

@@ -121,7 +121,8 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     stages) for launches of more than 128 programs without the prefetch (128-key tiles, 3 stages, on an fp8 cache
     over more than 1024); both env switches force either way."""
     from gyrfalcon.kernels.paged_decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, _decode_config, k_rows,
-                                                          merge_in_kernel_default)
+                                                          merge_in_kernel_default, wide_tile_context)
+    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_K_ROWS", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
@@ -136,15 +137,26 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
     assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
     assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
-    # The fused prep on a 2-byte cache (wide_tile) at 65-128 programs: one stage of 256-key tiles at 8 warps;
-    # not with the prefetch, an fp8 cache, head_dim 256, or outside that band of programs.
-    assert _decode_config(128, 16 * 8, wide_tile=True) == (256, 8, 1)
-    assert _decode_config(64, 12 * 8, wide_tile=True) == (256, 8, 1)
+    # The fused prep on a 2-byte cache (wide_tile) in one split at 33-128 programs: one stage of 256-key tiles at
+    # 8 warps; not over several splits, with the prefetch, an fp8 cache, head_dim 256, or outside that band.
+    assert _decode_config(128, 16 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(64, 12 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(128, 8 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(128, 5 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert _decode_config(128, 4 * 8, one_split=True, wide_tile=True) == (128, 4, 3)
+    assert _decode_config(128, 16 * 8, wide_tile=True) == (128, 4, 3)
     assert _decode_config(128, 8 * 8, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(128, 64 * 8, wide_tile=True) == (64, 4, 2)
-    assert _decode_config(128, 16 * 8, prefetch=True, wide_tile=True) == (64, 8, 3)
-    assert _decode_config(128, 16 * 8, fp8=True, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(256, 16 * 8, wide_tile=True) == (32, 4, 3)
+    assert _decode_config(128, 64 * 8, one_split=True, wide_tile=True) == (64, 4, 2)
+    assert _decode_config(128, 16 * 8, prefetch=True, one_split=True, wide_tile=True) == (128, 8, 3)
+    assert _decode_config(128, 16 * 8, fp8=True, one_split=True, wide_tile=True) == (128, 4, 3)
+    assert _decode_config(256, 16 * 8, one_split=True, wide_tile=True) == (32, 4, 3)
+    # wide_tile_context: the contexts (one tile) for which the graphs capture a one-split launch of it.
+    assert wide_tile_context(16 * 8, 2, torch.device("cpu")) == 256 == wide_tile_context(5 * 8, 2, torch.device("cpu"))
+    assert wide_tile_context(4 * 8, 2, torch.device("cpu")) == 0 == wide_tile_context(17 * 8, 2, torch.device("cpu"))
+    assert wide_tile_context(16 * 8, 4, torch.device("cpu")) == 0 == wide_tile_context(16 * 8, 1, torch.device("cpu"))
+    monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", "0")
+    assert wide_tile_context(16 * 8, 2, torch.device("cpu")) == 0
+    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE")
     monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "0")
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "0")
     assert not merge_in_kernel_default(64) and not k_rows(2048)

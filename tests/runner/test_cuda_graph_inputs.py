@@ -283,6 +283,36 @@ def test_short_graph_ladder_and_choice(monkeypatch):
     assert not fb.decode_merge_o_proj and not r.views(1, short=True).decode_merge_o_proj
 
 
+def test_wide_tile_one_split_graphs(monkeypatch):
+    """Sizes whose one-split decode attention takes the wide tile (paged_decode_attention.wide_tile_context: 33-128
+    (sequence, kv head) programs on a 2-byte cache) get a one-split graph for contexts of up to one 256-key tile,
+    beside the small sizes' 128-token ones; not on an fp32 cache, with GYRFALCON_DECODE_WIDE_TILE=0, or when
+    max_model_len is not longer than the tile."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    def runner(n_kv=8, dtype=torch.bfloat16, max_model_len=1024):
+        kv = [(torch.empty(2, 16, n_kv, 32, dtype=dtype),) * 2]
+        return CudaGraphRunner(None, kv, 64, max_model_len, 16, torch.device("cpu"), None)
+
+    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
+    monkeypatch.delenv("GYRFALCON_B1_MERGED_SPLITS", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
+    r = runner()
+    assert r.short_limits == {1: 128, 2: 128, 4: 128, 8: 256, 16: 256} and r.short_sizes == [1, 2, 4, 8, 16]
+    reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
+    assert r.uses_short_graph(reqs(*range(15), 255), 16)  # contexts up to 256
+    assert not r.uses_short_graph(reqs(*range(15), 256), 16)  # one of 257
+    assert not r.uses_short_graph(reqs(*range(24)), 24)
+    assert r.views(16, short=True).decode_num_splits == 1
+    assert runner(n_kv=4).short_limits == {1: 128, 2: 128, 4: 128, 16: 256, 24: 256, 32: 256}
+    assert runner(dtype=torch.float32).short_sizes == [1, 2, 4]
+    assert runner(max_model_len=256).short_sizes == [1, 2, 4]
+    monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", "0")
+    assert runner().short_sizes == [1, 2, 4]
+
+
 def test_merged_batch1_graph_choice(monkeypatch):
     """GYRFALCON_B1_MERGED_SPLITS=S: batch 1's second graph splits attention S ways with o_proj merging the
     splits, up to S * MERGED_SPLIT_TOKENS tokens of context; the other short sizes keep their one-split graphs
