@@ -412,8 +412,9 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
     (one split, 64-key tiles, 4 warps, 2 stages) was the best at 144-250 tokens (18.0-23.1 us, 51-69% of HBM); at
     batch 16 one split of 128-key tiles beat the default 4 splits (11.20 vs 11.89 us at 192 tokens), which
     paged_decode_attention.default_min_part made the default. Run 90 (attn_prep_sweep-h200-2026-12-02-run90.json): at
-    batch 16 one split of 256-key tiles, 8 warps, one stage 9.20-10.75 us against 12.49-12.89 (now the default,
-    paged_decode_attention.WIDE_TILE_CONFIG). batches / contexts (--prep-batches, --prep-contexts): other rows."""
+    batch 16 one split of 256-key tiles, 8 warps, one stage 9.20-10.75 us against 12.49-12.89
+    (paged_decode_attention.WIDE_TILE_CONFIG; since run 93 the one-split graphs' launch up to 256 tokens, where the
+    default here is the main graphs'). batches / contexts (--prep-batches, --prep-contexts): other rows."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     hidden = 4096
