@@ -396,7 +396,8 @@ def bench_decode_attention_real(rows, pool_blocks: int = 54835):
 
 
 def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | None = None,
-                                      batches=(16, 64), contexts=(144, 192, 250)):
+                                      batches=(16, 64), contexts=(144, 192, 250), splits=(1, 2, 4),
+                                      configs=None, min_part=None, prefetch=(False, True)):
     """Decode attention with its fused prep (RoPE, KV store, folded input norm's rstd) as Llama-3.1-8B's batch 16 /
     64 decode graphs launch it, at the latency rows' contexts (128-token prompts, 128 new tokens): the kernel the
     model runs, where --attn-sweep timed the plain kernel. In the model it takes ~23 us a layer at batch 64 (50 MB
@@ -414,7 +415,10 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
     paged_decode_attention.default_min_part made the default. Run 90 (attn_prep_sweep-h200-2026-12-02-run90.json): at
     batch 16 one split of 256-key tiles, 8 warps, one stage 9.20-10.75 us against 12.49-12.89
     (paged_decode_attention.WIDE_TILE_CONFIG; since run 93 the one-split graphs' launch up to 256 tokens, where the
-    default here is the main graphs'). batches / contexts (--prep-batches, --prep-contexts): other rows."""
+    default here is the main graphs'). batches / contexts (--prep-batches, --prep-contexts): other rows; splits /
+    configs / min_part / prefetch (--prep-splits, --prep-configs "bn,warps,stages ...", --prep-min-part,
+    --prep-no-prefetch): another grid, e.g. more splits of fewer keys at 1-2k tokens (min_part 0: splits below
+    default_min_part's 256 keys), where the main graphs' default reached 51-67% of HBM at b16 (run 92)."""
     from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
 
     hidden = 4096
@@ -453,25 +457,26 @@ def bench_decode_attention_prep_sweep(rows, quick: bool = False, ab_env: str | N
             continue
         t_default = timed()
         res = {}
+        more = {} if min_part is None else {"min_part": min_part}
         # (64, 8, 3 / 2): the batch-1 prefetching launch's shape since run 77; (256, 4 / 8, 1): a whole short
         # context in one tile, all its loads issued at once (one stage: 128 KB of K/V; at 16 warps since run 91)
-        grid = itertools.product((False, True), (1, 2, 4), ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
-                                                            (32, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2),
-                                                            (256, 4, 1), (256, 8, 1), (256, 16, 1)))
-        for prefetch, splits, (bn, nw, ns) in grid:
+        grid = itertools.product(prefetch, splits, configs or ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
+                                                               (32, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2),
+                                                               (256, 4, 1), (256, 8, 1), (256, 16, 1)))
+        for pf, sp, (bn, nw, ns) in grid:
             if quick and (nw == 8 or bn == 32 or bn == 256):
                 continue
-            if bn == 256 and prefetch:
+            if bn == 256 and pf:
                 continue  # a whole short context in one tile: nothing to prefetch ahead of the prep
-            if splits > 1 and bn * (splits - 1) >= ctx:
+            if sp > 1 and bn * (sp - 1) >= ctx:
                 continue  # splits past the context are empty: the same as fewer splits
             try:
-                res[prefetch, splits, bn, nw, ns] = timed(prefetch=prefetch, num_splits=splits, block_n=bn,
-                                                          num_warps=nw, num_stages=ns)
+                res[pf, sp, bn, nw, ns] = timed(prefetch=pf, num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns,
+                                                **more)
             except Exception as e:  # e.g. out of shared memory
-                print(f"  skip {(prefetch, splits, bn, nw, ns)}: {type(e).__name__}", flush=True)
+                print(f"  skip {(pf, sp, bn, nw, ns)}: {type(e).__name__}", flush=True)
         best = sorted(res, key=res.get)[:6]
-        rows.append({"B": B, "ctx": ctx, "layers": layers, "default_us": round(t_default, 2),
+        rows.append({"B": B, "ctx": ctx, "layers": layers, "min_part": min_part, "default_us": round(t_default, 2),
                      "frac_hbm_default": round(frac(t_default), 3),
                      "best": [{"prefetch": k[0], "splits": k[1], "block_n": k[2], "warps": k[3], "stages": k[4],
                                "us": round(res[k], 2), "frac_hbm": round(frac(res[k]), 3)} for k in best],
@@ -747,6 +752,14 @@ def main() -> None:
                     help="with --attn-prep-sweep: the batches (default 16 64)")
     ap.add_argument("--prep-contexts", type=int, nargs="+", default=[144, 192, 250],
                     help="with --attn-prep-sweep: the contexts in tokens (default 144 192 250: the latency rows')")
+    ap.add_argument("--prep-splits", type=int, nargs="+", default=[1, 2, 4],
+                    help="with --attn-prep-sweep: the split counts of its grid (default 1 2 4)")
+    ap.add_argument("--prep-configs", nargs="+", metavar="BN,WARPS,STAGES",
+                    help="with --attn-prep-sweep: the launch shapes of its grid (default: eleven, 32-256-key tiles)")
+    ap.add_argument("--prep-min-part", type=int,
+                    help="with --attn-prep-sweep: the grid's least keys a split (default: default_min_part's)")
+    ap.add_argument("--prep-no-prefetch", action="store_true",
+                    help="with --attn-prep-sweep: no grid point loads the first tile before the prep")
     ap.add_argument("--attn-prep-sweep", action="store_true",
                     help="decode attention with its fused prep at Llama-8B batch 16 / 64 and short contexts: prefetch, "
                          "splits and launch shapes (--quick: 4 warps, 64 / 128-key tiles)")
@@ -783,8 +796,11 @@ def main() -> None:
         bench_decode_attention_tput(attn_rows, fp8=args.fp8, sweep=not args.quick, ab_env=args.ab_env)
     if args.attn_prep_sweep:
         args.skip_gemv = args.skip_attention = True
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.prep_configs] if args.prep_configs else None
         bench_decode_attention_prep_sweep(attn_rows, quick=args.quick, ab_env=args.ab_env,
-                                          batches=args.prep_batches, contexts=args.prep_contexts)
+                                          batches=args.prep_batches, contexts=args.prep_contexts,
+                                          splits=args.prep_splits, configs=configs, min_part=args.prep_min_part,
+                                          prefetch=(False,) if args.prep_no_prefetch else (False, True))
     if args.attn_real:
         args.skip_gemv = args.skip_attention = True
         bench_decode_attention_real(attn_rows)

@@ -14,6 +14,7 @@
 #   pdlplain     the batched graphs' plain kernels under PDL (GYRFALCON_PDL_ROWS=16, no prefetch, no peel): model token
 #                tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
+#   ctxsweep     the b16 fused-prep launch at 320-2,100 tokens: more splits of fewer keys, one-split reach past 256
 #   wideshort    the one-stage 256-key tile in one-split graphs up to 256 tokens (wide_tile_context): its GPU tests,
 #                Llama-8B b16 / b8 and Qwen3-0.6B b16 against GYRFALCON_DECODE_WIDE_TILE=0 (run 92's widetile section
 #                found the tile losing past one tile: 5.46 vs 5.20 ms a Llama b16 step at 1,024-token prompts)
@@ -180,6 +181,16 @@ if has wideshort; then  # the one-stage 256-key tile only in one-split graphs re
   for run in a_1 b_0; do lat l8 16 ws1k_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_} --input-len=1024; done
   ckpt q06
   for run in a_1 b_0; do lat q06 16 ws_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_}; done
+fi
+if has ctxsweep; then  # the b16 fused-prep launch past one tile, where the main graphs' default reached 51-67% of
+  # HBM at 1,100-2,100 tokens (run 92): more splits of fewer keys (min_part 0) at 600-2,100 tokens; and at 320 / 480
+  # tokens whether a one-split (or 2-split) graph could reach further than 256 tokens (~4 min)
+  step ctx_sweep_long 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 \
+    --prep-contexts 600 1100 2100 --prep-splits 2 4 8 16 --prep-min-part 0 --prep-no-prefetch \
+    --prep-configs 64,4,2 64,4,3 128,4,3 128,8,3 64,8,3 --output-json "$R/ctx_sweep_long.json"
+  step ctx_sweep_mid 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
+    --prep-contexts 320 480 --prep-splits 1 2 --prep-min-part 0 --prep-no-prefetch \
+    --prep-configs 256,8,1 128,4,3 128,8,3 128,8,2 64,8,3 --output-json "$R/ctx_sweep_mid.json"
 fi
 if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel at run 90's best 64-row launch shape
   # (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; 35.0 vs cuBLAS's 36.9 us at 64 rows, L2-cold): its GPU tests, then b64 ABAB
