@@ -183,11 +183,13 @@ if has wideshort; then  # the one-stage 256-key tile only in one-split graphs re
   for run in a_1 b_0; do lat q06 16 ws_$run GYRFALCON_DECODE_WIDE_TILE=${run#*_}; done
 fi
 if has ctxsweep; then  # the b16 fused-prep launch past one tile, where the main graphs' default reached 51-67% of
-  # HBM at 1,100-2,100 tokens (run 92): more splits of fewer keys (min_part 0) at 600-2,100 tokens; and at 320 / 480
-  # tokens whether a one-split (or 2-split) graph could reach further than 256 tokens (~4 min)
-  step ctx_sweep_long 200 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 \
-    --prep-contexts 600 1100 2100 --prep-splits 2 4 8 16 --prep-min-part 0 --prep-no-prefetch \
-    --prep-configs 64,4,2 64,4,3 128,4,3 128,8,3 64,8,3 --output-json "$R/ctx_sweep_long.json"
+  # HBM at 1,100-2,100 tokens (run 92): split counts that fill whole waves (the default launch holds 3 programs an SM:
+  # 72 KB of shared memory, 130 registers; 4 splits = 512 programs = 1.3 waves of 396; 3 = 384) and more splits of
+  # fewer keys (min_part 0), the first tile before the prep or not, at 600-2,100 tokens; and at 320 / 480 tokens
+  # whether a one-split (or 2-split) graph could reach further than 256 tokens (~4 min)
+  step ctx_sweep_long 240 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 \
+    --prep-contexts 600 1100 2100 --prep-splits 2 3 4 6 8 16 --prep-min-part 0 \
+    --prep-configs 64,4,2 128,4,3 128,8,3 64,8,3 --output-json "$R/ctx_sweep_long.json"
   step ctx_sweep_mid 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
     --prep-contexts 320 480 --prep-splits 1 2 --prep-min-part 0 --prep-no-prefetch \
     --prep-configs 256,8,1 128,4,3 128,8,3 128,8,2 64,8,3 --output-json "$R/ctx_sweep_mid.json"
