@@ -15,6 +15,8 @@
 #                tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
 #   ctxsweep     the b16 fused-prep launch at 320-2,100 tokens: more splits of fewer keys, one-split reach past 256
+#   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
+#                prompts ABAB
 #   wideshort    the one-stage 256-key tile in one-split graphs up to 256 tokens (wide_tile_context): its GPU tests,
 #                Llama-8B b16 / b8 and Qwen3-0.6B b16 against GYRFALCON_DECODE_WIDE_TILE=0 (run 92's widetile section
 #                found the tile losing past one tile: 5.46 vs 5.20 ms a Llama b16 step at 1,024-token prompts)
@@ -193,6 +195,14 @@ if has ctxsweep; then  # the b16 fused-prep launch past one tile, where the main
   step ctx_sweep_mid 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
     --prep-contexts 320 480 --prep-splits 1 2 --prep-min-part 0 --prep-no-prefetch \
     --prep-configs 256,8,1 128,4,3 128,8,3 128,8,2 64,8,3 --output-json "$R/ctx_sweep_mid.json"
+fi
+if has splits3; then  # the main b16 graph at 3 splits (GYRFALCON_DECODE_SPLITS=16:3: one wave of 384 programs where 4
+  # splits take 1.3 of 396 slots) at 2,048-token prompts, where all 4 default splits hold keys: Llama-8B b16 ABAB
+  ckpt l8
+  for run in a_dflt b_s3 c_s3 d_dflt; do
+    if [ "${run#*_}" = s3 ]; then lat l8 16 split_$run GYRFALCON_DECODE_SPLITS=16:3 --input-len=2048
+    else lat l8 16 split_$run --input-len=2048; fi
+  done
 fi
 if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel at run 90's best 64-row launch shape
   # (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; 35.0 vs cuBLAS's 36.9 us at 64 rows, L2-cold): its GPU tests, then b64 ABAB

@@ -559,6 +559,21 @@ def k_rows(programs: int, prefetch: bool = False) -> bool:
     return programs > _SMALL_LAUNCH_PROGRAMS and not prefetch
 
 
+def splits_override(n_seqs: int) -> int | None:
+    """GYRFALCON_DECODE_SPLITS="B:N[,B:N...]": launches of B sequences that the caller gives no split count (the main
+    decode graphs) split each context N ways instead of default_num_splits'. An experiment's switch: the default
+    launch at batch 16 holds 3 programs an SM (72 KB of shared memory, 130 registers), so its 4 splits (512 programs)
+    take 1.3 waves of the H200's 396 slots once every split holds keys (>= ~1,500 tokens), 3 splits one."""
+    env = os.environ.get("GYRFALCON_DECODE_SPLITS", "")
+    for item in filter(None, (x.strip() for x in env.split(","))):
+        b, _, n = item.partition(":")
+        if not n or int(n) < 1:
+            raise ValueError(f"GYRFALCON_DECODE_SPLITS: {item!r} is not BATCH:SPLITS with SPLITS >= 1")
+        if int(b) == n_seqs:
+            return int(n)
+    return None
+
+
 def merge_in_kernel_default(n_seqs: int) -> bool:
     """Whether the last split program to finish merges the splits (no reduce launch) when the caller does not
     say. GYRFALCON_DECODE_MERGE_IN_KERNEL=1 / 0 forces it; by default on from MERGE_IN_KERNEL_MIN_SEQS
@@ -763,6 +778,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
                                 wide_tile=(prep is not None and k_cache.element_size() == 2 and wide_tile_default()
                                            and max_shared_mem(q.device) >= WIDE_TILE_SHARED))
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
+    if num_splits is None:
+        num_splits = splits_override(n_seqs)
     if num_splits is None:
         ms = prefetch_splits() if prefetch else MAX_SPLITS
         num_splits = default_num_splits(n_seqs, n_kv, block_tables.shape[1] * block_size, q.device,

@@ -116,6 +116,40 @@ def test_prefetch_splits_switch(monkeypatch):
     assert prefetch_splits() == 64
 
 
+def test_splits_override(monkeypatch):
+    """GYRFALCON_DECODE_SPLITS="B:N,...": the split count of launches of B sequences that get none from the caller;
+    other batches keep the default; a malformed entry is refused with the variable's name."""
+    from gyrfalcon.kernels.paged_decode_attention import splits_override
+    monkeypatch.delenv("GYRFALCON_DECODE_SPLITS", raising=False)
+    assert splits_override(16) is None
+    monkeypatch.setenv("GYRFALCON_DECODE_SPLITS", "16:3, 64:2")
+    assert splits_override(16) == 3 and splits_override(64) == 2 and splits_override(8) is None
+    monkeypatch.setenv("GYRFALCON_DECODE_SPLITS", "16")
+    with pytest.raises(ValueError, match="GYRFALCON_DECODE_SPLITS"):
+        splits_override(16)
+
+
+@requires_triton
+def test_splits_override_reaches_the_launch(monkeypatch):
+    """With GYRFALCON_DECODE_SPLITS the launch splits each context that many ways (5: BLOCK_S 8, where the default
+    at this shape is fewer); the output matches the reference."""
+    import sys
+    pda = sys.modules[paged_decode_attention_triton.__module__]
+    spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_S")
+    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
+    monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "0")
+    q, kc, vc, bt, sl, _, _ = _batch([70, 1, 39], 4, 2, 16, 4, torch.float32)
+    want = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.3)
+    for env in (None, "3:5"):
+        if env is None:
+            monkeypatch.delenv("GYRFALCON_DECODE_SPLITS", raising=False)
+        else:
+            monkeypatch.setenv("GYRFALCON_DECODE_SPLITS", env)
+        got = paged_decode_attention_triton(q, kc, vc, bt, sl, 0.3)
+        assert (spy.seen[-1] == 8) == (env is not None), spy.seen
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
 def test_merge_and_key_layout_defaults(monkeypatch):
     """The in-kernel merge is on from MERGE_IN_KERNEL_MIN_SEQS sequences, key tiles in row layout (with 2
     stages) for launches of more than 128 programs without the prefetch (128-key tiles, 3 stages, on an fp8 cache
