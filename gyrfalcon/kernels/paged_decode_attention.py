@@ -518,8 +518,9 @@ def early_loads_default() -> bool:
 
 
 def wide_tile_default() -> bool:
-    """Whether the fused-prep launch may take WIDE_TILE_CONFIG (_decode_config): GYRFALCON_DECODE_WIDE_TILE=0 turns
-    it off (the 128-key tiles of 4 warps and 3 stages before run 91)."""
+    """Whether the fused-prep launch may take WIDE_TILE_CONFIG (_decode_config), and so whether the decode graphs
+    capture one-split graphs for it (wide_tile_context): GYRFALCON_DECODE_WIDE_TILE=0 turns both off (128-key tiles
+    of 4 warps and 3 stages, as before run 91)."""
     return os.environ.get("GYRFALCON_DECODE_WIDE_TILE", "1") != "0"
 
 
@@ -593,8 +594,9 @@ _FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) progr
 B1_SPLIT_TILE = 64
 
 
-# The fused-prep launch of a 2-byte cache at (_SMALL_LAUNCH_PROGRAMS / 2, _SMALL_LAUNCH_PROGRAMS] programs (batch 16
-# at 8 kv heads): one stage of 256-key tiles at 8 warps (_decode_config). Two stages would need 256 KB of shared memory.
+# The fused-prep launch of a 2-byte cache in one split at (WIDE_TILE_MIN_PROGRAMS, _SMALL_LAUNCH_PROGRAMS] programs
+# (batch 5-16 at 8 kv heads: the one-split graphs, wide_tile_context): one stage of 256-key tiles at 8 warps
+# (_decode_config). Two stages would need 256 KB of shared memory.
 WIDE_TILE_CONFIG = (256, 8, 1)
 WIDE_TILE_SHARED = 140 * 1024  # shared memory a program may need for it (sm_90 code: 132 KB) -> max_shared_mem
 WIDE_TILE_MIN_PROGRAMS = _SMALL_LAUNCH_PROGRAMS // 4  # (sequence, kv head) programs above which it may be taken
@@ -617,17 +619,18 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs).
     one_split: the caller asked for one split (the short graphs: a whole context in one program).
     wide_tile: a one-split launch of 33-128 programs may take WIDE_TILE_CONFIG (the caller passes it for the fused
-    prep on a 2-byte cache; an fp32 cache's 256-key tiles need 270 KB of shared memory). H200, Llama-3.1-8B's 32 / 8 heads, batch 16 (128
-    programs), L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-02-run90.json): one split of
-    256-key tiles, 8 warps, 1 stage 9.20 / 9.85 / 10.75 us at 144 / 192 / 250 tokens against 12.49 / 12.62 / 12.89
-    for 128-key tiles at 4 warps and 3 stages (4 warps 9.78 / 10.55 / 11.57). Whole steps, same call ABAB
-    (latency_*_b16_t256_*-h200-2026-12-02-run91.json): Llama-3.1-8B batch 16 4.471 / 4.473 ms against 4.521 / 4.515,
-    Qwen3-0.6B batch 16 1.126 against 1.215. Past one tile it lost (run 92, same sweep, the graphs' 4 splits of
-    >= 256 keys): 18.97 / 28.20 / 42.27 / 68.19 / 121.36 us at 320 / 600 / 1,100 / 2,100 / 4,100 tokens against
-    14.97 / 23.67 / 33.93 / 49.53 / 79.58, and the Llama batch-16 step at 1,024-token prompts 5.46 against 5.20 ms;
-    so only the one-split graphs (wide_tile_context: contexts of up to 256 tokens) take it. At batch 8 (64 programs)
-    one split of it took 8.67 us at 192 tokens against 10.88 for the graphs' default (widetile_sweep-h200-2026-12-03-
-    run92.json); at batch 32 (256 programs) 64-key tiles stay the best.
+    prep on a 2-byte cache; an fp32 cache's 256-key tiles need 270 KB of shared memory). H200, Llama-3.1-8B's 32 / 8
+    heads, batch 16 (128 programs), L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-02-
+    run90.json): one split of 256-key tiles, 8 warps, 1 stage 9.20 / 9.85 / 10.75 us at 144 / 192 / 250 tokens
+    against 12.49 / 12.62 / 12.89 for 128-key tiles at 4 warps and 3 stages (4 warps 9.78 / 10.55 / 11.57). Whole
+    steps, same call ABAB (latency_*_b16_t256_*-h200-2026-12-02-run91.json): Llama-3.1-8B batch 16 4.471 / 4.473 ms
+    against 4.521 / 4.515, Qwen3-0.6B batch 16 1.126 against 1.215. Past one tile it lost (run 92, same sweep, the
+    graphs' 4 splits of >= 256 keys): 18.97 / 28.20 / 42.27 / 68.19 / 121.36 us at 320 / 600 / 1,100 / 2,100 /
+    4,100 tokens against 14.97 / 23.67 / 33.93 / 49.53 / 79.58, and the Llama batch-16 step at 1,024-token prompts
+    5.46 against 5.20 ms; so only the one-split graphs (wide_tile_context: contexts of up to 256 tokens) take it
+    (run 93, ABAB: Llama-3.1-8B batch 16 steady 4.370 / 4.375 ms against 4.509 / 4.518, batch 8 4.303 against
+    4.463). At batch 8 (64 programs) one split of it took 8.67 us at 192 tokens against 10.88 for the graphs'
+    default (widetile_sweep-h200-2026-12-03-run92.json); at batch 32 (256 programs) 64-key tiles stay the best.
     programs = sequences * kv heads. H200 sweep (decode_attn_sweep-h200-2026-11-30-run6.json, 8 kv heads,
     head_dim 128): up to batch 16, 128-key tiles with 4 warps were the best at batch 16 (10.3 us vs
     12.4 for 64-key tiles at 256 tokens) and at batch 1 with long contexts (9.2 vs 10.1 us at 2048 tokens,

@@ -21,10 +21,11 @@ sequence: no split merge, so one launch per layer fewer. A batch whose contexts 
 GYRFALCON_SHORT_GRAPH_CONTEXT tokens (default 128: short_graph_context) replays it; the main graph's splits
 (sized for the block table's full width, max_model_len) then mostly hold no keys, but the reduce launch
 runs anyway. The sizes whose one-split attention takes the one-stage 256-key tile (batch 5-16 at 8 kv heads:
-paged_decode_attention.wide_tile_context) get one as well, replayed up to 256 tokens of context. With GYRFALCON_B1_MERGED_SPLITS=S (merged_graph_splits) batch 1's second graph is the merged one
-instead: S splits of up to MERGED_SPLIT_TOKENS keys (one prefetched tile each) whose partials o_proj merges
-while loading its input (small_m_gemv.merged_heads_gemv), also without the reduce launch, for contexts of up
-to S * MERGED_SPLIT_TOKENS tokens.
+paged_decode_attention.wide_tile_context) get one as well, replayed up to 256 tokens of context. With
+GYRFALCON_B1_MERGED_SPLITS=S (merged_graph_splits) batch 1's second graph is the merged one instead: S splits
+of up to MERGED_SPLIT_TOKENS keys (one prefetched tile each) whose partials o_proj merges while loading its
+input (small_m_gemv.merged_heads_gemv), also without the reduce launch, for contexts of up to
+S * MERGED_SPLIT_TOKENS tokens.
 """
 
 from __future__ import annotations
