@@ -778,8 +778,8 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     early_loads = early_loads and prep is not None and not prefetch
     bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
                                 one_split=num_splits == 1,
-                                wide_tile=(prep is not None and k_cache.element_size() == 2 and wide_tile_default()
-                                           and max_shared_mem(q.device) >= WIDE_TILE_SHARED))
+                                wide_tile=(prep is not None
+                                           and wide_tile_context(n_seqs * n_kv, k_cache.element_size(), q.device) > 0))
     bn, nw, ns = max(16, block_n or bn), num_warps or nw, num_stages or ns
     if num_splits is None:
         num_splits = splits_override(n_seqs)
