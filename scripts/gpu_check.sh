@@ -15,6 +15,9 @@
 #                tests, Llama-8B b16 ABAB, Qwen3-0.6B b16 AB
 #   widerows     Llama-8B's down_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES): GPU tests, b64 ABAB
 #   ctxsweep     the b16 fused-prep launch at 320-2,100 tokens: more splits of fewer keys, one-split reach past 256
+#   midtile      the main b8 / b16 graphs' split launch on 64-key tiles, 4 warps, 2 stages (MID_TILE_CONFIG, run 96's
+#                ctxsweep winner) against 128-key tiles (GYRFALCON_DECODE_MID_TILE=0): the launch ABAB at 320-2,100 tokens,
+#                its least keys a split (min_part 0 / 256), Llama-8B b16 ABAB and b8 AB at 1,024-token prompts
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
 #                prompts ABAB
 #   wideshort    the one-stage 256-key tile in one-split graphs up to 256 tokens (wide_tile_context): its GPU tests,
@@ -195,6 +198,19 @@ if has ctxsweep; then  # the b16 fused-prep launch past one tile, where the main
   step ctx_sweep_mid 120 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
     --prep-contexts 320 480 --prep-splits 1 2 --prep-min-part 0 --prep-no-prefetch \
     --prep-configs 256,8,1 128,4,3 128,8,3 128,8,2 64,8,3 --output-json "$R/ctx_sweep_mid.json"
+fi
+if has midtile; then  # run 96's ctxsweep: at b16, 4 splits of 64-key tiles (4 warps, 2 stages) took 18.3 / 26.7 / 42.2
+  # us at 600 / 1,100 / 2,100 tokens against 24.0 / 34.5 / 50.1 for the main graphs' 128-key tiles (min_part 0) (~6 min)
+  step midtile_attn_ab 150 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
+    --prep-contexts 320 600 1100 2100 --ab-env GYRFALCON_DECODE_MID_TILE --output-json "$R/midtile_attn_ab.json"
+  for mp in 0 256; do
+    step midtile_minpart_$mp 60 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
+      --prep-contexts 320 480 600 --prep-splits 4 8 --prep-min-part $mp --prep-no-prefetch --prep-configs 64,4,2 \
+      --output-json "$R/midtile_minpart_$mp.json"
+  done
+  ckpt l8
+  for run in a_1 b_0 c_0 d_1; do lat l8 16 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
+  for run in a_1 b_0; do lat l8 8 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
 fi
 if has splits3; then  # the main b16 graph at 3 splits (GYRFALCON_DECODE_SPLITS=16:3: one wave of 384 programs where 4
   # splits take 1.3 of 396 slots) at 2,048-token prompts, where all 4 default splits hold keys: Llama-8B b16 ABAB

@@ -524,6 +524,13 @@ def wide_tile_default() -> bool:
     return os.environ.get("GYRFALCON_DECODE_WIDE_TILE", "1") != "0"
 
 
+def mid_tile_default() -> bool:
+    """Whether the split launch of 33-128 (sequence, kv head) programs without the prefetch, not on an fp8 cache, takes
+    MID_TILE_CONFIG (_decode_config): GYRFALCON_DECODE_MID_TILE=0 keeps 128-key tiles of 4 warps and 3 stages there,
+    as before run 96."""
+    return os.environ.get("GYRFALCON_DECODE_MID_TILE", "1") != "0"
+
+
 def prefetch_splits() -> int:
     """Most splits per sequence for the prefetching launch, GYRFALCON_DECODE_PREFETCH_SPLITS (default
     MAX_SPLITS; 64: one 128-key tile per split up to 8192 tokens). The prefetch covers a split's first
@@ -602,6 +609,11 @@ WIDE_TILE_SHARED = 140 * 1024  # shared memory a program may need for it (sm_90 
 WIDE_TILE_MIN_PROGRAMS = _SMALL_LAUNCH_PROGRAMS // 4  # (sequence, kv head) programs above which it may be taken
 
 
+# The split launch of (WIDE_TILE_MIN_PROGRAMS, _SMALL_LAUNCH_PROGRAMS] programs (the batch 8 / 16 main decode graphs at 8 kv
+# heads) without the prefetch, not on an fp8 cache: 64-key tiles, 4 warps, 2 stages (_decode_config, mid_tile_default).
+MID_TILE_CONFIG = (64, 4, 2)
+
+
 def wide_tile_context(programs: int, element_size: int, device: torch.device) -> int:
     """Tokens of context up to which a one-split launch of `programs` (sequence, kv head) programs with the fused
     prep on a cache of element_size bytes runs WIDE_TILE_CONFIG (one tile holds the whole context), 0 where it
@@ -647,7 +659,11 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     2026-12-02-run77.json). The one-split launch keeps 128-key tiles: a second tile would load after the wait.
     2 stages instead of 3 (GYRFALCON_DECODE_ATTN_CONFIG=64,8,2; runs 78, 80): the chain x1.005 / 1.029 / 1.011 at
     256 / 1,024 / 4,096 tokens, the model 0.617 / 0.618 ms a step against 0.622 / 0.651 (ABAB), within the calls'
-    variance; not adopted yet (the GPU tests ran with 3)."""
+    variance; not adopted yet (the GPU tests ran with 3).
+    The split launch at 33-128 programs (the batch 8 / 16 main graphs) takes MID_TILE_CONFIG: at batch 16, L2-cold,
+    4 splits of 64-key tiles, 4 warps and 2 stages took 18.33 / 26.67 / 42.21 us at 600 / 1,100 / 2,100 tokens
+    against 24.00 / 34.45 / 50.07 for 128-key tiles at 4 warps and 3 stages (ctx_sweep_long-h200-2026-12-03-run96.json,
+    min_part 0); with 64-key tiles a program needs half the shared memory, so more of the 512 programs run at once."""
     env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps[,num_stages]": launch-shape experiments
     if env:
         parts = [int(x) for x in env.split(",")]
@@ -658,6 +674,9 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
                 return WIDE_TILE_CONFIG
             if prefetch and not one_split:
                 return B1_SPLIT_TILE, 8, 3
+            if (not prefetch and not one_split and not fp8 and programs > WIDE_TILE_MIN_PROGRAMS
+                    and mid_tile_default()):
+                return MID_TILE_CONFIG
             return 128, (8 if prefetch else 4), 3
         if fp8 and not prefetch and programs > _FP8_WIDE_TILE_PROGRAMS:
             # An fp8 cache (half the bytes a key) over many programs: 128-key tiles with 3 stages. With V pinned

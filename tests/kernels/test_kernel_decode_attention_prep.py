@@ -274,15 +274,17 @@ def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
 def test_batch16_wide_tile(wide_env, monkeypatch):
     """Batch 16 at 8 kv heads (128 programs) with the fused prep on a bf16 cache in one split (the one-split
     graphs): by default one stage of 256-key tiles at 8 warps (WIDE_TILE_CONFIG); 128-key tiles on an fp32 cache,
-    over 4 splits of >= 256 keys (the main graphs' launch), with GYRFALCON_DECODE_WIDE_TILE=0 or on a card with less
-    shared memory a program than the tile needs (sm_89's 99 KB: max_shared_mem stubbed). Contexts below, across and
-    past a 256-key tile: the output and the cache match the references."""
+    with GYRFALCON_DECODE_WIDE_TILE=0 or on a card with less shared memory a program than the tile needs (sm_89's
+    99 KB: max_shared_mem stubbed); 64-key tiles over 4 splits of >= 256 keys (the main graphs' launch:
+    MID_TILE_CONFIG). Contexts below, across and past a 256-key tile: the output and the cache match the
+    references."""
     import sys
 
     from kernels_testutil import LaunchSpy
     pda = sys.modules[paged_decode_attention_triton.__module__]
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     if wide_env == "0":
         monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", wide_env)
     else:
@@ -295,7 +297,7 @@ def test_batch16_wide_tile(wide_env, monkeypatch):
     H, KVH, D = 16, 8, 32
     cases = [(torch.bfloat16, 1, 256 if wide_env is None else 128)]
     if wide_env is None:  # the launches the switch and the card do not touch, once
-        cases += [(torch.bfloat16, 4, 128), (torch.float32, 1, 128)]
+        cases += [(torch.bfloat16, 4, 64), (torch.float32, 1, 128)]
     for dtype, splits, want_bn in cases:
         qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(lens, H, KVH, D, D, dtype, True, block_size=16)
         kc_ref, vc_ref = kc.clone(), vc.clone()

@@ -160,10 +160,14 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_K_ROWS", raising=False)
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     assert MERGE_IN_KERNEL_MIN_SEQS == 8
     assert not merge_in_kernel_default(1) and not merge_in_kernel_default(4) and merge_in_kernel_default(8)
     assert not k_rows(128) and k_rows(129) and not k_rows(512, prefetch=True)
-    assert _decode_config(128, 16 * 8) == (128, 4, 3)
+    # Split launches of 33-128 programs without the prefetch (the batch 8 / 16 main graphs): MID_TILE_CONFIG;
+    # one split, 32 programs or fewer, or an fp8 cache: 128-key tiles.
+    assert _decode_config(128, 16 * 8) == (64, 4, 2) == _decode_config(128, 5 * 8)
+    assert _decode_config(128, 4 * 8) == (128, 4, 3) == _decode_config(128, 16 * 8, one_split=True)
     assert _decode_config(128, 256 * 8) == (64, 4, 2)
     assert _decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
     assert _decode_config(128, 8, prefetch=True) == (64, 8, 3)  # batch 1 with the prefetch: B1_SPLIT_TILE keys
@@ -178,8 +182,8 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 8 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
     assert _decode_config(128, 5 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
     assert _decode_config(128, 4 * 8, one_split=True, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(128, 16 * 8, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(128, 8 * 8, wide_tile=True) == (128, 4, 3)
+    assert _decode_config(128, 16 * 8, wide_tile=True) == (64, 4, 2)
+    assert _decode_config(128, 8 * 8, wide_tile=True) == (64, 4, 2)
     assert _decode_config(128, 64 * 8, one_split=True, wide_tile=True) == (64, 4, 2)
     assert _decode_config(128, 16 * 8, prefetch=True, one_split=True, wide_tile=True) == (128, 8, 3)
     assert _decode_config(128, 16 * 8, fp8=True, one_split=True, wide_tile=True) == (128, 4, 3)
@@ -191,6 +195,10 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", "0")
     assert wide_tile_context(16 * 8, 2, torch.device("cpu")) == 0
     monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE")
+    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE", "0")
+    assert _decode_config(128, 16 * 8) == (128, 4, 3) == _decode_config(128, 8 * 8, wide_tile=True)
+    assert _decode_config(128, 256 * 8) == (64, 4, 2)
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE")
     monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "0")
     monkeypatch.setenv("GYRFALCON_DECODE_K_ROWS", "0")
     assert not merge_in_kernel_default(64) and not k_rows(2048)
@@ -250,6 +258,7 @@ def test_triton_batch16_default_min_part(min_part_env, monkeypatch):
     else:
         monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", min_part_env)
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 511, 128, 33, 2, 90, 160]
     q, kc, vc, bt, sl, _, _ = _batch(lens, 8, 8, 16, 16, torch.float32, fill=10**8)
     wide = torch.zeros(len(lens), 4096 // 16, dtype=bt.dtype, device=bt.device)  # max_model_len 4096
@@ -258,10 +267,12 @@ def test_triton_batch16_default_min_part(min_part_env, monkeypatch):
     for _ in range(2):
         got = paged_decode_attention_triton(q, kc, vc, wide, sl, 0.2, num_splits=4)
         torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
-    # The split layout the launch used (128-key tiles at 128 programs): its partials merge to the same output.
+    # The split layout the launch used (64-key tiles at 128 programs: MID_TILE_CONFIG): its partials merge to the
+    # same output.
     from gyrfalcon.kernels.paged_decode_attention import _launch, merge_partials_ref
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     parts = _launch(q, 8, kc, vc, wide, sl, 0.2, 4, None, partials=True)
-    assert parts.block_n == 128 and parts.min_part == (256 if min_part_env is None else 128)
+    assert parts.block_n == 64 and parts.min_part == (256 if min_part_env is None else 64)
     torch.testing.assert_close(merge_partials_ref(parts).view_as(want), want, **ATTN_TOL[torch.float32])
 
 
