@@ -18,6 +18,8 @@
 #   midtile      the main b8 / b16 graphs' split launch on 64-key tiles, 4 warps, 2 stages (MID_TILE_CONFIG, run 96's
 #                ctxsweep winner) against 128-key tiles (GYRFALCON_DECODE_MID_TILE=0): the launch ABAB at 320-2,100 tokens,
 #                its least keys a split (min_part 0 / 256), Llama-8B b16 ABAB and b8 AB at 1,024-token prompts
+#   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
+#                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
 #                prompts ABAB
 #   wideshort    the one-stage 256-key tile in one-split graphs up to 256 tokens (wide_tile_context): its GPU tests,
@@ -211,6 +213,19 @@ if has midtile; then  # run 96's ctxsweep: at b16, 4 splits of 64-key tiles (4 w
   ckpt l8
   for run in a_1 b_0 c_0 d_1; do lat l8 16 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
   for run in a_1 b_0; do lat l8 8 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
+fi
+if has midtile2; then  # MID_TILE_CONFIG with one-tile splits (run 97: at b16 the 256-key splits lost at 320-600
+  # tokens, 16.26 / 18.21 / 18.96 vs 13.59 / 16.48 / 18.25 us): GPU kernel and model token tests, the launch ABAB at
+  # 320-600 tokens, Llama-8B b16 ABAB at 512-token prompts, AB at 2,048, Qwen3-0.6B b16 AB at 1,024 (~6 min)
+  step gpu_midtile_tests 240 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_model_gpu.py \
+    -k "paged_decode or decode_attention_with_prep or o_proj_merging or bf16_greedy" -p no:cacheprovider
+  step midtile_attn_ab2 90 python3 benchmarks/small_m_gemv.py --attn-prep-sweep --prep-batches 16 8 \
+    --prep-contexts 320 480 600 --ab-env GYRFALCON_DECODE_MID_TILE --output-json "$R/midtile_attn_ab2.json"
+  ckpt l8
+  for run in a_1 b_0 c_0 d_1; do lat l8 16 mt512_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=512; done
+  for run in a_1 b_0; do lat l8 16 mt2k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=2048; done
+  ckpt q06
+  for run in a_1 b_0; do lat q06 16 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
 fi
 if has splits3; then  # the main b16 graph at 3 splits (GYRFALCON_DECODE_SPLITS=16:3: one wave of 384 programs where 4
   # splits take 1.3 of 396 slots) at 2,048-token prompts, where all 4 default splits hold keys: Llama-8B b16 ABAB

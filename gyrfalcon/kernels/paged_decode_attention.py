@@ -491,7 +491,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 SHORT_SPLIT_TOKENS = 256  # keys a split covers at least in batched launches (default_min_part)
 
 
-def default_min_part(programs: int, prefetch: bool) -> int:
+def default_min_part(programs: int, prefetch: bool, mid_tile: bool = False) -> int:
     """Least keys one split covers when the caller does not say (0: one tile). GYRFALCON_DECODE_MIN_PART=N
     forces N. By default SHORT_SPLIT_TOKENS for launches of at least _SMALL_LAUNCH_PROGRAMS (sequence, kv head)
     programs without the prefetch (batch 16 and up at 8 kv heads: the batched decode graphs), else one tile.
@@ -500,10 +500,16 @@ def default_min_part(programs: int, prefetch: bool) -> int:
     one program holds them all and writes its output directly. The fused-prep launch at Llama-3.1-8B's 32 / 8
     heads, batch 16, L2-cold (small_m_gemv.py --attn-prep-sweep, attn_prep_sweep-h200-2026-12-01-run65.json):
     one split of 128-key tiles 11.00 / 11.20 / 11.90 us at 144 / 192 / 250 tokens against 11.14 / 11.89 / 12.69
-    for the default 4 splits. From 1,024 tokens the splits are >= 256 keys anyway; batch 64 runs one split."""
+    for the default 4 splits. From 1,024 tokens the splits are >= 256 keys anyway; batch 64 runs one split.
+    mid_tile: the launch runs MID_TILE_CONFIG at up to _SMALL_LAUNCH_PROGRAMS programs (the batch 8 / 16 main graphs
+    since run 96, whose contexts of up to 256 tokens replay the one-split graphs): one tile. At batch 16 its 4 splits
+    took 13.59 / 16.48 / 18.25 us at 320 / 480 / 600 tokens with one-tile splits against 16.26 / 18.21 / 18.96 with
+    256-key ones (midtile_minpart_*-h200-2026-12-03-run97.json)."""
     env = os.environ.get("GYRFALCON_DECODE_MIN_PART")
     if env is not None:
         return max(0, int(env))
+    if mid_tile and programs <= _SMALL_LAUNCH_PROGRAMS:
+        return 0
     return SHORT_SPLIT_TOKENS if programs >= _SMALL_LAUNCH_PROGRAMS and not prefetch else 0
 
 
@@ -813,7 +819,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         merge_in_kernel = merge_in_kernel_default(n_seqs)
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
     if min_part is None:
-        min_part = default_min_part(n_seqs * n_kv, prefetch)
+        min_part = default_min_part(n_seqs * n_kv, prefetch, mid_tile=(bn, nw, ns) == MID_TILE_CONFIG)
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
     if direct:

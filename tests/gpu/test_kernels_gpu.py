@@ -224,14 +224,16 @@ def test_paged_decode(batch, max_ctx, num_splits, merge):
         assert torch.count_nonzero(got[-1]) == 0
 
 
-@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (16, 4096), (16, 300), (64, 1024)])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (1, 200), (8, 2048), (16, 4096), (16, 300), (16, 600),
+                                           (64, 1024)])
 @pytest.mark.parametrize("n_heads,norm", [(16, True), (32, False)], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True), (True, False), (False, True)],
                          ids=["plain", "pdl-prefetch", "pdl", "prefetch"])
 def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch):
     """The q/k norm + RoPE + KV store folded into the decode-attention launch, against the unfused
-    references (qkv_prep_ref, then decode attention), at the default launch shapes; with PDL too, and with
-    the first K/V tile loaded before the qkv row (PDL's default)."""
+    references (qkv_prep_ref, then decode attention), at the default launch shapes (batch 8 / 16 without the
+    prefetch: MID_TILE_CONFIG's 64-key tiles in one-tile splits); with PDL too, and with the first K/V tile loaded
+    before the qkv row (PDL's default)."""
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm90+")
     _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch, None)

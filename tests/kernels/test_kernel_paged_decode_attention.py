@@ -239,6 +239,9 @@ def test_default_min_part(monkeypatch):
     assert default_min_part(16 * 8, prefetch=False) == 256 and default_min_part(64 * 8, prefetch=False) == 256
     assert default_min_part(8, prefetch=False) == 0 and default_min_part(8 * 8, prefetch=False) == 0
     assert default_min_part(16 * 8, prefetch=True) == 0
+    # MID_TILE_CONFIG's launches (the batch 8 / 16 main graphs): one tile; over more programs it does not apply.
+    assert default_min_part(16 * 8, prefetch=False, mid_tile=True) == 0
+    assert default_min_part(64 * 8, prefetch=False, mid_tile=True) == 256
     monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "0")
     assert default_min_part(16 * 8, prefetch=False) == 0
     monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "64")
@@ -246,34 +249,34 @@ def test_default_min_part(monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("min_part_env", [None, "0"], ids=["default-256", "one-tile"])
-def test_triton_batch16_default_min_part(min_part_env, monkeypatch):
+@pytest.mark.parametrize("mid_env,min_part_env,want", [("0", None, (128, 256)), (None, None, (64, 64)),
+                                                        ("0", "0", (128, 128))],
+                         ids=["128-key-256", "mid-tile", "128-key-one-tile"])
+def test_triton_batch16_default_min_part(mid_env, min_part_env, want, monkeypatch):
     """Batch 16 at 8 kv heads (128 programs) over a graph-wide block table, in 4 splits (the H200's default split
-    count there): with the default 256-key splits contexts up to 256 run in one split and write directly, longer
-    ones merge;
-    with one-tile splits (GYRFALCON_DECODE_MIN_PART=0) more splits merge. Both match the reference, twice (the
-    merge counters are back at zero)."""
-    if min_part_env is None:
-        monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
-    else:
-        monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", min_part_env)
+    count there). With 128-key tiles (GYRFALCON_DECODE_MID_TILE=0) splits cover >= 256 keys by default, so contexts
+    up to 256 run in one split and write directly and longer ones merge; with one-tile splits
+    (GYRFALCON_DECODE_MIN_PART=0) more splits merge. By default the launch takes MID_TILE_CONFIG's 64-key tiles
+    with one-tile splits. All match the reference, twice (the merge counters are back at zero), and the split
+    layout the launch used (block_n, min_part) merges to the same output."""
+    for name, value in (("GYRFALCON_DECODE_MIN_PART", min_part_env), ("GYRFALCON_DECODE_MID_TILE", mid_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.delenv("GYRFALCON_DECODE_ATTN_CONFIG", raising=False)
-    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 511, 128, 33, 2, 90, 160]
     q, kc, vc, bt, sl, _, _ = _batch(lens, 8, 8, 16, 16, torch.float32, fill=10**8)
     wide = torch.zeros(len(lens), 4096 // 16, dtype=bt.dtype, device=bt.device)  # max_model_len 4096
     wide[:, :bt.shape[1]] = bt
-    want = paged_decode_attention_ref(q, kc, vc, wide, sl, 0.2)
+    want_out = paged_decode_attention_ref(q, kc, vc, wide, sl, 0.2)
     for _ in range(2):
         got = paged_decode_attention_triton(q, kc, vc, wide, sl, 0.2, num_splits=4)
-        torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
-    # The split layout the launch used (64-key tiles at 128 programs: MID_TILE_CONFIG): its partials merge to the
-    # same output.
+        torch.testing.assert_close(got, want_out, **ATTN_TOL[torch.float32])
     from gyrfalcon.kernels.paged_decode_attention import _launch, merge_partials_ref
-    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE", raising=False)
     parts = _launch(q, 8, kc, vc, wide, sl, 0.2, 4, None, partials=True)
-    assert parts.block_n == 64 and parts.min_part == (256 if min_part_env is None else 64)
-    torch.testing.assert_close(merge_partials_ref(parts).view_as(want), want, **ATTN_TOL[torch.float32])
+    assert (parts.block_n, parts.min_part) == want
+    torch.testing.assert_close(merge_partials_ref(parts).view_as(want_out), want_out, **ATTN_TOL[torch.float32])
 
 
 FP8 = torch.float8_e4m3fn
