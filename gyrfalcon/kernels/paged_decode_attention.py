@@ -669,7 +669,8 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
     The split launch at 33-128 programs (the batch 8 / 16 main graphs) takes MID_TILE_CONFIG: at batch 16, L2-cold,
     4 splits of 64-key tiles, 4 warps and 2 stages took 18.33 / 26.67 / 42.21 us at 600 / 1,100 / 2,100 tokens
     against 24.00 / 34.45 / 50.07 for 128-key tiles at 4 warps and 3 stages (ctx_sweep_long-h200-2026-12-03-run96.json,
-    min_part 0); with 64-key tiles a program needs half the shared memory, so more of the 512 programs run at once."""
+    min_part 0). Its sm_90 code takes 38 KB of shared memory and 80-86 registers a thread against 72 KB and 130 for
+    the 128-key launch (compile_check.py), so 5 programs fit an SM instead of 3."""
     env = os.environ.get("GYRFALCON_DECODE_ATTN_CONFIG")  # "block_n,num_warps[,num_stages]": launch-shape experiments
     if env:
         parts = [int(x) for x in env.split(",")]
@@ -819,6 +820,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
         merge_in_kernel = merge_in_kernel_default(n_seqs)
     merge_in_kernel = merge_in_kernel and not direct and not partials and n_seqs * n_kv <= _MAX_COUNTERS
     if min_part is None:
+        # mid_tile by launch shape: a shape forced to MID_TILE_CONFIG (block_n / env) splits the same way
         min_part = default_min_part(n_seqs * n_kv, prefetch, mid_tile=(bn, nw, ns) == MID_TILE_CONFIG)
     min_part_ = max(bn, cdiv(min_part, bn) * bn)
     counters = _merge_counters(q.device) if merge_in_kernel else o
