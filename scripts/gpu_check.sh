@@ -18,6 +18,9 @@
 #   midtile      the main b8 / b16 graphs' split launch on 64-key tiles, 4 warps, 2 stages (MID_TILE_CONFIG, run 96's
 #                ctxsweep winner) against 128-key tiles (GYRFALCON_DECODE_MID_TILE=0): the launch ABAB at 320-2,100 tokens,
 #                its least keys a split (min_part 0 / 256), Llama-8B b16 ABAB and b8 AB at 1,024-token prompts
+#   tputprof     where a throughput decode step's ~28.5 ms go (run 67) against its kernels timed apart (~26.7 ms,
+#                overlap_probe.py): bench throughput --gpu-timeline-kind decode over 4 steps at ~1,536 tokens of context
+#                (each kernel's time a step), the probe in the same call, Llama-8B b16 / b64 with --profile
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -213,6 +216,16 @@ if has midtile; then  # run 96's ctxsweep: at b16, 4 splits of 64-key tiles (4 w
   ckpt l8
   for run in a_1 b_0 c_0 d_1; do lat l8 16 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
   for run in a_1 b_0; do lat l8 8 mt1k_$run GYRFALCON_DECODE_MID_TILE=${run#*_} --input-len=1024; done
+fi
+if has tputprof; then  # a throughput run's decode steps kernel by kernel (4 steps from the 540th: ~380 sequences at
+  # ~1,536 tokens, the first wave's midpoint) against overlap_probe.py's layer timed apart; fresh b16 / b64 profiles
+  ckpt l8
+  step tput_l8_decodeprof 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 \
+    --output-len 1024 --async-scheduling --gpu-timeline 4 --gpu-timeline-kind decode --gpu-timeline-decoders 370 \
+    --gpu-timeline-after 540 --output-json "$R/throughput_llama-3.1-8b_768x1024_async_decodeprof.json"
+  step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
+  lat l8 64 prof --profile
+  lat l8 16 prof --profile
 fi
 if has midtile2; then  # MID_TILE_CONFIG with one-tile splits (run 97: at b16 the 256-key splits lost at 320-600
   # tokens, 16.26 / 18.21 / 18.96 vs 13.59 / 16.48 / 18.25 us): GPU kernel and model token tests, the launch ABAB at

@@ -173,12 +173,43 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch
     assert len(tl["host_launch_ms"]) == 3 and tl["kernels"] > 0
     assert 0 < tl["busy_ms"] <= tl["span_ms"] + 1e-6 and tl["idle_ms"] == pytest.approx(tl["span_ms"] - tl["busy_ms"])
     assert tl["first_step_decoders"] >= 1
-    assert "device timeline over 3 steps" in capsys.readouterr().out
+    assert "device timeline (mixed) over 3 steps" in capsys.readouterr().out
     # No step of this run holds 4 decoders beside a prompt chunk: no window, nothing recorded
     rc = main(["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "3", "--input-len", "12",
                "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
                "--gpu-timeline", "3", "--gpu-timeline-decoders", "4", "--output-json", str(out)])
     assert rc == 0 and json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"] == {}
+
+
+def test_bench_throughput_gpu_timeline_decode(qwen3_ckpt, tmp_path, capsys):
+    """--gpu-timeline-kind decode: the window starts at a step of decoding sequences only, no earlier than the
+    --gpu-timeline-after-th step, and reports each kernel's time a step (on a CPU, the profiler's CPU ops)."""
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "tput.json"
+    # 2 prompts of 12 tokens, 6 new each, 16 tokens per step: prefill steps first, then decode-only steps
+    args = ["bench", "throughput", "--model", str(qwen3_ckpt), "--num-prompts", "2", "--input-len", "12",
+            "--output-len", "6", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+            "--gpu-timeline", "2", "--gpu-timeline-kind", "decode", "--gpu-timeline-decoders", "2",
+            "--gpu-timeline-after", "3", "--output-json", str(out)]
+    assert main(args) == 0
+    tl = json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"]
+    assert tl["kind"] == "decode" and tl["first_step"] >= 3 and tl["steps"] == ["decode", "decode"]
+    assert tl["first_step_decoders"] == 2
+    top = tl["top_kernels"]
+    assert top and all(ms > 0 and n > 0 for _, ms, n in top)
+    assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)
+    assert "device timeline (decode) over 2 steps" in capsys.readouterr().out
+    # the run has no decode-only step of 3 sequences: no window
+    assert main(args[:-6] + ["--gpu-timeline-decoders", "3", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"] == {}
+
+
+def test_gpu_timeline_rejects_an_unknown_kind():
+    from gyrfalcon.bench.throughput import GpuTimeline
+
+    with pytest.raises(ValueError, match="mixed or decode"):
+        GpuTimeline(2, cuda=False, kind="prefill")
 
 
 def test_scoped_env_sets_unsets_and_restores(monkeypatch):

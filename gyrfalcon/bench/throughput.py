@@ -12,8 +12,8 @@ import time
 from typing import Optional
 
 from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
-                                    busy_span_gaps, format_startup, hf_sampling_kwargs, print_table, random_prompts,
-                                    run_info, startup_phases, write_json)
+                                    busy_span_gaps, format_startup, gaps_by_pair, hf_sampling_kwargs, print_table,
+                                    random_prompts, run_info, startup_phases, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "and where")
     p.add_argument("--gpu-timeline-decoders", type=int, default=1, metavar="D",
                    help="the window starts at the first mixed step with at least D decoding sequences")
+    p.add_argument("--gpu-timeline-kind", choices=("mixed", "decode"), default="mixed",
+                   help="decode: the window starts at a step without prompt tokens instead (at least D decoding "
+                        "sequences, launched after --gpu-timeline-after steps): where a decode step's time goes")
+    p.add_argument("--gpu-timeline-after", type=int, default=0, metavar="S",
+                   help="the window starts no earlier than the run's S-th step")
     add_common_args(p)
 
 
@@ -91,7 +96,8 @@ def run_gyrfalcon(args) -> dict:
         return handle
     runner.launch = timed_launch
     phases = LaunchPhases(runner) if args.launch_phases else None
-    timeline = GpuTimeline(args.gpu_timeline, cuda, args.gpu_timeline_decoders) if args.gpu_timeline > 0 else None
+    timeline = (GpuTimeline(args.gpu_timeline, cuda, args.gpu_timeline_decoders, kind=args.gpu_timeline_kind,
+                            after=args.gpu_timeline_after) if args.gpu_timeline > 0 else None)
     # When each non-empty step's tokens came back (StepFloor.by_kind charges the intervals to its steps).
     complete, done = runner.complete, []
 
@@ -145,25 +151,30 @@ def run_gyrfalcon(args) -> dict:
 
 class GpuTimeline:
     """The device's kernels over a window of n steps of the run, from the first step that runs prompt tokens
-    beside at least min_decoders decoding sequences: the busy time (union of kernel intervals), the span from
-    the first kernel to the last, and the longest idle gaps with the kernels around them. A step whose host time exceeds its
-    device time shows as gaps; a host that only waits while the device works leaves none. (torch.profiler with
-    CUDA activity only: no host-side op recording to slow the host being measured. On a CPU it records CPU ops,
-    which checks the plumbing only.)"""
+    beside at least min_decoders decoding sequences (kind "mixed"), or from the first step of only decoding
+    sequences, at least min_decoders of them (kind "decode"), launched no earlier than the run's after-th step:
+    the busy time (union of kernel intervals), the span from the first kernel to the last, the longest idle gaps
+    with the kernels around them, and each kernel's device time a step. A step whose host time exceeds its device
+    time shows as gaps; a host that only waits while the device works leaves none. The kernel times say where a
+    step's device time goes against the sum of its kernels timed apart (benchmarks/overlap_probe.py). (torch.profiler
+    with CUDA activity only: no host-side op recording to slow the host being measured. On a CPU it records CPU
+    ops, which checks the plumbing only.)"""
 
-    def __init__(self, n: int, cuda: bool, min_decoders: int = 1) -> None:
-        self.n, self.cuda, self.min_decoders = n, cuda, max(1, min_decoders)
+    def __init__(self, n: int, cuda: bool, min_decoders: int = 1, kind: str = "mixed", after: int = 0) -> None:
+        if kind not in ("mixed", "decode"):
+            raise ValueError(f"timeline kind {kind!r}: mixed or decode")
+        self.n, self.cuda, self.min_decoders, self.kind, self.after = n, cuda, max(1, min_decoders), kind, after
         self.first: Optional[int] = None  # launch index of the window's first step
         self.first_decoders = 0
         self.prof = None
         self.events: list = []
 
     def before_launch(self, batch, index: int) -> None:
-        if self.first is not None or batch.is_empty:
+        if self.first is not None or batch.is_empty or index < self.after:
             return
         prompt = any(sr.num_new_tokens > 1 for sr in batch.reqs)
         decoding = sum(1 for sr in batch.reqs if sr.num_new_tokens == 1)
-        if prompt and decoding >= self.min_decoders:
+        if prompt == (self.kind == "mixed") and decoding >= self.min_decoders:
             from torch.profiler import ProfilerActivity, profile
 
             self.first, self.first_decoders = index, decoding
@@ -188,20 +199,30 @@ class GpuTimeline:
                              if e.device_type == want)
         self.prof = None
 
-    def report(self, step_log: list, host: dict, top: int = 6) -> dict:
+    def report(self, step_log: list, host: dict, top: int = 6, top_kernels: int = 16) -> dict:
         """Times in ms; gaps: [(idle ms, kernel before, kernel after)], longest first."""
         if self.first is None or not self.events:
             return {}
         last = min(self.first + self.n, len(step_log), len(host["launch"]))
         busy, span, gaps = busy_span_gaps(self.events)
         window = range(self.first, last)
-        return {"first_step": self.first, "first_step_decoders": self.first_decoders,
+        steps = max(1, len(window))
+        per_kernel: dict = {}
+        for start, stop, name in self.events:
+            tot = per_kernel.setdefault(name[:80], [0.0, 0])
+            tot[0] += (stop - start) / 1e3
+            tot[1] += 1
+        kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top_kernels]
+        return {"kind": self.kind, "first_step": self.first, "first_step_decoders": self.first_decoders,
                 "steps": [step_log[i][0] for i in window],
                 "host_launch_ms": [host["launch"][i] * 1e3 for i in window],
                 "host_complete_ms": [host["complete"][i] * 1e3 for i in window if i < len(host["complete"])],
                 "kernels": len(self.events), "span_ms": span, "busy_ms": busy, "idle_ms": span - busy,
                 "idle_gaps_over_0_1ms": sum(1 for g in gaps if g[0] > 0.1),
-                "longest_gaps": [[round(g[0], 3), g[1][:60], g[2][:60]] for g in gaps[:top]]}
+                "longest_gaps": [[round(g[0], 3), g[1][:60], g[2][:60]] for g in gaps[:top]],
+                "idle_by_pair": gaps_by_pair(gaps, steps),
+                # [name, device ms a step, launches a step], the most time first
+                "top_kernels": [[name, round(ms / steps, 4), round(n / steps, 2)] for name, (ms, n) in kernels]}
 
 
 class GCClock:
@@ -399,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
     tl = results["gyrfalcon"]["gpu_timeline"]
     if tl:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted({k: tl["steps"].count(k) for k in tl["steps"]}.items()))
-        print(f"  device timeline over {len(tl['steps'])} steps from step {tl['first_step']} (beside "
+        print(f"  device timeline ({tl['kind']}) over {len(tl['steps'])} steps from step {tl['first_step']} (beside "
               f"{tl['first_step_decoders']} decoders; {kinds}): "
               f"{tl['kernels']} kernels, busy {tl['busy_ms']:.2f} of {tl['span_ms']:.2f} ms, "
               f"idle {tl['idle_ms']:.2f} ms ({tl['idle_gaps_over_0_1ms']} gaps over 0.1 ms)")
@@ -407,6 +428,8 @@ def main(args: argparse.Namespace) -> int:
               + "; complete ms: " + ", ".join(f"{x:.1f}" for x in tl["host_complete_ms"]))
         for ms, a, b in tl["longest_gaps"]:
             print(f"    idle {ms:.3f} ms between {a} and {b}")
+        for name, ms, n in tl.get("top_kernels", [])[:12]:
+            print(f"    {ms:8.3f} ms a step in {n:g} launches: {name}")
     if results["gyrfalcon"]["allocator"]:
         print("  allocator during the run: " + ", ".join(f"{k} {v}" for k, v in results["gyrfalcon"]["allocator"].items()))
     write_json(args, {"bench": "throughput", **run_info(args), "results": results})
