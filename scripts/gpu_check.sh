@@ -21,6 +21,10 @@
 #   tputprof     where a throughput decode step's ~28.5 ms go (run 67) against its kernels timed apart (~26.7 ms,
 #                overlap_probe.py): bench throughput --gpu-timeline-kind decode over 4 steps at ~1,536 tokens of context
 #                (each kernel's time a step), the probe in the same call, Llama-8B b16 / b64 with --profile
+#   fp8mid       MID_TILE_CONFIG on an fp8 cache (GYRFALCON_DECODE_MID_TILE_FP8=1, opt-in): the fp8 GPU kernel tests
+#                (mid-tile cases among them), Llama-8B b16 --kv-cache-dtype fp8 at 1,024-token prompts ABAB
+#   smitrace     the SM clock and power (nvidia-smi every 250 ms) through the throughput row and through
+#                overlap_probe.py: do sustained GEMMs run at lower clocks than the probe's short bursts?
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -151,6 +155,17 @@ lat() {  # lat q06|l8 BATCH NAME [VAR=VALUE ...] [--flag ...]: one bench latency
   step lat_${ck}_b${b}_$name 80 env "${envs[@]}" $G bench latency --model /tmp/ck/$ck --batch-size $b \
     --max-num-seqs $b --async-scheduling "${flags[@]}" --output-json "$R/latency_${model}_b${b}_$name.json"
 }
+smi_start() {  # smi_start FILE: sample the SM / memory clocks, power and temperature every 250 ms into FILE (csv)
+  local q="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
+  nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv,nounits -lms 250 > "$1" 2>&1 &
+  SMI_PID=$!
+  sleep 1
+  if ! kill -0 $SMI_PID 2>/dev/null; then  # an older driver without that field
+    nvidia-smi --query-gpu=$q --format=csv,nounits -lms 250 > "$1" 2>&1 &
+    SMI_PID=$!
+  fi
+}
+smi_stop() { kill $SMI_PID 2>/dev/null; wait $SMI_PID 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -226,6 +241,42 @@ if has tputprof; then  # a throughput run's decode steps kernel by kernel (4 ste
   step overlap_probe 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe.json"
   lat l8 64 prof --profile
   lat l8 16 prof --profile
+fi
+if has fp8mid; then  # MID_TILE_CONFIG on an fp8 cache (opt-in until measured): kernel tests, Llama-8B b16 ABAB
+  step gpu_fp8_kernels 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
+  ckpt l8
+  for run in a_1 b_0 c_0 d_1; do
+    lat l8 16 fp8mt1k_$run GYRFALCON_DECODE_MID_TILE_FP8=${run#*_} --kv-cache-dtype=fp8 --input-len=1024
+  done
+fi
+if has smitrace; then  # clocks and power through the throughput row and the overlap probe (one process each)
+  ckpt l8
+  smi_start "$R/smi_tput.csv"
+  step tput_l8_smi 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 \
+    --async-scheduling --output-json "$R/throughput_llama-3.1-8b_768x1024_async_smi.json"
+  smi_stop
+  smi_start "$R/smi_probe.csv"
+  step overlap_probe_smi 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe_smi.json"
+  smi_stop
+  python3 - "$R" <<'PY'
+import csv, statistics, sys
+def num(x):
+    try:
+        return float(x)
+    except ValueError:
+        return None
+for name in ("smi_tput", "smi_probe"):  # columns: timestamp, SM clock, memory clock, power, temperature[, reasons]
+    try:
+        rows = list(csv.reader(open(f"{sys.argv[1]}/{name}.csv")))
+    except OSError:
+        continue
+    vals = [(num(r[1]), num(r[3])) for r in rows[1:] if len(r) >= 5]
+    sm = [a for a, b in vals if a is not None and b is not None and b > 150]  # samples while the GPU works
+    pw = [b for a, b in vals if a is not None and b is not None and b > 150]
+    if sm:
+        print(f"{name}: {len(vals)} samples, {len(sm)} above 150 W: SM clock median {statistics.median(sm):.0f} MHz "
+              f"(min {min(sm):.0f}, max {max(sm):.0f}), power median {statistics.median(pw):.0f} W (max {max(pw):.0f})")
+PY
 fi
 if has midtile2; then  # MID_TILE_CONFIG with one-tile splits (run 97: at b16 the 256-key splits lost at 320-600
   # tokens, 16.26 / 18.21 / 18.96 vs 13.59 / 16.48 / 18.25 us): GPU kernel and model token tests, the launch ABAB at

@@ -196,6 +196,8 @@ def test_bench_throughput_gpu_timeline_decode(qwen3_ckpt, tmp_path, capsys):
     tl = json.loads(out.read_text())["results"]["gyrfalcon"]["gpu_timeline"]
     assert tl["kind"] == "decode" and tl["first_step"] >= 3 and tl["steps"] == ["decode", "decode"]
     assert tl["first_step_decoders"] == 2
+    # the window's 2 steps, and the one launched before the window's last was read back (async scheduling)
+    assert tl["profiled_steps"] in (2, 3)
     top = tl["top_kernels"]
     assert top and all(ms > 0 and n > 0 for _, ms, n in top)
     assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)

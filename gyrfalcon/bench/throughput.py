@@ -168,8 +168,14 @@ class GpuTimeline:
         self.first_decoders = 0
         self.prof = None
         self.events: list = []
+        # Steps launched while the profiler ran: with async scheduling the step after the window is launched
+        # before the window's last one is read back, so the events hold its kernels too.
+        self.profiled_steps = 0
 
     def before_launch(self, batch, index: int) -> None:
+        if self.prof is not None:
+            self.profiled_steps += not batch.is_empty
+            return
         if self.first is not None or batch.is_empty or index < self.after:
             return
         prompt = any(sr.num_new_tokens > 1 for sr in batch.reqs)
@@ -180,6 +186,7 @@ class GpuTimeline:
             self.first, self.first_decoders = index, decoding
             self.prof = profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
             self.prof.start()
+            self.profiled_steps = 1
 
     def after_complete(self, completed: int) -> None:
         """completed: steps read back so far; the window ends when its last step's tokens are back."""
@@ -206,7 +213,7 @@ class GpuTimeline:
         last = min(self.first + self.n, len(step_log), len(host["launch"]))
         busy, span, gaps = busy_span_gaps(self.events)
         window = range(self.first, last)
-        steps = max(1, len(window))
+        steps = max(1, self.profiled_steps)
         per_kernel: dict = {}
         for start, stop, name in self.events:
             tot = per_kernel.setdefault(name[:80], [0.0, 0])
@@ -220,8 +227,8 @@ class GpuTimeline:
                 "kernels": len(self.events), "span_ms": span, "busy_ms": busy, "idle_ms": span - busy,
                 "idle_gaps_over_0_1ms": sum(1 for g in gaps if g[0] > 0.1),
                 "longest_gaps": [[round(g[0], 3), g[1][:60], g[2][:60]] for g in gaps[:top]],
-                "idle_by_pair": gaps_by_pair(gaps, steps),
-                # [name, device ms a step, launches a step], the most time first
+                "profiled_steps": self.profiled_steps, "idle_by_pair": gaps_by_pair(gaps, steps),
+                # [name, device ms a step over the profiled steps, launches a step], the most time first
                 "top_kernels": [[name, round(ms / steps, 4), round(n / steps, 2)] for name, (ms, n) in kernels]}
 
 
@@ -428,6 +435,8 @@ def main(args: argparse.Namespace) -> int:
               + "; complete ms: " + ", ".join(f"{x:.1f}" for x in tl["host_complete_ms"]))
         for ms, a, b in tl["longest_gaps"]:
             print(f"    idle {ms:.3f} ms between {a} and {b}")
+        if tl.get("top_kernels"):
+            print(f"    kernels a step over the {tl['profiled_steps']} steps launched while profiling:")
         for name, ms, n in tl.get("top_kernels", [])[:12]:
             print(f"    {ms:8.3f} ms a step in {n:g} launches: {name}")
     if results["gyrfalcon"]["allocator"]:

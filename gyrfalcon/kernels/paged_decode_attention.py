@@ -530,11 +530,14 @@ def wide_tile_default() -> bool:
     return os.environ.get("GYRFALCON_DECODE_WIDE_TILE", "1") != "0"
 
 
-def mid_tile_default() -> bool:
-    """Whether the split launch of 33-128 (sequence, kv head) programs without the prefetch, not on an fp8 cache, takes
-    MID_TILE_CONFIG (_decode_config): GYRFALCON_DECODE_MID_TILE=0 keeps 128-key tiles of 4 warps and 3 stages there,
-    as before run 96."""
-    return os.environ.get("GYRFALCON_DECODE_MID_TILE", "1") != "0"
+def mid_tile_default(fp8: bool = False) -> bool:
+    """Whether the split launch of 33-128 (sequence, kv head) programs without the prefetch takes MID_TILE_CONFIG
+    (_decode_config): GYRFALCON_DECODE_MID_TILE=0 keeps 128-key tiles of 4 warps and 3 stages there, as before run 96.
+    On an fp8 cache (fp8) only with GYRFALCON_DECODE_MID_TILE_FP8=1: the launch there is not yet measured on the GPU
+    (the fp8 cache's batch-64 launch already runs 64-key tiles at 4 warps and 2 stages)."""
+    if os.environ.get("GYRFALCON_DECODE_MID_TILE", "1") == "0":
+        return False
+    return not fp8 or os.environ.get("GYRFALCON_DECODE_MID_TILE_FP8", "0") == "1"
 
 
 def prefetch_splits() -> int:
@@ -616,7 +619,7 @@ WIDE_TILE_MIN_PROGRAMS = _SMALL_LAUNCH_PROGRAMS // 4  # (sequence, kv head) prog
 
 
 # The split launch of (WIDE_TILE_MIN_PROGRAMS, _SMALL_LAUNCH_PROGRAMS] programs (the batch 8 / 16 main decode graphs at 8 kv
-# heads) without the prefetch, not on an fp8 cache: 64-key tiles, 4 warps, 2 stages (_decode_config, mid_tile_default).
+# heads) without the prefetch: 64-key tiles, 4 warps, 2 stages (_decode_config, mid_tile_default: on an fp8 cache opt-in).
 MID_TILE_CONFIG = (64, 4, 2)
 
 
@@ -681,8 +684,8 @@ def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bo
                 return WIDE_TILE_CONFIG
             if prefetch and not one_split:
                 return B1_SPLIT_TILE, 8, 3
-            if (not prefetch and not one_split and not fp8 and programs > WIDE_TILE_MIN_PROGRAMS
-                    and mid_tile_default()):
+            if (not prefetch and not one_split and programs > WIDE_TILE_MIN_PROGRAMS
+                    and mid_tile_default(fp8)):
                 return MID_TILE_CONFIG
             return 128, (8 if prefetch else 4), 3
         if fp8 and not prefetch and programs > _FP8_WIDE_TILE_PROGRAMS:

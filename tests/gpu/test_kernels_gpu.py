@@ -435,13 +435,16 @@ def test_store_kv_fp8_rounds_like_torch():
     assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
 
 
-@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (256, 1024)])
+@pytest.mark.parametrize("batch,max_ctx,mid", [(1, 8192, "0"), (16, 4096, "0"), (16, 4096, "1"), (8, 2048, "1"),
+                                               (256, 1024, "0")])
 @pytest.mark.parametrize("staged", ["1", "0"], ids=["staged", "unstaged"])
-def test_paged_decode_fp8_cache(batch, max_ctx, staged, monkeypatch):
+def test_paged_decode_fp8_cache(batch, max_ctx, mid, staged, monkeypatch):
     """fp8 tiles widened to fp16 for the dots; staged (the default): V widened in its row layout, pinned there by
     an asm statement, and staged through shared memory; unstaged: V widened in the dot's operand layout
-    (GYRFALCON_DECODE_FP8_V_STAGED=0)."""
+    (GYRFALCON_DECODE_FP8_V_STAGED=0). mid "1": the batch 8 / 16 split launch on MID_TILE_CONFIG's 64-key tiles
+    (GYRFALCON_DECODE_MID_TILE_FP8=1)."""
     monkeypatch.setenv("GYRFALCON_DECODE_FP8_V_STAGED", staged)
+    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
@@ -467,12 +470,15 @@ def test_paged_prefill_fp8_cache(f16, monkeypatch):
     torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5), want, **TOL)
 
 
-@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain", "pdl-prefetch"])
-def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
+@pytest.mark.parametrize("pdl,prefetch,mid", [(False, False, "0"), (False, False, "1"), (True, True, "0")],
+                         ids=["plain", "plain-mid-tile", "pdl-prefetch"])
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, mid, monkeypatch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
-    double rounding) and attends over the fp8 cache."""
+    double rounding) and attends over the fp8 cache. mid "1": batch 16's split launch on MID_TILE_CONFIG
+    (GYRFALCON_DECODE_MID_TILE_FP8=1)."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
+    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm90+")
     batch, max_ctx, n_heads = (1 if pdl else 16), 2000, 32
