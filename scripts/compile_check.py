@@ -192,9 +192,9 @@ def cases(mods):
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b16 in-kernel merge, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b16 mid tile, fp8 cache",
-                 attn(16, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MID_TILE_FP8": "1"})),
+                (f"{name} attention b16 mid tile, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
+                (f"{name} attention b16 in-kernel merge, 128-key tiles, fp8 cache",
+                 attn(16, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MID_TILE_FP8": "0"})),
                 (f"{name} attention b64 (key rows), fp8 cache", attn(64, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache, V unstaged",

@@ -442,7 +442,7 @@ def test_paged_decode_fp8_cache(batch, max_ctx, mid, staged, monkeypatch):
     """fp8 tiles widened to fp16 for the dots; staged (the default): V widened in its row layout, pinned there by
     an asm statement, and staged through shared memory; unstaged: V widened in the dot's operand layout
     (GYRFALCON_DECODE_FP8_V_STAGED=0). mid "1": the batch 8 / 16 split launch on MID_TILE_CONFIG's 64-key tiles
-    (GYRFALCON_DECODE_MID_TILE_FP8=1)."""
+    (the default since run 100), "0": on 128-key tiles (GYRFALCON_DECODE_MID_TILE_FP8=0)."""
     monkeypatch.setenv("GYRFALCON_DECODE_FP8_V_STAGED", staged)
     monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
@@ -474,8 +474,8 @@ def test_paged_prefill_fp8_cache(f16, monkeypatch):
                          ids=["plain", "plain-mid-tile", "pdl-prefetch"])
 def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, mid, monkeypatch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
-    double rounding) and attends over the fp8 cache. mid "1": batch 16's split launch on MID_TILE_CONFIG
-    (GYRFALCON_DECODE_MID_TILE_FP8=1)."""
+    double rounding) and attends over the fp8 cache. mid "1": batch 16's split launch on MID_TILE_CONFIG (the
+    default since run 100), "0": on 128-key tiles (GYRFALCON_DECODE_MID_TILE_FP8=0)."""
     from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
                                                           decode_attention_with_prep_triton)
     monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)

@@ -166,7 +166,7 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert not merge_in_kernel_default(1) and not merge_in_kernel_default(4) and merge_in_kernel_default(8)
     assert not k_rows(128) and k_rows(129) and not k_rows(512, prefetch=True)
     # Split launches of 33-128 programs without the prefetch (the batch 8 / 16 main graphs): MID_TILE_CONFIG;
-    # one split, 32 programs or fewer, or an fp8 cache: 128-key tiles.
+    # one split or 32 programs or fewer: 128-key tiles.
     assert _decode_config(128, 16 * 8) == (64, 4, 2) == _decode_config(128, 5 * 8)
     assert _decode_config(128, 4 * 8) == (128, 4, 3) == _decode_config(128, 16 * 8, one_split=True)
     assert _decode_config(128, 256 * 8) == (64, 4, 2)
@@ -175,15 +175,16 @@ def test_merge_and_key_layout_defaults(monkeypatch):
     assert _decode_config(128, 8, prefetch=True, one_split=True) == (128, 8, 3)  # ... but one split: 128
     assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
     assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
-    assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
-    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", "1")  # ... unless asked: MID_TILE_CONFIG there too
+    # ... and at 33-128 programs over splits MID_TILE_CONFIG, as on a bf16 cache (since run 100)
     assert _decode_config(128, 16 * 8, fp8=True) == (64, 4, 2) == _decode_config(128, 8 * 8, fp8=True)
     assert _decode_config(128, 16 * 8, fp8=True, one_split=True) == (128, 4, 3)
-    assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)
+    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", "0")  # off on an fp8 cache only
+    assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
+    assert _decode_config(128, 16 * 8) == (64, 4, 2)
+    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE_FP8")
     monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE", "0")  # the general switch turns both off
     assert _decode_config(128, 16 * 8, fp8=True) == (128, 4, 3)
     monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE")
-    monkeypatch.delenv("GYRFALCON_DECODE_MID_TILE_FP8")
     # The fused prep on a 2-byte cache (wide_tile) in one split at 33-128 programs: one stage of 256-key tiles at
     # 8 warps; not over several splits, with the prefetch, an fp8 cache, head_dim 256, or outside that band.
     assert _decode_config(128, 16 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
