@@ -25,6 +25,7 @@
 #                (mid-tile cases among them), Llama-8B b16 --kv-cache-dtype fp8 at 1,024-token prompts ABAB
 #   smitrace     the SM clock and power (nvidia-smi every 250 ms) through the throughput row and through
 #                overlap_probe.py: do sustained GEMMs run at lower clocks than the probe's short bursts?
+#   smifp8       the same trace through the throughput row on an fp8 cache (768 sequences) and through Llama-8B b64 / b16
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -166,6 +167,29 @@ smi_start() {  # smi_start FILE: sample the SM / memory clocks, power and temper
   fi
 }
 smi_stop() { kill $SMI_PID 2>/dev/null; wait $SMI_PID 2>/dev/null; }
+smi_summary() {  # smi_summary NAME...: the SM clock and power of $R/NAME.csv while the GPU drew > 150 W
+  python3 - "$R" "$@" <<'PY'
+import csv, statistics, sys
+def num(x):
+    try:
+        return float(x)
+    except ValueError:
+        return None
+for name in sys.argv[2:]:  # columns: timestamp, SM clock, memory clock, power, temperature[, reasons]
+    try:
+        rows = list(csv.reader(open(f"{sys.argv[1]}/{name}.csv")))
+    except OSError:
+        continue
+    vals = [(num(r[1]), num(r[3]), r[5].strip() if len(r) > 5 else "") for r in rows[1:] if len(r) >= 5]
+    busy = [(a, b, c) for a, b, c in vals if a is not None and b is not None and b > 150]  # while the GPU works
+    if busy:
+        sm, pw = [a for a, _, _ in busy], [b for _, b, _ in busy]
+        cap = sum(1 for _, _, c in busy if c.startswith("0x") and int(c, 16) & 0x4)  # the software power cap
+        print(f"{name}: {len(vals)} samples, {len(busy)} above 150 W: SM clock median {statistics.median(sm):.0f} MHz "
+              f"(min {min(sm):.0f}, max {max(sm):.0f}), power median {statistics.median(pw):.0f} W (max {max(pw):.0f}), "
+              f"{cap} at the power cap")
+PY
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -258,25 +282,21 @@ if has smitrace; then  # clocks and power through the throughput row and the ove
   smi_start "$R/smi_probe.csv"
   step overlap_probe_smi 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe_smi.json"
   smi_stop
-  python3 - "$R" <<'PY'
-import csv, statistics, sys
-def num(x):
-    try:
-        return float(x)
-    except ValueError:
-        return None
-for name in ("smi_tput", "smi_probe"):  # columns: timestamp, SM clock, memory clock, power, temperature[, reasons]
-    try:
-        rows = list(csv.reader(open(f"{sys.argv[1]}/{name}.csv")))
-    except OSError:
-        continue
-    vals = [(num(r[1]), num(r[3])) for r in rows[1:] if len(r) >= 5]
-    sm = [a for a, b in vals if a is not None and b is not None and b > 150]  # samples while the GPU works
-    pw = [b for a, b in vals if a is not None and b is not None and b > 150]
-    if sm:
-        print(f"{name}: {len(vals)} samples, {len(sm)} above 150 W: SM clock median {statistics.median(sm):.0f} MHz "
-              f"(min {min(sm):.0f}, max {max(sm):.0f}), power median {statistics.median(pw):.0f} W (max {max(pw):.0f})")
-PY
+  smi_summary smi_tput smi_probe
+fi
+if has smifp8; then  # clocks and power through the fp8-cache throughput row and the b64 / b16 latency rows
+  ckpt l8
+  smi_start "$R/smi_tput_fp8.csv"
+  step tput_l8_fp8_smi 200 $G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 \
+    --output-len 1024 --async-scheduling --kv-cache-dtype fp8 --max-num-seqs 768 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_smi.json"
+  smi_stop
+  for b in 64 16; do
+    smi_start "$R/smi_b$b.csv"
+    lat l8 $b smi
+    smi_stop
+  done
+  smi_summary smi_tput_fp8 smi_b64 smi_b16
 fi
 if has midtile2; then  # MID_TILE_CONFIG with one-tile splits (run 97: at b16 the 256-key splits lost at 320-600
   # tokens, 16.26 / 18.21 / 18.96 vs 13.59 / 16.48 / 18.25 us): GPU kernel and model token tests, the launch ABAB at
