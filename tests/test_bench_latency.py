@@ -44,6 +44,7 @@ def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):
     # The steps and the tail fit inside the run that the e2e time measured.
     assert sum(sc["first_intervals_ms"]) + sc["median_ms"] * 4 <= g["e2e_s"] * 1e3 * 1.5
     assert "engine steps of the median run: 8" in capsys.readouterr().out
+    assert g["gpu_power"] == {}  # no GPU clock or power sampled on a CPU run
 
 
 def test_step_clock_sums_gc_time():

@@ -14,6 +14,7 @@ import time
 from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, busy_span_gaps, format_startup,
                                     gaps_by_pair, hf_sampling_kwargs, print_table, random_prompts, run_info,
                                     startup_phases, write_json)
+from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -290,11 +291,13 @@ def run_gyrfalcon(args) -> dict:
     # Prefix caching would turn the repeated prompt into a cache hit; TTFT must be a real prefill.
     llm.engine.block_manager.reset_prefix_cache()
     ttfts, totals = [], []
-    for _ in range(args.num_iters):
-        llm.engine.block_manager.reset_prefix_cache()
-        ttfts.append(timed(1))
-        llm.engine.block_manager.reset_prefix_cache()
-        totals.append(timed(args.output_len, watch=True))
+    # The SM clock and power while timed (nvidia-smi; none on a CPU): the card's power cap slows its clock
+    with PowerSampler(device_uuid(runner.device) if cuda else None, enabled=cuda) as power:
+        for _ in range(args.num_iters):
+            llm.engine.block_manager.reset_prefix_cache()
+            ttfts.append(timed(1))
+            llm.engine.block_manager.reset_prefix_cache()
+            totals.append(timed(args.output_len, watch=True))
     ttft = sorted(ttfts)[len(ttfts) // 2]
     median_run = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     total = totals[median_run]
@@ -315,6 +318,7 @@ def run_gyrfalcon(args) -> dict:
         "roofline_step_ms": roof_step * 1e3, "roofline_fraction": roof_step / step_s,
         "num_kv_blocks": runner.num_blocks,
         "step_clock": clock.summary(median_run),
+        "gpu_power": power.summary(),
     }
     if args.profile and cuda:
         res["profile"] = count_launches(llm, prompts[: args.batch_size], temperature=args.temperature)
@@ -396,6 +400,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"batch-1 decode graph at startup ({pc.get('batch1_context', 0)} tokens of context): "
               f"{pc['batch1_ms_pdl']:.3f} ms with PDL, {pc['batch1_ms_no_pdl']:.3f} without -> "
               f"{'PDL' if pc['batch1_pdl'] else 'no PDL'}")
+    if g.get("gpu_power"):
+        print(format_summary(g["gpu_power"]))
     sc = g.get("step_clock") or {}
     if sc:
         print(f"engine steps of the median run: {sc['steps']}, first intervals {sc['first_intervals_ms']} ms, "

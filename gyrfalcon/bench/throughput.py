@@ -14,6 +14,7 @@ from typing import Optional
 from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
                                     busy_span_gaps, format_startup, gaps_by_pair, hf_sampling_kwargs, print_table,
                                     random_prompts, run_info, startup_phases, write_json)
+from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -115,20 +116,26 @@ def run_gyrfalcon(args) -> dict:
     before = torch.cuda.memory_stats() if cuda else {}
     if cuda:
         torch.cuda.synchronize()
+    # The SM clock and power through the run (nvidia-smi; none on a CPU): the card's 700 W cap slows its clock
+    # (started before the clock: nvidia-smi's start and first sample stay out of the timed run)
+    sampling = contextlib.ExitStack()
+    power = sampling.enter_context(PowerSampler(device_uuid(runner.device) if cuda else None, enabled=cuda))
     t = time.perf_counter()
     try:
         with gc_clock:
             outs = llm.generate(prompts, sp, use_tqdm=False)
         if cuda:
             torch.cuda.synchronize()
+        t_end = time.perf_counter()
     finally:
+        sampling.close()
         scheduler.schedule = schedule
         del runner.complete, runner.launch  # back to the class's methods
         if phases is not None:
             phases.remove()
         if timeline is not None:
             timeline.stop()
-    elapsed = time.perf_counter() - t
+    elapsed = t_end - t
     # The caching allocator's retries (a failed cudaMalloc, all cached blocks freed, which syncs the device,
     # then a second try) and its device allocations during the run: either in a run's steps stalls the host.
     alloc = {}
@@ -146,7 +153,8 @@ def run_gyrfalcon(args) -> dict:
             "by_kind": floor.by_kind(t, done, {**host, **gc_clock.per_step()}), "gc": gc_clock.summary(),
             "allocator": alloc,
             "launch_phases": phases.by_kind(floor.step_log) if phases is not None else {},
-            "gpu_timeline": timeline.report(floor.step_log, host) if timeline is not None else {}}
+            "gpu_timeline": timeline.report(floor.step_log, host) if timeline is not None else {},
+            "gpu_power": power.summary()}
 
 
 class GpuTimeline:
@@ -424,6 +432,8 @@ def main(args: argparse.Namespace) -> int:
               f"{d['to_first_layer_ms']:.2f}, layers {d['layers_ms']:.2f} (the longest one {d['max_gap_ms']:.2f}, "
               f"most often layer {d['max_gap_layer']}), after the forward {d['after_forward_ms']:.2f} (of which to the "
               f"LM head's return {d['lm_head_ms']:.2f})")
+    if results["gyrfalcon"].get("gpu_power"):
+        print("  " + format_summary(results["gyrfalcon"]["gpu_power"]))
     tl = results["gyrfalcon"]["gpu_timeline"]
     if tl:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted({k: tl["steps"].count(k) for k in tl["steps"]}.items()))
