@@ -26,6 +26,9 @@
 #   smitrace     the SM clock and power (nvidia-smi every 250 ms) through the throughput row and through
 #                overlap_probe.py: do sustained GEMMs run at lower clocks than the probe's short bursts?
 #   smifp8       the same trace through the throughput row on an fp8 cache (768 sequences) and through Llama-8B b64 / b16
+#   rows         issue 4's rows at one commit, each JSON with its timed runs' SM clock and power (gpu_power): Qwen3-0.6B
+#                b1, Llama-8B b1 / b16 / b64, the throughput row on a bf16 cache and on an fp8 cache (768 sequences)
+#                (~7 min: a call of its own)
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -283,6 +286,16 @@ if has smitrace; then  # clocks and power through the throughput row and the ove
   step overlap_probe_smi 150 python3 benchmarks/overlap_probe.py --output-json "$R/overlap_probe_smi.json"
   smi_stop
   smi_summary smi_tput smi_probe
+fi
+if has rows; then  # the rows at one commit, with gpu_power in each JSON
+  ckpt q06
+  lat q06 1 row
+  ckpt l8
+  for b in 1 16 64; do lat l8 $b row; done
+  tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  step tput_l8_row 150 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_row.json"
+  step tput_l8_fp8_row 150 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_row.json"
 fi
 if has smifp8; then  # clocks and power through the fp8-cache throughput row and the b64 / b16 latency rows
   ckpt l8
