@@ -6,7 +6,7 @@ too (run 101). Calls on different machine instances have differed by a few perce
 benchmark JSON that records the clock and power of its own timed section says whether two numbers were taken
 under the same conditions.
 
-PowerSampler is a context manager: inside it `nvidia-smi --query-gpu=... -lms PERIOD` writes one CSV line per
+PowerSampler is a context manager: inside it `nvidia-smi --query-gpu=... --loop-ms=PERIOD` writes one CSV line per
 sample (timestamp, SM clock MHz, memory clock MHz, power W, temperature C[, clock event reasons]); a reader
 thread keeps them. summary() -> {} when nvidia-smi is missing or gave no sample (a CPU run), else the
 samples' count, SM clock median / min / max, power median / max, and the fraction of samples flagged with the
@@ -72,8 +72,9 @@ def format_summary(s: dict) -> str:
     """One line for a benchmark's output ("" for an empty summary)."""
     if not s:
         return ""
-    line = (f"GPU while timed: SM clock median {s['sm_mhz_median']:.0f} MHz ({s['sm_mhz_min']:.0f}-{s['sm_mhz_max']:.0f}), "
-            f"power median {s['power_w_median']:.0f} W (max {s['power_w_max']:.0f}), {s['samples']} samples")
+    line = (f"GPU while timed: SM clock median {s['sm_mhz_median']:.0f} MHz "
+            f"({s['sm_mhz_min']:.0f}-{s['sm_mhz_max']:.0f}), power median {s['power_w_median']:.0f} W "
+            f"(max {s['power_w_max']:.0f}), {s['samples']} samples")
     if "power_cap_fraction" in s:
         line += (f", {s['power_cap_fraction']:.0%} at the power cap"
                  + (f", {s['slowdown_fraction']:.0%} slowed (thermal / hardware)" if s["slowdown_fraction"] else ""))
