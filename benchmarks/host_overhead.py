@@ -4,7 +4,14 @@ at small batches), plus the CUDA-graph input fill, all measured on the CPU.
 
 A stand-in runner returns a fixed token at once, so the time per step is pure host work.
 
-python3 benchmarks/host_overhead.py [--batch-sizes 1 16 64] [--steps 256] [--profile] [--output-json FILE]
+Admission (--admission-len N, default 128): the host time from handing a batch of new N-token prompts to the
+engine to its prefill step's launch, as LLM.generate runs it (each prompt validated, then added through the
+output processor and the engine, then the first step scheduled: the prefix cache's block hashes, the block
+allocation). It is spent before the first kernel of a batch's prefill, so it adds to the batch's TTFT: Llama-3.1-8B
+b64's TTFT (192 ms, run 99) exceeds its prefill's GPU span (175 ms) by ~17 ms.
+
+python3 benchmarks/host_overhead.py [--batch-sizes 1 16 64] [--steps 256] [--admission-len 128] [--profile]
+    [--output-json FILE]
 """
 
 from __future__ import annotations
@@ -92,12 +99,51 @@ def run(batch_size: int, steps: int, async_scheduling: bool, with_fill: bool, pr
     return dt
 
 
+def admission(batch_size: int, input_len: int, model: str, reps: int = 21, profile: bool = False) -> float:
+    """Median seconds from submitting batch_size new prompts of input_len tokens to their prefill's launch."""
+    from gyrfalcon.tokenizer import load_tokenizer
+
+    max_len = max(2048, 2 * input_len)
+    config = EngineConfig.create(model=model, max_num_seqs=max(batch_size, 1), device="cpu", max_model_len=max_len,
+                                 max_num_batched_tokens=max(batch_size * input_len, max_len))
+    tok = load_tokenizer(config.model_config.tokenizer_path)
+    runner = InstantRunner(num_blocks=batch_size * max_len // 16 + 16, block_size=16)
+    engine = Engine(config, [tok.eos_token_id], runner=runner)
+    vocab = config.model_config.hf_config.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    prof = cProfile.Profile() if profile else None
+    for rep in range(reps):
+        # distinct prompts each rep (no prefix-cache hit), in the vocabulary
+        prompts = [[(rep * 7919 + i * 104729 + j * 31) % vocab for j in range(input_len)] for i in range(batch_size)]
+        proc = OutputProcessor(tok, defer_text=True)
+        if prof and rep == reps - 1:
+            prof.enable()
+        t0 = time.perf_counter()
+        for ids in prompts:  # LLM.generate validates every prompt before submitting any
+            engine.validate_prompt(ids)
+            engine.validate_params(sp)
+        for i, ids in enumerate(prompts):
+            for eid, params in proc.add_request(f"a{rep}-{i}", None, ids, sp):
+                engine.add_request(eid, ids, params)
+        engine.step()  # schedules and "launches" the prefill
+        times.append(time.perf_counter() - t0)
+        if prof and rep == reps - 1:
+            prof.disable()
+        while engine.has_unfinished_requests():
+            proc.process(engine.step())
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(20)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--model", default=None, help="tokenizer source (default: the demo model)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--admission-len", type=int, default=128, help="prompt tokens of the admission timing (0: skip)")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     from gyrfalcon.config import default_model_path
@@ -114,6 +160,12 @@ def main() -> None:
                       f"{dt * 1e6 / b:12.2f}", flush=True)
                 rows.append({"batch": b, "async_scheduling": async_scheduling, "graph_input_fill": with_fill,
                              "us_per_step": round(dt * 1e6, 2)})
+    if args.admission_len:
+        print(f"{'batch':>5} {'admission us':>13} ({args.admission_len}-token prompts, to the prefill's launch)")
+        for b in args.batch_sizes:
+            dt = admission(b, args.admission_len, model, profile=args.profile)
+            print(f"{b:5d} {dt * 1e6:13.1f}", flush=True)
+            rows.append({"batch": b, "admission_len": args.admission_len, "admission_us": round(dt * 1e6, 2)})
     if args.output_json:
         from gyrfalcon.bench.common import run_info
 

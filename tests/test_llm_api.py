@@ -272,6 +272,25 @@ def test_logit_bias_out_of_vocabulary_submits_nothing(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("where", [0, 5, -1])
+@pytest.mark.parametrize("bad", ["vocab", -1])
+def test_prompt_token_out_of_vocabulary_submits_nothing(llm, bad, where):
+    """A prompt token id outside [0, vocab) anywhere in the prompt: a clear error naming it, nothing submitted,
+    and the engine serves the next batch."""
+    vocab = llm.engine.vocab_size
+    assert vocab == llm.engine.config.model_config.hf_config.vocab_size
+    token = vocab if bad == "vocab" else bad
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    ids[where] = token
+    with pytest.raises(ValueError, match=re.escape(f"Token id {token} is out of range for a vocabulary of {vocab}")):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": ids}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    ids[where] = vocab - 1  # the largest id is in range
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 @pytest.mark.parametrize("offline,device,want", [(True, "cuda", 16384), (True, "cpu", 8192), (False, "cuda", 8192)])
 def test_default_token_budget(offline, device, want):
     """The offline LLM on a GPU defaults to 16384 tokens per step, a server (and any CPU engine) to 8192; an

@@ -59,11 +59,23 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _ensure_hashes(self, request: Request, num_full_blocks: int) -> None:
+        """request.block_hashes extended to its first num_full_blocks blocks: hash_block's chain, with the missing
+        blocks' tokens packed into bytes once (not a list and an array per block: a batch of new prompts is
+        hashed on the host before its prefill launches)."""
         hashes = request.block_hashes
+        start = len(hashes)
+        if start >= num_full_blocks:
+            return
         bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids(i * bs, (i + 1) * bs)))
+        packed = array("q", request.token_ids(start * bs, num_full_blocks * bs))
+        data = memoryview(packed.tobytes())
+        step = bs * packed.itemsize
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for j in range(num_full_blocks - start):
+            h = hashlib.sha256(parent)
+            h.update(data[j * step:(j + 1) * step])
+            parent = h.digest()
+            hashes.append(parent)
 
     def get_computed_blocks(self, request: Request) -> List[int]:
         """The cached blocks that hold a prefix of `request`'s tokens (not yet referenced).

@@ -17,6 +17,24 @@ def test_hash_is_chained():
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
 
 
+def test_block_hashes_are_hash_blocks_chain_also_when_extended():
+    """_ensure_hashes packs the missing blocks' tokens at once; the hashes are hash_block's chain, also when a
+    request's later blocks (output tokens past the prompt, a block across the boundary) are added afterwards."""
+    bm = BlockManager(16, 4)
+    r = req("a", list(range(100, 110)))  # 2 full blocks and 2 tokens of a third
+    bm._ensure_hashes(r, 2)
+    want = [hash_block(None, [100, 101, 102, 103])]
+    want.append(hash_block(want[0], [104, 105, 106, 107]))
+    assert r.block_hashes == want
+    r.output_token_ids += [7, 8, 9, 10, 11, 12]  # block 2: 108, 109, 7, 8; block 3: 9, 10, 11, 12
+    bm._ensure_hashes(r, 4)
+    want.append(hash_block(want[1], [108, 109, 7, 8]))
+    want.append(hash_block(want[2], [9, 10, 11, 12]))
+    assert r.block_hashes == want
+    bm._ensure_hashes(r, 3)  # nothing to add, nothing changed
+    assert r.block_hashes == want
+
+
 def test_allocate_and_free_return_every_block():
     bm = BlockManager(10, 4, enable_prefix_caching=False)
     r = req("a", list(range(9)))

@@ -20,4 +20,9 @@ def test_host_overhead_benchmark_runs(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 2 * 2 * 2 and all(row["us_per_step"] > 0 for row in rows)
+    steps = [row for row in rows if "us_per_step" in row]
+    assert len(steps) == 2 * 2 * 2 and all(row["us_per_step"] > 0 for row in steps)
+    # the admission timing: one row per batch size, 128-token prompts by default
+    adm = [row for row in rows if "admission_us" in row]
+    assert [row["batch"] for row in adm] == [1, 3] and all(row["admission_us"] > 0 for row in adm)
+    assert all(row["admission_len"] == 128 for row in adm)
