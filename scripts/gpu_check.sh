@@ -21,8 +21,8 @@
 #   tputprof     where a throughput decode step's ~28.5 ms go (run 67) against its kernels timed apart (~26.7 ms,
 #                overlap_probe.py): bench throughput --gpu-timeline-kind decode over 4 steps at ~1,536 tokens of context
 #                (each kernel's time a step), the probe in the same call, Llama-8B b16 / b64 with --profile
-#   fp8mid       MID_TILE_CONFIG on an fp8 cache (GYRFALCON_DECODE_MID_TILE_FP8=1, opt-in): the fp8 GPU kernel tests
-#                (mid-tile cases among them), Llama-8B b16 --kv-cache-dtype fp8 at 1,024-token prompts ABAB
+#   fp8mid       MID_TILE_CONFIG on an fp8 cache (the default since run 100) against GYRFALCON_DECODE_MID_TILE_FP8=0: the fp8
+#                GPU kernel tests (mid-tile cases among them), Llama-8B b16 --kv-cache-dtype fp8 at 1,024-token prompts ABAB
 #   smitrace     the SM clock and power (nvidia-smi every 250 ms) through the throughput row and through
 #                overlap_probe.py: do sustained GEMMs run at lower clocks than the probe's short bursts?
 #   smifp8       the same trace through the throughput row on an fp8 cache (768 sequences) and through Llama-8B b64 / b16
@@ -171,26 +171,17 @@ smi_start() {  # smi_start FILE: sample the SM / memory clocks, power and temper
 }
 smi_stop() { kill $SMI_PID 2>/dev/null; wait $SMI_PID 2>/dev/null; }
 smi_summary() {  # smi_summary NAME...: the SM clock and power of $R/NAME.csv while the GPU drew > 150 W
-  python3 - "$R" "$@" <<'PY'
-import csv, statistics, sys
-def num(x):
+  PYTHONPATH=$PWD python3 - "$R" "$@" <<'PY'
+import sys
+from gyrfalcon.bench.power import format_summary, parse_samples, summarize
+for name in sys.argv[2:]:  # (parse_samples skips the csv's header line: not a number)
     try:
-        return float(x)
-    except ValueError:
-        return None
-for name in sys.argv[2:]:  # columns: timestamp, SM clock, memory clock, power, temperature[, reasons]
-    try:
-        rows = list(csv.reader(open(f"{sys.argv[1]}/{name}.csv")))
+        samples = parse_samples(open(f"{sys.argv[1]}/{name}.csv").readlines())
     except OSError:
         continue
-    vals = [(num(r[1]), num(r[3]), r[5].strip() if len(r) > 5 else "") for r in rows[1:] if len(r) >= 5]
-    busy = [(a, b, c) for a, b, c in vals if a is not None and b is not None and b > 150]  # while the GPU works
+    busy = [x for x in samples if x["power_w"] > 150]  # while the GPU works
     if busy:
-        sm, pw = [a for a, _, _ in busy], [b for _, b, _ in busy]
-        cap = sum(1 for _, _, c in busy if c.startswith("0x") and int(c, 16) & 0x4)  # the software power cap
-        print(f"{name}: {len(vals)} samples, {len(busy)} above 150 W: SM clock median {statistics.median(sm):.0f} MHz "
-              f"(min {min(sm):.0f}, max {max(sm):.0f}), power median {statistics.median(pw):.0f} W (max {max(pw):.0f}), "
-              f"{cap} at the power cap")
+        print(f"{name}: {len(samples)} samples, {len(busy)} above 150 W: {format_summary(summarize(busy))}")
 PY
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -269,7 +260,7 @@ if has tputprof; then  # a throughput run's decode steps kernel by kernel (4 ste
   lat l8 64 prof --profile
   lat l8 16 prof --profile
 fi
-if has fp8mid; then  # MID_TILE_CONFIG on an fp8 cache (opt-in until measured): kernel tests, Llama-8B b16 ABAB
+if has fp8mid; then  # MID_TILE_CONFIG on an fp8 cache against 128-key tiles: kernel tests, Llama-8B b16 ABAB
   step gpu_fp8_kernels 200 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k fp8 -p no:cacheprovider
   ckpt l8
   for run in a_1 b_0 c_0 d_1; do

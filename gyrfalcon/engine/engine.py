@@ -49,9 +49,7 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         cc, sc = config.cache_config, config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
-        # Read once: a transformers config's attribute access is slow (~4 us under cProfile), and every request is
-        # checked.
-        self.vocab_size = getattr(config.model_config.hf_config, "vocab_size", None)
+        self.vocab_size = self.read_vocab_size(config)
         self.block_manager = BlockManager(runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         max_len_blocks = self.block_manager.blocks_needed(self.max_model_len)
         if max_len_blocks > runner.num_blocks:
@@ -65,6 +63,13 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    @staticmethod
+    def read_vocab_size(config) -> Optional[int]:
+        """The model's vocabulary size (None if its config has none), read once into `vocab_size` by whoever runs
+        validate_prompt / validate_params: a transformers config's attribute access is slow (~4 us under
+        cProfile), and every request is checked."""
+        return getattr(config.model_config.hf_config, "vocab_size", None)
 
     def validate_prompt(self, prompt_token_ids: List[int]) -> None:
         n = len(prompt_token_ids)

@@ -36,7 +36,7 @@ class _PromptChecker:
     def __init__(self, config) -> None:
         self.config = config
         self.max_model_len = config.model_config.max_model_len
-        self.vocab_size = getattr(config.model_config.hf_config, "vocab_size", None)  # as Engine.__init__ reads it
+        self.vocab_size = Engine.read_vocab_size(config)
 
 
 def clamp_logprob(x: float) -> float:
