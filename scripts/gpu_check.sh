@@ -29,6 +29,8 @@
 #   rows         issue 4's rows at one commit, each JSON with its timed runs' SM clock and power (gpu_power): Qwen3-0.6B
 #                b1, Llama-8B b1 / b16 / b64, the throughput row on a bf16 cache and on an fp8 cache (768 sequences)
 #                (~7 min: a call of its own)
+#   ttftline     the TTFT generate's host / device timeline (bench latency --ttft-timeline) at Llama-8B b64 / b16: where
+#                TTFT exceeds the prefill's GPU span
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -287,6 +289,10 @@ if has rows; then  # the rows at one commit, with gpu_power in each JSON
   step tput_l8_row 150 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_row.json"
   step tput_l8_fp8_row 150 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_row.json"
+fi
+if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
+  ckpt l8
+  for b in 64 16; do lat l8 $b ttl --ttft-timeline; done
 fi
 if has smifp8; then  # clocks and power through the fp8-cache throughput row and the b64 / b16 latency rows
   ckpt l8

@@ -29,6 +29,7 @@ def test_parse_and_summarize_samples():
     s2 = summarize(parse_samples([",".join(x.split(",")[:5]) + "\n" for x in LINES]))
     assert s2["samples"] == 3 and "power_cap_fraction" not in s2 and "power cap" not in format_summary(s2)
     assert summarize([]) == {} and format_summary({}) == ""
+    assert "power_limit_w" not in s and summarize(samples, 700.0)["power_limit_w"] == 700.0
 
 
 def _fake_smi(tmp_path, refuse_reasons: bool = False):
@@ -40,6 +41,9 @@ def _fake_smi(tmp_path, refuse_reasons: bool = False):
 import sys, time
 args = " ".join(sys.argv[1:])
 open({str(log)!r}, "a").write(args + "\\n")
+if "enforced.power.limit" in args:  # the one-shot limit query
+    print("700.00", flush=True)
+    sys.exit(0)
 if {refuse_reasons!r} and "clocks_event_reasons" in args:
     print('Field "clocks_event_reasons.active" is not a valid field to query.', flush=True)
     sys.exit(2)
@@ -63,7 +67,11 @@ def test_sampler_reads_samples_until_the_block_ends(tmp_path):
         time.sleep(0.2)
     n = ps.summary()["samples"]
     assert n >= 3 and "power_cap_fraction" in ps.summary()
-    args = log.read_text().split()
+    assert ps.summary()["power_limit_w"] == pytest.approx(700.0) and ps.summary()["temp_c_max"] == 59
+    assert "of a 700 W limit" in format_summary(ps.summary()) and "up to 59 C" in format_summary(ps.summary())
+    calls = log.read_text().splitlines()
+    assert "enforced.power.limit" in calls[0] and "--id=GPU-1234" in calls[0]
+    args = calls[1].split()
     assert "--id=GPU-1234" in args and "--loop-ms=20" in args and "--format=csv,noheader,nounits" in args
     assert any(a.startswith("--query-gpu=") and a.endswith(",clocks_event_reasons.active") for a in args)
     time.sleep(0.1)
@@ -76,7 +84,7 @@ def test_sampler_falls_back_without_the_reasons_field(tmp_path):
         time.sleep(0.1)
     s = ps.summary()
     assert s["samples"] >= 2 and "power_cap_fraction" not in s
-    calls = log.read_text().splitlines()
+    calls = log.read_text().splitlines()[1:]  # after the limit query
     assert len(calls) == 2 and "clocks_event_reasons" in calls[0] and "clocks_event_reasons" not in calls[1]
     assert not any("--id" in c for c in calls)
 

@@ -15,6 +15,7 @@ from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, 
                                     gaps_by_pair, hf_sampling_kwargs, print_table, random_prompts, run_info,
                                     startup_phases, write_json)
 from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
+from gyrfalcon.bench.ttft_timeline import format_timeline, ttft_timeline
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="count CUDA kernel launches per decode step")
+    p.add_argument("--ttft-timeline", action="store_true",
+                   help="profile one TTFT generate's host and device timeline (implied by --profile on a GPU)")
     add_common_args(p)
 
 
@@ -328,6 +331,8 @@ def run_gyrfalcon(args) -> dict:
         res["prefill_profile"] = profile_prefill(llm, prompts[: args.batch_size])
         # Those replays wrote into cache blocks that prefix caching may still map: forget them.
         llm.engine.block_manager.reset_prefix_cache()
+    if args.ttft_timeline or (args.profile and cuda):
+        res["ttft_timeline"] = ttft_timeline(llm, prompts[: args.batch_size], args.temperature)
     return res
 
 
@@ -438,5 +443,7 @@ def main(args: argparse.Namespace) -> int:
                   f"{pp['layer_tflop_per_s_over_span']:.0f} TFLOP/s over the span")
             for name, count, ms in pp["top_kernels"]:
                 print(f"  {ms:8.2f} ms {count:6d}x  {name}")
+    for line in format_timeline(g.get("ttft_timeline") or {}):
+        print(line)
     write_json(args, {"bench": "latency", **run_info(args), "results": results})
     return 0

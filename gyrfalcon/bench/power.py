@@ -46,22 +46,29 @@ def parse_samples(lines: List[str]) -> List[dict]:
         sm, power = _num(parts[1]), _num(parts[3])
         if sm is None or power is None:
             continue
-        reasons = None
+        reasons, temp = None, _num(parts[4])
         if len(parts) > 5 and parts[5].lower().startswith("0x"):
             reasons = int(parts[5], 16)
-        out.append({"sm_mhz": sm, "power_w": power, "reasons": reasons})
+        out.append({"sm_mhz": sm, "power_w": power, "reasons": reasons, "temp_c": temp})
     return out
 
 
-def summarize(samples: List[dict]) -> dict:
-    """The samples' clock and power figures (see the module docstring); {} without samples."""
+def summarize(samples: List[dict], power_limit_w: Optional[float] = None) -> dict:
+    """The samples' clock and power figures (see the module docstring); {} without samples. power_limit_w: the
+    card's enforced power limit, recorded beside them (instances of one GPU model have had different limits'
+    effects: run 102's b16 row flagged the cap at a median 626 W, run 101's drew up to 662 W unflagged)."""
     if not samples:
         return {}
     sm = [s["sm_mhz"] for s in samples]
     power = [s["power_w"] for s in samples]
     flagged = [s["reasons"] for s in samples if s["reasons"] is not None]
+    temps = [s["temp_c"] for s in samples if s.get("temp_c") is not None]
     res = {"samples": len(samples), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
            "sm_mhz_max": max(sm), "power_w_median": statistics.median(power), "power_w_max": max(power)}
+    if temps:
+        res["temp_c_max"] = max(temps)
+    if power_limit_w is not None:
+        res["power_limit_w"] = power_limit_w
     if flagged:
         res["power_cap_fraction"] = sum(1 for r in flagged if r & POWER_CAP) / len(flagged)
         res["slowdown_fraction"] = sum(1 for r in flagged if r & SLOWDOWN) / len(flagged)
@@ -74,7 +81,10 @@ def format_summary(s: dict) -> str:
         return ""
     line = (f"GPU while timed: SM clock median {s['sm_mhz_median']:.0f} MHz "
             f"({s['sm_mhz_min']:.0f}-{s['sm_mhz_max']:.0f}), power median {s['power_w_median']:.0f} W "
-            f"(max {s['power_w_max']:.0f}), {s['samples']} samples")
+            f"(max {s['power_w_max']:.0f}"
+            + (f" of a {s['power_limit_w']:.0f} W limit" if s.get("power_limit_w") is not None else "")
+            + f"), {s['samples']} samples"
+            + (f", up to {s['temp_c_max']:.0f} C" if s.get("temp_c_max") is not None else ""))
     if "power_cap_fraction" in s:
         line += (f", {s['power_cap_fraction']:.0%} at the power cap"
                  + (f", {s['slowdown_fraction']:.0%} slowed (thermal / hardware)" if s["slowdown_fraction"] else ""))
@@ -92,6 +102,7 @@ class PowerSampler:
         self.proc: Optional[subprocess.Popen] = None
         self.lines: List[str] = []
         self.reader: Optional[threading.Thread] = None
+        self.power_limit_w: Optional[float] = None
 
     def _command(self, with_reasons: bool) -> List[str]:
         cmd = [self.exe, f"--query-gpu={QUERY}" + (f",{REASONS}" if with_reasons else ""),
@@ -124,6 +135,7 @@ class PowerSampler:
         if path is None:
             return self
         self.exe = path
+        self.power_limit_w = self._query_limit()
         self._spawn(True)
         if not self._first_sample():
             # A driver without the reasons field refuses the whole query: sample without it.
@@ -131,6 +143,17 @@ class PowerSampler:
             self._spawn(False)
             self._first_sample()
         return self
+
+    def _query_limit(self) -> Optional[float]:
+        """The enforced power limit in W (None where nvidia-smi cannot say)."""
+        cmd = [self.exe, "--query-gpu=enforced.power.limit", "--format=csv,noheader,nounits"]
+        if self.device_id is not None:
+            cmd.append(f"--id={self.device_id}")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return _num(out[0].strip()) if out else None
 
     @staticmethod
     def _read(proc: subprocess.Popen, lines: List[str]) -> None:
@@ -154,7 +177,7 @@ class PowerSampler:
             self.reader.join(timeout=5)
 
     def summary(self) -> dict:
-        return summarize(parse_samples(self.lines))
+        return summarize(parse_samples(self.lines), self.power_limit_w)
 
 
 def device_uuid(device) -> Optional[str]:

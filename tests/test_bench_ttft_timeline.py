@@ -1,0 +1,59 @@
+"""bench/ttft_timeline.py: the TTFT generate's host / device timeline (its arithmetic on made-up events, and the
+real profile's plumbing on the CPU, where it sees host events only)."""
+
+import pytest
+
+from gyrfalcon.bench.ttft_timeline import (ADD_REQUEST, GENERATE, STEP, format_timeline, summarize_timeline,
+                                           ttft_timeline)
+
+
+def test_summarize_timeline_offsets_from_the_generate_start():
+    t0 = 1_000.0  # us
+    ranges = [(GENERATE, t0, t0 + 20_000), (ADD_REQUEST, t0 + 100, t0 + 600), (ADD_REQUEST, t0 + 600, t0 + 1_100),
+              (STEP, t0 + 4_000, t0 + 6_000), (STEP, t0 + 1_200, t0 + 3_000)]
+    device = [("gemm", t0 + 2_000, t0 + 10_000), ("copy", t0 + 9_000, t0 + 11_000),  # overlapping: one busy stretch
+              ("silu", t0 + 12_000, t0 + 17_000)]
+    host = [("aten::empty", t0 + 1_300, t0 + 1_500, 150.0), ("aten::empty", t0 + 1_600, t0 + 1_700, 50.0),
+            ("cudaStreamSynchronize", t0 + 17_000, t0 + 18_500, 1_500.0),  # slow, after the first kernel
+            ("cudaLaunchKernel", t0 + 1_900, t0 + 1_910, 10.0),
+            ("aten::late", t0 + 3_000, t0 + 3_500, 500.0)]  # after the first device activity: not "before"
+    t = summarize_timeline(ranges, device, host)
+    assert t["generate_ms"] == pytest.approx(20.0)
+    assert t["admission_ms"] == pytest.approx(1.0) and t["admission_end_ms"] == pytest.approx(1.1)
+    assert t["steps"] == [[pytest.approx(1.2), pytest.approx(1.8)], [pytest.approx(4.0), pytest.approx(2.0)]]
+    assert t["first_device_ms"] == pytest.approx(2.0) and t["first_device_name"] == "gemm"
+    assert t["last_device_end_ms"] == pytest.approx(17.0) and t["after_device_ms"] == pytest.approx(3.0)
+    assert t["device_busy_ms"] == pytest.approx(14.0) and t["device_idle_ms"] == pytest.approx(1.0)
+    assert t["device_gaps"] == [[pytest.approx(1.0), "copy", "silu"]]
+    assert t["host_before_device"] == [["aten::empty", pytest.approx(0.2)], ["cudaLaunchKernel", pytest.approx(0.01)]]
+    assert t["slow_runtime_calls"] == [["cudaStreamSynchronize", pytest.approx(17.0), pytest.approx(1.5)]]
+    lines = format_timeline(t)
+    assert "admission 1.00" in lines[0] and any("cudaStreamSynchronize at 17.00: 1.50 ms" in x for x in lines)
+
+
+def test_summarize_timeline_without_a_generate_or_device():
+    assert summarize_timeline([], [], []) == {} and format_timeline({}) == []
+    t = summarize_timeline([(GENERATE, 0.0, 5_000.0)], [], [("aten::mm", 10.0, 20.0, 10.0)])
+    assert t["admission_ms"] == 0 and t["admission_end_ms"] is None and t["steps"] == []
+    assert "first_device_ms" not in t and t["host_before_device"] == [["aten::mm", pytest.approx(0.01)]]
+
+
+def test_ttft_timeline_on_the_cpu(qwen3_ckpt):
+    """The real profile: the generate, one add_request range per prompt and the engine steps are found, the
+    engine's methods are restored and nothing is left holding KV blocks."""
+    from gyrfalcon import LLM
+
+    llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
+    engine = llm.engine
+    t = ttft_timeline(llm, [[3, 4, 5, 6], [7, 8, 9]])
+    assert t["generate_ms"] > 0 and t["admission_ms"] > 0 and len(t["steps"]) >= 1
+    assert t["admission_end_ms"] <= t["steps"][0][0] <= t["generate_ms"]
+    assert "first_device_ms" not in t  # no CUDA activity on the CPU
+    assert "step" not in vars(engine) and "add_request" not in vars(engine)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # the engine still generates afterwards
+    from gyrfalcon.sampling_params import SamplingParams
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
