@@ -31,6 +31,8 @@
 #                (~7 min: a call of its own)
 #   ttftline     the TTFT generate's host / device timeline (bench latency --ttft-timeline) at Llama-8B b64 / b16: where
 #                TTFT exceeds the prefill's GPU span
+#   stepev       each decode-graph replay's device time inside the engine's timed runs and the device time between
+#                replays (bench latency --step-events, CUDA events), against the graph back to back: Llama-8B b16 / b64 / b1
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -293,6 +295,10 @@ fi
 if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
   ckpt l8
   for b in 64 16; do lat l8 $b ttl --ttft-timeline; done
+fi
+if has stepev; then  # the steady step interval exceeds the graph replayed back to back by ~7% (run 99): where
+  ckpt l8
+  for b in 16 64 1; do lat l8 $b sev --step-events; done
 fi
 if has smifp8; then  # clocks and power through the fp8-cache throughput row and the b64 / b16 latency rows
   ckpt l8

@@ -34,8 +34,13 @@ def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):
 
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
-                 "--output-len", "8", "--num-iters", "1", "--max-model-len", "64", "--output-json", str(out)]) == 0
+                 "--output-len", "8", "--num-iters", "1", "--max-model-len", "64", "--output-json", str(out),
+                 "--step-events", "--ttft-timeline"]) == 0
     g = json.loads(out.read_text())["results"]["gyrfalcon"]
+    # --step-events records CUDA events only: nothing on the CPU; --ttft-timeline profiles the host there
+    assert "step_events" not in g
+    tl = g["ttft_timeline"]
+    assert tl["generate_ms"] > 0 and len(tl["steps"]) >= 1 and tl["admission_ms"] > 0
     sc = g["step_clock"]
     # Async scheduling is off on the CPU: one step for the prefill, then one per further token.
     assert sc["steps"] == 8
@@ -43,7 +48,8 @@ def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):
     assert sc["steady_excess_ms"] >= 0 and sc["tail_ms"] >= 0
     # The steps and the tail fit inside the run that the e2e time measured.
     assert sum(sc["first_intervals_ms"]) + sc["median_ms"] * 4 <= g["e2e_s"] * 1e3 * 1.5
-    assert "engine steps of the median run: 8" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "engine steps of the median run: 8" in printed and "TTFT timeline (ms from the generate's start" in printed
     assert g["gpu_power"] == {}  # no GPU clock or power sampled on a CPU run
 
 

@@ -57,3 +57,23 @@ def test_ttft_timeline_on_the_cpu(qwen3_ckpt):
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=2, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_step_events_summary_and_cpu_watch(qwen3_ckpt):
+    """bench/step_events.py: the quantiles of replay and gap times, and that off CUDA the watcher only runs the
+    function (no events, an empty summary)."""
+    from gyrfalcon import LLM
+    from gyrfalcon.bench.step_events import StepEvents, format_step_events, summarize_step_events
+
+    s = summarize_step_events([4.0, 4.2, 4.1, 5.0], [0.1, 0.3, 0.02])
+    assert s["replays"] == 4 and s["replay_ms"]["median"] == 4.2 and s["replay_ms"]["max"] == 5.0
+    assert s["replay_ms"]["p90"] == 4.2 and s["replay_ms"]["sum"] == pytest.approx(17.3)
+    assert s["gap_ms"]["median"] == 0.1 and s["gap_ms"]["sum"] == pytest.approx(0.42)
+    line = format_step_events(s, {"main@192": 4.05})
+    assert "replay median 4.200" in line and "between replays median 0.100" in line and "main@192: 4.050" in line
+    assert summarize_step_events([], []) == {} and format_step_events({}, {}) == ""
+    assert "gap_ms" not in summarize_step_events([4.0], [])
+
+    llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
+    ev = StepEvents(llm.engine.runner)
+    assert not ev.enabled and ev.watch(lambda: 7) == 7 and ev.summary(0) == {}

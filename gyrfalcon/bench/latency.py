@@ -15,6 +15,7 @@ from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, 
                                     gaps_by_pair, hf_sampling_kwargs, print_table, random_prompts, run_info,
                                     startup_phases, write_json)
 from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
+from gyrfalcon.bench.step_events import StepEvents, format_step_events
 from gyrfalcon.bench.ttft_timeline import format_timeline, ttft_timeline
 
 
@@ -30,6 +31,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="count CUDA kernel launches per decode step")
     p.add_argument("--ttft-timeline", action="store_true",
                    help="profile one TTFT generate's host and device timeline (implied by --profile on a GPU)")
+    p.add_argument("--step-events", action="store_true",
+                   help="time each decode-graph replay inside the timed runs with CUDA events, and the graph "
+                        "replayed back to back at the runs' middle context")
     add_common_args(p)
 
 
@@ -276,6 +280,7 @@ def run_gyrfalcon(args) -> dict:
     cuda = runner.device.type == "cuda"
 
     clock = StepClock(llm.engine)
+    events = StepEvents(runner) if args.step_events else None
 
     def timed(max_tokens: int, watch: bool = False) -> float:
         sp = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
@@ -283,7 +288,10 @@ def run_gyrfalcon(args) -> dict:
             torch.cuda.synchronize()
         t = time.perf_counter()
         gen = lambda: llm.generate(inputs, sp, use_tqdm=False)  # noqa: E731
-        outs = clock.watch(gen) if watch else gen()
+        if watch and events is not None:
+            outs = clock.watch(lambda: events.watch(gen))
+        else:
+            outs = clock.watch(gen) if watch else gen()
         if cuda:
             torch.cuda.synchronize()
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
@@ -330,6 +338,15 @@ def run_gyrfalcon(args) -> dict:
         res["short_graph_replay_ms_at_context"] = replay_at_contexts(runner, args.batch_size, short=True)
         res["prefill_profile"] = profile_prefill(llm, prompts[: args.batch_size])
         # Those replays wrote into cache blocks that prefix caching may still map: forget them.
+        llm.engine.block_manager.reset_prefix_cache()
+    if events is not None and events.enabled:
+        res["step_events"] = events.summary(median_run)
+        # The same graph back to back, at the timed runs' middle context (the main and the one-split graph)
+        mid = args.input_len + args.output_len // 2
+        res["step_events_back_to_back_ms"] = {
+            f"main@{c}": ms for c, ms in replay_at_contexts(runner, args.batch_size, (mid,)).items()}
+        res["step_events_back_to_back_ms"].update({
+            f"short@{c}": ms for c, ms in replay_at_contexts(runner, args.batch_size, (mid,), short=True).items()})
         llm.engine.block_manager.reset_prefix_cache()
     if args.ttft_timeline or (args.profile and cuda):
         res["ttft_timeline"] = ttft_timeline(llm, prompts[: args.batch_size], args.temperature)
@@ -443,6 +460,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{pp['layer_tflop_per_s_over_span']:.0f} TFLOP/s over the span")
             for name, count, ms in pp["top_kernels"]:
                 print(f"  {ms:8.2f} ms {count:6d}x  {name}")
+    if g.get("step_events"):
+        print(format_step_events(g["step_events"], g.get("step_events_back_to_back_ms") or {}))
     for line in format_timeline(g.get("ttft_timeline") or {}):
         print(line)
     write_json(args, {"bench": "latency", **run_info(args), "results": results})
