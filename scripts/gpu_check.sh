@@ -33,6 +33,9 @@
 #                TTFT exceeds the prefill's GPU span
 #   stepev       each decode-graph replay's device time inside the engine's timed runs and the device time between
 #                replays (bench latency --step-events, CUDA events), against the graph back to back: Llama-8B b16 / b64 / b1
+#   gap          the device time between decode-graph replays: benchmarks/replay_gap.py (a synthetic graph, the input copy
+#                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
+#                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -299,6 +302,16 @@ fi
 if has stepev; then  # the steady step interval exceeds the graph replayed back to back by ~7% (run 99): where
   ckpt l8
   for b in 16 64 1; do lat l8 $b sev --step-events; done
+fi
+if has gap; then  # run 104: ~0.26 ms of device time between the decode replays at b1 / b16 / b64 alike
+  step replay_gap 120 python3 benchmarks/replay_gap.py --output-json "$R/replay_gap.json"
+  ckpt l8
+  for b in 1 16; do
+    for run in a_dflt b_ssc0; do
+      if [ "${run#*_}" = ssc0 ]; then lat l8 $b gap_$run GYRFALCON_SIDE_STREAM_COPIES=0 --step-events
+      else lat l8 $b gap_$run --step-events; fi
+    done
+  done
 fi
 if has smifp8; then  # clocks and power through the fp8-cache throughput row and the b64 / b16 latency rows
   ckpt l8
