@@ -72,8 +72,12 @@ def test_step_events_summary_and_cpu_watch(qwen3_ckpt):
     line = format_step_events(s, {"main@192": 4.05})
     assert "replay median 4.200" in line and "between replays median 0.100" in line and "main@192: 4.050" in line
     assert summarize_step_events([], []) == {} and format_step_events({}, {}) == ""
-    assert "gap_ms" not in summarize_step_events([4.0], [])
+    assert "gap_ms" not in summarize_step_events([4.0], []) and "late_fraction" not in s
+    s = summarize_step_events([4.0, 4.0, 4.0], [0.2, 0.3], [True, False], [0.1, 0.2, 0.3], [3.5, 0.01, 0.02])
+    assert s["late_fraction"] == 0.5 and s["run_host_ms"]["median"] == 0.2 and s["complete_host_ms"]["median"] == 0.02
+    line = format_step_events(s, {})
+    assert "50% launched after the previous replay had ended" in line and "host completing a step median 0.020" in line
 
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
     ev = StepEvents(llm.engine.runner)
-    assert not ev.enabled and ev.watch(lambda: 7) == 7 and ev.summary(0) == {}
+    assert not ev.enabled and ev.watch(lambda: 7) == 7 and ev.summary(0) == {} and ev.summary(3) == {}

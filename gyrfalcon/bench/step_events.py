@@ -20,14 +20,24 @@ def _quantiles(xs: List[float]) -> dict:
     return {"median": s[len(s) // 2], "p90": s[int(0.9 * (len(s) - 1))], "max": s[-1], "sum": sum(s)}
 
 
-def summarize_step_events(replay_ms: List[float], gap_ms: List[float]) -> dict:
+def summarize_step_events(replay_ms: List[float], gap_ms: List[float], late: List[bool] = (),
+                          run_host_ms: List[float] = (), complete_host_ms: List[float] = ()) -> dict:
     """replay_ms: each replay's device time; gap_ms: the device time from each replay's end to the next one's
-    start (one fewer) -> {replays, replay_ms: {median, p90, max, sum}, gap_ms: {...}} ({} without replays)."""
+    start (one fewer); late: per replay after the first, whether the previous replay had ended when it was
+    launched; run_host_ms / complete_host_ms: the host's time in each replay call / each step completion ->
+    {replays, replay_ms: {median, p90, max, sum}, gap_ms, late_fraction, run_host_ms, complete_host_ms}
+    (each part only with data; {} without replays)."""
     if not replay_ms:
         return {}
     out = {"replays": len(replay_ms), "replay_ms": _quantiles(replay_ms)}
     if gap_ms:
         out["gap_ms"] = _quantiles(gap_ms)
+    if late:
+        out["late_fraction"] = sum(late) / len(late)
+    if run_host_ms:
+        out["run_host_ms"] = _quantiles(list(run_host_ms))
+    if complete_host_ms:
+        out["complete_host_ms"] = _quantiles(list(complete_host_ms))
     return out
 
 
@@ -37,6 +47,7 @@ class StepEvents:
     runner or off CUDA (the CPU runs the step eagerly)."""
 
     def __init__(self, runner) -> None:
+        self.runner = runner
         self.graph_runner = getattr(runner, "graph_runner", None)
         self.enabled = self.graph_runner is not None and runner.device.type == "cuda"
         self.runs: list = []
@@ -45,33 +56,50 @@ class StepEvents:
         if not self.enabled:
             self.runs.append([])
             return fn()
+        import time
+
         import torch
 
         pairs: list = []
-        self.runs.append(pairs)
-        gr = self.graph_runner
-        inner = gr.run
+        late: list = []
+        run_host: list = []
+        complete_host: list = []
+        self.runs.append((pairs, late, run_host, complete_host))
+        gr, runner = self.graph_runner, self.runner
+        inner, inner_complete = gr.run, runner.complete
 
         def run(*args, **kwargs):
+            t = time.perf_counter()
+            if pairs:
+                late.append(pairs[-1][1].query())  # the previous replay already over: the device waited
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = inner(*args, **kwargs)
             end.record()
             pairs.append((start, end))
+            run_host.append((time.perf_counter() - t) * 1e3)
             return out
 
-        gr.run = run
+        def complete(handle):
+            t = time.perf_counter()
+            out = inner_complete(handle)
+            complete_host.append((time.perf_counter() - t) * 1e3)
+            return out
+
+        gr.run, runner.complete = run, complete
         try:
             return fn()
         finally:
-            del gr.run  # back to the class's method
+            del gr.run, runner.complete  # back to the classes' methods
             torch.cuda.synchronize()
 
     def summary(self, run: int) -> dict:
-        pairs = self.runs[run] if run < len(self.runs) else []
+        if run >= len(self.runs) or not self.runs[run]:
+            return {}
+        pairs, late, run_host, complete_host = self.runs[run]
         replay = [s.elapsed_time(e) for s, e in pairs]
         gaps = [pairs[i - 1][1].elapsed_time(pairs[i][0]) for i in range(1, len(pairs))]
-        return summarize_step_events(replay, gaps)
+        return summarize_step_events(replay, gaps, late, run_host, complete_host)
 
 
 def format_step_events(s: dict, back_to_back: dict) -> str:
@@ -84,6 +112,11 @@ def format_step_events(s: dict, back_to_back: dict) -> str:
     if "gap_ms" in s:
         g = s["gap_ms"]
         line += f", between replays median {g['median']:.3f} / p90 {g['p90']:.3f} ms (sum {g['sum']:.2f})"
+    if "late_fraction" in s:
+        line += f"; {s['late_fraction']:.0%} launched after the previous replay had ended"
+    for key, what in (("run_host_ms", "host in the replay call"), ("complete_host_ms", "host completing a step")):
+        if key in s:
+            line += f"; {what} median {s[key]['median']:.3f} ms"
     if back_to_back:
         line += "; back to back at " + ", ".join(f"{k}: {v:.3f}" for k, v in back_to_back.items()) + " ms"
     return line
