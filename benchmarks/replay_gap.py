@@ -1,10 +1,11 @@
 """Device time between CUDA-graph replays, without the engine: what does a decode step's input copy cost?
 
 Run 104 (`bench latency --step-events`) found the device spending ~0.26 ms between one decode-graph replay's end
-and the next one's start at Llama-3.1-8B batch 1, 16 and 64 alike (0.258 / 0.265 / 0.303 ms; ~6% of each step),
-while the host had the next step queued long before. Between the two replays the engine runs: the sampled tokens'
-copy to pinned host memory, then the next step's inputs copied from pinned memory on a side stream that waits for
-the replay to finish reading them, and the compute stream waiting for that copy (cuda_graph.side_stream_copies).
+and the next one's start at Llama-3.1-8B batch 1, 16 and 64 alike. Between two replays the engine copies the sampled
+tokens to pinned host memory, and the next step's inputs to the device on a side stream that waits for the replay to
+finish reading them (cuda_graph.side_stream_copies). This measures what those copies cost alone. Run 105: 7-15 us
+(32 KB-2 MB of inputs, every mode below) against 1 us back to back; the ~0.26 ms was the LM head and argmax, which
+run after the graph (README, runs 104-105).
 
 Here a synthetic graph (a chain of --kernels GEMV-sized matmuls over a weight pool larger than L2, ~3-4 ms) is
 replayed --iters times in each mode, events around each replay, the host paced as the engine's async scheduling

@@ -299,11 +299,11 @@ if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU sp
   ckpt l8
   for b in 64 16; do lat l8 $b ttl --ttft-timeline; done
 fi
-if has stepev; then  # the steady step interval exceeds the graph replayed back to back by ~7% (run 99): where
+if has stepev; then  # the steady step against the bare graph (run 104: the difference is the LM head, run after it)
   ckpt l8
   for b in 16 64 1; do lat l8 $b sev --step-events; done
 fi
-if has gap; then  # run 104: ~0.26 ms of device time between the decode replays at b1 / b16 / b64 alike
+if has gap; then  # run 104's ~0.26 ms between the decode replays: the copies? (run 105: no, the LM head after the graph)
   step replay_gap 120 python3 benchmarks/replay_gap.py --output-json "$R/replay_gap.json"
   ckpt l8
   for b in 1 16; do

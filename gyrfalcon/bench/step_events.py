@@ -1,13 +1,17 @@
 """The device time of each decode step inside the engine, from CUDA events around the decode graph's replay.
 
 `bench latency` reports a steady step interval (StepClock: the host's time between engine steps), and --profile
-the decode graph replayed back to back (replay_at_contexts). On the H200 the first has exceeded the second by
-~7% at Llama-3.1-8B batch 16 and 64 (run 99: 4.38 against ~4.10 ms, 5.18 against ~4.85). Two different
-causes would look the same there: the graph itself running slower inside the engine, or the device waiting
-between graphs (the host late with the next step, the sampled tokens' copy). StepEvents records an event
-before and after each replay call (the inputs' host-to-device copies, made inside the call, are in the
-replay's time) and reports both parts: each replay's device time and the device time between one replay's
-end and the next one's start.
+the decode graph replayed back to back (replay_at_contexts). StepEvents records an event before and after each
+replay call (the inputs' host-to-device copies, made inside the call, are in the replay's time) and splits the
+step into each replay's device time and the device time between one replay's end and the next one's start. On
+the H200 (runs 104-105) the replays took as long as back to back, and the ~0.26-0.30 ms between them at
+Llama-3.1-8B batch 1 / 16 / 64 was the LM head and argmax, which run after the graph unless
+GYRFALCON_GRAPH_LOGITS=1.
+
+It also says whether the host was late: the share of replays launched after the previous one had already ended
+on the device (its end event complete when the next launch began: the device then waited on the host), and the
+host's milliseconds inside each replay call and inside each step's completion (the wait for a step's tokens:
+near zero when the host, not the device, is behind).
 """
 
 from __future__ import annotations
