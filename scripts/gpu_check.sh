@@ -36,6 +36,7 @@
 #   gap          the device time between decode-graph replays: benchmarks/replay_gap.py (a synthetic graph, the input copy
 #                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
+#   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -356,6 +357,13 @@ if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel a
   W64="4096x14336=32,256,4,4"
   for run in a_dflt b_down c_down d_dflt; do
     if [ "${run#*_}" = down ]; then lat l8 64 wrows_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=$W64; else lat l8 64 wrows_$run; fi
+  done
+fi
+if has widerows2; then  # run 94's +0.3% at b64 (down_proj of 17-64 rows on the GEMV kernel), once more on another card
+  ckpt l8
+  for run in a_dflt b_down c_down d_dflt; do
+    if [ "${run#*_}" = down ]; then lat l8 64 wrows2_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES="4096x14336=32,256,4,4"
+    else lat l8 64 wrows2_$run; fi
   done
 fi
 if has pdlplain; then  # the batched graphs under PDL with the plain kernels: no attention prefetch, no peeled GEMV tile
