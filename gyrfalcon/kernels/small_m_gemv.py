@@ -239,17 +239,20 @@ def rows_shape_overrides() -> dict:
 
 
 # Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows; a linear layer of a listed (N, K) goes through this kernel up to
-# MAX_M rows instead of cuBLAS. None by default (an experiment: GYRFALCON_GEMV_WIDE_ROWS_SHAPES). At 64 rows (H200
+# MAX_M rows instead of cuBLAS (GYRFALCON_GEMV_WIDE_ROWS_SHAPES replaces the list; "" empties it). At 64 rows (H200
 # run 90, small_m_gemv.py --wide --ms 64, L2-cold, gemv64_sweep-h200-2026-12-02-run90.json) Llama-3.1-8B's down_proj
-# took 35.0 us at 32 columns, 256-input steps, 4 warps, 4 stages against cuBLAS's 36.9 (40.8 at default_config's 3
-# stages); o_proj 12.7 against 12.2 and qkv 17.7 against 16.2 stayed slower. Run 72 had routed o_proj and down_proj
-# of up to 64 rows here at default_config's shapes and lost (Llama-8B b64 5.330 / 5.343 ms against 5.095 / 5.099).
-WIDE_ROWS_SHAPES: dict = {}
+# took 35.0 us at 32 columns, 256-input steps, 4 warps, 4 stages against cuBLAS's 36.9 plus its split-K reduce (40.8
+# at default_config's 3 stages); o_proj 12.7 against 12.2 and qkv 17.7 against 16.2 stayed slower. Run 72 had routed
+# o_proj and down_proj of up to 64 rows here at default_config's shapes and lost (Llama-8B b64 5.330 / 5.343 ms
+# against 5.095 / 5.099). down_proj alone at run 90's shape, Llama-8B b64, same call ABAB / ABBA: steady 5.163 /
+# 5.172 ms a step against 5.183 / 5.179 (run 94), 5.042 / 5.046 against 5.095 / 5.092 (run 106, another card;
+# latency_llama-3.1-8b_b64_wrows*-h200-2026-12-03-run9{4,106}.json): the default since run 106.
+WIDE_ROWS_SHAPES: dict = {(4096, 14336): GemvConfig(32, 256, 4, 4)}
 
 
 def wide_rows_shape_overrides() -> dict:
-    """Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows -> {(N, K): GemvConfig} (read only): WIDE_ROWS_SHAPES, or
-    GYRFALCON_GEMV_WIDE_ROWS_SHAPES="NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none)."""
+    """Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows -> {(N, K): GemvConfig} (read only): WIDE_ROWS_SHAPES (Llama-3.1-8B's
+    down_proj), or GYRFALCON_GEMV_WIDE_ROWS_SHAPES="NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none)."""
     spec = os.environ.get("GYRFALCON_GEMV_WIDE_ROWS_SHAPES")
     return WIDE_ROWS_SHAPES if spec is None else _parse_rows_shapes("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", spec)
 

@@ -398,7 +398,8 @@ def test_launch_shapes_fit_a_smaller_card(monkeypatch):
 
 
 def test_wide_rows_shape_overrides(monkeypatch):
-    """Launch shapes for 17-64 rows: none by default (WIDE_ROWS_SHAPES); GYRFALCON_GEMV_WIDE_ROWS_SHAPES lists them
+    """Launch shapes for 17-64 rows: Llama-3.1-8B's down_proj by default (WIDE_ROWS_SHAPES; "" empties the list);
+    GYRFALCON_GEMV_WIDE_ROWS_SHAPES lists them
     per (N, K) and a linear layer of a listed shape (a MergedLinear too) then runs on the GEMV kernel up to MAX_M
     rows instead of cuBLAS, at that launch shape (2-16 rows keep theirs); the layer matches F.linear at 17 and 64
     rows, its residual add (add_to) too."""
@@ -410,8 +411,11 @@ def test_wide_rows_shape_overrides(monkeypatch):
     monkeypatch.delenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", raising=False)
     monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
     monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    assert WIDE_ROWS_SHAPES == {} and wide_rows_shape_overrides() == {}
-    assert Linear(14336, 4096).small_m_rows == 16
+    assert WIDE_ROWS_SHAPES == {(4096, 14336): GemvConfig(32, 256, 4, 4, 1)} == wide_rows_shape_overrides()
+    assert Linear(14336, 4096).small_m_rows == MAX_M and Linear(4096, 4096).small_m_rows == 16
+    assert default_config(64, 4096, 14336) == GemvConfig(32, 256, 4, 4, 1)
+    monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", "")  # none: cuBLAS above 16 rows
+    assert wide_rows_shape_overrides() == {} and Linear(14336, 4096).small_m_rows == 16
     base64, base16 = default_config(64, 4096, 14336), default_config(16, 4096, 14336)
     monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", "4096x14336=32,256,4,4; 96x64=16,32,4,2,2")
     assert wide_rows_shape_overrides() == {(4096, 14336): GemvConfig(32, 256, 4, 4, 1),
