@@ -46,6 +46,7 @@ def test_bench_latency_step_clock(qwen3_ckpt, tmp_path, capsys):
     assert sc["steps"] == 8
     assert len(sc["first_intervals_ms"]) == 3 and 0 < sc["median_ms"] <= sc["p90_ms"] <= sc["max_ms"]
     assert sc["steady_excess_ms"] >= 0 and sc["tail_ms"] >= 0
+    assert g["steady_decode_tok_s"] == pytest.approx(2 / (sc["median_ms"] * 1e-3))
     # The steps and the tail fit inside the run that the e2e time measured.
     assert sum(sc["first_intervals_ms"]) + sc["median_ms"] * 4 <= g["e2e_s"] * 1e3 * 1.5
     printed = capsys.readouterr().out
