@@ -435,7 +435,8 @@ def main(args: argparse.Namespace) -> int:
               f"steady median {sc['median_ms']:.3f} / p90 {sc['p90_ms']:.3f} / max {sc['max_ms']:.3f} ms, "
               f"excess over the median {sc['steady_excess_ms']:.2f} ms, last {sc['last_interval_ms']:.3f} ms, "
               f"tail {sc['tail_ms']:.2f} ms, GC {sc['gc_ms']} ms"
-              + (f"; {g['steady_decode_tok_s']:.1f} tok/s at the steady median" if g.get("steady_decode_tok_s") else ""))
+              + (f"; {g['steady_decode_tok_s']:.1f} tok/s at the steady median"
+                 if g.get("steady_decode_tok_s") else ""))
     if "profile" in g:
         pr = g["profile"]
         print(f"CUDA kernels per decode step: {pr['kernels_per_step']:.1f} "

@@ -13,7 +13,7 @@ op): the offsets are upper bounds on the unprofiled ones.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Tuple
 
 from gyrfalcon.bench.common import busy_span_gaps
 
@@ -25,8 +25,8 @@ SLOW_RUNTIME_US = 200.0
 Event = Tuple[str, float, float]  # (name, start us, end us)
 
 
-def summarize_timeline(ranges: Iterable[Event], device: Iterable[Event], host_ops: Iterable[Tuple[str, float, float, float]],
-                       top: int = 10) -> dict:
+def summarize_timeline(ranges: Iterable[Event], device: Iterable[Event],
+                       host_ops: Iterable[Tuple[str, float, float, float]], top: int = 10) -> dict:
     """ranges: the gf.* record_function ranges; device: every CUDA activity (kernels, copies, memsets);
     host_ops: (name, start us, end us, self us) of the other CPU events (aten ops, CUDA runtime calls).
     Times in ms from the generate's start ({} without a gf.generate range):
@@ -71,7 +71,7 @@ def summarize_timeline(ranges: Iterable[Event], device: Iterable[Event], host_op
                                  for n, us in sorted(before.items(), key=lambda kv: -kv[1])[:top]]
     slow = [(n, s, e) for n, s, e, _ in host_ops if n.startswith("cuda") and e - s > SLOW_RUNTIME_US]
     out["slow_runtime_calls"] = [[n[:60], ms(s), round((e - s) / 1e3, 3)]
-                                 for n, s, e in sorted(slow, key=lambda x: x[1] - x[2])[:top]]
+                                 for n, s, e in sorted(slow, key=lambda x: x[1] - x[2])[:top]]  # longest first
     return out
 
 

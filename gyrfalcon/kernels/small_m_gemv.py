@@ -251,8 +251,9 @@ WIDE_ROWS_SHAPES: dict = {(4096, 14336): GemvConfig(32, 256, 4, 4)}
 
 
 def wide_rows_shape_overrides() -> dict:
-    """Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows -> {(N, K): GemvConfig} (read only): WIDE_ROWS_SHAPES (Llama-3.1-8B's
-    down_proj), or GYRFALCON_GEMV_WIDE_ROWS_SHAPES="NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..." ("": none)."""
+    """Launch shapes for PLAIN_MAX_ROWS + 1..MAX_M rows -> {(N, K): GemvConfig} (read only): WIDE_ROWS_SHAPES
+    (Llama-3.1-8B's down_proj), or GYRFALCON_GEMV_WIDE_ROWS_SHAPES="NxK=BLOCK_N,BLOCK_K,warps,stages[,split_k];..."
+    ("": none)."""
     spec = os.environ.get("GYRFALCON_GEMV_WIDE_ROWS_SHAPES")
     return WIDE_ROWS_SHAPES if spec is None else _parse_rows_shapes("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", spec)
 
