@@ -525,3 +525,75 @@ def test_chain_env_benchmark_skips_a_failing_value():
                           timer=lambda step: (step(), 5.0)[1], pdl=False)
     assert [r["value"] for r in rows] == ["3", "unset", "2"] and "no such launch" in rows[0]["error"]
     assert rows[1]["us_median"] == 5.0 and rows[2]["max_abs_diff"] == 0.0
+
+
+def _row_partials(r: torch.Tensor, tiles: int, block_m: int) -> torch.Tensor:
+    """The sumsq layout for rows r [M, H]: [tiles, block_m] sums of squares over H / tiles columns each."""
+    M, H = r.shape
+    p = torch.zeros(tiles, block_m)
+    p[:, :M] = r.float().pow(2).view(M, tiles, H // tiles).sum(-1).t()
+    return p
+
+
+@pytest.mark.parametrize("M", [2, 5, 16])
+def test_sumsq_partials_of_the_residual_add(M):
+    """sumsq (o_proj's launch for silu_into_down): y = add_to + x W^T in place, and each row's sum of squares of
+    the stored y over each column tile; rows past M are zeros."""
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+
+    g = torch.Generator().manual_seed(M)
+    x, w, base = torch.randn(M, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(M, 96, generator=g)
+    want = base + F.linear(x, w)
+    add_to = base.clone()
+    y, parts = norm_gemv_triton(x, w, add_to=add_to, sumsq=True, config=GemvConfig(16, 32, 4, 2))
+    assert y.data_ptr() == add_to.data_ptr()
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    assert parts.shape == (6, 16) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts, _row_partials(want, 6, 16), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="sumsq"):
+        norm_gemv_triton(x, w, torch.ones(64), sumsq=True)
+    with pytest.raises(ValueError, match="sumsq"):
+        norm_gemv_triton(x[:1], w, sumsq=True)
+
+
+@pytest.mark.parametrize("M,split_k", [(2, 1), (7, 1), (16, 2)])
+def test_silu_x_launch_matches_the_unfused_mlp_tail(M, split_k):
+    """silu_x (down_proj's launch for silu_into_down): the input tiles are SiLU-and-mul of gate_up scaled by each
+    row's rstd from the partials, the product added to add_to: the folded norm's SiLU kernel + the GEMV."""
+    from gyrfalcon.kernels.activation import silu_and_mul_ref
+    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+
+    g = torch.Generator().manual_seed(10 + M)
+    hidden, inter, out = 96, 64, 48
+    r = torch.randn(M, hidden, generator=g)  # the residual stream the post-attention norm would normalize
+    gate_up = torch.randn(M, 2 * inter, generator=g) * 3
+    w, base = torch.randn(out, inter, generator=g), torch.randn(M, out, generator=g)
+    eps = 1e-5
+    want = base + F.linear(silu_and_mul_ref(gate_up, row_scale=(r, eps)), w)
+    y = norm_gemv_triton(gate_up, w, add_to=base.clone(), silu_x=(_row_partials(r, 6, 16), hidden, eps),
+                         config=GemvConfig(16, 32, 4, 2, split_k))[0]
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="silu_x"):
+        norm_gemv_triton(gate_up[:1], w, silu_x=(_row_partials(r[:1], 6, 16), hidden, eps))
+
+
+def test_silu_into_down_chain():
+    """o_proj (sumsq) -> gate_up -> down_proj (silu_x), each adding into the residual stream x: the decoder layer's
+    MLP half with the post-attention norm folded into gate_up, against its plain composition."""
+    from gyrfalcon.kernels.activation import silu_and_mul_ref
+
+    g = torch.Generator().manual_seed(3)
+    M, hidden, inter, heads = 4, 128, 96, 64
+    x = torch.randn(M, hidden, generator=g)
+    a = torch.randn(M, heads, generator=g)
+    wo, wgu, wd = (torch.randn(hidden, heads, generator=g) / 8, torch.randn(2 * inter, hidden, generator=g) / 8,
+                   torch.randn(hidden, inter, generator=g) / 8)
+    eps = 1e-6
+    x1 = x + F.linear(a, wo)
+    want = x1 + F.linear(silu_and_mul_ref(F.linear(x1, wgu), row_scale=(x1, eps)), wd)
+    res = x.clone()
+    _, parts = norm_gemv_triton(a, wo, add_to=res, sumsq=True)
+    gu = F.linear(res, wgu)
+    out = norm_gemv_triton(gu, wd, add_to=res, silu_x=(parts, hidden, eps))[0]
+    assert out.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
