@@ -4,4 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
+# Test files run in parallel over the machine's cores (pytest-xdist; PYTEST_WORKERS=0 runs them in one process):
+# the suite took ~19 min on one core of CI's 2-core machine. --dist loadfile keeps each file's tests (and its
+# module-scoped fixtures: checkpoints, servers) in one worker.
+WORKERS=${PYTEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+if [ "$WORKERS" -gt 1 ]; then
+  exec "$PY" -m pytest -q -n "$WORKERS" --dist loadfile --ignore=tests/gpu "$@"
+fi
 exec "$PY" -m pytest -q --ignore=tests/gpu "$@"
