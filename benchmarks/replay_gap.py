@@ -17,8 +17,10 @@ paces it (launch N+1 after waiting for N-1's tokens):
   side_early  the same, but the input copy into a second device buffer (double-buffered inputs): it waits for
           nothing, so it can run during the previous replay
   staged  the input copy on the side stream into one of two device staging buffers (waiting only for the copy
-          out of that buffer two iterations back), then a device-to-device copy into the graph's input buffer
-          in the compute stream right before the replay
+          out of that buffer two iterations back), then a device-to-device copy into the input buffer in the
+          compute stream right before the replay
+The copies write device buffers that the graph does not read: what is timed is their place in the streams and
+the events ordering them, as in the engine, not a data dependency (which would not change the device's timing).
 Per mode: the mean replay device time, the mean device time between replays, and the per-iteration wall time.
 
 python3 benchmarks/replay_gap.py [--kernels 200] [--copy-kb 32 512 2048] [--iters 100] [--output-json F]
@@ -35,7 +37,7 @@ import torch
 
 def build_graph(n_kernels: int, rows: int = 16):
     """A graph of n_kernels matmuls [rows, 4096] @ [4096, 4096]^T over a pool of 16 weights (512 MB: not L2
-    resident), starting from `inp` (the copied input: its first row is added in), -> (graph, inp, out)."""
+    resident), starting from x + inp (a static input), -> (graph, inp, out [rows, 1] int64: the "tokens")."""
     dev = torch.device("cuda")
     pool = [torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(16)]
     inp = torch.zeros(rows, 4096, device=dev, dtype=torch.bfloat16)

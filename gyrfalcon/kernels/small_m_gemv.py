@@ -689,7 +689,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     if sumsq:
         ss_buf = torch.empty(n_tiles, block_m, dtype=torch.float32, device=x.device)
     elif silu_x is not None:
-        ss_buf, ss_width, eps = silu_x
+        ss_buf, ss_width, eps = silu_x  # (no norm_weight on this path: eps is the folded post-attention norm's)
         assert ss_buf.dtype == torch.float32 and ss_buf.dim() == 2 and ss_buf.shape[1] == block_m, \
             "silu_x's partials come from a sumsq launch of as many rows"
         n_ss, block_p = ss_buf.shape[0], next_pow2(ss_buf.shape[0])
