@@ -209,7 +209,7 @@ if has tests; then
   done
   # The model tests (~9 s each, 17 per checkpoint) outgrew one 300 s step in run 38: one step per checkpoint
   for ck in ${TEST_CKPTS-llama qwen}; do
-    step gpu_test_model_gpu_$ck 250 python3 -m pytest -q tests/gpu/test_model_gpu.py -k $ck -p no:cacheprovider \
+    step gpu_test_model_gpu_$ck 330 python3 -m pytest -q tests/gpu/test_model_gpu.py -k $ck -p no:cacheprovider \
       --durations=8
   done
   [ -n "${CUBLAS_TESTS:-}" ] && step gpu_tests_cublas 120 env GYRFALCON_SMALL_M_GEMV=0 python3 -m pytest -q tests/gpu/test_model_gpu.py \
@@ -374,6 +374,10 @@ if has siludown; then  # the SiLU launch folded into down_proj at 2-16 rows (com
   ckpt q06
   lat q06 16 sdown_a_dflt
   lat q06 16 sdown_b_sd GYRFALCON_SILU_INTO_DOWN=1
+fi
+if has silubench; then  # run 107 lost 5x with GYRFALCON_SILU_INTO_DOWN=1 (21.3 against 4.3 ms a Llama-8B b16 step):
+  # its launches one by one against the unfused chain's, and the silu_x launch at other shapes
+  step silu_bench 200 python3 benchmarks/silu_into_down.py --output-json "$R/silu_into_down.json"
 fi
 if has widerows2; then  # run 94's +0.3% at b64 (down_proj of 17-64 rows on the GEMV kernel), once more on another card
   ckpt l8
