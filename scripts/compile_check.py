@@ -278,18 +278,6 @@ def cases(mods):
         wide = {"GYRFALCON_GEMV_WIDE_ROWS_SHAPES": f"{hid}x{inter}=32,256,4,4"}
         out += [(f"{name} down GEMM M={rows} wide-rows shape, residual add",
                  gemv(rows, hid, inter, env=wide, pdl=False, add=True)) for rows in (64, 24)]
-        # GYRFALCON_SILU_INTO_DOWN: o_proj with its rows' sums of squares, down_proj building SiLU-and-mul inputs from
-        # gate_up's output (partials of o_proj's 16-row launch shape)
-        def silu_down(M_):
-            def run():
-                o_tiles = -(-hid // G.default_config(M_, hid, H * D).block_n)
-                parts = torch.zeros(o_tiles, 16, dtype=torch.float32)
-                return G.norm_gemv_triton(torch.zeros(M_, 2 * inter, dtype=bf), torch.zeros(hid, inter, dtype=bf),
-                                          add_to=torch.zeros(M_, hid, dtype=bf), silu_x=(parts, hid, 1e-6))
-            return run
-        out += [(f"{name} o_proj GEMM M=16 residual add + sums of squares",
-                 gemv(16, hid, H * D, pdl=False, add=True, sumsq=True)),
-                (f"{name} down GEMM M=16 SiLU-and-mul input, residual add", silu_down(16))]
         SK = mods["skinny_gemm"]
 
         def skinny(M_, N, K, add=False):

@@ -37,8 +37,6 @@
 #                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
 #   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
-#   siludown     GYRFALCON_SILU_INTO_DOWN (SiLU-and-mul folded into the 2-16-row down_proj GEMV, rstd from o_proj's
-#                sums of squares): its GPU tests, Llama-8B b16 ABBA (+ BLOCK_K 256 for the down launch), Qwen3-0.6B b16 AB
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
 #   splits3      the main b16 graph at 3 splits instead of 4 (GYRFALCON_DECODE_SPLITS=16:3), Llama-8B b16 at 2,048-token
@@ -360,24 +358,6 @@ if has widerows; then  # Llama-8B's down_proj of 17-64 rows on the GEMV kernel a
   for run in a_dflt b_down c_down d_dflt; do
     if [ "${run#*_}" = down ]; then lat l8 64 wrows_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=$W64; else lat l8 64 wrows_$run; fi
   done
-fi
-if has siludown; then  # the SiLU launch folded into down_proj at 2-16 rows (compile_check: 192 KB, 255 registers
-  # against the plain launch's 144 KB / 124: does the input tile's SiLU stall the GEMV's stream?)
-  step gpu_siludown_tests 240 python3 -m pytest -q tests/gpu/test_small_m_gemv_gpu.py tests/gpu/test_model_gpu.py \
-    -k "silu_into_down or silu-down" -p no:cacheprovider
-  ckpt l8
-  for run in a_dflt b_sd c_sd d_dflt; do
-    if [ "${run#*_}" = sd ]; then lat l8 16 sdown_$run GYRFALCON_SILU_INTO_DOWN=1; else lat l8 16 sdown_$run; fi
-  done
-  lat l8 16 sdown_e_sd256 GYRFALCON_SILU_INTO_DOWN=1 \
-    "GYRFALCON_GEMV_ROWS_SHAPES=4096x14336=32,256,4,4;6144x4096=64,128,4,6;4096x4096=32,512,4,4"
-  ckpt q06
-  lat q06 16 sdown_a_dflt
-  lat q06 16 sdown_b_sd GYRFALCON_SILU_INTO_DOWN=1
-fi
-if has silubench; then  # run 107 lost 5x with GYRFALCON_SILU_INTO_DOWN=1 (21.3 against 4.3 ms a Llama-8B b16 step):
-  # its launches one by one against the unfused chain's, and the silu_x launch at other shapes
-  step silu_bench 200 python3 benchmarks/silu_into_down.py --output-json "$R/silu_into_down.json"
 fi
 if has widerows2; then  # run 94's +0.3% at b64 (down_proj of 17-64 rows on the GEMV kernel), once more on another card
   ckpt l8

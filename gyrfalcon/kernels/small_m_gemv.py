@@ -110,16 +110,6 @@ def one_pass_norm_b1(K: int, block_k: int) -> bool:
     return env == "1"
 
 
-def silu_into_down_enabled() -> bool:
-    """GYRFALCON_SILU_INTO_DOWN=1 (off by default; not yet measured on a GPU): with folded norms, a batch of 2..16
-    rows whose o_proj and down_proj both run on this kernel skips the SiLU-and-mul launch. o_proj's launch also
-    writes each row's sum of squares of the new residual over its column tile (sumsq), and down_proj's builds its
-    input tiles as silu(g * rstd) * (u * rstd) straight from gate_up's output (silu_x): the post-attention norm's
-    rstd comes from those partials instead of a pass over the residual. Costs: every down_proj program reads
-    gate and up (2x the activation bytes from L2) and evaluates the SiLU of the whole [M, K] input."""
-    return os.environ.get("GYRFALCON_SILU_INTO_DOWN", "0") == "1"
-
-
 def split_k_default() -> int:
     """GYRFALCON_GEMV_SPLIT_K (default 1: no split) for launches of more than 16 rows (an experiment; up to 16 rows
     a shape's split comes with its launch shape, rows_shape_overrides)."""
@@ -280,7 +270,7 @@ def linear_gemv_rows(n: int, k: int, merged: bool) -> int:
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: int = 2,
-                   whole_row: bool = False, max_shared: int = H200_MAX_SHARED, x_tiles: int = 1) -> GemvConfig:
+                   whole_row: bool = False, max_shared: int = H200_MAX_SHARED) -> GemvConfig:
     """A launch shape from the problem shape only (CUDA-graph safe: no autotuning at capture).
 
     A GEMV at batch 1 is a stream over the weight: many narrow programs (8 rows each: 128-1024
@@ -298,7 +288,6 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
 
     max_shared: the device's bytes of shared memory a program may use (_common.max_shared_mem); the stages and
     BLOCK_K tuned on the H200 are cut to fit a smaller card (the budgets below stay 7 KB under it).
-    x_tiles: input tiles a step loads (2 for silu_x: gate and up), all counted against the budget.
     """
     override = (rows_shape_overrides().get((N, K)) if 1 < M <= PLAIN_MAX_ROWS
                 else wide_rows_shape_overrides().get((N, K)) if PLAIN_MAX_ROWS < M <= MAX_M else None)
@@ -327,8 +316,8 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_size: in
         bk, nw, ns = min(256, max(16, next_pow2(K))), 4, (3 if silu_mul else 4)
     budget = min(budget, max_shared - 7 * 1024)
     tile_bytes = max(bn, 16 if M > 1 else bn) * bk * elem_size * (2 if silu_mul else 1)
-    if M > 16 or override is not None or x_tiles > 1:  # the input tiles [BLOCK_M, BLOCK_K] too (as the --wide sweep
-        tile_bytes += x_tiles * max(16, next_pow2(M)) * bk * elem_size  # counts them)
+    if M > 16 or override is not None:  # the input tile [BLOCK_M, BLOCK_K] too (as the --wide sweep counts it)
+        tile_bytes += max(16, next_pow2(M)) * bk * elem_size
     while ns > 1 and tile_bytes * ns > budget:
         ns -= 1
     while bk > 64 and tile_bytes * ns > budget:
@@ -411,17 +400,6 @@ if HAS_TRITON:
         return acc * r[:, None], acc_up * r[:, None]
 
     @triton.jit
-    def _silu_x_tile(x_ptr, rows, rmask, kk, kmask, stride_x, K, rs, OUT_DTYPE: tl.constexpr):
-        """SILU_X's input tile [BLOCK_M, BLOCK_K]: silu(g * rs) * (u * rs) of the gate and up halves of x [M, 2K]
-        (gate_up's output before the folded post-attention norm's row scale rs [BLOCK_M]), in fp32 and rounded
-        once to the weight dtype, as kernels/activation.py's scaled kernel stores its output."""
-        m2 = rmask[:, None] & kmask[None, :]
-        base = x_ptr + rows[:, None] * stride_x + kk[None, :]
-        g = tl.load(base, mask=m2, other=0.0).to(tl.float32) * rs[:, None]
-        u = tl.load(base + K, mask=m2, other=0.0).to(tl.float32) * rs[:, None]
-        return (g / (1.0 + tl.exp(-g)) * u).to(OUT_DTYPE)
-
-    @triton.jit
     def _gemv_acc(acc, xk, w, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += xk [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T."""
         if BLOCK_M == 1:
@@ -434,11 +412,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL: tl.constexpr,
-                       ADD_OUT: tl.constexpr = False, SS_OUT: tl.constexpr = False, ss_row_ptr=None):
+                       ADD_OUT: tl.constexpr = False):
         """[SiLU-and-mul of the gate and up accumulators, then] the store of y. ADD_OUT: y already holds a
         residual; the result is added to it (in fp32, rounded once) in place, as cuBLAS's beta = 1 does. Each
-        program reads and writes only its own tile, so in place is safe. SS_OUT: the sums of squares of the
-        stored (rounded) rows over this tile's columns go to ss_row_ptr[0..BLOCK_M) (silu_into_down)."""
+        program reads and writes only its own tile, so in place is safe."""
         if SILU_MUL:
             # Round to the activation dtype first, as the unfused path stores gate_up before the act.
             g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -448,11 +425,7 @@ if HAS_TRITON:
         omask = rmask[:, None] & cmask[None, :]
         if ADD_OUT:
             acc += tl.load(ptrs, mask=omask, other=0.0).to(tl.float32)
-        yv = acc.to(y_ptr.dtype.element_ty)
-        tl.store(ptrs, yv, mask=omask)
-        if SS_OUT:
-            yf = tl.where(omask, yv.to(tl.float32), 0.0)
-            tl.store(ss_row_ptr + rows, tl.sum(yf * yf, axis=1))
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _norm_gemv_kernel(
@@ -465,13 +438,8 @@ if HAS_TRITON:
         MERGE_X: tl.constexpr = False, HEAD_D: tl.constexpr = 1, BLOCK_DV: tl.constexpr = 1,
         ATT_BLOCK_N: tl.constexpr = 1, MIN_PART: tl.constexpr = 1, PEEL: tl.constexpr = False,
         BLOCK_S: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
-        ADD_OUT: tl.constexpr = False, ss_ptr=None, n_ss=1, ss_width=1, SS_OUT: tl.constexpr = False,
-        SILU_X: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
+        ADD_OUT: tl.constexpr = False,
     ):
-        # SS_OUT / SILU_X (silu_into_down): o_proj's launch writes each row's sum of squares over its column tile
-        # to ss_ptr [n_tiles, BLOCK_M]; down_proj's launch (SILU_X) sums those n_ss partials to the rows' rstd over
-        # ss_width (the hidden size) and builds its input tiles as SiLU-and-mul of x = gate_up [M, 2K], so that the
-        # SiLU kernel and the rstd's pass over the residual go.
         # MERGE_X (one row): the input is not x but decode attention's per-split partials (merged_heads_gemv),
         # so the attention's reduce launch is folded into o_proj.
         # Grid: (cdiv(N, BLOCK_N), SPLIT_K). Each program owns BLOCK_N output columns (and, with SILU_MUL,
@@ -517,10 +485,6 @@ if HAS_TRITON:
             gdc_launch_dependents()
             gdc_wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-        if SILU_X:
-            pp = tl.arange(0, BLOCK_P)
-            part = tl.load(ss_ptr + pp[:, None] * BLOCK_M + rows[None, :], mask=(pp < n_ss)[:, None], other=0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(part, axis=0) / ss_width + eps)
         # ONE_PASS (set only with HAS_NORM): no pass 1. RMSNorm scales each row by one number, so the loop
         # below runs on x * norm_weight, sums the squares of the x tiles it loads anyway, and scales the
         # accumulators by rstd at the end: the norm costs no extra trip over K (pass 1 is a chain of K / BLOCK_K loads
@@ -547,8 +511,6 @@ if HAS_TRITON:
                 xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw0, rows, rmask, ks, kmask0, stride_x,
                                                 stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
                 ss1 += ssk
-            elif SILU_X:
-                xk = _silu_x_tile(x_ptr, rows, rmask, ks, kmask0, stride_x, K, rstd, w_ptr.dtype.element_ty)
             else:
                 xk = _gemv_x_tile(x_ptr, r_ptr, nw0, rows, rmask, ks, kmask0, stride_x, stride_r, rstd,
                                   pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES, w_ptr.dtype.element_ty,
@@ -566,8 +528,6 @@ if HAS_TRITON:
                 xk, ssk = _gemv_x_tile_one_pass(x_ptr, r_ptr, r_out_ptr, nw, rows, rmask, kk, kmask, stride_x,
                                                 stride_r, stride_ro, pid == 0, HAS_RES, w_ptr.dtype.element_ty)
                 ss1 += ssk
-            elif SILU_X:
-                xk = _silu_x_tile(x_ptr, rows, rmask, kk, kmask, stride_x, K, rstd, w_ptr.dtype.element_ty)
             else:
                 xk = _gemv_x_tile(x_ptr, r_ptr, nw, rows, rmask, kk, kmask, stride_x, stride_r, rstd,
                                   pacc_ptr, pml_ptr, n_active, num_splits, HAS_NORM, HAS_RES,
@@ -609,13 +569,11 @@ if HAS_TRITON:
                         ss_all += tl.load(ss_base + sk * BLOCK_M + rows, cache_modifier=".cg")
                 if ONE_PASS:
                     acc, acc_up = _apply_rstd(acc, acc_up, ss_all, K, eps)
-                _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT,
-                               SS_OUT, ss_ptr + pid * BLOCK_M)
+                _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT)
         else:
             if ONE_PASS:
                 acc, acc_up = _apply_rstd(acc, acc_up, ss1, K, eps)
-            _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT,
-                           SS_OUT, ss_ptr + pid * BLOCK_M)
+            _gemv_epilogue(acc, acc_up, y_ptr, rows, rmask, cols, cmask, stride_y, SILU_MUL, ADD_OUT)
 
 
 def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
@@ -625,8 +583,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
                      pdl: Optional[bool] = None,
                      peel: Optional[bool] = None,
                      one_pass: Optional[bool] = None,
-                     add_to: Optional[torch.Tensor] = None, sumsq: bool = False,
-                     silu_x: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     add_to: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as norm_gemv_ref, for x with at most MAX_M rows; no host sync. add_to [M, N] (no norm,
     no SiLU-and-mul): y is added to it in place and add_to returned as y (a residual add done by the GEMM,
     for folded norms: GYRFALCON_FOLD_NORMS). config (or
@@ -634,21 +591,10 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     programmatic dependent launch (default: use_pdl(x)). peel (default: pdl, unless GYRFALCON_GEMV_PEEL=0):
     load the first weight and norm-weight tiles before the input (before the PDL wait). one_pass (default:
     one_pass_norm_default() for 2+ rows with a norm, one_pass_norm_b1() for one): the row scale of the norm
-    applied after the loop instead of a first pass over the input (the kernel's ONE_PASS).
-
-    silu_into_down (plain launches, no norm; see silu_into_down_enabled): sumsq=True returns (y, partials) instead,
-    partials [n_tiles, BLOCK_M] fp32 holding each row's sum of squares of y over each column tile (o_proj's, its
-    residual add included); silu_x=(partials, hidden, eps) makes x the gate_up output [M, 2K] and the input
-    silu(g * rstd) * (u * rstd), rstd = 1 / sqrt(sum(partials) / hidden + eps) per row (down_proj's)."""
+    applied after the loop instead of a first pass over the input (the kernel's ONE_PASS)."""
     M, K = x.shape
-    if silu_x is not None:
-        K = K // 2  # x = [gate | up]
-        if norm_weight is not None or silu_mul or M < 2:
-            raise ValueError("silu_x is for a plain launch of 2+ rows (down_proj after folded norms)")
     assert M <= MAX_M, f"norm_gemv handles at most {MAX_M} rows, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K
-    if sumsq and (norm_weight is not None or silu_mul or M < 2):
-        raise ValueError("sumsq is for a plain launch of 2+ rows (o_proj after folded norms)")
     if residual is not None and norm_weight is None:
         raise ValueError("a residual is added before the norm: pass norm_weight too")
     N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
@@ -665,7 +611,7 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
     pdl = use_pdl(x) if pdl is None else pdl
     peel = pdl and peel_default() if peel is None else peel
     cfg = config or default_config(M, N, K, silu_mul, weight.element_size(), whole_row=peel,
-                                   max_shared=max_shared_mem(x.device), x_tiles=2 if silu_x is not None else 1)
+                                   max_shared=max_shared_mem(x.device))
     cfg = cfg._replace(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k)
     block_m = 1 if M == 1 else max(16, next_pow2(M))
     bn = cfg.block_n if block_m == 1 else max(16, cfg.block_n)
@@ -685,14 +631,6 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         ws = torch.empty(split_k * block_m * n_tiles * bn * (2 if silu_mul else 1)
                          + (n_tiles * split_k * block_m if one_pass else 0), dtype=torch.float32, device=x.device)
         cnt = _split_counters(x.device, n_tiles)
-    ss_buf, n_ss, ss_width, block_p = dummy, 1, 1, 1
-    if sumsq:
-        ss_buf = torch.empty(n_tiles, block_m, dtype=torch.float32, device=x.device)
-    elif silu_x is not None:
-        ss_buf, ss_width, eps = silu_x  # (no norm_weight on this path: eps is the folded post-attention norm's)
-        assert ss_buf.dtype == torch.float32 and ss_buf.dim() == 2 and ss_buf.shape[1] == block_m, \
-            "silu_x's partials come from a sumsq launch of as many rows"
-        n_ss, block_p = ss_buf.shape[0], next_pow2(ss_buf.shape[0])
     _norm_gemv_kernel[(n_tiles, split_k)](
         x, residual if residual is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, y, r_out if r_out is not None else dummy,
@@ -704,11 +642,10 @@ def norm_gemv_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optiona
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_BLOCK=min(next_pow2(K), 8192) if block_m == 1 else bk, USE_PDL=pdl,
         PEEL=peel, SPLIT_K=split_k, ONE_PASS=bool(one_pass), ADD_OUT=add_to is not None,
-        ss_ptr=ss_buf, n_ss=n_ss, ss_width=ss_width, SS_OUT=sumsq, SILU_X=silu_x is not None, BLOCK_P=block_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_kwargs(pdl),
     )
-    return (y, ss_buf) if sumsq else (y, r_out)
+    return y, r_out
 
 
 _SPLIT_COUNTERS: dict = {}
@@ -766,8 +703,7 @@ def merged_heads_gemv_triton(parts, weight: torch.Tensor, config: Optional[GemvC
         PEEL=pdl and peel_default() if peel is None else peel,
         MERGE_X=True, HEAD_D=parts.head_dim, BLOCK_DV=parts.pacc.shape[-1], BLOCK_S=next_pow2(parts.num_splits),
         ATT_BLOCK_N=parts.block_n,
-        MIN_PART=parts.min_part, ss_ptr=y, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch_kwargs(pdl),
+        MIN_PART=parts.min_part, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl),
     )
     return y
 

@@ -38,23 +38,12 @@ class Linear(nn.Module):
         # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
         self.skinny_rows = skinny_gemm_rows() if not bias else 0
 
-    def gemv_route(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs gyrfalcon's GEMV kernel (kernels/small_m_gemv.py) rather than a GEMM."""
-        return self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 \
-            and use_triton(x)
-
-    def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None, sumsq: bool = False,
-                silu_x: Optional[tuple] = None):
+    def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
-        beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS). sumsq / silu_x (GEMV route only,
-        small_m_gemv.silu_into_down_enabled): returns (y, partial sums of squares of y's rows) / x is gate_up's
-        output [num_tokens, 2 * in_features] and the input is its row-scaled SiLU-and-mul."""
-        if self.gemv_route(x):
-            y, extra = norm_gemv_triton(x, self.weight, add_to=add_to, sumsq=sumsq, silu_x=silu_x)
-            return (y, extra) if sumsq else y
-        if sumsq or silu_x is not None:
-            raise RuntimeError("sumsq / silu_x run on the GEMV kernel only: check gemv_route first")
+        beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS)."""
+        if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
+            return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
         if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return skinny_gemm_triton(x, self.weight, add_to=add_to)
         if add_to is None:

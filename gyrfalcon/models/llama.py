@@ -14,8 +14,7 @@ from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep
 from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
-from gyrfalcon.kernels.small_m_gemv import (merged_heads_gemv_triton, norm_gemv, norm_gemv_rows,
-                                            silu_into_down_enabled)
+from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton, norm_gemv, norm_gemv_rows
 from gyrfalcon.kernels._common import use_triton
 from gyrfalcon.layers.attention import Attention, decode_prep_fusion_enabled, fusion_enabled, small_m_gemv_enabled
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
@@ -61,12 +60,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: Optional[torch.Tensor],
                 qkv: Optional[torch.Tensor] = None, row_scale=None,
-                add_to: Optional[torch.Tensor] = None, sumsq: bool = False):
+                add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """positions: [T]; x: [T, hidden] -> [T, hidden]. qkv: the projection already computed
         (by a fused norm + GEMV), in which case x is not used. Folded norms (LlamaDecoderLayer.forward_folded):
         row_scale = (residual stream [T, hidden], eps) scales each qkv row by its rstd, and o_proj adds its
-        output into add_to (the residual stream) in place and returns it; sumsq: o_proj returns (add_to, its rows'
-        partial sums of squares) (LlamaDecoderLayer.silu_into_down)."""
+        output into add_to (the residual stream) in place and returns it."""
         if qkv is None:
             qkv = self.qkv_proj(x)
         if self.fused:
@@ -83,7 +81,7 @@ class LlamaAttention(nn.Module):
                                                        row_scale=row_scale)
                     return merged_heads_gemv_triton(parts, self.o_proj.weight)
                 return self.o_proj(self.attn.decode_with_prep(qkv, positions, rot, *norms, row_scale=row_scale),
-                                   add_to=add_to, sumsq=sumsq)
+                                   add_to=add_to)
             # One launch: q/k norm + RoPE + K/V written into the paged cache.
             k_cache, v_cache = self.attn.kv_cache()
             q = qkv_prep(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rot.cos_sin_cache,
@@ -91,9 +89,7 @@ class LlamaAttention(nn.Module):
                          self.q_norm.weight if self.use_qk_norm else None,
                          self.k_norm.weight if self.use_qk_norm else None,
                          self.q_norm.eps if self.use_qk_norm else 1e-6, row_scale=row_scale)
-            return self.o_proj(self.attn(q), add_to=add_to, sumsq=sumsq)
-        if sumsq:
-            raise RuntimeError("sumsq needs the fused attention path")
+            return self.o_proj(self.attn(q), add_to=add_to)
         if row_scale is not None:
             qkv = apply_row_scale_ref(qkv, row_scale)
         q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
@@ -137,7 +133,6 @@ class LlamaDecoderLayer(nn.Module):
         # Rows up to which each norm folds into the GEMV after it (single rows unless
         # GYRFALCON_NORM_GEMV_ROWS / GYRFALCON_NORM_GEMV_GATE_UP_ROWS raise them).
         self.norm_rows_qkv, self.norm_rows_gate_up = norm_gemv_rows()
-        self.silu_down = silu_into_down_enabled() and self.small_m_gemv and self.self_attn.fused
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -164,20 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         decode attention) and SiLU-and-mul scale their rows by rstd(x)."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = self.self_attn.qkv_proj(x)
-        if self.silu_into_down(x):
-            # o_proj's launch also sums the new residual rows' squares; down_proj's builds its input from gate_up's
-            # output with the rstd from those sums (small_m_gemv.silu_into_down_enabled): no SiLU launch.
-            _, parts = self.self_attn(positions, None, qkv=qkv, row_scale=(x, ln1.eps), add_to=x, sumsq=True)
-            return self.mlp.down_proj(self.mlp.gate_up_proj(x), add_to=x, silu_x=(parts, x.shape[1], ln2.eps))
         self.self_attn(positions, None, qkv=qkv, row_scale=(x, ln1.eps), add_to=x)
         act = self.mlp.act(self.mlp.gate_up_proj(x), row_scale=(x, ln2.eps))
         return self.mlp.down_proj(act, add_to=x)
-
-    def silu_into_down(self, x: torch.Tensor) -> bool:
-        """Whether forward_folded takes the SiLU-into-down_proj path for x [T, hidden]: switched on, 2+ rows, and
-        both o_proj and down_proj on the GEMV kernel for T rows (whose launches pass the partial sums)."""
-        return (self.silu_down and x.shape[0] >= 2 and self.self_attn.o_proj.gemv_route(x)
-                and self.mlp.down_proj.gemv_route(x))
 
     def _forward_small_m(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:

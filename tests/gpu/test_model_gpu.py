@@ -69,7 +69,7 @@ def ckpt(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
                                   "merge-o-proj", "cublas-rows", "merge-in-kernel",
                                   "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
-                                  "one-pass-b1", "gemv-rows", "wide-rows", "pdl-plain", "silu-down"])
+                                  "one-pass-b1", "gemv-rows", "wide-rows", "pdl-plain"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
@@ -101,9 +101,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     Llama-3.1-8B's down_proj and o_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; down_proj
     alone by default, at another launch shape), exercised by prefill chunks of <= 64 tokens (max_num_batched_tokens=64); pdl-plain: the batched graphs
     of up to 8 rows under PDL with the plain kernels (GYRFALCON_PDL_ROWS=8, GYRFALCON_PDL=1, no attention prefetch
-    and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0, GYRFALCON_GEMV_PEEL=0); silu-down: batches of 2-16 rows skip
-    the SiLU launch, down_proj's GEMV building its input from gate_up's output with the rstd summed by o_proj's
-    (GYRFALCON_SILU_INTO_DOWN=1)."""
+    and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0, GYRFALCON_GEMV_PEEL=0)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
@@ -124,7 +122,6 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
     else:  # the default: one pass where one tile spans a row of <= 1024 inputs
         monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    monkeypatch.setenv("GYRFALCON_SILU_INTO_DOWN", "1" if mode == "silu-down" else "0")
     monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
     monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
