@@ -3,9 +3,9 @@
 The throughput row (768 prompts x 1024 in / 1024 out, Llama-3.1-8B) spends most of its time in decode steps of
 ~384 sequences at ~1.5k tokens of context, whose layers run decode attention (memory-bound: the K/V reads, ~18.5
 ms a step at 4.15 TB/s) and then the GEMMs (compute-bound at 384 rows: ~9.6 ms a step at the 558 TFLOP/s cuBLAS
-reaches there) one after another; README: ~10,530 tok/s at best that way, where the row asks 11,000. Split into
-two halves on two CUDA streams (NanoFlow's nano-batches), one half's attention could run while the other half's
-GEMMs do, if the GPU runs the two kernels at once. This probe times one decoder layer's decode kernels at
+reaches there) one after another; docs/performance.md: ~10,530 tok/s at best that way, where the row asks 11,000.
+Split into two halves on two CUDA streams (NanoFlow's nano-batches), one half's attention could run while the other
+half's GEMMs do, if the GPU runs the two kernels at once. This probe times one decoder layer's decode kernels at
 Llama-3.1-8B's shapes over `--layers` layers of distinct weights and caches (nothing stays in L2), each schedule
 captured in one CUDA graph:
 

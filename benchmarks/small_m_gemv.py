@@ -608,8 +608,8 @@ def bench_gemv_chain_sweep(rows, rounds: int = 2):
     """QwenB1Chain (distinct weights, PDL on, as the Qwen3-0.6B batch-1 graph runs) with one of its four GEMVs at
     another launch shape (chain_gemv_configs: 15 a GEMV), each against the all-default chain in the same rounds of
     alternating order. The default shapes come from sweeps of each GEMV alone (small_m_gemv_sweep-*.json: throughput of one
-    launch); in the chain what counts is the work after each PDL wait (README: one-pass norm, run 74), which
-    fewer rows a program or fewer warps (a narrower block-wide sum) may shorten."""
+    launch); in the chain what counts is the work after each PDL wait (docs/performance.md: one-pass norm, run 74),
+    which fewer rows a program or fewer warps (a narrower block-wide sum) may shorten."""
     c = QwenB1Chain()
     dims = chain_gemv_dims(c)
     variants = {("default", 0, 0): None, **chain_gemv_configs(c)}

@@ -99,7 +99,8 @@ def one_pass_norm_b1(K: int, block_k: int) -> bool:
     covers a row of up to ONE_PASS_B1_MAX_K inputs), "1" (always), "0" (never). With the row in one tile the
     row's sum of squares and its dot with the weight (already in registers under PDL) then reduce side by side
     after the wait instead of one after the other: one block-wide reduction fewer on the path after each wait of
-    the batch-1 chain (README). H200, run 74, same call ABAB (latency_*_b1_op_*-h200-2026-12-02-run74.json):
+    the batch-1 chain (docs/performance.md). H200, run 74, same call ABAB
+    (latency_*_b1_op_*-h200-2026-12-02-run74.json):
     Qwen3-0.6B batch 1 (qkv, gate_up: K 1024) 0.687 / 0.685 ms a step against 0.699 / 0.699 without. It lost on
     Llama-3.1-8B (K 4096, its qkv launch at 205 registers a thread): batch 1 4.366 against 4.225 ms (its graph
     without PDL, four 1024-wide tiles), and the PDL graph timed at startup 4.348 against 4.284 (one whole-row
