@@ -36,6 +36,7 @@
 #   gap          the device time between decode-graph replays: benchmarks/replay_gap.py (a synthetic graph, the input copy
 #                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
+#   latrows      rows' latency half alone: Qwen3-0.6B b1, Llama-8B b1 / b16 / b64 (no throughput runs)
 #   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
@@ -295,6 +296,12 @@ if has rows; then  # the rows at one commit, with gpu_power in each JSON
   step tput_l8_row 150 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_row.json"
   step tput_l8_fp8_row 150 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_row.json"
+fi
+if has latrows; then  # rows' latency half alone (no throughput runs): fits what is left of a session's device time
+  ckpt q06
+  lat q06 1 row
+  ckpt l8
+  for b in 1 16 64; do lat l8 $b row; done
 fi
 if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
   ckpt l8
