@@ -5,7 +5,7 @@ and the next one's start at Llama-3.1-8B batch 1, 16 and 64 alike. Between two r
 tokens to pinned host memory, and the next step's inputs to the device on a side stream that waits for the replay to
 finish reading them (cuda_graph.side_stream_copies). This measures what those copies cost alone. Run 105: 7-15 us
 (32 KB-2 MB of inputs, every mode below) against 1 us back to back; the ~0.26 ms was the LM head and argmax, which
-run after the graph (README, runs 104-105).
+run after the graph (docs/performance.md, runs 104-105).
 
 Here a synthetic graph (a chain of --kernels GEMV-sized matmuls over a weight pool larger than L2, ~3-4 ms) is
 replayed --iters times in each mode, events around each replay, the host paced as the engine's async scheduling

@@ -288,10 +288,8 @@ def run_gyrfalcon(args) -> dict:
             torch.cuda.synchronize()
         t = time.perf_counter()
         gen = lambda: llm.generate(inputs, sp, use_tqdm=False)  # noqa: E731
-        if watch and events is not None:
-            outs = clock.watch(lambda: events.watch(gen))
-        else:
-            outs = clock.watch(gen) if watch else gen()
+        watched = gen if events is None else (lambda: events.watch(gen))
+        outs = clock.watch(watched) if watch else gen()
         if cuda:
             torch.cuda.synchronize()
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)

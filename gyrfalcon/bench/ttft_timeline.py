@@ -71,7 +71,7 @@ def summarize_timeline(ranges: Iterable[Event], device: Iterable[Event],
                                  for n, us in sorted(before.items(), key=lambda kv: -kv[1])[:top]]
     slow = [(n, s, e) for n, s, e, _ in host_ops if n.startswith("cuda") and e - s > SLOW_RUNTIME_US]
     out["slow_runtime_calls"] = [[n[:60], ms(s), round((e - s) / 1e3, 3)]
-                                 for n, s, e in sorted(slow, key=lambda x: x[1] - x[2])[:top]]  # longest first (start - end)
+                                 for n, s, e in sorted(slow, key=lambda x: x[2] - x[1], reverse=True)[:top]]
     return out
 
 

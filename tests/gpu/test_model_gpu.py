@@ -99,9 +99,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
     through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; wide-rows:
     Llama-3.1-8B's down_proj and o_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; down_proj
-    alone by default, at another launch shape), exercised by prefill chunks of <= 64 tokens (max_num_batched_tokens=64); pdl-plain: the batched graphs
-    of up to 8 rows under PDL with the plain kernels (GYRFALCON_PDL_ROWS=8, GYRFALCON_PDL=1, no attention prefetch
-    and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0, GYRFALCON_GEMV_PEEL=0)."""
+    alone by default, at another launch shape), exercised by prefill chunks of <= 64 tokens
+    (max_num_batched_tokens=64); pdl-plain: the batched graphs of up to 8 rows under PDL with the plain kernels
+    (GYRFALCON_PDL_ROWS=8, GYRFALCON_PDL=1, no attention prefetch and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0,
+    GYRFALCON_GEMV_PEEL=0)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
     one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
