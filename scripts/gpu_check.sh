@@ -37,6 +37,8 @@
 #                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
 #   latrows      rows' latency half alone: Qwen3-0.6B b1, Llama-8B b1 / b16 / b64 (no throughput runs)
+#   floors       Llama-8B b16 / b64 at 128 in / 256 out, the throughput row (bf16 and fp8 cache) with its serial floor,
+#                then b64 / b16 at 128 / 128
 #   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
 #   midtile2     the same with one-tile splits (default_min_part's mid_tile): GPU tests, the launch ABAB at 320-600
 #                tokens, Llama-8B b16 at 512 / 2,048-token prompts, Qwen3-0.6B b16 at 1,024
@@ -302,6 +304,15 @@ if has latrows; then  # rows' latency half alone (no throughput runs): fits what
   lat q06 1 row
   ckpt l8
   for b in 1 16 64; do lat l8 $b row; done
+fi
+if has floors; then  # the rows against their floors: b16 / b64 at 256 new tokens too, the throughput row's serial floor
+  ckpt l8
+  for b in 16 64; do lat l8 $b out256 --output-len=256; done
+  tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+  step tput_l8_floor 150 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_floor.json"
+  step tput_l8_fp8_floor 150 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
+    --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_floor.json"
+  for b in 64 16; do lat l8 $b row; done
 fi
 if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
   ckpt l8

@@ -19,6 +19,18 @@ def test_bench_latency_cpu_writes_json(qwen3_ckpt, tmp_path, capsys):
     g = json.loads(out.read_text())["results"]["gyrfalcon"]
     assert g["decode_step_ms"] > 0 and g["ttft_ms"] > 0 and g["output_tok_s"] > 0
     assert g["e2e_s"] * 1e3 > g["ttft_ms"]
+    # The read roofline leaves out the untied embedding table (only its batch's rows are gathered a step).
+    from safetensors import safe_open
+    with safe_open(str(qwen3_ckpt / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys()  # untied: the LM head is a weight of its own
+        numel = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    numel = {k: int(torch.Size(v).numel()) for k, v in numel.items()}
+    elem = g["weight_bytes"] // sum(numel.values())  # the engine's weight dtype
+    assert g["weight_bytes"] == elem * sum(numel.values())
+    assert g["read_weight_bytes"] == g["weight_bytes"] - elem * numel["model.embed_tokens.weight"]
+    assert g["roofline_read_fraction"] == pytest.approx(
+        g["roofline_fraction"] * (g["read_weight_bytes"] + g["kv_bytes_per_step"])
+        / (g["weight_bytes"] + g["kv_bytes_per_step"]))
     # The startup's phases (a CPU runner has no device init and no graphs) add up to the measured startup.
     ph = g["startup_phases"]
     assert list(ph) == ["load", "kv_sizing", "kv_alloc", "other"] and min(ph.values()) >= 0

@@ -23,6 +23,29 @@ def test_step_floor_arithmetic():
     assert f.report(2 * f.floor_s)["roofline_fraction"] == pytest.approx(0.5)
 
 
+def test_step_floor_serial():
+    """The serial floor: a step's GEMMs (the LM head for each sampling row) then its attention, each at the larger
+    of its bytes and its FLOPs at the machine's matmul rate."""
+    from gyrfalcon.bench.common import HBM_BYTES_PER_S, MATMUL_FLOP_PER_S, StepFloor
+
+    f = StepFloor(step_weight_bytes=8e9, kv_bytes_per_token=1e6, layer_params=4e9, attn_flops_per_pair=1e6,
+                  head_params=5e8)
+    # A decode row at context 1,000 and a chunk of 2,000 prompt tokens that leaves the rest for later.
+    f.add(SimpleNamespace(is_empty=False, reqs=[SimpleNamespace(start=999, num_new_tokens=1, sample=True),
+                                                 SimpleNamespace(start=0, num_new_tokens=2000, sample=False)]))
+    gemm = (2 * 4e9 * 2001 + 2 * 5e8 * 1) / MATMUL_FLOP_PER_S  # one LM-head row: the chunk samples nothing
+    pairs = 1000 + 2000 * 2001 // 2
+    attn = max((1000 + 2000) * 1e6 / HBM_BYTES_PER_S, 1e6 * pairs / MATMUL_FLOP_PER_S)
+    assert f.serial_s == pytest.approx(gemm + attn)
+    # The overlapped floor is never above the serial one here (and the report carries both).
+    r = f.report(2 * f.serial_s)
+    assert r["serial_floor_fraction"] == pytest.approx(0.5) and r["floor_s"] <= r["serial_floor_s"]
+    # A pure decode step of few rows is bound by its weight and K/V bytes, read one after the other.
+    g = StepFloor(step_weight_bytes=8e9, kv_bytes_per_token=1e6, layer_params=4e9, attn_flops_per_pair=1e6)
+    g.add(SimpleNamespace(is_empty=False, reqs=[SimpleNamespace(start=99, num_new_tokens=1)]))
+    assert g.serial_s == pytest.approx((8e9 + 100 * 1e6) / HBM_BYTES_PER_S)
+
+
 def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     from gyrfalcon.cli import main
 
@@ -53,6 +76,7 @@ def test_bench_throughput_cpu_reports_the_floor(qwen3_ckpt, tmp_path, capsys):
     assert set(g["gc"]) == {"collections", "ms", "elsewhere_ms"}
     printed = capsys.readouterr().out
     assert "of the roofline" in printed and "decode steps:" in printed and "garbage collector:" in printed
+    assert fl["floor_s"] <= fl["serial_floor_s"] < g["elapsed_s"] and "serial floor" in printed
 
 
 def test_gc_clock_charges_pauses_to_the_phase_and_step():

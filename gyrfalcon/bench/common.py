@@ -18,6 +18,8 @@ from typing import List, Optional
 HBM_BYTES_PER_S = 4.15e12
 # H200 (SXM) dense bf16 tensor-core peak from NVIDIA's datasheet (989.4 TFLOP/s; fp8 doubles it).
 BF16_FLOP_PER_S = 989e12
+# What a bf16 matmul reaches on the benchmark machine (GPU.md: 8192^3, ~789 TFLOP/s at full clocks).
+MATMUL_FLOP_PER_S = 789e12
 
 
 class StepFloor:
@@ -27,18 +29,26 @@ class StepFloor:
     scheduled sequence's context after the step. FLOPs: 2 x the layers' parameters per token run, plus
     attention's 4 x layers x heads x head_dim per (token, context position), causal for prompt chunks.
     A run's time over this floor is its fraction of the roofline (the throughput row's counterpart of
-    bench latency's per-step figure)."""
+    bench latency's per-step figure).
+
+    That floor overlaps a step's GEMM arithmetic with its attention's K/V reads, which kernels run one after
+    the other cannot do. The serial floor (serial_s) times each step as its kernels run: the GEMMs at the
+    larger of (their FLOPs, the LM head's included, at MATMUL_FLOP_PER_S: what a bf16 matmul reaches on this
+    machine) and (the weight bytes / HBM bandwidth), then attention at the larger of (its K/V bytes / HBM
+    bandwidth) and (its FLOPs at MATMUL_FLOP_PER_S)."""
 
     def __init__(self, step_weight_bytes: int, kv_bytes_per_token: int, layer_params: int,
-                 attn_flops_per_pair: int) -> None:
+                 attn_flops_per_pair: int, head_params: int = 0) -> None:
         self.step_weight_bytes = step_weight_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.layer_params = layer_params
         self.attn_flops_per_pair = attn_flops_per_pair
+        self.head_params = head_params
         self.steps = 0
         self.bytes = 0
         self.flops = 0
         self.floor_s = 0.0
+        self.serial_s = 0.0
         # Per step, in schedule order: (kind, rows, floor seconds); kind "decode" (every row one token) or
         # "prefill" (some row runs a prompt chunk). StepFloor.by_kind splits a run's wall time with it.
         self.step_log: list = []
@@ -53,21 +63,27 @@ class StepFloor:
         weights = nbytes(layers) + nbytes([head]) + nbytes(model.model.norm.parameters())
         attn = model.model.layers[0].self_attn
         return cls(weights, kv_bytes_per_token, sum(p.numel() for p in layers),
-                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim)
+                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim, head.numel())
 
     def add(self, batch) -> None:
         """One ScheduledBatch (scheduler.schedule's result)."""
         if batch.is_empty:
             return
-        kv = flops = 0
+        kv = flops = attn_flops = head_rows = 0
         for sr in batch.reqs:
             n, ctx = sr.num_new_tokens, sr.start + sr.num_new_tokens
             kv += ctx * self.kv_bytes_per_token
             # Token i of the chunk (0-based) attends to start + i + 1 positions.
             pairs = n * sr.start + n * (n + 1) // 2
             flops += 2 * self.layer_params * n + self.attn_flops_per_pair * pairs
+            attn_flops += self.attn_flops_per_pair * pairs
+            # A prompt chunk that leaves part of its prompt samples nothing: no LM-head row (sample unset: one).
+            head_rows += 1 if getattr(sr, "sample", True) else 0
         step_bytes = self.step_weight_bytes + kv
         step_floor = max(step_bytes / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
+        gemm_flops = flops - attn_flops + 2 * self.head_params * head_rows
+        self.serial_s += (max(gemm_flops / MATMUL_FLOP_PER_S, self.step_weight_bytes / HBM_BYTES_PER_S)
+                          + max(kv / HBM_BYTES_PER_S, attn_flops / MATMUL_FLOP_PER_S))
         self.steps += 1
         self.bytes += step_bytes
         self.flops += flops
@@ -105,7 +121,9 @@ class StepFloor:
 
     def report(self, elapsed_s: float) -> dict:
         return {"steps": self.steps, "bytes_read_gb": self.bytes / 1e9, "tflop": self.flops / 1e12,
-                "floor_s": self.floor_s, "roofline_fraction": self.floor_s / elapsed_s if elapsed_s > 0 else 0.0}
+                "floor_s": self.floor_s, "roofline_fraction": self.floor_s / elapsed_s if elapsed_s > 0 else 0.0,
+                "serial_floor_s": self.serial_s,
+                "serial_floor_fraction": self.serial_s / elapsed_s if elapsed_s > 0 else 0.0}
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

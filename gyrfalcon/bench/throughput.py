@@ -11,9 +11,9 @@ import contextlib
 import time
 from typing import Optional
 
-from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, GCPauses, StepFloor, add_common_args,
-                                    busy_span_gaps, format_startup, gaps_by_pair, hf_sampling_kwargs, print_table,
-                                    random_prompts, run_info, startup_phases, write_json)
+from gyrfalcon.bench.common import (BF16_FLOP_PER_S, HBM_BYTES_PER_S, MATMUL_FLOP_PER_S, GCPauses, StepFloor,
+                                    add_common_args, busy_span_gaps, format_startup, gaps_by_pair, hf_sampling_kwargs,
+                                    print_table, random_prompts, run_info, startup_phases, write_json)
 from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
 
 
@@ -418,6 +418,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"roofline: {fl['steps']} steps reading {fl['bytes_read_gb']:.0f} GB and computing {fl['tflop']:.0f} TFLOP "
           f"need >= {fl['floor_s']:.1f} s on this GPU (HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s, bf16 "
           f"{BF16_FLOP_PER_S / 1e12:.0f} TFLOP/s): {fl['roofline_fraction']:.1%} of the roofline")
+    print(f"serial floor (each step's GEMMs, then its attention; matmuls at {MATMUL_FLOP_PER_S / 1e12:.0f} TFLOP/s): "
+          f">= {fl['serial_floor_s']:.1f} s: {fl['serial_floor_fraction']:.1%} of it")
     for kind, d in sorted(results["gyrfalcon"]["by_kind"].items()):
         print(f"  {kind} steps: {d['steps']} ({d['mean_rows']:.0f} sequences on average), {d['wall_s']:.1f} s, "
               f"{d['ms_per_step']:.2f} ms each, floor {d['floor_s']:.1f} s: {d['roofline_fraction']:.1%}")
