@@ -37,6 +37,7 @@
 #                in the compute stream / on the side stream / staged), then Llama-8B b1 / b16 --step-events with
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
 #   latrows      rows' latency half alone: Qwen3-0.6B b1, Llama-8B b1 / b16 / b64 (no throughput runs)
+#   energy       joules per decode kernel (benchmarks/kernel_energy.py), then Llama-8B b64 with down_proj on cuBLAS ABAB
 #   floors       Llama-8B b16 / b64 at 128 in / 256 out, the throughput row (bf16 and fp8 cache) with its serial floor,
 #                then b64 / b16 at 128 / 128
 #   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
@@ -313,6 +314,14 @@ if has floors; then  # the rows against their floors: b16 / b64 at 256 new token
   step tput_l8_fp8_floor 150 $tp --kv-cache-dtype fp8 --max-num-seqs 768 \
     --output-json "$R/throughput_llama-3.1-8b_768x1024_async_fp8kv_768seqs_floor.json"
   for b in 64 16; do lat l8 $b row; done
+fi
+if has energy; then  # joules per decode kernel at the b64 / throughput shapes (the rows at the 700 W cap), then b64 with
+  # down_proj on cuBLAS against the GEMV's wide rows (the default since run 106), ABAB
+  step kernel_energy 200 python3 benchmarks/kernel_energy.py --output-json "$R/kernel_energy.json"
+  ckpt l8
+  for run in a_dflt b_cublas c_cublas d_dflt; do
+    if [ "${run#*_}" = cublas ]; then lat l8 64 en_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=; else lat l8 64 en_$run; fi
+  done
 fi
 if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
   ckpt l8

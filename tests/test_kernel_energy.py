@@ -1,0 +1,29 @@
+"""benchmarks/kernel_energy.py's arithmetic (the probe itself needs a GPU and NVML: scripts/gpu_check.sh energy)."""
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+
+def test_energy_row():
+    ke = load_benchmark("kernel_energy")
+    # 1,000 calls in 2 s that spent 1,000 J on the card drawing 100 W idle, each reading 1 GB.
+    r = ke.energy_row(calls=1000, seconds=2.0, joules=1000.0, nbytes=1e9, idle_w=100.0)
+    assert r["us"] == pytest.approx(2000.0) and r["gb_s"] == pytest.approx(500.0)
+    assert r["watts"] == pytest.approx(500.0) and r["watts_above_idle"] == pytest.approx(400.0)
+    assert r["mj"] == pytest.approx(1000.0) and r["mj_above_idle"] == pytest.approx(800.0)
+    assert r["pj_per_byte"] == pytest.approx(1000.0) and r["pj_per_byte_above_idle"] == pytest.approx(800.0)
+    # A case that reads nothing (bytes unknown) reports no rate instead of dividing by zero.
+    z = ke.energy_row(calls=10, seconds=1.0, joules=50.0, nbytes=0, idle_w=60.0)
+    assert z["gb_s"] == 0.0 and z["pj_per_byte"] == 0.0 and z["mj_above_idle"] == 0.0
+
+
+def test_nvml_absent_is_not_ok(monkeypatch):
+    """Without the driver's library the probe says so instead of failing inside ctypes."""
+    import ctypes
+
+    ke = load_benchmark("kernel_energy")
+
+    def missing(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert ke.Nvml().ok is False
