@@ -18,7 +18,14 @@ For each: microseconds a call, GB/s over its weight + K/V bytes, mean watts (ene
 (NVML, sampled), millijoules a call and picojoules per byte. Sets: b64 (64 sequences at 192 tokens: the b64
 row's middle) and b384 (384 at 1,536: the throughput row's decode steps). The idle draw is measured first.
 
-python3 benchmarks/kernel_energy.py [--sets b64,b384] [--layers 4] [--seconds 2.5] [--output-json FILE]
+--attn-configs "BLOCK_N,warps,stages[/k0|/k1];...": also decode attention alone at each of those launch shapes
+(GYRFALCON_DECODE_ATTN_CONFIG; /k0 /k1 set GYRFALCON_DECODE_K_ROWS, the key-tile layout) over the sets' shapes, and the choice among them: the least energy above the idle
+draw a call among those within 5% of the default launch's time ("attn_choice" in the JSON, printed last). Under the
+power cap a step's time follows its energy, so a launch that spends fewer joules for the same bytes can win there
+while tying alone.
+
+python3 benchmarks/kernel_energy.py [--sets b64,b384] [--layers 4] [--seconds 2.5] [--attn-configs ...]
+  [--output-json FILE]
 """
 
 from __future__ import annotations
@@ -119,7 +126,15 @@ def run_case(nvml: Nvml, body: Callable[[], None], nbytes: float, seconds: float
     return row
 
 
-def cases(B: int, ctx: int, L: int) -> Dict[str, tuple]:
+def choose_config(default: dict, configs: Dict[str, dict], slack: float = 1.05) -> Optional[str]:
+    """The launch shape of least energy above idle a call among `configs` ({name: energy_row}) no slower than
+    slack x the default's time; None when none spends less than the default."""
+    ok = {k: r for k, r in configs.items() if r["us"] <= default["us"] * slack
+          and r["mj_above_idle"] < default["mj_above_idle"]}
+    return min(ok, key=lambda k: ok[k]["mj_above_idle"]) if ok else None
+
+
+def cases(B: int, ctx: int, L: int, only_attn: bool = False) -> Dict[str, tuple]:
     """{name: (body over the L layers, bytes it reads)} at B sequences of ctx tokens."""
     import torch
 
@@ -150,6 +165,8 @@ def cases(B: int, ctx: int, L: int) -> Dict[str, tuple]:
         decode_attention_with_prep_triton(qkv, H, KV, D, inp["pos"], inp["cs"], D, True, kc, vc, inp["slots"],
                                           inp["bt"], inp["sl"], D ** -0.5, row_scale=(resid, 1e-5))
 
+    if only_attn:
+        return {"attn": (each(attn), kv_bytes * L)}
     full = layer_fns(layers, inp, slice(0, B), resid)
 
     def layer():
@@ -180,6 +197,7 @@ def main() -> None:
     ap.add_argument("--sets", default="b64,b384")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=2.5)
+    ap.add_argument("--attn-configs", default="")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     nvml = Nvml(device_uuid(0))
@@ -218,6 +236,29 @@ def main() -> None:
               f"{args.layers} layers; the layer {rows['layer']['us']:.1f} us, {rows['layer']['mj']:.3f} mJ", flush=True)
         res[name] = rows
         torch.cuda.empty_cache()
+        cfgs = [c.strip() for c in args.attn_configs.split(";") if c.strip()]
+        if cfgs:
+            # Each launch shape from the environment at capture (_decode_config reads it per launch).
+            att = {}
+            for cfg in cfgs:
+                # "BLOCK_N,warps,stages[/k0|/k1]": the suffix sets the key-tile layout (GYRFALCON_DECODE_K_ROWS)
+                shape, _, layout = cfg.partition("/")
+                os.environ["GYRFALCON_DECODE_ATTN_CONFIG"] = shape
+                if layout:
+                    os.environ["GYRFALCON_DECODE_K_ROWS"] = layout[1:]
+                try:
+                    body, nbytes = cases(B, ctx, args.layers, only_attn=True)["attn"]
+                    att[cfg] = run_case(nvml, body, nbytes, args.seconds, idle_w)
+                    show(f"attn {cfg}", att[cfg])
+                except Exception as e:  # a shape that does not fit (shared memory) is skipped, not fatal
+                    print(f"attn {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                finally:
+                    os.environ.pop("GYRFALCON_DECODE_ATTN_CONFIG", None)
+                    os.environ.pop("GYRFALCON_DECODE_K_ROWS", None)
+                    torch.cuda.empty_cache()
+            rows["attn_configs"] = att
+            rows["attn_choice"] = choose_config(rows["attn"], att)
+            print(f"   attn launch of least energy within 5% of the default's time: {rows['attn_choice']}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             info = {**run_info(args), "command": "python3 benchmarks/kernel_energy.py " + " ".join(sys.argv[1:])}

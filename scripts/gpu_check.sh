@@ -38,6 +38,8 @@
 #                GYRFALCON_SIDE_STREAM_COPIES=0 against the default
 #   latrows      rows' latency half alone: Qwen3-0.6B b1, Llama-8B b1 / b16 / b64 (no throughput runs)
 #   energy       joules per decode kernel (benchmarks/kernel_energy.py), then Llama-8B b64 with down_proj on cuBLAS ABAB
+#   attnenergy   decode attention's launch shapes by joules at b384 / b64 (kernel_energy.py --attn-configs), then the
+#                throughput row with the least-energy launch within 5% of the default's time against the default (AB)
 #   floors       Llama-8B b16 / b64 at 128 in / 256 out, the throughput row (bf16 and fp8 cache) with its serial floor,
 #                then b64 / b16 at 128 / 128
 #   widerows2    widerows' b64 ABAB alone (its GPU tests passed in run 94 on the same kernel), on another card
@@ -322,6 +324,23 @@ if has energy; then  # joules per decode kernel at the b64 / throughput shapes (
   for run in a_dflt b_cublas c_cublas d_dflt; do
     if [ "${run#*_}" = cublas ]; then lat l8 64 en_$run GYRFALCON_GEMV_WIDE_ROWS_SHAPES=; else lat l8 64 en_$run; fi
   done
+fi
+if has attnenergy; then  # decode attention's launch shapes by joules (the throughput row runs at the 700 W cap), then
+  # the throughput row with the launch of least energy within 5% of the default's time against the default (AB)
+  AC="64,4,2;64,4,2/k0;64,4,3;128,4,2;128,4,3;64,8,2;32,4,2;32,2,2;128,8,3;16,4,2"
+  step attn_energy 220 python3 benchmarks/kernel_energy.py --sets b384,b64 --seconds 2 --attn-configs "$AC" \
+    --output-json "$R/kernel_energy_attn.json"
+  PICK=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['results']['b384'].get('attn_choice') or '')" \
+    "$R/kernel_energy_attn.json" 2>/dev/null)
+  echo "attention launch picked for the throughput row: '${PICK}'"
+  if [ -n "$PICK" ]; then
+    ckpt l8
+    PENV="GYRFALCON_DECODE_ATTN_CONFIG=${PICK%%/*}"
+    [ "$PICK" != "${PICK#*/k}" ] && PENV="$PENV GYRFALCON_DECODE_K_ROWS=${PICK##*/k}"
+    tp="$G bench throughput --model /tmp/ck/l8 --num-prompts 768 --input-len 1024 --output-len 1024 --async-scheduling"
+    step tput_l8_a_dflt 150 $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_ae_a_dflt.json"
+    step tput_l8_b_pick 150 env $PENV $tp --output-json "$R/throughput_llama-3.1-8b_768x1024_async_ae_b_pick.json"
+  fi
 fi
 if has ttftline; then  # where b64's TTFT (~190 ms) exceeds its prefill's GPU span (~175 ms): host before / after
   ckpt l8

@@ -27,3 +27,13 @@ def test_nvml_absent_is_not_ok(monkeypatch):
         raise OSError(f"{name}: cannot open shared object file")
     monkeypatch.setattr(ctypes, "CDLL", missing)
     assert ke.Nvml().ok is False
+
+
+def test_choose_config():
+    ke = load_benchmark("kernel_energy")
+    default = {"us": 100.0, "mj_above_idle": 10.0}
+    configs = {"a": {"us": 104.0, "mj_above_idle": 8.0},   # within 5%, less energy
+               "b": {"us": 110.0, "mj_above_idle": 6.0},   # least energy but too slow
+               "c": {"us": 90.0, "mj_above_idle": 9.0}}    # faster, more energy than a
+    assert ke.choose_config(default, configs) == "a"
+    assert ke.choose_config(default, {"d": {"us": 99.0, "mj_above_idle": 10.5}}) is None
