@@ -37,3 +37,19 @@ def test_choose_config():
                "c": {"us": 90.0, "mj_above_idle": 9.0}}    # faster, more energy than a
     assert ke.choose_config(default, configs) == "a"
     assert ke.choose_config(default, {"d": {"us": 99.0, "mj_above_idle": 10.5}}) is None
+    # Within the energy counter's spread (less than 10% below the default) is no choice.
+    assert ke.choose_config(default, {"e": {"us": 99.0, "mj_above_idle": 9.5}}) is None
+    # The default launch measured again under its own name is never the choice.
+    again = {"64,4,2/k1": {"us": 99.0, "mj_above_idle": 5.0}}
+    assert ke.choose_config(default, again, default_name="64,4,2/k1") is None
+
+
+def test_default_attn_name():
+    """The launch the model takes at the probe's shapes, named as --attn-configs names them."""
+    ke = load_benchmark("kernel_energy")
+    from gyrfalcon.kernels.paged_decode_attention import _decode_config, k_rows
+
+    for B in (64, 384):
+        bn, nw, ns = _decode_config(128, B * 8)
+        assert ke.default_attn_name(B) == f"{bn},{nw},{ns}/k{int(k_rows(B * 8))}"
+    assert ke.default_attn_name(384) == "64,4,2/k1"  # many programs: 64-key tiles in row layout, 2 stages
