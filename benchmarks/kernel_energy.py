@@ -130,9 +130,11 @@ def choose_config(default: dict, configs: Dict[str, dict], slack: float = 1.05, 
                   default_name: Optional[str] = None) -> Optional[str]:
     """The launch shape of least energy above idle a call among `configs` ({name: energy_row}) no slower than
     slack x the default's time and spending at least `saving` less than it; None when there is none. The default
-    launch itself (default_name, also listed by name) is never the choice. saving: run 112 measured the default
+    launch itself (default_name "BLOCK_N,warps,stages/kN", listed with its layout suffix or without it: then it
+    takes the default layout) is never the choice. saving: run 112 measured the default
     launch twice in one call, 148 and 132 pJ a byte above idle: the counter's spread over 2-second windows."""
-    ok = {k: r for k, r in configs.items() if k != default_name and r["us"] <= default["us"] * slack
+    same = {default_name, default_name.split("/")[0]} if default_name else set()
+    ok = {k: r for k, r in configs.items() if k not in same and r["us"] <= default["us"] * slack
           and r["mj_above_idle"] < default["mj_above_idle"] * (1 - saving)}
     return min(ok, key=lambda k: ok[k]["mj_above_idle"]) if ok else None
 
@@ -148,8 +150,9 @@ def default_attn_name(B: int) -> str:
     return f"{bn},{nw},{ns}/k{int(k_rows(B * KV))}"
 
 
-def cases(B: int, ctx: int, L: int, only_attn: bool = False) -> Dict[str, tuple]:
-    """{name: (body over the L layers, bytes it reads)} at B sequences of ctx tokens."""
+def cases(B: int, ctx: int, L: int) -> Dict[str, tuple]:
+    """{name: (body over the L layers, bytes it reads)} at B sequences of ctx tokens. The bodies read their launch
+    shapes when they run (captured), so one set of them serves every --attn-configs launch."""
     import torch
 
     from overlap_probe import HID, INTER, KV, D, H, layer_fns, make_layers
@@ -179,8 +182,6 @@ def cases(B: int, ctx: int, L: int, only_attn: bool = False) -> Dict[str, tuple]
         decode_attention_with_prep_triton(qkv, H, KV, D, inp["pos"], inp["cs"], D, True, kc, vc, inp["slots"],
                                           inp["bt"], inp["sl"], D ** -0.5, row_scale=(resid, 1e-5))
 
-    if only_attn:
-        return {"attn": (each(attn), kv_bytes * L)}
     full = layer_fns(layers, inp, slice(0, B), resid)
 
     def layer():
@@ -240,7 +241,8 @@ def main() -> None:
         B, ctx = SETS[name]
         print(f"-- {name}: {B} sequences at {ctx} tokens, {args.layers} layers a call", flush=True)
         rows = {}
-        for case, (body, nbytes) in cases(B, ctx, args.layers).items():
+        built = cases(B, ctx, args.layers)
+        for case, (body, nbytes) in built.items():
             rows[case] = run_case(nvml, body, nbytes, args.seconds, idle_w)
             show(case, rows[case])
         parts = [k for k in rows if k not in ("layer", "down_gemv")]
@@ -249,7 +251,6 @@ def main() -> None:
         print(f"   parts (cuBLAS down) {rows['sum_of_parts_us']:.1f} us, {rows['sum_of_parts_mj']:.3f} mJ for "
               f"{args.layers} layers; the layer {rows['layer']['us']:.1f} us, {rows['layer']['mj']:.3f} mJ", flush=True)
         res[name] = rows
-        torch.cuda.empty_cache()
         cfgs = [c.strip() for c in args.attn_configs.split(";") if c.strip()]
         if cfgs:
             # Each launch shape from the environment at capture (_decode_config reads it per launch).
@@ -261,7 +262,7 @@ def main() -> None:
                 if layout:
                     os.environ["GYRFALCON_DECODE_K_ROWS"] = layout[1:]
                 try:
-                    body, nbytes = cases(B, ctx, args.layers, only_attn=True)["attn"]
+                    body, nbytes = built["attn"]
                     att[cfg] = run_case(nvml, body, nbytes, args.seconds, idle_w)
                     show(f"attn {cfg}", att[cfg])
                 except Exception as e:  # a shape that does not fit (shared memory) is skipped, not fatal
@@ -269,15 +270,13 @@ def main() -> None:
                 finally:
                     os.environ.pop("GYRFALCON_DECODE_ATTN_CONFIG", None)
                     os.environ.pop("GYRFALCON_DECODE_K_ROWS", None)
-                    torch.cuda.empty_cache()
             rows["attn_configs"] = att
             rows["attn_default"] = default_attn_name(B)
-            # The default named explicitly (a shape without a layout suffix takes the default layout) is no choice.
-            shape = rows["attn_default"].split("/")[0]
-            rows["attn_choice"] = choose_config(rows["attn"], {k: v for k, v in att.items() if k != shape},
-                                                default_name=rows["attn_default"])
+            rows["attn_choice"] = choose_config(rows["attn"], att, default_name=rows["attn_default"])
             print(f"   attn launch of least energy (>= 10% below the default {rows['attn_default']}, within 5% of its "
                   f"time): {rows['attn_choice']}", flush=True)
+        del built  # this set's weights and caches, before the next set's
+        torch.cuda.empty_cache()
     if args.output_json:
         with open(args.output_json, "w") as f:
             info = {**run_info(args), "command": "python3 benchmarks/kernel_energy.py " + " ".join(sys.argv[1:])}

@@ -22,6 +22,15 @@ BF16_FLOP_PER_S = 989e12
 MATMUL_FLOP_PER_S = 789e12
 
 
+def step_weight_bytes(model) -> int:
+    """The weight bytes a decode step of a Llama-family model of gyrfalcon's reads: the layers, the final norm and
+    the LM head (an untied embedding table is only gathered from, a row a token)."""
+    def nbytes(params):
+        return sum(p.numel() * p.element_size() for p in params)
+    return (nbytes(model.model.layers.parameters()) + nbytes([model.lm_head.weight])
+            + nbytes(model.model.norm.parameters()))
+
+
 class StepFloor:
     """The least time a run's scheduled steps could take on this GPU: per step, the larger of (bytes it must
     read / HBM bandwidth) and (FLOPs / the dense bf16 peak), summed. Bytes: the weights a step reads (the
@@ -56,14 +65,10 @@ class StepFloor:
     @classmethod
     def for_model(cls, model, kv_bytes_per_token: int) -> "StepFloor":
         """From a Llama-family model of gyrfalcon's (model.model.layers, embed_tokens, lm_head)."""
-        def nbytes(params):
-            return sum(p.numel() * p.element_size() for p in params)
         layers = list(model.model.layers.parameters())
-        head = model.lm_head.weight
-        weights = nbytes(layers) + nbytes([head]) + nbytes(model.model.norm.parameters())
         attn = model.model.layers[0].self_attn
-        return cls(weights, kv_bytes_per_token, sum(p.numel() for p in layers),
-                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim, head.numel())
+        return cls(step_weight_bytes(model), kv_bytes_per_token, sum(p.numel() for p in layers),
+                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim, model.lm_head.weight.numel())
 
     def add(self, batch) -> None:
         """One ScheduledBatch (scheduler.schedule's result)."""
