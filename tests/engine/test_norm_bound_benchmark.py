@@ -30,4 +30,6 @@ def test_pass_through_removes_every_norm_launch(qwen3_ckpt, tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert out.count("RMSNorm.forward is a pass-through") == 1
     g = json.loads((tmp_path / "bound.json").read_text())["results"]["gyrfalcon"]
-    assert g["decode_step_ms"] > 0 and g["output_tok_s"] > 0
+    # The run completed and was timed. Not its step time: with 6 tokens and one run, a slow 1-token TTFT run on
+    # CI's busy 2-core host once took longer than the whole run, and the (noise) step time came out negative.
+    assert g["e2e_s"] > 0 and g["output_tok_s"] > 0 and g["num_kv_blocks"] > 0
