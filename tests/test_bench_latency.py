@@ -13,12 +13,15 @@ def test_bench_latency_cpu_writes_json(qwen3_ckpt, tmp_path, capsys):
     out = tmp_path / "lat.json"
     rc = main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
                "--output-len", "16", "--num-iters", "3", "--max-model-len", "64", "--output-json", str(out)])
-    # Enough tokens and the median of three runs: with 4 tokens and one run, one slow TTFT run on CI's busy
-    # 2-core host exceeded the whole full run and the step time came out negative.
     assert rc == 0
     g = json.loads(out.read_text())["results"]["gyrfalcon"]
-    assert g["decode_step_ms"] > 0 and g["ttft_ms"] > 0 and g["output_tok_s"] > 0
-    assert g["e2e_s"] * 1e3 > g["ttft_ms"]
+    assert g["ttft_ms"] > 0 and g["e2e_s"] > 0
+    # The step time is the median full run less the median TTFT, over the 15 steps after the first token (vLLM's
+    # bench latency arithmetic). Its sign is not asserted: on CI's busy 2-core host one slow TTFT run has exceeded
+    # a whole full run (the bench then prints a warning), which is timing noise, not a wrong result.
+    assert g["decode_step_ms"] == pytest.approx((g["e2e_s"] * 1e3 - g["ttft_ms"]) / 15)
+    assert g["output_tok_s"] == pytest.approx(2 * 16 / g["e2e_s"])
+    assert g["decode_tok_s"] == pytest.approx(2 / (g["decode_step_ms"] * 1e-3))
     # The read roofline leaves out the untied embedding table (only its batch's rows are gathered a step).
     from safetensors import safe_open
     with safe_open(str(qwen3_ckpt / "model.safetensors"), "pt") as f:
@@ -103,11 +106,34 @@ def test_bench_latency_cpu_sampled(qwen3_ckpt, tmp_path, capsys):
     assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
                  "--output-len", "32", "--num-iters", "3", "--max-model-len", "64", "--temperature", "1.0",
                  "--output-json", str(out)]) == 0
-    # (32 tokens: with 16, a loaded host once timed the median 1-token run longer than the median full run, and
-    # the step came out negative.)
     d = json.loads(out.read_text())
-    assert d["args"]["temperature"] == 1.0 and d["results"]["gyrfalcon"]["decode_step_ms"] > 0
+    g = d["results"]["gyrfalcon"]
+    assert d["args"]["temperature"] == 1.0 and g["e2e_s"] > 0
+    assert g["decode_step_ms"] == pytest.approx((g["e2e_s"] * 1e3 - g["ttft_ms"]) / 31)
     assert "output 32, temperature 1;" in capsys.readouterr().out
+
+
+def test_bench_latency_warns_when_ttft_exceeds_the_full_run(qwen3_ckpt, tmp_path, monkeypatch, capsys):
+    """A slow TTFT run longer than the whole full run gives a negative step time: the bench still prints its table
+    and writes its JSON, and says the steps are below the noise instead of presenting the number as a result."""
+    from gyrfalcon.bench import latency
+    from gyrfalcon.cli import main
+
+    real = latency.run_gyrfalcon
+
+    def slow_ttft(args):
+        g = real(args)
+        g["ttft_ms"] = g["e2e_s"] * 1e3 + 5.0  # as one slow 1-token run on a busy host
+        g["decode_step_ms"] = (g["e2e_s"] * 1e3 - g["ttft_ms"]) / (args.output_len - 1)
+        return g
+
+    monkeypatch.setattr(latency, "run_gyrfalcon", slow_ttft)
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "1", "--input-len", "4",
+                 "--output-len", "4", "--num-iters", "1", "--max-model-len", "32", "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "took no longer than TTFT" in printed and "raise --output-len or --num-iters" in printed
+    assert json.loads(out.read_text())["results"]["gyrfalcon"]["decode_step_ms"] < 0
 
 
 def test_prefill_summary_arithmetic():
