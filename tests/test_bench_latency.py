@@ -115,7 +115,7 @@ def test_bench_latency_cpu_sampled(qwen3_ckpt, tmp_path, capsys):
 
 def test_bench_latency_warns_when_ttft_exceeds_the_full_run(qwen3_ckpt, tmp_path, monkeypatch, capsys):
     """A slow TTFT run longer than the whole full run gives a negative step time: the bench still prints its table
-    and writes its JSON, and says the steps are below the noise instead of presenting the number as a result."""
+    and writes its JSON, and warns that the steps are below the measurement's noise."""
     from gyrfalcon.bench import latency
     from gyrfalcon.cli import main
 
