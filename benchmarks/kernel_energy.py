@@ -237,6 +237,7 @@ def main() -> None:
               f"{r['pj_per_byte_above_idle']:9.1f}", flush=True)
     print(head)
     show("hbm_read", res["hbm_read"])
+    cfgs = [c.strip() for c in args.attn_configs.split(";") if c.strip()]
     for name in args.sets.split(","):
         B, ctx = SETS[name]
         print(f"-- {name}: {B} sequences at {ctx} tokens, {args.layers} layers a call", flush=True)
@@ -251,7 +252,6 @@ def main() -> None:
         print(f"   parts (cuBLAS down) {rows['sum_of_parts_us']:.1f} us, {rows['sum_of_parts_mj']:.3f} mJ for "
               f"{args.layers} layers; the layer {rows['layer']['us']:.1f} us, {rows['layer']['mj']:.3f} mJ", flush=True)
         res[name] = rows
-        cfgs = [c.strip() for c in args.attn_configs.split(";") if c.strip()]
         if cfgs:
             # Each launch shape from the environment at capture (_decode_config reads it per launch).
             att = {}
