@@ -29,3 +29,13 @@ def llama_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def tiny_ckpt(request, qwen3_ckpt, llama_ckpt) -> Path:
     return qwen3_ckpt if request.param == "qwen3" else llama_ckpt
+
+
+@pytest.fixture(autouse=True)
+def _fresh_envs():
+    """gyrfalcon.envs caches the environment on first read: a test that sets a variable (monkeypatch) sees it,
+    and the next test does not inherit it."""
+    from gyrfalcon import envs
+    envs.refresh()
+    yield
+    envs.refresh()
