@@ -2,7 +2,8 @@
 
 Settings that a user picks per run are EngineConfig fields (CLI flags, `LLM()` keywords); these are the few
 that belong to the process rather than to one engine: debugging switches, logging, the server's key.
-`get()` reads them on first use and caches them; `refresh()` re-reads them (tests that set a variable).
+`get()` reads them on first use and caches them; `refresh()` makes the next get() read them again
+(tests that set a variable).
 
 | variable | values | what it does |
 |---|---|---|
@@ -69,8 +70,7 @@ def get() -> Envs:
     return _cached
 
 
-def refresh() -> Envs:
-    """Re-read the environment (tests that set a variable after the first read)."""
+def refresh() -> None:
+    """Forget what was read: the next get() reads the environment again (tests that set a variable)."""
     global _cached
     _cached = None
-    return get()
