@@ -5,9 +5,11 @@ Prints a table and writes JSON (--output-json). Triton times are GPU times of a 
 L2 flushed (how the engine runs decode); eager times, which add this host's launch overhead, are
 kept beside them. Decode attention reports achieved bandwidth
 (K/V bytes read / time) against the H200's measured ~4.15 TB/s HBM read rate. A small launch-config
-sweep of the attention kernels records which tile sizes were fastest here.
+sweep of the attention kernels records which tile sizes were fastest here (skipped with --quick).
 
     PYTHONPATH=$PWD python3 benchmarks/kernels.py --output-json /tmp/kernels.json [--quick]
+
+scripts/gpu/profile.sh runs it on the GPU machine.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ def _bench_gpu(fn, iters=40) -> float:
 
 
 def _commit() -> str:
-    if os.environ.get("GYRFALCON_COMMIT"):
-        return os.environ["GYRFALCON_COMMIT"]
+    from gyrfalcon import envs
+
+    if envs.get().commit:
+        return envs.get().commit
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
@@ -94,120 +98,13 @@ def _paged(seq_lens, block_size=16, width=None, n_kv=HKV, head_dim=D):
     return kc, vc, bt
 
 
-PREFILL_SHORT_CASES = [(64, 128), (16, 128), (4, 512), (1, 2048)]  # (sequences, tokens each): fresh prompts
-PREFILL_SHORT_CONFIGS = [(64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (256, 64, 8, 2),
-                         (64, 128, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2)]
-
-
-def prefill_short_sweep(args) -> None:
-    """Prefill attention's launch shapes (BLOCK_M rows, BLOCK_N keys, warps, stages) on batches of short fresh
-    prompts, where the default tiles (tuned on one 8k prompt) run far below the FLOP rate: bench latency's
-    prefill of 64 x 128 tokens spent 144 us per Llama-8B layer in it (run 32), ~20 us of bytes and FLOPs.
-    Each config's output is checked against the default's."""
-    from gyrfalcon.kernels.paged_attention import _prefill_config, paged_attention_triton
-
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    out = {"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "command": " ".join(sys.argv),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "default_config": list(_prefill_config(D, H // HKV)), "cases": {}}
-    for B, L in PREFILL_SHORT_CASES:
-        kc, vc, bt = _paged([L] * B)
-        q = torch.randn(B * L, H, D, device=dev, dtype=DT)
-        qsl = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev)
-        sl = torch.full((B,), L, dtype=torch.int32, device=dev)
-        flops = 4 * H * D * B * L * (L + 1) / 2
-        want = paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5)
-        res = [dict(config="default", us=round(_bench_gpu(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl,
-                                                                                      D ** -0.5)), 2))]
-        for bm, bn, nw, st in PREFILL_SHORT_CONFIGS:
-            kw = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st)
-            try:
-                got = paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5, **kw)
-                err = (got.float() - want.float()).abs().max().item()
-                us = _bench_gpu(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5, **kw))
-                res.append(dict(config=[bm, bn, nw, st], us=round(us, 2), max_abs_diff=err))
-            except Exception as e:  # e.g. out of shared memory
-                res.append(dict(config=[bm, bn, nw, st], error=str(e)[:120]))
-        for r in res:
-            if "us" in r:
-                r["tflops"] = round(flops / (r["us"] * 1e-6) / 1e12, 1)
-        res.sort(key=lambda r: r.get("us", 1e30))
-        out["cases"][f"{B}x{L}"] = res
-        print(f"prefill {B} x {L} tokens: " + ", ".join(
-            f"{r['config']}: {r['us']} us ({r['tflops']} TFLOP/s)" for r in res[:4] if "us" in r), flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(out, f, indent=1)
-
-
-PREFILL_FP8_CASES = [(16, 1024, 0), (1, 8192, 0), (4, 1024, 3072)]  # (sequences, new tokens each, cached prefix each)
-
-
-def prefill_fp8_ab(args) -> None:
-    """Prefill attention over an fp8 (e4m3) KV cache with its dots in fp16 (GYRFALCON_PREFILL_FP8_F16=1, the
-    default) against the query's dtype (=0: the tiles widened e4m3 -> fp16 -> bf16), beside a bf16 cache, at the
-    throughput row's prefill (16 fresh prompts of 1,024 tokens), one long prompt, and chunks of 1,024 tokens
-    after 3,072 cached ones. Four rounds of alternating order; every round's time is kept. The outputs of the two
-    fp8 variants are compared with each other and with the bf16 cache's."""
-    from gyrfalcon.bench.common import scoped_env
-    from gyrfalcon.kernels.paged_attention import paged_attention_triton
-
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    out = {"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "command": " ".join(sys.argv),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": {}}
-    for B, L, prefix in PREFILL_FP8_CASES:
-        kc, vc, bt = _paged([prefix + L] * B)
-        caches = {"bf16": (kc, vc), "fp8": (kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))}
-        q = torch.randn(B * L, H, D, device=dev, dtype=DT)
-        qsl = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev)
-        sl = torch.full((B,), prefix + L, dtype=torch.int32, device=dev)
-        variants = {"bf16": ("bf16", "1"), "fp8_f16_dots": ("fp8", "1"), "fp8_bf16_dots": ("fp8", "0")}
-
-        def run(name, timed):
-            cache, flag = variants[name]
-            k, v = caches[cache]
-            fn = lambda: paged_attention_triton(q, k, v, bt, sl, qsl, D ** -0.5)  # noqa: E731
-            with scoped_env({"GYRFALCON_PREFILL_FP8_F16": flag}):
-                return round(_bench_gpu(fn), 2) if timed else fn().float()
-
-        outs = {name: run(name, False) for name in variants}
-        times = {name: [] for name in variants}
-        for rnd in range(4):
-            for name in (list(variants) if rnd % 2 == 0 else list(reversed(variants))):
-                times[name].append(run(name, True))
-        flops = 4 * H * D * B * L * (prefix + (L + 1) / 2)
-        med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-        case = {"us_rounds": times, "us_median": med,
-                "tflops": {n: round(flops / (t * 1e-6) / 1e12, 1) for n, t in med.items()},
-                "max_abs_diff_fp8_f16_vs_bf16_dots": (outs["fp8_f16_dots"] - outs["fp8_bf16_dots"]).abs().max().item(),
-                "max_abs_diff_fp8_f16_vs_bf16_cache": (outs["fp8_f16_dots"] - outs["bf16"]).abs().max().item()}
-        out["cases"][f"{B}x{L}+{prefix}"] = case
-        print(f"prefill fp8 {B} x {L} (+{prefix} cached): " + ", ".join(
-            f"{n} {t:.1f} us ({case['tflops'][n]} TFLOP/s)" for n, t in med.items())
-            + f"; f16/bf16 dots {med['fp8_f16_dots'] / med['fp8_bf16_dots']:.3f}; max |f16 - bf16 dots| "
-            f"{case['max_abs_diff_fp8_f16_vs_bf16_dots']:.4f}", flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(out, f, indent=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer shapes, no sweep")
-    ap.add_argument("--prefill-short-sweep", action="store_true",
-                    help="only prefill attention's launch shapes on batches of short prompts")
-    ap.add_argument("--prefill-fp8-ab", action="store_true",
-                    help="only prefill attention over an fp8 cache, its dots in fp16 vs bf16, beside a bf16 cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
-    if args.prefill_short_sweep:
-        return prefill_short_sweep(args)
-    if args.prefill_fp8_ab:
-        return prefill_fp8_ab(args)
 
     import triton
 
