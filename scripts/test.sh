@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the test suite (CPU). GPU tests live in tests/gpu and run via scripts/gpu_check.sh.
+# Set up and run the test suite (CPU). GPU tests live in tests/gpu and run via scripts/gpu/test.sh on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,4 +1,4 @@
-"""scripts/gpu_demo_train.sh, the one-call GPU retraining of the demo model, without a GPU: its syntax, and
+"""scripts/demo_model/gpu_demo_train.sh, the one-call GPU retraining of the demo model, without a GPU: its syntax, and
 its flow and packing with stand-ins for the two training scripts (the parts must come back through the device
 tool: at most 8 files of at most 16 MiB, plain names, and `cat parts | tar x` must give the checkpoints back)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_demo_train.sh"
+SCRIPT = REPO / "scripts" / "demo_model" / "gpu_demo_train.sh"
 
 # Stands in for `python3`: writes a checkpoint folder the way each stage does (weights of STUB_MB MiB of random
 # bytes) and records its command line.
@@ -94,9 +94,9 @@ def test_both_stages_packed_in_parts(tmp_path):
     assert (out / "gpu_demo_train.log").exists() and "=== done" in (out / "gpu_demo_train.log").read_text()
     assert len(calls) == 2
     s1, s2 = calls
-    assert s1.startswith("scripts/train_demo_model.py --out ") and s1.endswith(
+    assert s1.startswith("scripts/demo_model/train_demo_model.py --out ") and s1.endswith(
         "--compile --max-corpus-mb 400 --minutes 0.1 --total-minutes 0.2 --reserve-seconds 25")
-    assert s2.startswith("scripts/finetune_demo_functions.py --model ") and "--device cuda" in s2
+    assert s2.startswith("scripts/demo_model/finetune_demo_functions.py --model ") and "--device cuda" in s2
     assert "--strip-docstrings 0.5" in s2 and "--epochs 3 --minutes" in s2 and "--batch-size 64" in s2
     assert "--file-mix 0.5" in s2
     parts, x = unpack(out, tmp_path)

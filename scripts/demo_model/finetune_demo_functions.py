@@ -1,6 +1,6 @@
 """Second training stage of the demo model: whole top-level functions, each ended by <|endoftext|>.
 
-The first stage (scripts/train_demo_model.py) trains on random 1024-token windows of whole files, where
+The first stage (scripts/demo_model/train_demo_model.py) trains on random 1024-token windows of whole files, where
 a function is followed by more of its file. Completing a signature, such a model writes the long
 docstrings of library code and runs past max_tokens without ever ending the function. This stage
 continues training on documents that are single top-level functions of the training files (the same
@@ -13,12 +13,12 @@ master weights, as the first stage); seeded. The data are the Python files of th
 held-out prompts run on the training device; the output folder's README.md (the model card) gets a
 "Second stage" section and greedy samples of the result.
 
-  python3 scripts/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --out /tmp/dm-ft --minutes 12
-  python3 scripts/finetune_demo_functions.py --model /tmp/dm-stage1 --out /tmp/dm-stage2 --device cuda \
+  python3 scripts/demo_model/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --out /tmp/dm-ft --minutes 12
+  python3 scripts/demo_model/finetune_demo_functions.py --model /tmp/dm-stage1 --out /tmp/dm-stage2 --device cuda \
       --epochs 3 --minutes 1.5 --batch-size 64 --strip-docstrings 0.5 --file-mix 0.5
 Evaluate a checkpoint on this machine's held-out files and prompts without training (what the
 fine-tuning measures before / after; CPU, fp32 compute on the checkpoint's bf16 weights):
-  python3 scripts/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --eval-only --device cpu
+  python3 scripts/demo_model/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --eval-only --device cpu
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def card_section(ft: dict) -> str:
                    f"a seeded sample of them), so that the first stage's task is not forgotten; epochs count the "
                    f"function documents only.")
     b, af, pe = ft["heldout_files_here"]["before"], ft["heldout_files_here"]["after"], ft["parse_eval"]
-    intro = (f"Written by `scripts/finetune_demo_functions.py`. The first stage sees random windows of whole "
+    intro = (f"Written by `scripts/demo_model/finetune_demo_functions.py`. The first stage sees random windows of whole "
              f"files, where a function runs on into the rest of its file; this stage continues training on "
              f"documents that are single top-level functions of the training files, each followed by "
              f"`<|endoftext|>`: the same file filters and the same file-level split (no held-out file is read, nor "
@@ -549,7 +549,7 @@ def main(argv=None):
     samples = greedy_samples(model, tok, device)
     meta = json.loads((out / "metrics.json").read_text())
     ft = meta["finetune_functions"] = {
-        "command": "python3 scripts/finetune_demo_functions.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "python3 scripts/demo_model/finetune_demo_functions.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "args": vars(args), "train_files": len(train_files), "functions": n_funcs, "documents": n_docs,
         "docstrings_stripped": n_stripped, "self_contained_functions": n_self,
         "heldout_files_here": {"before": before, "after": after},

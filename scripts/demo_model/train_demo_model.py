@@ -17,9 +17,9 @@ Steps (all seeded; the data depends on what is installed on the machine that run
      README.md model card, heldout_prompts.json, metrics.json).
 
 Example (GPU; the shipped checkpoint's exact command is in its README.md):
-  python3 scripts/train_demo_model.py --out gyrfalcon/assets/demo-model
+  python3 scripts/demo_model/train_demo_model.py --out gyrfalcon/assets/demo-model
 Quick smoke test (CPU, seconds):
-  python3 scripts/train_demo_model.py --out /tmp/dm --device cpu --steps 20 --max-corpus-mb 4 \
+  python3 scripts/demo_model/train_demo_model.py --out /tmp/dm --device cpu --steps 20 --max-corpus-mb 4 \
       --tok-train-mb 2 --vocab-size 1024 --hidden-size 64 --layers 2 --heads 2 --kv-heads 1 \
       --head-dim 32 --intermediate-size 128 --seq-len 128 --batch-size 8
 """
@@ -865,7 +865,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
-        "command": "python3 scripts/train_demo_model.py " + shlex.join(shown),
+        "command": "python3 scripts/demo_model/train_demo_model.py " + shlex.join(shown),
         "out_dir_used": str(out),
     }
     meta["total_seconds"] = round(time.time() - T0, 1)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Retrain the demo model (gyrfalcon/assets/demo-model) on one GPU in one device call: the first stage
-# (scripts/train_demo_model.py, the model card's command) and then the second (scripts/finetune_demo_functions.py:
+# (scripts/demo_model/train_demo_model.py, the model card's command) and then the second (scripts/demo_model/finetune_demo_functions.py:
 # whole top-level functions, on the GPU, many more steps than its CPU run). Nothing here touches the shipped
 # model; the result comes back under $OUT.
 #
 # Run from the repo root on the GPU machine, with $OUT set (an empty folder whose files come back):
-#   bash scripts/gpu_demo_train.sh
+#   bash scripts/demo_model/gpu_demo_train.sh
 # Wall time with the defaults: stage 1 ~310-330 s (its own deadline: STAGE1_TOTAL_MINUTES), stage 2 ~40-60 s of
 # data preparation (file reading, parallel parsing, tokenizing) + at most STAGE2_MINUTES of training + ~15 s of
 # evaluation and saving, packing a few s: ~420-480 s, never past BUDGET (530 s): stage 2's training is shortened
@@ -22,8 +22,8 @@
 # Reassemble and evaluate here, on CPU (D = the call's files_at folder):
 #   cat "$D"/demo-model.tar.gz.part-* | sha256sum     # = the log's last "sha256" line
 #   mkdir -p /tmp/dm-gpu && cat "$D"/demo-model.tar.gz.part-* | tar xz -C /tmp/dm-gpu
-#   python3 scripts/finetune_demo_functions.py --model /tmp/dm-gpu/dm-stage2 --eval-only --device cpu --threads 2
-#   python3 scripts/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --eval-only --device cpu --threads 2
+#   python3 scripts/demo_model/finetune_demo_functions.py --model /tmp/dm-gpu/dm-stage2 --eval-only --device cpu --threads 2
+#   python3 scripts/demo_model/finetune_demo_functions.py --model gyrfalcon/assets/demo-model --eval-only --device cpu --threads 2
 #       (the shipped model, the same held-out files and procedure: held-out loss, parse check, greedy samples)
 #   GYRFALCON_DEMO_MODEL_DIR=/tmp/dm-gpu/dm-stage2 python3 -m pytest -q -s tests/test_demo_model.py
 #       (the checkpoint tests, the parse rates of transformers and gyrfalcon on CPU, the gyrfalcon parity)
@@ -85,7 +85,7 @@ main() {
   t1=$(awk -v m="$STAGE1_TOTAL_MINUTES" 'BEGIN { printf "%d", m * 60 + 45 }')
   echo "=== stage 1 ($(elapsed) s elapsed; timeout $t1 s)"
   # shellcheck disable=SC2086
-  timeout "$t1" $PYTHON scripts/train_demo_model.py --out "$S1" --compile --max-corpus-mb 400 \
+  timeout "$t1" $PYTHON scripts/demo_model/train_demo_model.py --out "$S1" --compile --max-corpus-mb 400 \
     --minutes "$STAGE1_MINUTES" --total-minutes "$STAGE1_TOTAL_MINUTES" --reserve-seconds "$STAGE1_RESERVE_SECONDS" \
     $STAGE1_EXTRA 2>&1 | tee "$LOGS/stage1.log"
   echo "=== stage 1 exit ${PIPESTATUS[0]} ($(elapsed) s elapsed)"
@@ -105,7 +105,7 @@ main() {
       [ -n "$STAGE2_STEPS" ] && sched="--steps $STAGE2_STEPS"
       echo "=== stage 2 ($(elapsed) s elapsed; $sched; timeout $left s)"
       # shellcheck disable=SC2086
-      timeout "$left" $PYTHON scripts/finetune_demo_functions.py --model "$S1" --out "$S2" --device "$STAGE2_DEVICE" \
+      timeout "$left" $PYTHON scripts/demo_model/finetune_demo_functions.py --model "$S1" --out "$S2" --device "$STAGE2_DEVICE" \
         --strip-docstrings "$STAGE2_STRIP" --batch-size "$STAGE2_BATCH" --lr "$STAGE2_LR" \
         --warmup-steps "$STAGE2_WARMUP" --file-mix "$STAGE2_FILE_MIX" --log-every 100 $sched $STAGE2_EXTRA 2>&1 \
         | tee "$LOGS/stage2.log"
