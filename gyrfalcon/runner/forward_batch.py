@@ -31,9 +31,6 @@ class ForwardBatch:
     max_seq_len: int
     num_seqs: int
     decode_num_splits: Optional[int] = None
-    # Batch-1 decode graphs of few splits: o_proj merges the attention's split partials (no reduce launch;
-    # CudaGraphRunner's merged graph, LlamaAttention.forward).
-    decode_merge_o_proj: bool = False
 
     @property
     def num_tokens(self) -> int:

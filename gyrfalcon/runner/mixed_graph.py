@@ -1,6 +1,5 @@
 """CUDA graphs for the steps that are not pure decode: prefills and chunked prefills (mixed with decode
-tokens) of up to a few hundred tokens, and optionally (GYRFALCON_BUDGET_GRAPH=1, budget_graph_enabled) the
-steps that fill the whole token budget.
+tokens) of up to a few hundred tokens.
 
 Eagerly, such a step launches every layer's kernels from Python: on a slow host (~24 us per launch,
 more for a Triton launch) a 128-token prefill of a 32-layer model spends far longer launching than
@@ -11,16 +10,14 @@ sequence), the sequences past m are empty (query length 0, seq_len 0), and the a
 their grids from these static shapes (paged_attention needs no host-side lengths). The graph ends with
 the gather of the sampled rows, so it returns [b, hidden] and the LM head runs on those rows only.
 
-On by default on a GPU (GYRFALCON_PREFILL_GRAPHS=0 turns it off): on the H200 it cut batch-1 TTFT of a
-128-token prompt from 12.5 to 2.3 ms on Qwen3-0.6B and from 12.4 to 6.0 ms on Llama-3.1-8B
-(benchmarks/results/*-h200-2026-11-30-run{5,6}.json). On a CPU (tests) `run` executes the same padded
-forward eagerly, which checks the padding semantics against the unpadded path.
+Captured on a GPU unless enforce_eager: it cuts batch-1 TTFT of a 128-token prompt several-fold (measured on
+the H200; docs/performance.md). On a CPU (tests) `run` executes the same padded forward eagerly, which checks
+the padding semantics against the unpadded path.
 """
 
 from __future__ import annotations
 
 import bisect
-import os
 from typing import Dict, List, Optional
 
 import torch
@@ -31,25 +28,6 @@ from gyrfalcon.runner.forward_batch import ForwardBatch, HostBatch
 
 MAX_SEQS = 32  # sequences per captured graph of the ladder; a step with more runs eagerly
 MAX_TOKENS = 512  # the top of the token ladder
-# A step padded into the full-budget graph must hold at least this share of its tokens: padding costs GEMM work.
-FULL_STEP_MIN_FRACTION = 0.95
-
-
-def prefill_graphs_enabled() -> bool:
-    return os.environ.get("GYRFALCON_PREFILL_GRAPHS", "1") != "0"
-
-
-def budget_graph_enabled() -> bool:
-    """GYRFALCON_BUDGET_GRAPH=1: also capture one graph of the whole token budget (max_num_batched_tokens tokens,
-    max_num_seqs sequences). A throughput run's mixed steps fill the budget exactly (chunked prefill), and
-    each ran eagerly in 200-280 ms where its kernels alone take ~190 (run 36 vs benchmarks/mixed_step.py,
-    run 35) while the host spent ~170 ms launching a 32-layer step (bench throughput's host time in
-    launch()). Replayed as a graph, the host's launch cost is one call. Its activations stay reserved in the
-    graphs' memory pool beside the eager steps' (a few GB at 8-16k tokens, inside the 1 -
-    gpu_memory_utilization share the KV cache leaves). Measured and left off: the throughput row ran at 9,774
-    tok/s with it against 9,795 without (run 39, one call): the host's wait in launch() is not host cost (the
-    step is about its GPU time), so a single launch does not shorten it."""
-    return os.environ.get("GYRFALCON_BUDGET_GRAPH", "0") == "1"
 
 
 def token_sizes(max_num_batched_tokens: int, top: int = MAX_TOKENS) -> List[int]:
@@ -144,12 +122,6 @@ class MixedGraphRunner:
         self.device = device
         self.sizes = token_sizes(max_num_batched_tokens, MAX_TOKENS)
         self.max_seqs = min(MAX_SEQS, max_num_seqs)
-        # The full-budget graph (budget_graph_enabled): its own size past the ladder, room for every sequence.
-        full = budget_graph_enabled() and max_num_batched_tokens > self.sizes[-1]
-        self.full_tokens = max_num_batched_tokens if full else 0
-        self.full_seqs = max_num_seqs
-        if self.full_tokens:
-            self.sizes.append(self.full_tokens)
         seqs = max(self.seqs_for(t) for t in self.sizes)
         self.inputs = MixedInputs(self.sizes[-1], seqs, -(-max_model_len // block_size), device)
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
@@ -158,7 +130,7 @@ class MixedGraphRunner:
 
     def seqs_for(self, t: int) -> int:
         """Sequences the graph of t tokens has room for."""
-        return self.full_seqs if t == self.full_tokens else min(t, self.max_seqs)
+        return min(t, self.max_seqs)
 
     def prepare(self, t: int):
         """(ForwardBatch over the static inputs of t tokens, every sequence empty as during capture, the step a
@@ -176,14 +148,11 @@ class MixedGraphRunner:
 
     def size_for(self, num_tokens: int, num_seqs: int) -> Optional[int]:
         """The graph a step of these counts replays (None: it runs eagerly): the smallest ladder size that
-        holds it, else the full-budget graph if the step fills at least FULL_STEP_MIN_FRACTION of it."""
+        holds it."""
         n = max(num_tokens, 1)
         for t in self.sizes[bisect.bisect_left(self.sizes, n):]:
-            if num_seqs > self.seqs_for(t):
-                continue
-            if t == self.full_tokens and n < FULL_STEP_MIN_FRACTION * t:
-                return None
-            return t
+            if num_seqs <= self.seqs_for(t):
+                return t
         return None
 
     def can_run(self, sched_reqs) -> bool:

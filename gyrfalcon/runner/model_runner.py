@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import random
 import threading
 import time
@@ -16,10 +15,10 @@ import torch
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.models.loader import load_model
-from gyrfalcon.runner.cuda_graph import CudaGraphRunner, graph_logits_enabled, side_stream_copies
+from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
-from gyrfalcon.runner.mixed_graph import MixedGraphRunner, budget_graph_enabled, prefill_graphs_enabled
-from gyrfalcon.runner.precompile import parallel_compile_enabled, precompile
+from gyrfalcon.runner.mixed_graph import MixedGraphRunner
+from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -53,11 +52,8 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     """Begin creating the CUDA context in a background thread when `device` ("cuda", or "auto" on a machine with
     a GPU) will need one, so that it overlaps what precedes the runner (transformers' import and the config,
     the tokenizer); returns the thread, or None. Nothing waits for it: the runner's first CUDA call finds the
-    context made, or blocks in torch's lazy CUDA init until it is (that init is locked).
-    GYRFALCON_EARLY_DEVICE_INIT=0 leaves the context to the runner (not yet timed on the GPU machine: the
-    startup phases of bench latency / throughput show device_init and the rest)."""
-    if device not in ("auto", "cuda") or os.environ.get("GYRFALCON_EARLY_DEVICE_INIT", "1") == "0" \
-            or not torch.cuda.is_available():
+    context made, or blocks in torch's lazy CUDA init until it is (that init is locked)."""
+    if device not in ("auto", "cuda") or not torch.cuda.is_available():
         return None
 
     def init():
@@ -70,35 +66,17 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     return t
 
 
-def blas_backend() -> Optional[str]:
-    """torch's BLAS back end for the model's GEMMs, GYRFALCON_BLAS=cublas|cublaslt (default: torch's own choice,
-    None). The back ends' heuristics pick different kernels for one shape; the experiment is decode-sized M,
-    where cuBLAS ran a throughput run's GEMMs at ~550 TFLOP/s (288 decoders, mixed_step.py run 35) against
-    ~740 at prefill sizes. Measured (H200, run 42, prefill_gemm_m.py --blas, Llama-3.1-8B's layer GEMMs at M
-    64-512): cuBLASLt no faster than cuBLAS at any M (e.g. 384 rows 0.303 vs 0.301 ms, 288 rows 0.286 vs 0.278),
-    so the default stays; kept as the switch for other GPUs and torch versions."""
-    env = os.environ.get("GYRFALCON_BLAS", "").lower()
-    if env in ("", "default"):
-        return None
-    if env not in ("cublas", "cublaslt"):
-        raise ValueError(f"GYRFALCON_BLAS={env!r}: expected 'cublas' or 'cublaslt'")
-    return env
-
-
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     """One zeroed cache [num_blocks, block_size, num_kv_heads, head_dim]. The kernels address it through its
     strides; a [blocks, kv heads, block_size, head_dim] store (each kv head's block slice contiguous) measured
-    no faster on the H200 (run 42: decode attention over a whole pool's scattered blocks at 100-107% of the
-    4.15 TB/s figure either way, the throughput row 10,198 vs 10,163 tok/s, Llama-8B b64 5.365 vs 5.332 ms), so
-    that option (GYRFALCON_KV_LAYOUT=hnd, session 12) was removed again."""
+    no faster on the H200."""
     return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
     """The largest step a startup runs eagerly (ModelRunner's activation profile): one prompt of n tokens
-    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows.
-    benchmarks/startup_compiles.py runs it too."""
+    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows."""
     blocks = -(-n // block_size)
     fb = ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.int64, device=device),
@@ -125,9 +103,6 @@ class ModelRunner:
         clock = self._phase_clock()
         if self.device.type == "cuda":
             torch.zeros(1, device=self.device)  # the CUDA context, apart from the load
-            blas = blas_backend()
-            if blas:  # process-wide, as torch's setting is; before any GEMM runs or is captured
-                torch.backends.cuda.preferred_blas_library(blas)
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
         clock("load")
@@ -152,20 +127,19 @@ class ModelRunner:
             # Two pinned buffers: a step copies its tokens into one while the host reads the other.
             self._pinned = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._pinned_turn = 0
-            # side_stream_copies: the sampled tokens go to the host on their own stream, after an event on the
-            # compute stream, so the copy does not sit between this step's argmax and the next step's kernels.
-            self._d2h_stream = torch.cuda.Stream(self.device) if side_stream_copies() else None
+            # The sampled tokens go to the host on their own stream, after an event on the compute stream, so
+            # the copy does not sit between this step's argmax and the next step's kernels.
+            self._d2h_stream = torch.cuda.Stream(self.device)
             self._sampled_event = torch.cuda.Event()  # reused: the side stream's wait takes its latest record
         self.graph_runner: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
-                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
-                with_logits=graph_logits_enabled())
+                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled)
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if self.device.type == "cuda" and not config.enforce_eager and prefill_graphs_enabled():
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
@@ -217,10 +191,6 @@ class ModelRunner:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak()
-        if not self.config.enforce_eager and prefill_graphs_enabled() and budget_graph_enabled():
-            # The full-budget prefill graph keeps a step's activations in its pool for good, beside the eager
-            # steps' own: room for both.
-            peak *= 2
         budget = total * cc.gpu_memory_utilization - (total - free) - peak
         if budget < self.bytes_per_block:
             raise RuntimeError(
@@ -238,8 +208,7 @@ class ModelRunner:
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
                   for _ in range(self.num_layers)]
         step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
-        if parallel_compile_enabled():  # its kernels compile in threads first (runner/precompile.py)
-            precompile([step])
+        precompile([step])  # its kernels compile in threads first (runner/precompile.py)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         step()
@@ -263,12 +232,11 @@ class ModelRunner:
         if batch.is_empty:
             return handle
         sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
-        logits = greedy = None
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(batch.reqs)
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
             # Every decode row samples.
-            hidden, logits, greedy = self.graph_runner.run(batch.reqs, self.last_rows)
+            hidden = self.graph_runner.run(batch.reqs, self.last_rows)
         elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(batch.reqs):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(batch.reqs, self.block_size, self.last_rows))
@@ -286,16 +254,12 @@ class ModelRunner:
                 handle.event.record()
             return handle
         # Logits in the weights' dtype: a greedy argmax or a bare draw needs no fp32 copy, and the Sampler
-        # makes one where it does need it (GYRFALCON_FP32_LOGITS=1: always fp32, as before).
-        if logits is None:
-            logits = self.model.compute_logits(hidden, fp32=os.environ.get("GYRFALCON_FP32_LOGITS") == "1")
+        # makes one where it does need it.
+        logits = self.model.compute_logits(hidden, fp32=False)
         n = logits.shape[0]
         if self._plain_greedy(sample_reqs):
-            if greedy is not None:
-                handle.sampled = greedy  # sampled and written to last_sampled inside the graph
-            else:
-                handle.sampled = greedy_argmax(logits)  # the common case: no metadata
-                self.last_sampled[:n].copy_(handle.sampled)
+            handle.sampled = greedy_argmax(logits)  # the common case: no metadata
+            self.last_sampled[:n].copy_(handle.sampled)
         else:
             out = self.sampler(logits, self._sampling_metadata(sample_reqs))
             handle.sampled, handle.sampler_out = out.sampled, out
@@ -305,18 +269,13 @@ class ModelRunner:
             self._pinned_turn ^= 1
             handle.host = self._pinned[self._pinned_turn][:n]
             handle.event = torch.cuda.Event()
-            if self._d2h_stream is None or greedy is not None:
-                # (greedy from the graph is its static output, which the next replay overwrites: copied in order)
+            self._sampled_event.record()
+            self._d2h_stream.wait_event(self._sampled_event)
+            with torch.cuda.stream(self._d2h_stream):
                 handle.host.copy_(handle.sampled, non_blocking=True)
-                handle.event.record()
-            else:
-                self._sampled_event.record()
-                self._d2h_stream.wait_event(self._sampled_event)
-                with torch.cuda.stream(self._d2h_stream):
-                    handle.host.copy_(handle.sampled, non_blocking=True)
-                    handle.event.record(self._d2h_stream)
-                # The allocator must not hand the tokens' memory to the compute stream before the copy ran.
-                handle.sampled.record_stream(self._d2h_stream)
+                handle.event.record(self._d2h_stream)
+            # The allocator must not hand the tokens' memory to the compute stream before the copy ran.
+            handle.sampled.record_stream(self._d2h_stream)
         return handle
 
     def complete(self, handle: StepHandle) -> RunnerOutput:

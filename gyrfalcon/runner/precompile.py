@@ -3,11 +3,8 @@
 Capturing a ladder runs each size's step once eagerly first (cuda_graph._capture), and the first launch
 of each kernel variant compiles it on the calling thread (MLIR passes, LLVM, ptxas), then builds its
 launcher (Triton 3.6, the GPU machine's: a C extension per argument signature, through the C compiler),
-one variant after another. On the GPU machine's host with an empty Triton cache that is most of a cold
-start: Llama-3.1-8B with 384 sequences started in 32.6 s on a fresh machine, 14.0 s in the next run of the
-same call, its cache warm (benchmarks/results/throughput_*-h200-2026-12-01-run36.json). A startup compiles
-33 variants (benchmarks/startup_compiles.py counts them on a CPU: 5 in the activation profile's prefill, 24
-in the decode ladder, 4 in the one-split and prefill ladders).
+one variant after another. With an empty Triton cache that is most of a cold start: a startup compiles a few
+dozen variants (the activation profile's prefill, the decode ladder, the one-split and prefill ladders).
 
 Here each step runs once with each Triton launch turned into a compile-only warmup inside
 triton.AsyncCompileMode, which hands the compiles to a thread pool (Triton's compiler passes release the
@@ -15,11 +12,8 @@ GIL, ptxas is a subprocess); leaving the block waits for them all, then the new 
 built in the same pool, and the phase's own eager run finds every variant compiled and its launcher in the
 cache. The steps' torch ops run as usual, on whatever the Triton outputs hold: a graph step reads nothing
 back on the host. The activation profile (model_runner) and each graph ladder (cuda_graph.capture_ladder)
-precompile this way.
-
-On by default (GYRFALCON_PARALLEL_COMPILE=0 turns it off): with an empty Triton cache, Llama-3.1-8B's startup
-took 21.9 / 22.6 s with it against 33.7 / 33.3 s without, ABAB in one call on the H200 (run 40, gpu_check
-coldstart; decode graphs' capture 8.1-8.6 s against 17.0-17.5 s); greedy tokens matched transformers with it.
+precompile this way. With an empty Triton cache it cuts a cold start by about a third (measured on the
+H200; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,10 +29,6 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 
 logger = logging.getLogger(__name__)
-
-
-def parallel_compile_enabled() -> bool:
-    return os.environ.get("GYRFALCON_PARALLEL_COMPILE", "1") == "1"
 
 
 @contextlib.contextmanager
@@ -108,7 +98,7 @@ def precompile(steps: Iterable[Callable], workers: Optional[int] = None, launche
     """Run each step with its Triton launches as compile-only warmups, the compiles, then the new kernels'
     launchers, spread over `workers` threads (default: the CPU count, at most 16). Returns {"steps",
     "kernels" (compiled or found), "launchers" (built), "compile_s", "launcher_s", "seconds"}. launcher_cls:
-    the driver's (tests and benchmarks/startup_compiles.py pass their own)."""
+    the driver's (tests pass their own)."""
     import triton
 
     t0 = time.perf_counter()

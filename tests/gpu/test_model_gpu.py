@@ -13,22 +13,23 @@ if not torch.cuda.is_available():
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from gyrfalcon import LLM, SamplingParams  # noqa: E402
+from gyrfalcon import LLM, SamplingParams, envs  # noqa: E402
 from gyrfalcon.bench.common import random_prompts  # noqa: E402
 from gyrfalcon.bench.make_checkpoint import make_checkpoint  # noqa: E402
 from gyrfalcon.engine.request import Request  # noqa: E402
 from gyrfalcon.engine.scheduler import ScheduledRequest  # noqa: E402
 from gyrfalcon.forward_context import forward_context  # noqa: E402
+from gyrfalcon.runner import cuda_graph  # noqa: E402
 from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
 
 STEPS = 32
 # A fixed KV cache (4 prompts of <= 132 tokens need ~40 blocks): the tests do not depend on how much of
 # the card an earlier test's engine or reference model still holds; memory planning is exercised by the
-# benchmarks in scripts/gpu_check.sh.
+# benchmarks (scripts/gpu/).
 BLOCKS = dict(num_gpu_blocks_override=256)
 # GYRFALCON_GEMV_ROWS_SHAPES of the gemv-rows mode: Llama-3.1-8B's down_proj, qkv and o_proj (split-K 2)
 GEMV_ROWS_LLAMA = "4096x14336=32,512,4,4,1;6144x4096=64,128,4,6,1;4096x4096=32,512,4,4,2"
-# GYRFALCON_GEMV_WIDE_ROWS_SHAPES of the wide-rows mode: Llama-3.1-8B's down_proj at run 90's best 64-row launch shape,
+# GYRFALCON_GEMV_WIDE_ROWS_SHAPES of the wide-rows mode: Llama-3.1-8B's down_proj at another 64-row launch shape,
 # o_proj split-K 2
 GEMV_WIDE_ROWS_LLAMA = "4096x14336=32,256,4,4,1;4096x4096=32,256,4,4,2"
 
@@ -66,33 +67,26 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "graph-logits", "prefill-graphs", "pdl", "unfused-prep",
-                                  "merge-o-proj", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits", "inline-copies",
+@pytest.mark.parametrize("mode", ["graphs", "eager", "pdl", "unfused-prep", "cublas-rows", "merge-in-kernel",
+                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits",
                                   "one-pass-b1", "gemv-rows", "wide-rows", "pdl-plain"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
-    graph-logits: the LM head and greedy argmax inside the decode graph (GYRFALCON_GRAPH_LOGITS=1);
-    prefill-graphs: prefills replayed as padded graphs too (GYRFALCON_PREFILL_GRAPHS=1);
+    graphs: decode steps and prefills replayed as CUDA graphs (every mode but eager);
     pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1);
     unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
-    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch);
-    merge-o-proj: batch-1 decode steps of up to 256 tokens of context replay the merged graph, 2 attention
-    splits merged inside o_proj's GEMV, with PDL (GYRFALCON_B1_MERGED_SPLITS=2); cublas-rows: o_proj and
+    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch); cublas-rows: o_proj and
     down_proj of decode batches of 2-16 rows through cuBLAS instead of gyrfalcon's tensor-core path
     (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is 16); merge-in-kernel: the attention splits merged by their
     last program at every batch (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences);
-    short-graph: decode steps replay the one-split graphs at every context (GYRFALCON_SHORT_GRAPH_CONTEXT=512:
-    every context here fits;
-    the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
+    short-graph: decode steps replay the one-split graphs at every context (cuda_graph.SHORT_GRAPH_CONTEXT
+    patched to 512: every context here fits; the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
     stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); long-splits: every decode
     attention launch covers at least 256 keys a split (GYRFALCON_DECODE_MIN_PART=256; by default only launches of
-    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); inline-copies: the decode
-    steps' input copy and the sampled tokens' copy back in the compute stream (GYRFALCON_SIDE_STREAM_COPIES=0; every
-    other mode runs them on side streams, the default since run 69); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
+    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
     the norm's rstd after the dot even where the row spans several tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by
     default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; gemv-rows: batches of
     2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at other launch shapes than the default ROWS_SHAPES
@@ -105,7 +99,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     GYRFALCON_GEMV_PEEL=0)."""
     path, refs = ckpt
     enforce_eager = mode == "eager"
-    one_at_a_time = mode in ("pdl", "merge-o-proj", "one-pass-b1")  # batch-1 paths
+    one_at_a_time = mode in ("pdl", "one-pass-b1")  # batch-1 paths
     plain = mode == "pdl-plain"
     monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time or plain else "0")
     monkeypatch.setenv("GYRFALCON_PDL_ROWS", "8" if plain else "1")
@@ -123,19 +117,14 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
     else:  # the default: one pass where one tile spans a row of <= 1024 inputs
         monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", "1" if mode == "graph-logits" else "0")
-    monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1" if mode == "prefill-graphs" else "0")
     monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if mode == "merge-o-proj" else "0")
     monkeypatch.setenv("GYRFALCON_SKINNY_GEMM_ROWS", "128" if mode == "skinny-gemm" else "0")
     if mode == "cublas-rows":
         monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
     else:
         monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    if mode == "short-graph":
-        monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "512")
-    else:  # the default (128 tokens): the first steps of short prompts replay the one-split graphs
-        monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
+    if mode == "short-graph":  # (the default, 128 tokens: the first steps of short prompts replay them)
+        monkeypatch.setattr(cuda_graph, "SHORT_GRAPH_CONTEXT", 512)
     if mode == "merge-in-kernel":
         monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
     else:
@@ -145,33 +134,28 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
         monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "256")
     else:
         monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
-    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0" if mode == "inline-copies" else "1")
+    envs.refresh()
     chunk = dict(max_num_batched_tokens=64) if mode == "wide-rows" else {}
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS, **chunk)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
-    if mode == "graph-logits":
-        assert llm.engine.runner.graph_runner.with_logits
     if mode == "short-graph":
         assert llm.engine.runner.graph_runner.short_graphs
-    if mode == "merge-o-proj":
-        gr = llm.engine.runner.graph_runner
-        assert gr.merged_splits == 2 and 1 in gr.short_graphs
     assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
     layer0 = llm.engine.runner.model.model.layers[0]
     assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
     assert layer0.mlp.gate_up_proj.small_m_rows == 1
     llama = layer0.self_attn.qkv_proj.weight.shape == (6144, 4096)
     assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama and mode != "cublas-rows" else 1)
-    # Llama-3.1-8B's down_proj is in WIDE_ROWS_SHAPES (since run 106): on the GEMV kernel up to 64 rows in every mode,
+    # Llama-3.1-8B's down_proj is in WIDE_ROWS_SHAPES: on the GEMV kernel up to 64 rows in every mode,
     # cublas-rows included (a shape of its own overrides GYRFALCON_SMALL_M_PLAIN_ROWS)
     assert layer0.mlp.down_proj.small_m_rows == (64 if llama else 1 if mode == "cublas-rows" else 16)
     assert layer0.self_attn.o_proj.small_m_rows == (64 if llama and mode == "wide-rows" else
                                                     1 if mode == "cublas-rows" else 16)
-    assert (llm.engine.runner.mixed_graph_runner is not None) == (mode == "prefill-graphs")
-    assert (llm.engine.runner._d2h_stream is not None) == (mode != "inline-copies")
+    assert (llm.engine.runner.mixed_graph_runner is None) == enforce_eager
+    assert llm.engine.runner._d2h_stream is not None
     if not enforce_eager:
-        assert (llm.engine.runner.graph_runner.inputs._copy_stream is not None) == (mode != "inline-copies")
+        assert llm.engine.runner.graph_runner.inputs._copy_stream is not None
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
     if one_at_a_time:  # batch-1 decode paths: one request at a time
@@ -184,12 +168,10 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "merged-b1", "one-pass-b1", "wide-tile"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "one-pass-b1", "wide-tile"])
 def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
-    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once.
-    merged-b1: one request at a time through the merged batch-1 graph (2 splits merged in o_proj's whole-row
-    GEMV under PDL, GYRFALCON_B1_MERGED_SPLITS=2), the bf16 launch shapes that fp32 does not take. one-pass-b1: one
+    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once. one-pass-b1: one
     request at a time, every batch-1 qkv / gate_up GEMV scaling by the norm's rstd after the dot
     (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's. wide-tile: the
     prompts twice over, a batch of 8 (64 programs at 8 kv heads) whose contexts of <= 132 tokens replay the
@@ -198,21 +180,17 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
     that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
     path, refs = ckpt
-    merged = mode == "merged-b1"
-    one_at_a_time = mode in ("merged-b1", "one-pass-b1")
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2" if merged else "0")
+    one_at_a_time = mode == "one-pass-b1"
     if mode == "one-pass-b1":
         monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
     else:  # the default: one pass where one tile spans a row of <= 1024 inputs
         monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
     if one_at_a_time:
         monkeypatch.setenv("GYRFALCON_PDL", "1")
-    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
+    envs.refresh()
     llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    if merged:
-        assert llm.engine.runner.graph_runner.merged_splits == 2
     if mode == "wide-tile":
         rows = rows * 2
         gr = llm.engine.runner.graph_runner
@@ -258,6 +236,7 @@ def test_pdl_bf16_tokens_identical(ckpt, monkeypatch):
     got = {}
     for pdl in ("serial", "1"):
         monkeypatch.setenv("GYRFALCON_PDL", pdl)
+        envs.refresh()
         llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, **BLOCKS)
         got[pdl] = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0].outputs[0].token_ids
                     for r in rows]
@@ -288,24 +267,6 @@ def test_prefill_logits_close(ckpt):
             (err.max().item(), err.mean().item(), scale)
 
 
-def test_graph_logits_sampling_matches_eager_logits(ckpt, monkeypatch):
-    """Seeded sampling and logprobs read the logits the decode graph computed: the same draws as when
-    the LM head runs after the graph (fp32)."""
-    path, _ = ckpt
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 40, 1000, 1)]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True, logprobs=2)
-              for s in (1, 2, 3)]
-    results = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("GYRFALCON_GRAPH_LOGITS", flag)
-        llm = LLM(str(path), dtype="float32", max_model_len=1024, max_num_seqs=8, **BLOCKS)
-        assert llm.engine.runner.graph_runner.with_logits == (flag == "1")
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        results.append([(o.outputs[0].token_ids, [sorted(e) for e in o.outputs[0].logprobs]) for o in outs])
-        del llm
-    assert results[0] == results[1]
-
-
 def test_prompt_logprobs_and_logit_bias_fp32(ckpt):
     """prompt_logprobs against transformers' prompt logits (fp32), and logit_bias forcing a token, on the
     GPU paths (prompt-scoring steps run eagerly; the forced decode runs in the graphs)."""
@@ -324,29 +285,3 @@ def test_prompt_logprobs_and_logit_bias_fp32(ckpt):
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100}),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [forced] * 6
-
-
-def test_full_budget_graph_tokens_match_eager_fp32(ckpt, monkeypatch):
-    """GYRFALCON_BUDGET_GRAPH=1: steps that fill (>= 95% of) a 1,024-token budget, prompt chunks beside
-    decodes, replay the full-budget prefill graph; greedy tokens identical to the eager engine's in fp32."""
-    path, _ = ckpt
-    prompts = random_prompts(24, 300, 100000, 1)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=64,
-              num_gpu_blocks_override=1024)
-    want = LLM(str(path), enforce_eager=True, **kw).generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                             use_tqdm=False)
-    monkeypatch.setenv("GYRFALCON_BUDGET_GRAPH", "1")
-    monkeypatch.setenv("GYRFALCON_PREFILL_GRAPHS", "1")
-    llm = LLM(str(path), **kw)
-    mg = llm.engine.runner.mixed_graph_runner
-    assert mg.full_tokens == 1024 and 1024 in mg.graphs
-    used = []
-    run = mg.run
-    mg.run = lambda hb: used.append(mg.size_for(hb.num_tokens, hb.num_seqs)) or run(hb)
-    got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert used.count(1024) >= 3, used
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks

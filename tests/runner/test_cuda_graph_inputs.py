@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gyrfalcon import envs
 from gyrfalcon.engine.request import Request
 from gyrfalcon.engine.scheduler import ScheduledRequest
 from gyrfalcon.runner.cuda_graph import DecodeInputs, capture_sizes, padded_size
@@ -45,14 +46,7 @@ def _decode_reqs(block_size):
     return reqs
 
 
-@pytest.fixture(params=["1", "0"], ids=["bt-columns", "bt-rows"])
-def bt_layout(request, monkeypatch):
-    """Both layouts of the decode graphs' block table (GYRFALCON_DECODE_BT_COLUMNS; rows by default)."""
-    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", request.param)
-    return request.param
-
-
-def test_decode_inputs_match_eager_forward_batch(bt_layout):
+def test_decode_inputs_match_eager_forward_batch():
     bs = 4
     sched = _decode_reqs(bs)
     eager = build_forward_batch(sched, bs, torch.device("cpu"))
@@ -72,35 +66,14 @@ def test_decode_inputs_match_eager_forward_batch(bt_layout):
     assert fb.slot_mapping[3].item() == -1 and fb.seq_lens[3].item() == 0
 
 
-def test_decode_block_table_is_column_major_and_sent_up_to_the_widest_row(monkeypatch):
-    """GYRFALCON_DECODE_BT_COLUMNS=1: the graphs read a [b, W] view with strides (1, B); a step copies the first
-    w columns (w: its widest row), w * B entries, not b * W: the device entries past them keep what they held."""
-    monkeypatch.setenv("GYRFALCON_DECODE_BT_COLUMNS", "1")
-    bs = 4
-    sched = _decode_reqs(bs)  # rows of 2, 5 and 3 blocks
-    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
-    inputs.raw.view(torch.int32).fill_(-7)
-    inputs.fill(sched, 4, bs)
-    fb = inputs.views(4)
-    assert inputs.columns and fb.block_tables.shape == (4, 6) and fb.block_tables.stride() == (1, 8)
-    flat = inputs.i32[2 * 8 + 1:]
-    w = max(len(sr.request.block_ids) for sr in sched)
-    # (the copy is in int64 words: one int32 past the prefix may come along)
-    assert w == 5 and (flat[w * 8 + 1:] == -7).all() and not (flat[:w * 8] == -7).any()
-    for i, sr in enumerate(sched):
-        assert flat[i:w * 8:8][:len(sr.request.block_ids)].tolist() == sr.request.block_ids
-
-
-def test_row_major_block_table_by_default(monkeypatch):
-    """By default (and with GYRFALCON_DECODE_BT_COLUMNS=0) the table is row-major, [b, W] with strides (W, 1),
-    sent whole."""
-    monkeypatch.delenv("GYRFALCON_DECODE_BT_COLUMNS", raising=False)
+def test_row_major_block_table():
+    """The table is row-major, [b, W] with strides (W, 1), its b rows sent whole."""
     sched = _decode_reqs(4)
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
     inputs.raw.view(torch.int32).fill_(-7)
     inputs.fill(sched, 4, 4)
     fb = inputs.views(4)
-    assert not inputs.columns and fb.block_tables.stride() == (6, 1)
+    assert fb.block_tables.stride() == (6, 1)
     for i, sr in enumerate(sched):
         assert fb.block_tables[i, :len(sr.request.block_ids)].tolist() == sr.request.block_ids
     assert not (inputs.i32[2 * 8 + 1:2 * 8 + 1 + 4 * 6] == -7).any()  # all b rows, full width
@@ -118,8 +91,8 @@ def test_decode_inputs_reuse_clears_old_rows():
 @pytest.mark.parametrize("impl", ["triton", "ref"])
 def test_fresh_decode_inputs_never_read_last_sampled(impl):
     """Before any fill (what the captures' warm-up steps see) no row is pending: the embedding reads input_ids, not
-    last_sampled, which a compile-only warm-up may have left holding garbage (with the LM head and argmax in the
-    graph, a Triton argmax that never ran: an out-of-range token id, an illegal memory access on the GPU)."""
+    last_sampled, which may hold garbage before the first step (an out-of-range token id would be an illegal
+    memory access on the GPU)."""
     from gyrfalcon.kernels.embedding import embedding_with_pending_ref, embedding_with_pending_triton
 
     embed = embedding_with_pending_triton if impl == "triton" else embedding_with_pending_ref
@@ -152,13 +125,11 @@ def test_decode_inputs_mark_tokens_still_on_the_device():
     assert fb.positions[1].item() == r.num_tokens and fb.seq_lens[1].item() == r.num_tokens + 1
 
 
-@pytest.mark.parametrize("with_logits", [False, True], ids=["hidden", "logits-in-graph"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("fold", ["0", "1"], ids=["norms", "folded-norms"])
-def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, async_scheduling, bt_layout, fold,
-                                                   monkeypatch):
+def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, async_scheduling, fold, monkeypatch):
     """The decode-graph step (static inputs padded to the ladder, tokens still in flight gathered from
-    last_sampled inside the step, optionally the LM head and greedy argmax too), run eagerly on a CPU:
+    last_sampled inside the step), run eagerly on a CPU:
     the same tokens and logprobs as the eager path, greedy and seeded sampling alike; also with the norms
     folded (GYRFALCON_FOLD_NORMS=1: the padding rows' residual stream is added into in place too)."""
     from gyrfalcon import LLM
@@ -175,8 +146,7 @@ def test_padded_decode_step_gives_the_eager_tokens(qwen3_ckpt, with_logits, asyn
     want = LLM(str(qwen3_ckpt), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(qwen3_ckpt), **kw)
     r = llm.engine.runner
-    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 5, 128, r.block_size, r.device, r.last_sampled,
-                                     with_logits=with_logits)
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 5, 128, r.block_size, r.device, r.last_sampled)
     calls = []
     run = r.graph_runner.run
     r.graph_runner.run = lambda reqs, rows=None: calls.append(len(reqs)) or run(reqs, rows)
@@ -207,6 +177,7 @@ def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, wan
     from gyrfalcon.kernels import _common
 
     monkeypatch.setenv("GYRFALCON_PDL", mode)
+    envs.refresh()
     captured = []
 
     def fake_capture(fb, step, kv_caches, pool):
@@ -215,7 +186,7 @@ def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, wan
         return _FakeGraph(name), name
 
     monkeypatch.setattr(cg, "_capture", fake_capture)
-    monkeypatch.setenv("GYRFALCON_PARALLEL_COMPILE", "0")  # the fake steps have no kernels to precompile
+    monkeypatch.setattr(cg, "precompile", lambda steps: None)  # the fake steps have no kernels to precompile
     monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
     timed = []
     monkeypatch.setattr(cg, "time_replays", lambda graphs: timed.append([g.name for g in graphs]) or list(ms))
@@ -253,41 +224,37 @@ def test_set_context_points_rows_at_one_token_and_restores():
 
 
 def test_short_graph_ladder_and_choice(monkeypatch):
-    """GYRFALCON_SHORT_GRAPH_CONTEXT=N: the sizes up to SHORT_GRAPH_MAX_BATCH get a one-split ladder; a
-    batch replays it when every context (start + 1) fits N tokens. N is 128 by default; 0 turns it off, and
-    so does an N that does not fall short of max_model_len."""
+    """The sizes up to SHORT_GRAPH_MAX_BATCH get a one-split ladder; a batch replays it when every context
+    (start + 1) fits SHORT_GRAPH_CONTEXT (128) tokens; none when max_model_len is not longer than that."""
     from types import SimpleNamespace
 
-    from gyrfalcon.runner.cuda_graph import SHORT_GRAPH_MAX_BATCH, CudaGraphRunner
+    import gyrfalcon.runner.cuda_graph as cg
+    from gyrfalcon.runner.cuda_graph import SHORT_GRAPH_CONTEXT, SHORT_GRAPH_MAX_BATCH, CudaGraphRunner
 
     def runner(max_num_seqs=64, max_model_len=1024):
         return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
 
-    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
-    assert runner().short_sizes == [1, 2, 4] and runner().short_context == 128
-    assert runner(max_model_len=128).short_sizes == []
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")
-    assert runner().short_sizes == [] and runner().short_context == 0
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "1024")
-    assert runner().short_sizes == []  # nothing is shorter than max_model_len
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "256")
     r = runner()
-    assert SHORT_GRAPH_MAX_BATCH == 4 and r.short_sizes == [1, 2, 4]
+    assert SHORT_GRAPH_CONTEXT == 128 and SHORT_GRAPH_MAX_BATCH == 4
+    assert r.short_sizes == [1, 2, 4] and r.short_context == 128
+    assert runner(max_model_len=128).short_sizes == []
     reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
-    assert r.uses_short_graph(reqs(0, 255), 2)  # contexts 1 and 256
-    assert not r.uses_short_graph(reqs(0, 256), 2)  # context 257
+    assert r.uses_short_graph(reqs(0, 127), 2)  # contexts 1 and 128
+    assert not r.uses_short_graph(reqs(0, 128), 2)  # context 129
     assert not r.uses_short_graph(reqs(*range(8)), 8)  # no one-split graph of 8
+    monkeypatch.setattr(cg, "SHORT_GRAPH_CONTEXT", 256)  # the limit follows the constant
+    r = runner()
+    assert r.uses_short_graph(reqs(0, 255), 2) and not r.uses_short_graph(reqs(0, 256), 2)
     fb = r.views(2, short=True)
     assert fb.decode_num_splits == 1 and r.views(2).decode_num_splits is None
     assert fb.block_tables.shape == r.views(2).block_tables.shape  # the full table: any context is correct
-    assert not fb.decode_merge_o_proj and not r.views(1, short=True).decode_merge_o_proj
 
 
-def test_wide_tile_one_split_graphs(monkeypatch):
+def test_wide_tile_one_split_graphs():
     """Sizes whose one-split decode attention takes the wide tile (paged_decode_attention.wide_tile_context: 33-128
     (sequence, kv head) programs on a 2-byte cache) get a one-split graph for contexts of up to one 256-key tile,
-    beside the small sizes' 128-token ones; not on an fp32 cache, with GYRFALCON_DECODE_WIDE_TILE=0, or when
-    max_model_len is not longer than the tile."""
+    beside the small sizes' 128-token ones; not on an fp32 cache, or when max_model_len is not longer than the
+    tile."""
     from types import SimpleNamespace
 
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner
@@ -296,9 +263,6 @@ def test_wide_tile_one_split_graphs(monkeypatch):
         kv = [(torch.empty(2, 16, n_kv, 32, dtype=dtype),) * 2]
         return CudaGraphRunner(None, kv, 64, max_model_len, 16, torch.device("cpu"), None)
 
-    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
-    monkeypatch.delenv("GYRFALCON_B1_MERGED_SPLITS", raising=False)
-    monkeypatch.delenv("GYRFALCON_DECODE_WIDE_TILE", raising=False)
     r = runner()
     assert r.short_limits == {1: 128, 2: 128, 4: 128, 8: 256, 16: 256} and r.short_sizes == [1, 2, 4, 8, 16]
     reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
@@ -309,52 +273,15 @@ def test_wide_tile_one_split_graphs(monkeypatch):
     assert runner(n_kv=4).short_limits == {1: 128, 2: 128, 4: 128, 16: 256, 24: 256, 32: 256}
     assert runner(dtype=torch.float32).short_sizes == [1, 2, 4]
     assert runner(max_model_len=256).short_sizes == [1, 2, 4]
-    monkeypatch.setenv("GYRFALCON_DECODE_WIDE_TILE", "0")
-    assert runner().short_sizes == [1, 2, 4]
 
 
-def test_merged_batch1_graph_choice(monkeypatch):
-    """GYRFALCON_B1_MERGED_SPLITS=S: batch 1's second graph splits attention S ways with o_proj merging the
-    splits, up to S * MERGED_SPLIT_TOKENS tokens of context; the other short sizes keep their one-split graphs
-    and limit. It needs a shorter context than max_model_len; values other than 0, 1, 2, 4 are refused."""
-    from types import SimpleNamespace
-
-    from gyrfalcon.runner.cuda_graph import MERGED_SPLIT_TOKENS, CudaGraphRunner
-
-    def runner(max_num_seqs=64, max_model_len=1024):
-        return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
-
-    reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
-    monkeypatch.delenv("GYRFALCON_SHORT_GRAPH_CONTEXT", raising=False)
-    monkeypatch.delenv("GYRFALCON_B1_MERGED_SPLITS", raising=False)
-    assert runner().merged_splits == 0 and runner().short_limits == {1: 128, 2: 128, 4: 128}
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "2")
-    r = runner()
-    assert MERGED_SPLIT_TOKENS == 128 and r.merged_splits == 2
-    assert r.short_limits == {1: 256, 2: 128, 4: 128} and r.short_sizes == [1, 2, 4]
-    assert r.uses_short_graph(reqs(255), 1) and not r.uses_short_graph(reqs(256), 1)
-    assert r.uses_short_graph(reqs(0, 127), 2) and not r.uses_short_graph(reqs(0, 128), 2)
-    fb1, fb2 = r.views(1, short=True), r.views(2, short=True)
-    assert fb1.decode_num_splits == 2 and fb1.decode_merge_o_proj
-    assert fb2.decode_num_splits == 1 and not fb2.decode_merge_o_proj
-    assert not r.views(1).decode_merge_o_proj and r.views(1).decode_num_splits is None
-    monkeypatch.setenv("GYRFALCON_SHORT_GRAPH_CONTEXT", "0")  # the one-split ladder off, the merged graph on
-    assert runner().short_limits == {1: 256}
-    assert runner(max_model_len=256).short_limits == {}  # not shorter than max_model_len
-    monkeypatch.setenv("GYRFALCON_B1_MERGED_SPLITS", "3")
-    with pytest.raises(ValueError, match="GYRFALCON_B1_MERGED_SPLITS"):
-        runner()
-
-
-def _eager_and_graph_runner_tokens(ckpt, monkeypatch, kw, prompts, params, env, probe):
-    """(eager outputs, outputs through a CudaGraphRunner stepping eagerly on the CPU with `env` set, and
-    probe(fb) of every ForwardBatch the runner stepped)."""
+def _eager_and_graph_runner_tokens(ckpt, kw, prompts, params, probe):
+    """(eager outputs, outputs through a CudaGraphRunner stepping eagerly on the CPU, and probe(fb) of every
+    ForwardBatch the runner stepped)."""
     from gyrfalcon import LLM
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 
     want = LLM(str(ckpt), **kw).generate(prompts, params, use_tqdm=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
     llm = LLM(str(ckpt), **kw)
     r = llm.engine.runner
     r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, kw["max_num_seqs"], kw["max_model_len"], r.block_size,
@@ -367,29 +294,19 @@ def _eager_and_graph_runner_tokens(ckpt, monkeypatch, kw, prompts, params, env, 
 
 def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
     """The one-split decode step (run eagerly on a CPU, padded like the graph) for batches whose contexts
-    fit GYRFALCON_SHORT_GRAPH_CONTEXT, the main one past it: the eager path's tokens either way."""
+    fit SHORT_GRAPH_CONTEXT (here lowered to 22 tokens), the main one past it: the eager path's tokens either
+    way."""
+    import gyrfalcon.runner.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "SHORT_GRAPH_CONTEXT", 22)
     kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=5)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want, got, splits = _eager_and_graph_runner_tokens(  # contexts reach 17 + 10 tokens
-        qwen3_ckpt, monkeypatch, kw, prompts, params, {"GYRFALCON_SHORT_GRAPH_CONTEXT": "22"},
-        lambda fb: fb.decode_num_splits)
+        qwen3_ckpt, kw, prompts, params, lambda fb: fb.decode_num_splits)
     assert 1 in splits and None in splits  # both ladders served steps
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-
-
-def test_merged_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
-    """The merged batch-1 graph's step (2 splits; on a CPU the reference attention and o_proj, padded like the
-    graph) up to its 2 * 128 tokens, the main graph past them: the eager path's tokens either way."""
-    kw = dict(block_size=4, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=1)
-    prompts = [{"prompt_token_ids": [(7 * i) % 90 + 3 for i in range(250)]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want, got, seen = _eager_and_graph_runner_tokens(  # contexts reach 250 + 12 tokens
-        qwen3_ckpt, monkeypatch, kw, prompts, params, {"GYRFALCON_B1_MERGED_SPLITS": "2"},
-        lambda fb: (fb.decode_num_splits, fb.decode_merge_o_proj))
-    assert (2, True) in seen and (None, False) in seen  # both graphs served steps
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
@@ -398,6 +315,7 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
     from gyrfalcon.kernels import _common
 
     monkeypatch.setenv("GYRFALCON_PDL", "auto")
+    envs.refresh()
     pools = []
 
     def fake_capture(fb, step, kv_caches, pool):
@@ -406,7 +324,7 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
         return _FakeGraph(name), name
 
     monkeypatch.setattr(cg, "_capture", fake_capture)
-    monkeypatch.setenv("GYRFALCON_PARALLEL_COMPILE", "0")  # the fake steps have no kernels to precompile
+    monkeypatch.setattr(cg, "precompile", lambda steps: None)  # the fake steps have no kernels to precompile
     monkeypatch.setattr(cg, "pdl_possible", lambda t: True)
     monkeypatch.setattr(cg, "time_replays", lambda graphs: pytest.fail("timed a second ladder"))
     monkeypatch.setattr(cg.torch.cuda, "synchronize", lambda: None)
@@ -419,10 +337,9 @@ def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
         assert outputs == {2: "b2-pdl", 1: want} and pools[0] == "main-pool"
 
 
-def test_steps_take_logits_in_the_weights_dtype(qwen3_ckpt, monkeypatch):
+def test_steps_take_logits_in_the_weights_dtype(qwen3_ckpt):
     """The LM head gives bf16 logits for every step (a greedy argmax or a bare Gumbel draw reads them as
-    they are; the Sampler converts where it rewrites, filters or reports); GYRFALCON_FP32_LOGITS=1: fp32.
-    The tokens are the same either way."""
+    they are; the Sampler converts where it rewrites, filters or reports)."""
     from gyrfalcon import LLM
 
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
@@ -430,26 +347,19 @@ def test_steps_take_logits_in_the_weights_dtype(qwen3_ckpt, monkeypatch):
              SamplingParams(temperature=1.0, seed=1, max_tokens=3, ignore_eos=True),
              SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=3, ignore_eos=True),
              SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True)]
-    runs = {}
-    for env in ("0", "1"):
-        monkeypatch.setenv("GYRFALCON_FP32_LOGITS", env)
-        llm = LLM(str(qwen3_ckpt), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
-        model = llm.engine.runner.model
-        seen = []
-        compute = model.compute_logits
+    llm = LLM(str(qwen3_ckpt), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    model = llm.engine.runner.model
+    seen = []
+    compute = model.compute_logits
 
-        def spy(hidden, fp32=True):
-            out = compute(hidden, fp32)
-            seen.append(out.dtype)
-            return out
-        model.compute_logits = spy
-        runs[env] = [llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0] for sp in cases]
-        assert seen and set(seen) == {torch.bfloat16 if env == "0" else torch.float32}
-    for a, b in zip(runs["0"], runs["1"]):
-        assert a.token_ids == b.token_ids
-    lp0, lp1 = runs["0"][3].logprobs, runs["1"][3].logprobs
-    assert [sorted(d) for d in lp0] == [sorted(d) for d in lp1]
-    assert all(d0[t].logprob == d1[t].logprob for d0, d1 in zip(lp0, lp1) for t in d0)
+    def spy(hidden, *args, **kwargs):
+        out = compute(hidden, *args, **kwargs)
+        seen.append(out.dtype)
+        return out
+    model.compute_logits = spy
+    outs = [llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0] for sp in cases]
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(len(o.token_ids) == 3 for o in outs)
 
 
 def test_lm_head_bf16_logits_give_the_fp32_argmax():
@@ -468,16 +378,9 @@ def test_lm_head_bf16_logits_give_the_fp32_argmax():
     assert torch.equal(low.float(), full)
 
 
-def test_side_stream_copies_switch_and_cpu_inputs(monkeypatch):
-    """GYRFALCON_SIDE_STREAM_COPIES (on unless 0) moves a CUDA step's input copy to a side stream; CPU inputs (no
-    pinned staging, no streams) fill as before, and replayed() is a no-op there."""
-    from gyrfalcon.runner.cuda_graph import side_stream_copies
-    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "0")
-    assert not side_stream_copies()
-    monkeypatch.delenv("GYRFALCON_SIDE_STREAM_COPIES", raising=False)
-    assert side_stream_copies()
-    monkeypatch.setenv("GYRFALCON_SIDE_STREAM_COPIES", "1")
-    assert side_stream_copies()
+def test_cpu_inputs_fill_without_streams():
+    """CPU inputs (no pinned staging, no side stream for the copy) fill as on a GPU, and replayed() is a no-op
+    there."""
     sched = _decode_reqs(4)
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=6, device=torch.device("cpu"))
     assert inputs._copy_stream is None

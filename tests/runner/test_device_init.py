@@ -1,12 +1,9 @@
 """runner.model_runner.start_device_init: the CUDA context is created in a background thread while the config and
-tokenizer load (LLM and the engine-core process call it first), only where a GPU will be used; and the BLAS back-end
-switch ModelRunner applies at device init (GYRFALCON_BLAS)."""
+tokenizer load (LLM and the engine-core process call it first), only where a GPU will be used."""
 
 from __future__ import annotations
 
 import threading
-
-import pytest
 
 import torch
 
@@ -41,20 +38,3 @@ def test_nothing_without_a_gpu_or_on_the_cpu(monkeypatch):
     assert model_runner.start_device_init("auto") is None and model_runner.start_device_init("cuda") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert model_runner.start_device_init("cpu") is None
-    monkeypatch.setenv("GYRFALCON_EARLY_DEVICE_INIT", "0")
-    assert model_runner.start_device_init("cuda") is None
-
-
-def test_blas_switch(monkeypatch):
-    """GYRFALCON_BLAS names torch's BLAS back end for the model's GEMMs; unset (or "default") leaves torch's."""
-    from gyrfalcon.runner.model_runner import blas_backend
-
-    monkeypatch.delenv("GYRFALCON_BLAS", raising=False)
-    assert blas_backend() is None
-    monkeypatch.setenv("GYRFALCON_BLAS", "default")
-    assert blas_backend() is None
-    monkeypatch.setenv("GYRFALCON_BLAS", "cuBLASLt")
-    assert blas_backend() == "cublaslt"
-    monkeypatch.setenv("GYRFALCON_BLAS", "rocblas")
-    with pytest.raises(ValueError, match="GYRFALCON_BLAS"):
-        blas_backend()

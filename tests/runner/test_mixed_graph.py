@@ -108,53 +108,15 @@ def _assert_same_outputs(got, want, same_keys: bool):
                 assert abs(eg[t].logprob - ew[t].logprob) < 1e-4
 
 
-def _runner(monkeypatch, budget, max_num_seqs, graph="1"):
+def test_graph_choice_by_tokens_and_sequences():
+    """A step replays the smallest ladder size that holds its tokens, with room for min(size, MAX_SEQS)
+    sequences; a larger step runs eagerly."""
     from gyrfalcon.runner import mixed_graph
 
-    monkeypatch.setenv("GYRFALCON_BUDGET_GRAPH", graph)
-    return mixed_graph.MixedGraphRunner(None, [], budget, max_num_seqs, 256, 4, torch.device("cpu"),
-                                        torch.zeros(8, dtype=torch.int64))
-
-
-def test_full_budget_graph_sizes(monkeypatch):
-    """GYRFALCON_BUDGET_GRAPH=1 adds one graph of the whole budget with room for every sequence, taken by a step
-    that fills at least 95% of it (or has too many sequences for the ladder); the ladder is unchanged."""
-    r = _runner(monkeypatch, 8192, 384)
-    assert r.sizes == [16, 32, 64, 128, 256, 512, 8192] and r.full_tokens == 8192
-    assert [r.seqs_for(t) for t in (16, 512, 8192)] == [16, 32, 384]
-    assert r.inputs.T == 8192 and r.inputs.B == 384
-    assert r.size_for(100, 3) == 128 and r.size_for(512, 32) == 512
-    assert r.size_for(8192, 300) == 8192 and r.size_for(7800, 290) == 8192  # 95.2% full
-    assert r.size_for(7700, 290) is None  # 94%: eager, not 6% of padding
-    assert r.size_for(300, 200) is None  # too many sequences for the ladder, too few tokens for the full graph
-    assert r.size_for(8193, 10) is None and r.size_for(8192, 385) is None
-    # Off (the default), or a budget inside the ladder: no full graph.
-    off = _runner(monkeypatch, 8192, 384, graph="0")
-    assert off.sizes[-1] == 512 and off.full_tokens == 0 and off.inputs.B == 32 and off.size_for(8192, 300) is None
-    small = _runner(monkeypatch, 300, 384)
-    assert small.sizes == [16, 32, 64, 128, 256, 512] and small.full_tokens == 0
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_full_budget_graph_gives_the_eager_tokens(qwen3_ckpt, monkeypatch, async_scheduling):
-    """A ladder topped at 16 tokens and a 40-token budget: the steps of 20-40 tokens (prompt chunks beside
-    decodes) go through the padded full-budget forward, with the same greedy tokens and logprobs as eager."""
-    from gyrfalcon.runner import mixed_graph
-
-    monkeypatch.setattr(mixed_graph, "MAX_TOKENS", 16)
-    monkeypatch.setattr(mixed_graph, "FULL_STEP_MIN_FRACTION", 0.5)  # padded steps too: 20-40 tokens
-    monkeypatch.setenv("GYRFALCON_BUDGET_GRAPH", "1")
-    kw = dict(block_size=4, max_model_len=256, max_num_batched_tokens=40, max_num_seqs=8,
-              async_scheduling=async_scheduling)
-    prompts = [list(range(5, 5 + n)) for n in (3, 30, 11, 57, 1, 44)]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    want = LLM(str(qwen3_ckpt), **kw).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    padded, steps = _padded_llm(qwen3_ckpt, kw)
-    assert padded.engine.runner.mixed_graph_runner.sizes == [16, 40]
-    got = padded.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    full = [(n, m) for n, m, t in steps if t == 40]
-    # Full-budget steps ran: full ones, padded ones, some with several sequences.
-    assert (40, 4) in full and any(n < 40 for n, _ in full) and sum(m > 1 for _, m in full) >= 2, full
-    _assert_same_outputs(got, want, same_keys=False)
-    bm = padded.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    r = mixed_graph.MixedGraphRunner(None, [], 8192, 384, 256, 4, torch.device("cpu"),
+                                     torch.zeros(8, dtype=torch.int64))
+    assert r.sizes == [16, 32, 64, 128, 256, 512]
+    assert [r.seqs_for(t) for t in (16, 512)] == [16, 32] and r.inputs.T == 512 and r.inputs.B == 32
+    assert r.size_for(100, 3) == 128 and r.size_for(512, 32) == 512 and r.size_for(0, 1) == 16
+    assert r.size_for(10, 20) == 32  # 20 sequences: not the 16-token graph (16 rows), the 32-token one
+    assert r.size_for(300, 200) is None and r.size_for(513, 1) is None

@@ -1,4 +1,4 @@
-"""runner/precompile.py's plumbing on the CPU (the compiles themselves need a GPU: gpu_check.sh coldstart):
+"""runner/precompile.py's plumbing on the CPU (the compiles themselves need a GPU):
 the warm-up runs it makes are the ones capture_ladder makes, and inside them every Triton launch becomes a
 compile-only warmup in an AsyncCompileMode, undone afterwards."""
 
