@@ -7,7 +7,6 @@ The names follow vLLM's engine arguments (max_model_len, max_num_seqs, ...), so 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Union
@@ -113,9 +112,8 @@ class CacheConfig:
     # "auto": the model's dtype. "fp8" / "fp8_e4m3": K and V stored as float8 e4m3 without a scale (as
     # vLLM's --kv-cache-dtype fp8 does for checkpoints without KV scales): half the bytes of bf16, so twice
     # the tokens in the cache and half the bytes that decode attention reads; the values are rounded to
-    # 3 mantissa bits. On the H200 decode attention over it now runs faster than over bf16 (batch 256, 2048
-    # tokens: 369 vs 495 us, runs 55 / 54; in run 29 it had been slower, 761 vs 550 us a Llama-8B b64 step),
-    # and the throughput row at 768 sequences ran 11,157 tok/s against 9,780 for bf16 at 384 in the same call.
+    # 3 mantissa bits. Decode attention over it runs faster than over bf16, and twice the sequences fit
+    # (measured on the H200; docs/performance.md).
     kv_cache_dtype: str = "auto"
 
     def kv_torch_dtype(self, model_dtype):
@@ -137,23 +135,19 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    # 384: on the H200, 768 Llama-3.1-8B requests of 1024 + 1024 tokens ran at 10,111 output tok/s with it
-    # vs 9,508 with 256 and 8,656 with 512 (which preempts: 512 x 2048 tokens outgrow the ~877k cached ones);
-    # benchmarks/results/throughput_*-h200-2026-11-30-run2{5,6}.json.
+    # 384: the fastest of 256 / 384 / 512 for 768 Llama-3.1-8B requests of 1024 + 1024 tokens on the H200;
+    # 512 preempts (512 x 2048 tokens outgrow the ~877k the cache holds), 256 leaves the GPU underfed.
     max_num_seqs: int = 384
     # None: 8192 tokens per step; 16384 for the offline LLM API on a GPU (vLLM's LLM class defaults to the
     # same on large GPUs). At 8192 a throughput run's prefill steps cost more than their GPU work measured
-    # alone (200-280 ms against ~190 ms; at 16384 they take about their GPU time, runs 39-40), so half as
-    # many steps win: 768 Llama-3.1-8B requests of 1024 + 1024 tokens on the H200 ran at 10,095 output tok/s
-    # with 16384 vs 9,267 with 8192 in one call (benchmarks/results/throughput_*-h200-2026-12-01-run36.json;
-    # the 16384 run came second, with Triton's disk cache warm from the first, while eager steps still
-    # compiled kernel variants mid-run: to re-measure in both orders). A server keeps 8192: a larger prefill step stalls every running
-    # stream's next token for longer.
+    # alone (at 16384 they take about their GPU time), so half as many steps win (measured on the H200;
+    # docs/performance.md). A server keeps 8192: a larger prefill step stalls every running stream's next
+    # token for longer.
     max_num_batched_tokens: Optional[int] = None
     offline: bool = False  # the engine of the offline LLM API (see max_num_batched_tokens)
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before reading back step N's tokens (overlaps host and device).
-    # None: on for a GPU (measured 1.18x at Qwen3-0.6B batch 1 on the H200), off on a CPU, whose
+    # None: on for a GPU (faster at batch 1: the host's work hides under the device's), off on a CPU, whose
     # forward runs synchronously on the host and has nothing to overlap.
     async_scheduling: Optional[bool] = None
 
@@ -235,5 +229,3 @@ class EngineConfig:
         self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"
-        if os.environ.get("GYRFALCON_ENFORCE_EAGER") == "1":
-            self.enforce_eager = True

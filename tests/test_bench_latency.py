@@ -1,4 +1,4 @@
-"""`gyrfalcon bench latency` on the CPU (the GPU-only profile parts are exercised by scripts/gpu_check.sh):
+"""`gyrfalcon bench latency` on the CPU (the GPU-only profile parts are exercised by scripts/gpu/):
 the table's numbers and the JSON, and the prefill profile's plumbing and arithmetic."""
 
 import json

@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from gyrfalcon import envs
+
 
 def test_step_floor_arithmetic():
     from gyrfalcon.bench.common import BF16_FLOP_PER_S, HBM_BYTES_PER_S, StepFloor
@@ -177,11 +179,13 @@ def test_gaps_by_pair_sums_each_pair_per_step():
 def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch):
     """--gpu-timeline N: a window of N steps from the first one that runs prompt tokens beside decoding
     sequences (on a CPU the profiler records CPU ops: the plumbing only). The JSON records the run's
-    GYRFALCON_* switches."""
+    switches (gyrfalcon/envs.py's values, without the API key) and GYRFALCON_COMMIT as its commit."""
     from gyrfalcon.cli import main
 
-    monkeypatch.setenv("GYRFALCON_BLAS", "cublaslt")  # recorded; applied only on a GPU
+    monkeypatch.setenv("GYRFALCON_PDL", "0")  # recorded; a GPU-only setting
     monkeypatch.setenv("GYRFALCON_COMMIT", "abc1234")
+    monkeypatch.setenv("GYRFALCON_API_KEY", "secret")
+    envs.refresh()
 
     out = tmp_path / "tput.json"
     # 16 tokens per step: the second prompt's chunks run beside the first one's decoding
@@ -190,7 +194,8 @@ def test_bench_throughput_gpu_timeline(qwen3_ckpt, tmp_path, capsys, monkeypatch
                "--gpu-timeline", "3", "--output-json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert res["switches"]["GYRFALCON_BLAS"] == "cublaslt" and "GYRFALCON_COMMIT" not in res["switches"]
+    assert res["switches"]["pdl"] == "0" and res["switches"]["kernels"] == "triton"
+    assert "commit" not in res["switches"] and "api_key" not in res["switches"] and "secret" not in out.read_text()
     assert res["commit"] == "abc1234"
     g = res["results"]["gyrfalcon"]
     tl = g["gpu_timeline"]
@@ -254,3 +259,9 @@ def test_scoped_env_sets_unsets_and_restores(monkeypatch):
     with pytest.raises(RuntimeError), scoped_env({"GYRFALCON_TEST_A": "other"}):
         raise RuntimeError
     assert os.environ["GYRFALCON_TEST_A"] == "keep"
+    # envs.get() sees the values inside the block, and the old ones after it
+    monkeypatch.delenv("GYRFALCON_PDL", raising=False)
+    envs.refresh()
+    with scoped_env({"GYRFALCON_PDL": "serial"}):
+        assert envs.get().pdl == "serial"
+    assert envs.get().pdl == "auto"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -13,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from gyrfalcon import envs
 
 # H200 HBM read bandwidth measured on the benchmark machine (GPU.md): a reduction over 1 GiB.
 HBM_BYTES_PER_S = 4.15e12
@@ -156,10 +159,11 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> List[List[int]
 
 
 def run_info(args: argparse.Namespace) -> dict:
-    """GPU, commit, command, date and GYRFALCON_* switches of a benchmark run. The commit is GYRFALCON_COMMIT
-    when set (a copy of the tree on another machine may carry a stale .git), else git's HEAD, marked -dirty
-    when the tree differs from it."""
-    commit = os.environ.get("GYRFALCON_COMMIT", "")
+    """GPU, commit, command, date and switches (gyrfalcon/envs.py's values) of a benchmark run. The commit is
+    GYRFALCON_COMMIT when set (a copy of the tree on another machine may carry a stale .git), else git's HEAD,
+    marked -dirty when the tree differs from it."""
+    env = envs.get()
+    commit = env.commit
     if not commit:
         try:
             here = Path(__file__).parent
@@ -178,8 +182,8 @@ def run_info(args: argparse.Namespace) -> dict:
             gpu = torch.cuda.get_device_name()
     except Exception:
         pass
-    # The GYRFALCON_* switches the run was under (an A/B's two halves differ only there)
-    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("GYRFALCON_") and k != "GYRFALCON_COMMIT"}
+    # The envs.py switches the run was under (an A/B's two halves differ only there); not the API key
+    switches = {k: v for k, v in dataclasses.asdict(env).items() if k not in ("commit", "api_key")}
     return {"gpu": gpu or "cpu", "commit": commit, "command": " ".join(["gyrfalcon"] + sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": {k: v for k, v in vars(args).items() if k != "func"}, "switches": switches}
@@ -214,13 +218,15 @@ def format_startup(startup_s: float, phases: dict) -> str:
 @contextlib.contextmanager
 def scoped_env(values: dict):
     """os.environ with `values` set inside the block (a value of None: the variable unset), as it was after: the
-    benchmarks' same-process A/Bs of switches that the kernels read at launch."""
+    benchmarks' same-process A/Bs of switches that the kernels read at launch. envs.get() reads them again
+    on each side of the block."""
     def apply(vals: dict) -> None:
         for k, v in vals.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        envs.refresh()
 
     old = {k: os.environ.get(k) for k in values}
     try:

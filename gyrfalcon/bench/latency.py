@@ -177,7 +177,7 @@ def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters:
     one token at that context (blocks 0.. of the cache, contents whatever the bench left there): how
     the step's device time grows with the context, i.e. what decode attention costs in the real graph.
     Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). short: the
-    one-split graph of that size instead (GYRFALCON_SHORT_GRAPH_CONTEXT), at the contexts it serves. Call
+    one-split graph of that size instead (cuda_graph.SHORT_GRAPH_CONTEXT), at the contexts it serves. Call
     only when the engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
     found = _decode_graph(runner, batch_size)
     if found is None:
@@ -337,7 +337,7 @@ def run_gyrfalcon(args) -> dict:
         "gpu_power": power.summary(),
     }
     # The decode rate at the median run's steady step interval: unlike decode_tok_s it does not subtract a TTFT
-    # timed in other generates (at Llama-8B b64 those varied by ~6 ms within one call, run 106: ~1% of the rate).
+    # timed in other generates (those vary by milliseconds within one call).
     sc = res["step_clock"]
     if sc.get("median_ms"):
         res["steady_decode_tok_s"] = args.batch_size / (sc["median_ms"] * 1e-3)
@@ -459,7 +459,7 @@ def main(args: argparse.Namespace) -> int:
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         at = g.get("short_graph_replay_ms_at_context") or {}
         if at:
-            print("one-split graph (GYRFALCON_SHORT_GRAPH_CONTEXT) by context (tokens: ms): "
+            print("one-split graph by context (tokens: ms): "
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")

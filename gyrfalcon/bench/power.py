@@ -1,8 +1,8 @@
 """The GPU's SM clock and power draw while a benchmark times its runs (nvidia-smi sampled in a subprocess).
 
-Why: on the H200 the throughput row draws ~693 W of its 700 W limit and the SM clock falls to ~1,515 MHz
-(run 100, gpu_check.sh smitrace), so its GEMMs run ~21% slower than timed alone; the latency rows touch the cap
-too (run 101). Calls on different machine instances have differed by a few percent on the same commit. A
+Why: on the H200 the throughput row draws close to its 700 W limit and the SM clock falls well below its
+maximum, so its GEMMs run slower than timed alone; the latency rows touch the cap too. Calls on different
+machine instances have differed by a few percent on the same commit. A
 benchmark JSON that records the clock and power of its own timed section says whether two numbers were taken
 under the same conditions.
 
@@ -55,8 +55,8 @@ def parse_samples(lines: List[str]) -> List[dict]:
 
 def summarize(samples: List[dict], power_limit_w: Optional[float] = None) -> dict:
     """The samples' clock and power figures (see the module docstring); {} without samples. power_limit_w: the
-    card's enforced power limit, recorded beside them (instances of one GPU model have had different limits'
-    effects: run 102's b16 row flagged the cap at a median 626 W, run 101's drew up to 662 W unflagged)."""
+    card's enforced power limit, recorded beside them (instances of one GPU model have flagged the cap at
+    different draws)."""
     if not samples:
         return {}
     sm = [s["sm_mhz"] for s in samples]

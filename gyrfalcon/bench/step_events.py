@@ -3,10 +3,8 @@
 `bench latency` reports a steady step interval (StepClock: the host's time between engine steps), and --profile
 the decode graph replayed back to back (replay_at_contexts). StepEvents records an event before and after each
 replay call (the inputs' host-to-device copies, made inside the call, are in the replay's time) and splits the
-step into each replay's device time and the device time between one replay's end and the next one's start. On
-the H200 (runs 104-105) the replays took as long as back to back, and the ~0.26-0.30 ms between them at
-Llama-3.1-8B batch 1 / 16 / 64 was the LM head and argmax, which run after the graph unless
-GYRFALCON_GRAPH_LOGITS=1.
+step into each replay's device time and the device time between one replay's end and the next one's start
+(the LM head and argmax, which run after the graph).
 
 It also says whether the host was late: the share of replays launched after the previous one had already ended
 on the device (its end event complete when the next launch began: the device then waited on the host), and the

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 import msgpack
 
+from gyrfalcon import envs
 from gyrfalcon.sampling_params import SamplingParams
 
 logger = logging.getLogger("gyrfalcon.engine_core")
@@ -321,7 +322,7 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
         os._exit(0)
     signal.signal(signal.SIGTERM, on_term)
 
-    logging.basicConfig(level=os.environ.get("GYRFALCON_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.get().log_level,
                         format="%(levelname)s %(asctime)s [engine core] %(message)s")
     ctx = zmq.Context(io_threads=1)
     inp = ctx.socket(zmq.PULL)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from typing import List, Optional
 
+from gyrfalcon import envs
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
 from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
@@ -29,8 +29,8 @@ def freeze_gc_after_startup(default: bool) -> bool:
     server's engine core does it by default (default=True), the offline LLM only when asked (a process may
     build and drop several, each holding GPU memory). GYRFALCON_GC_FREEZE=1 / 0 forces either way.
     Returns whether it froze."""
-    env = os.environ.get("GYRFALCON_GC_FREEZE")
-    if not (env == "1" if env is not None else default):
+    forced = envs.get().gc_freeze
+    if not (forced if forced is not None else default):
         return False
     gc.collect()
     gc.freeze()

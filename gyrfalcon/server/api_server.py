@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gyrfalcon import __version__
+from gyrfalcon import __version__, envs
 from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.server.metrics import ServerMetrics
 from gyrfalcon.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -218,7 +218,7 @@ def run_server(args) -> int:
     from gyrfalcon.cli import engine_kwargs
     from gyrfalcon.config import default_model_path
 
-    logging.basicConfig(level=os.environ.get("GYRFALCON_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.get().log_level,
                         format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     model = args.model
     if model is None:
@@ -290,8 +290,8 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     config = EngineConfig.create(model, **kw)
     mc = config.model_config
     tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
-    api_key = args.api_key or os.environ.get("GYRFALCON_API_KEY") or None
-    interval = 0.0 if args.disable_log_stats else float(os.environ.get("GYRFALCON_LOG_STATS_INTERVAL", "10"))
+    api_key = args.api_key or envs.get().api_key
+    interval = 0.0 if args.disable_log_stats else envs.get().log_stats_interval
     state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
                         interval)
     app = build_app(state, api_key)

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 
-from gyrfalcon import LLM, SamplingParams
+from gyrfalcon import LLM, SamplingParams, envs
 from gyrfalcon.engine.engine import freeze_gc_after_startup
 
 
@@ -28,6 +28,7 @@ def test_freeze_gc_after_startup(unfrozen, monkeypatch, env, default, frozen):
         monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
     else:
         monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
+    envs.refresh()
     keep = [{"a": [i]} for i in range(100)]  # tracked containers alive now
     assert freeze_gc_after_startup(default) == frozen
     assert (gc.get_freeze_count() >= len(keep)) == frozen
@@ -39,6 +40,7 @@ def test_offline_llm_freezes_only_when_asked(qwen3_ckpt, unfrozen, monkeypatch, 
         monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
     else:
         monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
+    envs.refresh()
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=2)
     assert (gc.get_freeze_count() > 0) == frozen
     if frozen:  # the engine and its model are among the frozen objects, not left for the collector
