@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon import envs
 from gyrfalcon.kernels._common import use_triton
-from gyrfalcon.kernels.skinny_gemm import skinny_gemm_rows, skinny_gemm_triton
 from gyrfalcon.kernels.small_m_gemv import linear_gemv_rows, norm_gemv_triton
 
 
@@ -26,26 +26,18 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes
-        # for a few rows against a small weight (see kernels/small_m_gemv.py and its benchmark). Up to
-        # small_m_rows rows (plain_gemm_max_rows: 16, or GYRFALCON_SMALL_M_PLAIN_ROWS; 64 for a shape with a wide
-        # launch shape, GYRFALCON_GEMV_WIDE_ROWS_SHAPES: small_m_gemv.linear_gemv_rows).
-        from gyrfalcon.layers.attention import small_m_gemv_enabled
-
-        self.small_m = small_m_gemv_enabled() and not bias
+        # Decode-sized inputs on the GPU go through gyrfalcon's GEMV: cuBLAS picks slow launch shapes for a few
+        # rows against a small weight (kernels/small_m_gemv.py). How many rows depends on the shape
+        # (linear_gemv_rows); the unfused reference path (GYRFALCON_DISABLE_FUSION=1) keeps cuBLAS.
+        self.small_m = not envs.get().disable_fusion and not bias
         self.small_m_rows = linear_gemv_rows(out_features, in_features, merged=False)
-        # Above those rows, up to skinny_rows (GYRFALCON_SKINNY_GEMM_ROWS; 0, off: slower than cuBLAS, run 50): the
-        # stream-K GEMM (kernels/skinny_gemm.py) instead of cuBLAS.
-        self.skinny_rows = skinny_gemm_rows() if not bias else 0
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
-        beta = 1, or the GEMV's epilogue; folded norms, GYRFALCON_FOLD_NORMS)."""
+        beta = 1, or the GEMV's epilogue; folded norms, layers/norm_linear.py)."""
         if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
-        if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
-            return skinny_gemm_triton(x, self.weight, add_to=add_to)
         if add_to is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:
@@ -67,11 +59,8 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shard_sizes: Dict[object, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias)
-        # qkv and gate_up of 2-16 rows stay with cuBLAS at default_config's launch shapes: they lost on this path
-        # with their norm fused (run 2) and tied or lost as plain GEMMs after folded norms (run 53: Llama-8B b16
-        # 4.662 / 4.673 ms per step against 4.636 / 4.642, Qwen3-0.6B b16 1.225 against 1.222). A shape with a
-        # 2+-row launch shape of its own (small_m_gemv.rows_shape_overrides; Llama-8B's qkv since run 83) goes
-        # through the GEMV kernel up to plain_gemm_max_rows rows; other shapes single rows only (linear_gemv_rows).
+        # qkv and gate_up of 2-16 rows stay with cuBLAS, unless their shape has a launch shape of its own
+        # (small_m_gemv.ROWS_SHAPES); single rows take the GEMV with the norm fused (layers/norm_linear.py).
         self.small_m_rows = linear_gemv_rows(self.out_features, in_features, merged=True)
         self.shards: Dict[object, Tuple[int, int]] = {}
         off = 0

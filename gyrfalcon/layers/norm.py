@@ -1,8 +1,7 @@
-"""RMSNorm, with the residual add fused into the same kernel."""
+"""RMSNorm, with the residual add fused into the same kernel, and the fold of its weight into a GEMM."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -26,19 +25,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """x: [..., hidden]. With a residual returns (norm(x + residual), x + residual)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, weight_offset=self.weight_offset)
-
-
-def fold_norms_enabled() -> bool:
-    """Whether a decoder layer's two RMSNorms launch no kernel of their own (the default; GYRFALCON_FOLD_NORMS=0
-    turns it off). At load each norm's weight is folded into the GEMM after it (qkv, gate_up: W * w, the norm
-    weight then ones); at run time the residual add is done by the GEMM before it (o_proj, down_proj add into
-    the residual stream in place) and each row's rstd by the kernel after it (the fused qkv prep / decode
-    attention, SiLU-and-mul), from that row of the residual stream: rms_norm(x) W^T = rstd(x) (x (W * w)^T).
-    Batches on the fused norm + GEMV path (single rows) keep it, with the folded weights. On the H200 (run 48,
-    latency_llama-3.1-8b_b*_fold*-h200-2026-12-01-run48.json, same call): Llama-3.1-8B b64 5.319 / 5.303 ms
-    per step folded vs 5.408 / 5.422 (ABBA), b16 4.590 vs 4.752; the throughput row tied (10,192 vs 10,197
-    output tok/s). The upper bound (benchmarks/norm_bound.py, run 43) was b64 5.10 / 5.14 vs 5.35 / 5.33."""
-    return os.environ.get("GYRFALCON_FOLD_NORMS", "1") != "0"
 
 
 def fold_norm_into(weight: torch.Tensor, norm: RMSNorm) -> None:

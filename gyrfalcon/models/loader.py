@@ -9,6 +9,7 @@ from typing import Iterator, Tuple
 import torch
 from safetensors import safe_open
 
+from gyrfalcon.layers.norm_linear import fold_norms
 from gyrfalcon.models.registry import resolve_model_class
 
 
@@ -43,7 +44,5 @@ def load_model(model_config, device: str) -> torch.nn.Module:
     if missing:
         raise ValueError(f"Checkpoint {model_config.model} lacks weights: {sorted(missing)[:10]}"
                          f"{' ...' if len(missing) > 10 else ''}")
-    finish = getattr(model, "finish_loading", None)
-    if finish is not None:  # weight transforms that need every tensor in place (folded norms)
-        finish()
+    fold_norms(model)  # needs every tensor in place: each norm's weight goes into the GEMM after it
     return model.eval()

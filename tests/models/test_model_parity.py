@@ -149,50 +149,6 @@ def test_prefill_logits_parity(tiny_ckpt, hf_refs):
         bm.free(req)
 
 
-def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_DISABLE_FUSION=1 keeps the separate norm / rotary / store kernels (the baseline of
-    fused-vs-unfused benchmarks); it must give the same tokens."""
-    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
-    _, _, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
-    assert not llm.engine.runner.model.model.layers[0].self_attn.fused
-    outs = _greedy(llm, [r[0] for r in refs])
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
-
-
-def test_small_m_gemv_path_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_SMALL_M_GEMV=1 (the default) routes single-row batches through the norm-into-GEMV code
-    (on a CPU through the kernel's reference): same tokens, same logits."""
-    monkeypatch.setenv("GYRFALCON_SMALL_M_GEMV", "1")
-    _, model, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
-    assert llm.engine.runner.model.model.layers[0].small_m_gemv
-    outs = _greedy(llm, [r[0] for r in refs])
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
-    vocab = model.config.vocab_size
-    out = llm.generate([{"prompt_token_ids": refs[0][0]}],
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab),
-                       use_tqdm=False)[0]
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        got = torch.tensor([entry[t].logprob for t in range(vocab)])
-        torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("qkv_rows,gate_up_rows", [(16, 1), (1, 16), (16, 16), (3, 8)])
-def test_norm_gemv_rows_parity(tiny_ckpt, hf_refs, monkeypatch, qkv_rows, gate_up_rows):
-    """GYRFALCON_NORM_GEMV_ROWS / _GATE_UP_ROWS route multi-row batches (decode batches and short prompt
-    chunks) through the norm-into-GEMV code for qkv, gate_up or both, the rest through the norm and the
-    layer: same tokens as transformers."""
-    monkeypatch.setenv("GYRFALCON_NORM_GEMV_ROWS", str(qkv_rows))
-    monkeypatch.setenv("GYRFALCON_NORM_GEMV_GATE_UP_ROWS", str(gate_up_rows))
-    _, _, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
-    layer = llm.engine.runner.model.model.layers[0]
-    assert (layer.norm_rows_qkv, layer.norm_rows_gate_up) == (qkv_rows, gate_up_rows)
-    outs = _greedy(llm, [r[0] for r in refs])
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
-
-
 def _record_norm_calls(monkeypatch) -> list:
     """(rows, norm weight) of every RMSNorm the layers launch from now on (layers/norm.py's rms_norm wrapped)."""
     import gyrfalcon.layers.norm as norm_layer
@@ -204,21 +160,20 @@ def _record_norm_calls(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("fusion", ["1", "0"], ids=["fused", "unfused"])
-def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
-    """Folded norms (the default, GYRFALCON_FOLD_NORMS=1): each layer's norm weights are folded into qkv /
-    gate_up at load, and batches off the single-row GEMV path run no layer norm at all (the residual add
-    inside o_proj / down_proj, rstd in the qkv prep and SiLU-and-mul): the same tokens and logprobs as
-    transformers (random norm weights), on the fused and unfused attention paths, with single-row decode
-    steps (the fused norm + GEMV, folded weights) and batched ones."""
+def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch):
+    """The default path: each layer's norm weights are folded into qkv / gate_up at load (fold_norms), batches
+    of several rows run no layer norm at all (the residual add inside o_proj / down_proj, rstd in the qkv prep
+    and SiLU-and-mul) and single rows run the norm inside the GEMV, with the folded weights: the same tokens and
+    logprobs as transformers (random norm weights)."""
     from safetensors.torch import load_file
 
-    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "1")
-    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "0" if fusion == "1" else "1")
     _, model, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     lm = llm.engine.runner.model
     layer = lm.model.layers[0]
+    assert layer.self_attn.qkv_in.folded and layer.mlp.gate_up_in.folded
+    assert [layer.self_attn.qkv_in.plan(r) for r in (1, 2, 16)] == ["gemv", "folded", "folded"]
+    assert [layer.mlp.gate_up_in.plan(r) for r in (1, 2, 16)] == ["gemv", "folded", "folded"]
     # The fold itself: qkv rows are the checkpoint's q / k / v times the input norm's weight; the norm is ones.
     sd = load_file(str(next(tiny_ckpt.glob("*.safetensors"))))
     g1 = sd["model.layers.0.input_layernorm.weight"].float()
@@ -245,18 +200,20 @@ def test_folded_norms_parity(tiny_ckpt, hf_refs, monkeypatch, fusion):
         torch.testing.assert_close(got, refs[0][2][step].log_softmax(-1), rtol=1e-4, atol=1e-4)
 
 
-def test_unfolded_norms_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_FOLD_NORMS=0: the checkpoint's weights as they are, and each layer's two RMSNorms launched
-    in batched steps (the path before folded norms became the default): the same tokens as transformers."""
-    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0")
+def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
+    """GYRFALCON_DISABLE_FUSION=1 (the baseline of fused-vs-unfused benchmarks) keeps the separate norm / rotary /
+    store kernels and folds no norm: the checkpoint's weights stay as they are and each layer's two RMSNorms
+    launch in every step. The same tokens as transformers."""
+    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
-    lm = llm.engine.runner.model
-    assert not lm.model.fold_norms
-    layer = lm.model.layers[0]
+    layer = llm.engine.runner.model.model.layers[0]
+    assert not layer.self_attn.fused and not layer.self_attn.qkv_in.folded
+    assert [layer.self_attn.qkv_in.plan(r) for r in (1, 16)] == ["separate", "separate"]
     w = layer.input_layernorm.weight
     assert not torch.equal(w, torch.ones_like(w))  # the checkpoint's random norm weight, not folded away
     seen = _record_norm_calls(monkeypatch)
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
     assert any(rows > 1 and wt is w for rows, wt in seen)  # layer 0's input norm ran on a batched step
+    assert any(rows == 1 and wt is w for rows, wt in seen)  # ... and on a single-row one

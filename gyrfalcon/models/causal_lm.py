@@ -1,0 +1,120 @@
+"""The decoder-only causal LM that the model files fill in: embedding, decoder layers, final norm, LM head,
+checkpoint loading and the cache specs. A model file supplies build_layer (its config -> blocks mapping) and
+stacked_params (checkpoint tensors that land in fused weights)."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from gyrfalcon.cache_spec import CacheSpec
+from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
+from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.norm_linear import norm_stream
+
+
+class DecoderModel(nn.Module):
+    """ids [T] -> embed -> layers -> final RMSNorm -> hidden [T, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: List[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
+                last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # The embedding's output is this step's own tensor: folded layers add into it in place.
+        hidden, residual = self.embed_tokens(input_ids, src, last_sampled), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return norm_stream(self.norm, hidden, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """Subclasses: build_layer(config, layer_idx, max_position) -> a decoder layer; stacked_params: (checkpoint
+    name piece, fused parameter name piece, shard id) for the tensors that a fused weight holds."""
+
+    stacked_params: Tuple[Tuple[str, str, object], ...] = ()
+
+    def __init__(self, config, max_position: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = DecoderModel(config.vocab_size, config.hidden_size, config.rms_norm_eps,
+                                  [self.build_layer(config, i, max_position) for i in range(config.num_hidden_layers)])
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def build_layer(self, config, layer_idx: int, max_position: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
+                last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]. src: [T] (decode graphs): a token with
+        src >= 0 is still on the device, at last_sampled[src]; input_ids holds a placeholder there."""
+        return self.model(input_ids, positions, src, last_sampled)
+
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab], fp32 (fp32=False: the weights' dtype)."""
+        return self.lm_head(hidden, fp32)
+
+    def kv_cache_specs(self, cache_dtype: str) -> Dict[int, CacheSpec]:
+        """{layer index: what that layer caches} (gyrfalcon/cache_spec.py), from every module that declares one
+        (layers/attention Attention.kv_cache_spec); cache_dtype: a torch dtype's name ("bfloat16", ...)."""
+        return {m.layer_idx: m.kv_cache_spec(cache_dtype) for m in self.modules()
+                if callable(getattr(m, "kv_cache_spec", None)) and hasattr(m, "layer_idx")}
+
+    def kv_cache_spec(self) -> Dict[str, int]:
+        """The single-spec view the runner still reads (until it allocates from kv_cache_specs): every layer
+        alike, as layer 0."""
+        specs = self.kv_cache_specs("bfloat16")
+        first = specs[min(specs)]
+        return {"num_layers": len(specs), "num_kv_heads": first.num_kv_heads, "head_dim": first.head_dim}
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled (a fused
+        weight's shards as name#shard)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: Set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt, fused, sid in self.stacked_params:
+                if ckpt in name:
+                    name, shard = name.replace(ckpt, fused), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, Linear) and name.endswith(("weight", "bias")):
+                owner.weight_loader(param, tensor, shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"Shape mismatch for {name}: {tuple(param.shape)} vs "
+                                     f"checkpoint {tuple(tensor.shape)}.")
+                param.data.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> Set[str]:
+        """Names load_weights must report for a complete checkpoint."""
+        out: Set[str] = set()
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                if full == "lm_head.weight" and self.tie_word_embeddings:
+                    continue
+                if isinstance(module, MergedLinear) and pname in ("weight", "bias"):
+                    out.update(f"{full}#{sid}" for sid in module.shards)
+                else:
+                    out.add(full)
+        return out
