@@ -4,13 +4,12 @@ Runs the real launch wrappers (launch-shape choice included) on CPU tensors of t
 with every Triton launch turned into a compile-only warm-up for sm_90 (Hopper, the H200), and checks
 that each kernel compiles and fits the target's shared memory. It catches what the interpreter cannot:
 code-generator errors (a variable redefined across branches), shared-memory overflow of a launch shape
-(the fp32 prefetch needed 270 KB of 227 KB in run 13). It also prints each kernel's registers and local
+(the fp32 prefetch's 128-key tiles need 270 KB of 227 KB). It also prints each kernel's registers and local
 memory (spills) from cuobjdump, where Triton ships it. Speed still needs the GPU.
 
 python3 scripts/compile_check.py [--arch 90] [--smem-limit 232448] [--sass LABEL]
 --sass LABEL compiles only the launches whose label contains LABEL and prints, per loop of each kernel's SASS
-(cuobjdump), its instructions and the commonest opcodes (how the fp8 decode loop's 1,137 -> 686 instructions a
-tile were counted); the SASS goes to --sass-dir.
+(cuobjdump), its instructions and the commonest opcodes; the SASS goes to --sass-dir.
 Exit status: 0 all compiled and fit; 1 a kernel failed; 2 this Triton's internals do not allow the
 compile-only harness (nothing was checked).
 """
@@ -26,7 +25,6 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter (set by tests)
 import torch  # noqa: E402
 
-from gyrfalcon.bench.common import scoped_env  # noqa: E402
 
 
 def _harness(arch: int):
@@ -71,9 +69,8 @@ def _harness(arch: int):
     mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
             # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
             for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling", "skinny_gemm")}
+                      "embedding", "paged_attention", "store_kv", "sampling")}
     mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
-    mods["skinny_gemm"].sm_count = lambda device, cpu_default: 132  # its programs
     return mods, compiled
 
 
@@ -133,8 +130,8 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4
 
 
 def cases(mods):
-    """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off
-    and its wide grid, the in-kernel and in-o_proj merges, batch 16, the GEMVs and the argmax."""
+    """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off,
+    the in-kernel merge, batch 16 to 256, the GEMVs, the prefill kernels and the argmax."""
     A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
     PA, S = mods["paged_attention"], mods["store_kv"]
     bf = torch.bfloat16
@@ -144,61 +141,43 @@ def cases(mods):
         its own model's shapes when it runs, after the loop; in the loop they all saw the last model's.)"""
         out = []
 
-        def attn(B, dtype=bf, env=None, splits=None, kv_dtype=None, graph_table=False, fold=False, **kw):
+        def attn(B, dtype=bf, splits=None, kv_dtype=None, fold=False, **kw):
             def run():
-                with scoped_env(env or {}):
-                    if fold:  # folded norms: the rows' rstd from the residual stream
-                        kw["row_scale"] = (torch.zeros(B, hid, dtype=dtype), 1e-5)
-                    qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
-                    kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype or dtype)
-                    vc = torch.zeros_like(kc)
-                    bt = torch.zeros(B, 40960 // 16, dtype=torch.int32)
-                    if graph_table:  # the decode graphs' column-major table (cuda_graph.DecodeInputs)
-                        bt = torch.zeros(40960 // 16, max(B, 16), dtype=torch.int32).t()[:B]
-                    sl = torch.ones(B, dtype=torch.int32)
-                    pos = torch.zeros(B, dtype=torch.int64)
-                    cs = torch.zeros(40960, D, dtype=torch.float32)
-                    w = torch.ones(D, dtype=dtype)
-                    return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
-                                                               D ** -0.5, splits, w, w, 1e-6, **kw)
+                if fold:  # folded norms: the rows' rstd from the residual stream
+                    kw["row_scale"] = (torch.zeros(B, hid, dtype=dtype), 1e-5)
+                qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
+                kc = torch.zeros(64, 16, KVH, D, dtype=kv_dtype or dtype)
+                vc = torch.zeros_like(kc)
+                bt = torch.zeros(B, 40960 // 16, dtype=torch.int32)
+                sl = torch.ones(B, dtype=torch.int32)
+                pos = torch.zeros(B, dtype=torch.int64)
+                cs = torch.zeros(40960, D, dtype=torch.float32)
+                w = torch.ones(D, dtype=dtype)
+                return A.decode_attention_with_prep_triton(qkv, H, KVH, D, pos, cs, D, True, kc, vc, pos, bt, sl,
+                                                           D ** -0.5, splits, w, w, 1e-6, **kw)
             return run
         out += [(f"{name} attention b1 pdl (prefetch)", attn(1, pdl=True)),
                 (f"{name} attention b1 pdl, no prefetch", attn(1, pdl=True, prefetch=False)),
                 (f"{name} attention b1 no pdl", attn(1, pdl=False)),
-                (f"{name} attention b1 pdl, 64-split prefetch grid",
-                 attn(1, env={"GYRFALCON_DECODE_PREFETCH_SPLITS": "64"}, pdl=True)),
                 (f"{name} attention b1 pdl, in-kernel merge", attn(1, pdl=True, merge_in_kernel=True)),
                 (f"{name} attention b1 fp32 pdl", attn(1, dtype=torch.float32, pdl=True)),
                 (f"{name} attention b16 prefetch, no pdl", attn(16, pdl=False, prefetch=True)),
                 (f"{name} attention b16", attn(16, pdl=False)),
-                (f"{name} attention b1 pdl (prefetch), key rows", attn(1, env={"GYRFALCON_DECODE_K_ROWS": "1"},
-                                                                       pdl=True)),
                 (f"{name} attention b256 (key rows)", attn(256, pdl=False)),
-                (f"{name} attention b256, key rows off", attn(256, env={"GYRFALCON_DECODE_K_ROWS": "0"}, pdl=False)),
+                (f"{name} attention b256, key rows off", attn(256, pdl=False, key_rows=False)),
                 (f"{name} attention b1 pdl (prefetch), one split", attn(1, pdl=True, splits=1)),
                 (f"{name} attention b1 no pdl, one split", attn(1, pdl=False, splits=1)),
                 (f"{name} attention b16, one split", attn(16, pdl=False, splits=1)),
-                (f"{name} attention b1 pdl (prefetch), graph block table", attn(1, pdl=True, graph_table=True)),
-                (f"{name} attention b256 (key rows), graph block table", attn(256, pdl=False, graph_table=True)),
                 (f"{name} attention b16, folded norms", attn(16, pdl=False, fold=True)),
                 (f"{name} attention b64, folded norms", attn(64, pdl=False, fold=True)),
                 (f"{name} attention b1 pdl (prefetch), folded norms", attn(1, pdl=True, fold=True)),
                 (f"{name} attention b256 (key rows), folded norms", attn(256, pdl=False, fold=True))]
-        # The batched graphs' plain kernels under PDL (GYRFALCON_PDL_ROWS=16, GYRFALCON_ATTN_PREFETCH=0): the wide tile
-        out.append((f"{name} attention b16 pdl, no prefetch, folded norms", attn(16, pdl=True, prefetch=False, fold=True)))
-        # The prep's loads issued beside seq_len's (GYRFALCON_DECODE_EARLY_LOADS=1)
-        out += [(f"{name} attention b{B} early loads, folded norms",
-                 attn(B, pdl=False, fold=True, env={"GYRFALCON_DECODE_EARLY_LOADS": "1"})) for B in (16, 64, 256)]
         f8 = torch.float8_e4m3fn
         out += [(f"{name} attention b1 pdl (prefetch), fp8 cache", attn(1, pdl=True, kv_dtype=f8)),
                 (f"{name} attention b1 no pdl, fp8 cache", attn(1, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b16 mid tile, fp8 cache", attn(16, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b16 in-kernel merge, 128-key tiles, fp8 cache",
-                 attn(16, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_MID_TILE_FP8": "0"})),
                 (f"{name} attention b64 (key rows), fp8 cache", attn(64, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
-                (f"{name} attention b256 (key rows), fp8 cache, V unstaged",
-                 attn(256, pdl=False, kv_dtype=f8, env={"GYRFALCON_DECODE_FP8_V_STAGED": "0"})),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
 
         def prefill(kv_dtype, max_query_len=None):
@@ -224,24 +203,14 @@ def cases(mods):
                 for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
         out += [(f"{name} KV store, {t}", store(dt)) for t, dt in (("bf16 cache", bf), ("fp8 cache", f8))]
 
-        def merged(pdl, splits=None):
+        def gemv(M_, N, K, silu=False, norm=False, res=False, add=False, **kw):
             def run():
-                parts = attn(1, pdl=pdl, partials=True, splits=splits)()
-                return G.merged_heads_gemv_triton(parts, torch.zeros(hid, H * D, dtype=bf), pdl=pdl)
-            return run
-        out += [(f"{name} o_proj merging partials pdl={p}", merged(p)) for p in (True, False)]
-        # The merged batch-1 graph (cuda_graph.merged_graph_splits): 2 / 4 splits, whole-row tiles under PDL.
-        out += [(f"{name} o_proj merging {s} splits' partials, pdl", merged(True, s)) for s in (2, 4)]
-
-        def gemv(M_, N, K, silu=False, norm=False, res=False, env=None, add=False, **kw):
-            def run():
-                with scoped_env(env or {}):
-                    if add:  # folded norms: the residual add in the epilogue
-                        kw["add_to"] = torch.zeros(M_, N, dtype=bf)
-                    x = torch.zeros(M_, K, dtype=bf)
-                    w = torch.zeros((2 * N if silu else N), K, dtype=bf)
-                    nw = torch.ones(K, dtype=bf) if norm else None
-                    return G.norm_gemv_triton(x, w, nw, x if res else None, 1e-6, silu, **kw)
+                if add:  # folded norms: the residual add in the epilogue
+                    kw["add_to"] = torch.zeros(M_, N, dtype=bf)
+                x = torch.zeros(M_, K, dtype=bf)
+                w = torch.zeros((2 * N if silu else N), K, dtype=bf)
+                nw = torch.ones(K, dtype=bf) if norm else None
+                return G.norm_gemv_triton(x, w, nw, x if res else None, 1e-6, silu, **kw)
             return run
         qkv_n = (H + 2 * KVH) * D
         for pdl in (True, False):
@@ -249,10 +218,7 @@ def cases(mods):
                     (f"{name} o_proj GEMV pdl={pdl}", gemv(1, hid, H * D, pdl=pdl)),
                     (f"{name} gate_up GEMV pdl={pdl}", gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=pdl)),
                     (f"{name} down GEMV pdl={pdl}", gemv(1, hid, inter, pdl=pdl))]
-        whole = {"GYRFALCON_GEMV_WHOLE_ROW": "1"}
-        out += [(f"{name} o_proj GEMV pdl whole-row", gemv(1, hid, H * D, env=whole, pdl=True)),
-                (f"{name} down GEMV pdl whole-row", gemv(1, hid, inter, env=whole, pdl=True)),
-                (f"{name} qkv GEMV pdl, no peel", gemv(1, qkv_n, hid, norm=True, res=True, pdl=True, peel=False)),
+        out += [(f"{name} qkv GEMV pdl, no peel", gemv(1, qkv_n, hid, norm=True, res=True, pdl=True, peel=False)),
                 (f"{name} gate_up GEMV pdl, no peel",
                  gemv(1, inter, hid, silu=True, norm=True, res=True, pdl=True, peel=False)),
                 (f"{name} qkv GEMV pdl, one-pass norm",
@@ -267,29 +233,11 @@ def cases(mods):
                  gemv(16, hid, H * D, pdl=True, peel=False, add=True)),
                 (f"{name} down GEMM M=16 pdl, no peel, residual add",
                  gemv(16, hid, inter, pdl=True, peel=False, add=True))]
-        sk2 = {"GYRFALCON_GEMV_SPLIT_K": "2"}
-        out += [(f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)),
-                (f"{name} o_proj GEMM M=64 split-K 2", gemv(64, hid, H * D, env=sk2, pdl=False)),
-                (f"{name} down GEMM M=64 split-K 2", gemv(64, hid, inter, env=sk2, pdl=False)),
-                (f"{name} qkv GEMM M=64 split-K 2", gemv(64, qkv_n, hid, norm=True, res=True, env=sk2, pdl=False)),
-                (f"{name} gate_up GEMM M=64 split-K 2",
-                 gemv(64, inter, hid, silu=True, norm=True, res=True, env=sk2, pdl=False))]
-        # down_proj of 17-64 rows at run 90's best 64-row launch shape (GYRFALCON_GEMV_WIDE_ROWS_SHAPES), residual add
-        wide = {"GYRFALCON_GEMV_WIDE_ROWS_SHAPES": f"{hid}x{inter}=32,256,4,4"}
+        out.append((f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)))
+        # down_proj of 17-64 rows at its launch shape of its own (small_m_gemv.WIDE_ROWS_SHAPES), residual add
         out += [(f"{name} down GEMM M={rows} wide-rows shape, residual add",
-                 gemv(rows, hid, inter, env=wide, pdl=False, add=True)) for rows in (64, 24)]
-        SK = mods["skinny_gemm"]
-
-        def skinny(M_, N, K, add=False):
-            return lambda: SK.skinny_gemm_triton(torch.zeros(M_, K, dtype=bf), torch.zeros(N, K, dtype=bf),
-                                                 add_to=torch.zeros(M_, N, dtype=bf) if add else None)
-        for rows in (16, 64, 128):  # stream-K GEMM (GYRFALCON_SKINNY_GEMM_ROWS): a decoder layer's four GEMMs
-            out += [(f"{name} qkv stream-K GEMM M={rows}", skinny(rows, qkv_n, hid)),
-                    (f"{name} o_proj stream-K GEMM M={rows}, residual add", skinny(rows, hid, H * D, add=True)),
-                    (f"{name} gate_up stream-K GEMM M={rows}", skinny(rows, 2 * inter, hid)),
-                    (f"{name} down stream-K GEMM M={rows}, residual add", skinny(rows, hid, inter, add=True))]
-        out.append((f"{name} stream-K GEMM, one K step in all", skinny(1, 16, 16)))
-        # The norm's rstd applied after the loop (ONE_PASS, rows > 1): batch-16 qkv / gate_up (GYRFALCON_NORM_GEMV_ROWS).
+                 gemv(rows, hid, inter, pdl=False, add=True)) for rows in (64, 24)]
+        # The norm's rstd applied after the loop (ONE_PASS, rows > 1): batch-16 qkv / gate_up.
         for pdl in (True, False):
             out += [(f"{name} qkv GEMM M=16 one-pass norm pdl={pdl}",
                      gemv(16, qkv_n, hid, norm=True, res=True, pdl=pdl)),

@@ -6,10 +6,13 @@ import os
 
 import torch
 
+from gyrfalcon import envs
+
 
 def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU tests). The interpreter's tl.dot mishandles bf16 operands
-    (it stores bf16 as uint16), so attention kernels upcast dot operands to fp32 there."""
+    """True under TRITON_INTERPRET=1 (CPU tests; Triton's own variable, read here because the choice to import
+    triton at all depends on it). The interpreter's tl.dot mishandles bf16 operands (it stores bf16 as uint16),
+    so attention kernels upcast dot operands to fp32 there."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -33,11 +36,8 @@ if _WANT_TRITON:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on a CUDA device, Triton imports and GYRFALCON_KERNELS != "ref".
-
-    The env var is read on every call (it is cheap) so tests and benchmarks can flip it at run time.
-    """
-    return HAS_TRITON and t.is_cuda and os.environ.get("GYRFALCON_KERNELS") != "ref"
+    """True when `t` lives on a CUDA device, Triton imports and GYRFALCON_KERNELS is not "ref" (envs)."""
+    return HAS_TRITON and t.is_cuda and envs.get().kernels != "ref"
 
 
 # Programmatic dependent launch (Hopper+): a kernel launched with it may start while the previous kernel
@@ -86,48 +86,30 @@ class pdl_disabled:
 
 
 def pdl_mode() -> str:
-    """GYRFALCON_PDL: "auto" (default: the runner times its batch-1 decode graph with and without PDL
+    """GYRFALCON_PDL (envs): "auto" (default: the runner times its batch-1 decode graph with and without PDL
     at startup and keeps the faster), "1" (always where use_pdl allows), "0" (never), "serial" (see
     pdl_launch_kwargs)."""
-    return os.environ.get("GYRFALCON_PDL", "auto")
-
-
-def pdl_rows() -> int:
-    """GYRFALCON_PDL_ROWS: the most rows a launch captured in a graph may have and still use PDL (default 1: the
-    batch-1 graphs only; see use_pdl)."""
-    return max(1, int(os.environ.get("GYRFALCON_PDL_ROWS", "1") or 1))
+    return envs.get().pdl
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """True when a kernel on `t` should launch with programmatic dependent launch: it is being captured
     into a CUDA graph, for a single row (a batch-1 decode step: t's first dimension is 1), on a device of
     compute capability >= 9.0, with a Triton that has grid-dependency control, not under the
-    interpreter, not inside pdl_disabled(), and GYRFALCON_PDL is not "0" (read on every call, like
-    GYRFALCON_KERNELS; "serial": see pdl_launch_kwargs).
+    interpreter, not inside pdl_disabled(), and GYRFALCON_PDL is not "0" ("serial": see pdl_launch_kwargs).
 
-    Why only there (H200, benchmarks/results/*-h200-2026-11-30-run6.json): in batch-1 decode graphs it
-    cut the step from 0.909 to 0.835 ms on Qwen3-0.6B; in eager prefills it added ~9 ms of TTFT; on
-    decode attention alone at batch 16 it was slower (12.4 -> 15.2 us). Whether it pays even there
-    depends on the model: in run 9-10 the Qwen3-0.6B batch-1 graph replayed in 0.729 ms with it and
-    0.802 without, Llama-3.1-8B's in 4.289 with it and 3.971 without; hence the runner's timed choice.
-    The batch-16 graphs' o_proj / down_proj GEMVs under PDL lost too (run 84: Llama-3.1-8B b16 4.674 / 4.681 ms a
-    step against 4.521 / 4.522, Qwen3-0.6B b16 1.264 against 1.213), their predecessors not triggering early; and
-    so did the whole batched chain under PDL, every Triton kernel of the b16 graphs (qkv GEMV -> attention with its
-    K/V tile loaded before the wait -> o_proj GEMV; run 87, GYRFALCON_PDL_ROWS=16: Llama-3.1-8B b16
-    4.749 / 4.746 ms against 4.553 / 4.552, ABAB; latency_llama-3.1-8b_b16_pdlr_*-h200-2026-12-02-run87.json). Both
-    ran the batch-1 graphs' PDL variants: the GEMVs' first weight tile held in registers before the wait, decode
-    attention's prefetched tile (64-key tiles at 8 warps, which lost alone too: run 87, GYRFALCON_ATTN_PREFETCH=1,
-    4.733 vs 4.550 ms). GYRFALCON_PDL_ROWS=N (pdl_rows; an experiment, default 1) admits launches of up to N rows;
-    with GYRFALCON_ATTN_PREFETCH=0 and GYRFALCON_GEMV_PEEL=0 the batched graphs then run the plain kernels under PDL
-    (only the launch and the wait overlap the previous kernel; gpu_check.sh pdlplain)."""
-    if t.dim() == 0 or not 1 <= t.shape[0] <= pdl_rows() or not pdl_possible(t):
+    Why only there: in batch-1 decode graphs it overlaps each small kernel's start with its predecessor's
+    tail; in eager prefills and in the batched graphs (attention, o_proj / down_proj GEMVs) it was slower on
+    the H200 (docs/performance.md). Whether it pays even at batch 1 depends on the model, hence the runner's
+    timed choice (pdl_mode "auto")."""
+    if t.dim() == 0 or t.shape[0] != 1 or not pdl_possible(t):
         return False
     return _PDL_WARMUP[0] or torch.cuda.is_current_stream_capturing()
 
 
 def pdl_possible(t: torch.Tensor) -> bool:
     """use_pdl's conditions on the device, the Triton build and the settings (not on the launch)."""
-    if gdc_wait is None or not t.is_cuda or interpreting() or _PDL_OFF[0] or pdl_mode() == "0":
+    if gdc_wait is None or not t.is_cuda or interpreting() or _PDL_OFF[0] or envs.get().pdl == "0":
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_DEVICES:
@@ -139,7 +121,7 @@ def pdl_launch_kwargs(pdl: bool) -> dict:
     """Extra launch keywords for a kernel compiled with USE_PDL=pdl. GYRFALCON_PDL=serial launches the
     same kernel variants without the attribute: gdc_wait / gdc_launch_dependents are then no-ops and the
     kernels run one after another, with the same arithmetic (the tests' reference for PDL races)."""
-    return {"launch_pdl": True} if pdl and os.environ.get("GYRFALCON_PDL") != "serial" else {}
+    return {"launch_pdl": True} if pdl and envs.get().pdl != "serial" else {}
 
 
 def next_pow2(n: int) -> int:

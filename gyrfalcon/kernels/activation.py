@@ -2,7 +2,7 @@
 
 x: [..., 2 * d] holding gate in x[..., :d] and up in x[..., d:]; returns [..., d] in x.dtype.
 row_scale = (r [T, hidden], eps) (x 2-D): gate and up first scaled by each row's rstd(r), for the
-post-attention norm folded into the gate_up GEMM (GYRFALCON_FOLD_NORMS; rms_norm.apply_row_scale_ref).
+post-attention norm folded into the gate_up GEMM (rms_norm.apply_row_scale_ref).
 """
 
 from __future__ import annotations

@@ -36,10 +36,8 @@ import torch
 
 from gyrfalcon.kernels._common import HAS_TRITON, cdiv, next_pow2, tl, triton, use_triton
 
-# Launch-shape constants. H200 (benchmarks/results/argmax-h200-2026-11-30-run10.json, these defaults,
-# hot cache): fp32 rows of 128,256 took 3.8 / 5.5 / 11.0 us at S = 1 / 16 / 64 against torch's 26.8 /
-# 26.9 / 27.2; rows of 151,936: 3.7 / 6.3 / 13.3 against 8.6 / 12.0 / 22.5. The launch-shape sweep of
-# `benchmarks/small_m_gemv.py --argmax` (without --quick) has not run yet.
+# Launch-shape constants. On the H200 (these defaults, hot cache) fp32 rows of 128,256 took 3.8 / 5.5 / 11.0 us
+# at S = 1 / 16 / 64 against torch's 26.8 / 26.9 / 27.2; not swept further.
 BLOCK = 4096           # elements per stage-1 iteration
 NUM_WARPS = 8
 MIN_CHUNK = 4096       # elements per stage-1 program, at least

@@ -4,7 +4,7 @@ A decode step scheduled ahead of the device (async scheduling) does not know the
 sampled in the step before; the runner's `last_sampled` buffer holds it on the device, and `src` says
 which row of it each token takes. In torch that is clamp, index, compare, where, then the embedding
 gather: five kernels of ~1-2 us each in every decode graph (and F.embedding's indexSelectSmallIndex
-took 12 us for 16 rows on the H200, latency_*_b16-h200-2026-11-30-run27.json). Here one program per
+took 12 us for 16 rows on the H200). Here one program per
 (token, column block) picks the token id and copies its row.
 
 weight: [V, H]; input_ids: [T] int64; src: [T] int64 (-1: take input_ids[t], else last_sampled[src[t]]);
@@ -12,8 +12,6 @@ last_sampled: [S] int64. Returns [T, H] in weight.dtype.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +58,8 @@ def embedding_with_pending_triton(weight: torch.Tensor, input_ids: torch.Tensor,
     return out
 
 
-def fused_embedding_enabled() -> bool:
-    """GYRFALCON_FUSED_EMBED=0 keeps the torch composition in the decode graphs (for side-by-side runs)."""
-    return os.environ.get("GYRFALCON_FUSED_EMBED", "1") != "0"
-
-
 def embedding_with_pending(weight: torch.Tensor, input_ids: torch.Tensor, src: torch.Tensor,
                            last_sampled: torch.Tensor) -> torch.Tensor:
-    if use_triton(weight) and fused_embedding_enabled():
+    if use_triton(weight):
         return embedding_with_pending_triton(weight, input_ids, src, last_sampled)
     return embedding_with_pending_ref(weight, input_ids, src, last_sampled)

@@ -13,7 +13,6 @@ k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -31,7 +30,7 @@ def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
                  q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
                  eps: float = 1e-6, row_scale=None) -> torch.Tensor:
     """The unfused composition of the existing references (the oracle of the fused kernel). row_scale =
-    (x [T, hidden], eps): the layer's input norm folded into the qkv GEMM (GYRFALCON_FOLD_NORMS), so each
+    (x [T, hidden], eps): the layer's input norm folded into the qkv GEMM (folded norms), so each
     row is first scaled by rstd(x) (rms_norm.apply_row_scale_ref)."""
     T = qkv.shape[0]
     if row_scale is not None:
@@ -105,7 +104,7 @@ if HAS_TRITON:
     @triton.jit
     def _norm_rope_values(x, xp, wd, wp, cos, sin, sign, rot, scale, eps, HAS_W: tl.constexpr, HEAD_D: tl.constexpr):
         """_norm_rope on heads already loaded: x [R, BLOCK_D] and xp, the same heads at the partner dims (callers
-        that issue the loads early and do the arithmetic later: decode attention's EARLY_LOADS)."""
+        that load them themselves: decode attention's new K)."""
         x = x.to(tl.float32) * scale
         xp = xp.to(tl.float32) * scale
         if HAS_W:
@@ -188,18 +187,14 @@ if HAS_TRITON:
 
 
 # Tokens from which a program takes several heads (prefill): one head per program leaves ~400k one-warp
-# programs for 8k tokens of Llama-8B, latency-bound at ~4x the bytes' time (run 29: 200 us per layer).
+# programs for 8k tokens of Llama-8B, latency-bound at ~4x the bytes' time.
 MULTI_HEAD_MIN_TOKENS = 256
 MAX_HEADS_PER_PROGRAM = 8
 
 
 def heads_per_program(num_tokens: int, num_heads: int) -> int:
     """Heads each program takes: 1 for small batches (decode-sized: more programs, more parallelism),
-    up to MAX_HEADS_PER_PROGRAM from MULTI_HEAD_MIN_TOKENS tokens. GYRFALCON_QKV_PREP_HEADS=N forces N
-    (rounded up to a power of two: the program's head axis is a tl.arange)."""
-    forced = os.environ.get("GYRFALCON_QKV_PREP_HEADS")
-    if forced:
-        return next_pow2(max(1, int(forced)))
+    up to MAX_HEADS_PER_PROGRAM from MULTI_HEAD_MIN_TOKENS tokens (qkv_prep_triton's `heads` overrides it)."""
     if num_tokens < MULTI_HEAD_MIN_TOKENS:
         return 1
     return min(MAX_HEADS_PER_PROGRAM, next_pow2(num_heads))

@@ -11,8 +11,6 @@ Returns o: [num_tokens, num_heads, head_dim_v] in q.dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
@@ -167,7 +165,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DK: tl.constexpr, HEAD_DV: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, F16_DOTS: tl.constexpr = True,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):
         # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query
         # tokens of one sequence times the GROUP query heads of one kv head (rows = token-major,
@@ -196,13 +194,12 @@ if HAS_TRITON:
             q_ptr + (q_start + q_idx)[:, None] * s_qt + head[:, None] * s_qh + dk[None, :],
             mask=row_ok[:, None] & (dk[None, :] < HEAD_DK), other=0.0,
         )
-        if F16_DOTS & (kc_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype != tl.float32):
+        if (kc_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype != tl.float32):
             # An fp8 cache beside a 16-bit query: the dots run in fp16, which holds every e4m3 value exactly, so
             # the tiles widen in one instruction a pair (cvt.rn.f16x2.e4m3x2) where widening to bf16 went on
-            # through fp16 (one F2F.BF16.F16 per value: 64 of the 422 instructions a 32-key step on sm_90, 128
-            # of 667 a long-query step, scripts/compile_check.py --sass). A bf16 query is exact in fp16
-            # between 2^-14 and 65504 in magnitude; the decode kernel does the same (Q16). F16_DOTS:
-            # fp8_f16_dots.
+            # through fp16 (one F2F.BF16.F16 per value: 64 of the 422 instructions a 32-key step on sm_90,
+            # scripts/compile_check.py --sass). A bf16 query is exact in fp16 between 2^-14 and 65504 in
+            # magnitude; the decode kernel does the same (Q16).
             q = q.to(tl.float16)
         if UPCAST:
             q = q.to(tl.float32)
@@ -247,25 +244,12 @@ def _prefill_config(head_dim: int, group: int, max_query_len: int | None = None)
     if head_dim <= 64:
         return 128, 64, 4, 2
     if head_dim <= 128:
-        # H200 prefill-short sweep (run 33, 2026-12-01, Llama-8B heads): with queries of up to 512
-        # tokens, 32-key tiles and 3 stages win (64 x 128 tokens 98.8 vs 124.4 us, 16 x 128 32.7 vs
-        # 37.3, 4 x 512 58.2 vs 59.0) and lose on one 2048-token prompt (155.5 vs 142.9).
-        if max_query_len is not None and max_query_len <= SHORT_QUERY and short_query_tiles():
+        # H200 sweeps at Llama-8B's 32 / 8 heads: with queries of up to 512 tokens, 32-key tiles and 3 stages
+        # win (64 x 128 tokens: ~20% faster) and lose on one 2048-token prompt; 8k causal: 64-key tiles.
+        if max_query_len is not None and max_query_len <= SHORT_QUERY:
             return 64, 32, 4, 3
-        return 64, 64, 4, 2  # H200 sweep (bf16, 32/8 heads, 8k causal): best of 6 configs
+        return 64, 64, 4, 2
     return 64, 32, 8, 2
-
-
-def fp8_f16_dots() -> bool:
-    """Whether prefill attention over an fp8 cache runs its dots in fp16 beside a 16-bit query (the default;
-    GYRFALCON_PREFILL_FP8_F16=0: in the query's dtype, the tiles widened e4m3 -> fp16 -> bf16). Built from the
-    sm_90 instruction counts (compile_check.py --sass); an A/B switch until timed on the GPU."""
-    return os.environ.get("GYRFALCON_PREFILL_FP8_F16", "1") != "0"
-
-
-def short_query_tiles() -> bool:
-    """GYRFALCON_PREFILL_SHORT_TILES=0: the long-prompt tiles for every launch (an A/B switch)."""
-    return os.environ.get("GYRFALCON_PREFILL_SHORT_TILES", "1") != "0"
 
 
 def paged_attention_triton(
@@ -321,7 +305,7 @@ def paged_attention_triton(
         BLOCK_DK=max(16, next_pow2(dk)), BLOCK_DV=max(16, next_pow2(dv)),
         BLOCK_Q=block_q, BLOCK_M=block_m_rows, BLOCK_N=max(16, bn),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        F16_DOTS=fp8_f16_dots(), num_warps=nw, num_stages=ns,
+        num_warps=nw, num_stages=ns,
     )
     return o
 

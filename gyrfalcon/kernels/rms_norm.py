@@ -44,7 +44,7 @@ def row_rstd_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_row_scale_ref(t: torch.Tensor, row_scale) -> torch.Tensor:
-    """Folded norms (GYRFALCON_FOLD_NORMS): t [T, ...] computed from the un-normalized rows x of
+    """Folded norms: t [T, ...] computed from the un-normalized rows x of
     row_scale = (x [T, hidden], eps) with the norm's weight folded into the GEMM, scaled by each row's rstd
     in fp32 and rounded to t's dtype once: rms_norm(x) @ W^T == rstd(x) * (x @ (W * w)^T)."""
     x, eps = row_scale

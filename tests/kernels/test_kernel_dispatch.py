@@ -4,6 +4,7 @@ import pathlib
 import torch
 
 import gyrfalcon.kernels as K
+from gyrfalcon import envs
 from gyrfalcon.kernels import _common
 
 KERNELS_DIR = pathlib.Path(K.__file__).parent
@@ -19,6 +20,7 @@ def test_cpu_tensors_use_reference(monkeypatch):
     x = torch.randn(3, 16)
     assert not _common.use_triton(x)
     monkeypatch.setenv("GYRFALCON_KERNELS", "ref")
+    envs.refresh()
     assert not _common.use_triton(x)
     torch.testing.assert_close(K.silu_and_mul(torch.randn(2, 8)).shape, torch.Size([2, 4]))
     out, res = K.rms_norm(x, torch.ones(16), 1e-6, residual=x)
@@ -32,12 +34,13 @@ def test_env_var_forces_reference(monkeypatch):
     monkeypatch.setattr(_common, "HAS_TRITON", True)
     assert _common.use_triton(FakeCuda())
     monkeypatch.setenv("GYRFALCON_KERNELS", "ref")
+    envs.refresh()
     assert not _common.use_triton(FakeCuda())
 
 
 def test_kernels_import_nothing_but_kernels_and_no_modules():
-    # kernels/ is the bottom of the import graph: no nn.Module, nothing else from gyrfalcon.
-    for path in KERNELS_DIR.glob("*.py"):
+    # kernels/ is the bottom of the import graph: no nn.Module, nothing else from gyrfalcon but its envs.
+    for path in KERNELS_DIR.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -49,7 +52,9 @@ def test_kernels_import_nothing_but_kernels_and_no_modules():
             else:
                 continue
             for m in mods:
-                if m.startswith("gyrfalcon"):
+                if m == "gyrfalcon":
+                    assert set(names) <= {"envs"}, f"{path.name} imports {names} from gyrfalcon"
+                elif m.startswith("gyrfalcon"):
                     assert m.startswith("gyrfalcon.kernels"), f"{path.name} imports {m}"
                 assert m not in ("torch.nn",) or not set(names) & {"Module"}, f"{path.name} imports nn.Module"
         assert "nn.Module" not in path.read_text(), path.name
@@ -65,26 +70,24 @@ def test_pdl_never_on_cpu_and_off_by_env(monkeypatch):
         assert not _common.use_pdl(x)
     assert not _common._PDL_WARMUP[0]
     monkeypatch.setenv("GYRFALCON_PDL", "0")
+    envs.refresh()
     assert not _common.use_pdl(x)
     assert _common.pdl_launch_kwargs(False) == {}
     monkeypatch.delenv("GYRFALCON_PDL")
+    envs.refresh()
     assert _common.pdl_launch_kwargs(True) == {"launch_pdl": True}
     monkeypatch.setenv("GYRFALCON_PDL", "serial")  # the PDL kernel variants, launched one after another
+    envs.refresh()
     assert _common.pdl_launch_kwargs(True) == {}
 
 
 
-def test_pdl_rows_bound(monkeypatch):
-    """use_pdl admits single rows by default; GYRFALCON_PDL_ROWS=N admits launches of up to N rows (the batched
-    graphs' experiment); never an empty launch. (pdl_possible stubbed: its device conditions need a GPU.)"""
+def test_pdl_single_rows_only(monkeypatch):
+    """use_pdl admits single rows (the batch-1 graphs) only, never an empty launch, and only inside a capture or
+    its warm-up. (pdl_possible stubbed: its device conditions need a GPU.)"""
     monkeypatch.setattr(_common, "pdl_possible", lambda t: True)
-    monkeypatch.delenv("GYRFALCON_PDL_ROWS", raising=False)
-    assert _common.pdl_rows() == 1
     with _common.pdl_warmup():
         assert _common.use_pdl(torch.zeros(1, 4)) and not _common.use_pdl(torch.zeros(16, 4))
-        monkeypatch.setenv("GYRFALCON_PDL_ROWS", "16")
-        assert _common.pdl_rows() == 16
-        assert _common.use_pdl(torch.zeros(16, 4)) and not _common.use_pdl(torch.zeros(17, 4))
         assert not _common.use_pdl(torch.zeros(0, 4))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert not _common.use_pdl(torch.zeros(16, 4))  # outside a capture or its warm-up
+    assert not _common.use_pdl(torch.zeros(1, 4))  # outside a capture or its warm-up

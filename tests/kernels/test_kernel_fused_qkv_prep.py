@@ -56,17 +56,12 @@ def test_several_heads_per_program(T, H, KVH, D, rot, heads, norm):
     torch.testing.assert_close(vc2, vc1, rtol=0, atol=0)
 
 
-def test_heads_per_program_choice(monkeypatch):
+def test_heads_per_program_choice():
     from gyrfalcon.kernels.fused_qkv_prep import MULTI_HEAD_MIN_TOKENS, heads_per_program
 
-    monkeypatch.delenv("GYRFALCON_QKV_PREP_HEADS", raising=False)
     assert heads_per_program(1, 32) == 1 and heads_per_program(MULTI_HEAD_MIN_TOKENS - 1, 32) == 1
     assert heads_per_program(MULTI_HEAD_MIN_TOKENS, 32) == 8 and heads_per_program(8192, 2) == 2
     assert heads_per_program(8192, 6) == 8  # next power of two, capped
-    monkeypatch.setenv("GYRFALCON_QKV_PREP_HEADS", "1")
-    assert heads_per_program(8192, 32) == 1
-    monkeypatch.setenv("GYRFALCON_QKV_PREP_HEADS", "3")
-    assert heads_per_program(8192, 32) == 4
 
 
 def test_ref_against_naive_math():

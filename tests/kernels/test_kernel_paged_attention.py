@@ -67,14 +67,12 @@ def test_triton_head_dims(head_dim, block_size):
     torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
 
 
-def test_prefill_tiles_by_query_length(monkeypatch):
+def test_prefill_tiles_by_query_length():
     from gyrfalcon.kernels.paged_attention import SHORT_QUERY, _prefill_config
 
     short, long_ = _prefill_config(128, 4, SHORT_QUERY), _prefill_config(128, 4, SHORT_QUERY + 1)
     assert short != long_ and short[1] < long_[1]  # short queries: fewer keys per tile
     assert _prefill_config(128, 4, None) == long_  # nothing known: the long-prompt tiles
-    monkeypatch.setenv("GYRFALCON_PREFILL_SHORT_TILES", "0")
-    assert _prefill_config(128, 4, 16) == long_
 
 
 @requires_triton
@@ -112,13 +110,10 @@ def test_triton_garbage_unused_block_table_entries():
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("f16", ["1", "0"], ids=["f16-dots", "query-dtype-dots"])
-def test_triton_fp8_cache_matches_ref(dtype, f16, monkeypatch):
+def test_triton_fp8_cache_matches_ref(dtype):
     """kv_cache_dtype fp8: prefill / chunked prefill read float8 e4m3 key / value tiles, widened to fp32 beside
     an fp32 query and to fp16 beside a 16-bit one (the query rounded to fp16 as well; the interpreter then
-    upcasts the operands; GYRFALCON_PREFILL_FP8_F16=0: in the query's dtype); the reference reads the same fp8
-    values with the bf16 query."""
-    monkeypatch.setenv("GYRFALCON_PREFILL_FP8_F16", f16)
+    upcasts the operands); the reference reads the same fp8 values with the bf16 query."""
     q_lens, seq_lens = RAGGED
     q, kc, vc, bt, sl, qsl, _, _ = _batch(q_lens, seq_lens, 4, 2, 32, 8, torch.float32, fill=10**8)
     kc8, vc8, q = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(dtype)
