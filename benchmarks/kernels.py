@@ -110,7 +110,7 @@ def main() -> None:
 
     from gyrfalcon.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
     from gyrfalcon.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-    from gyrfalcon.kernels.paged_decode_attention import (
+    from gyrfalcon.kernels.decode_attention import (
         default_num_splits,
         paged_decode_attention_ref,
         paged_decode_attention_triton,

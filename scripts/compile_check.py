@@ -61,16 +61,13 @@ def _harness(arch: int):
         return k
 
     JITFunction.run = compile_only
-    from gyrfalcon.kernels import _common as C
+    from gyrfalcon.kernels import common as C
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     C.HAS_TRITON, C.triton, C.tl = True, triton, tl
     C.gdc_wait, C.gdc_launch_dependents = gdc_wait, gdc_launch_dependents
-    mods = {m: importlib.reload(importlib.import_module("gyrfalcon.kernels." + m))
-            # rms_norm first: the kernels below import its jit helper (_row_rstd) at reload
-            for m in ("rms_norm", "activation", "fused_qkv_prep", "paged_decode_attention", "small_m_gemv", "argmax",
-                      "embedding", "paged_attention", "store_kv", "sampling")}
-    mods["paged_decode_attention"]._sm_count = lambda device: 132  # the H200's SMs: its split counts
+    mods = C.reload_kernel_modules()  # {"rms_norm": the op package, ...}
+    importlib.import_module("gyrfalcon.kernels.decode_attention.configs")._sm_count = lambda device: 132  # the H200's
     return mods, compiled
 
 
@@ -132,7 +129,7 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4
 def cases(mods):
     """(label, thunk) per launch to compile: batch-1 decode with and without PDL, the prefetch on / off,
     the in-kernel merge, batch 16 to 256, the GEMVs, the prefill kernels and the argmax."""
-    A, G, P, M = (mods[m] for m in ("paged_decode_attention", "small_m_gemv", "fused_qkv_prep", "argmax"))
+    A, G, P, M = (mods[m] for m in ("decode_attention", "gemv", "fused_qkv_prep", "argmax"))
     PA, S = mods["paged_attention"], mods["store_kv"]
     bf = torch.bfloat16
 
@@ -234,7 +231,7 @@ def cases(mods):
                 (f"{name} down GEMM M=16 pdl, no peel, residual add",
                  gemv(16, hid, inter, pdl=True, peel=False, add=True))]
         out.append((f"{name} o_proj GEMM M=64", gemv(64, hid, H * D, pdl=False)))
-        # down_proj of 17-64 rows at its launch shape of its own (small_m_gemv.WIDE_ROWS_SHAPES), residual add
+        # down_proj of 17-64 rows at its launch shape of its own (gemv.configs.WIDE_ROWS_SHAPES), residual add
         out += [(f"{name} down GEMM M={rows} wide-rows shape, residual add",
                  gemv(rows, hid, inter, pdl=False, add=True)) for rows in (64, 24)]
         # The norm's rstd applied after the loop (ONE_PASS, rows > 1): batch-16 qkv / gate_up.
@@ -256,7 +253,7 @@ def cases(mods):
             return run
         out += [(f"{name} qkv prep pdl={p}", prep(p)) for p in (True, False)]
         out.append((f"{name} qkv prep, fp8 cache", prep(False, f8)))
-        # A prefill's size: several heads per program (fused_qkv_prep.heads_per_program).
+        # A prefill's size: several heads per program (fused_qkv_prep.configs.heads_per_program).
         out.append((f"{name} qkv prep, 512-token prefill", prep(False, tokens=512)))
         out.append((f"{name} qkv prep, 512-token prefill, folded norms", prep(False, tokens=512, fold=True)))
         out.append((f"{name} qkv prep, folded norms", prep(False, fold=True)))

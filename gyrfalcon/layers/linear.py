@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.kernels._common import use_triton
-from gyrfalcon.kernels.small_m_gemv import linear_gemv_rows, norm_gemv_triton
+from gyrfalcon.kernels.common import use_triton
+from gyrfalcon.kernels.gemv import linear_gemv_rows, norm_gemv_triton
 
 
 class Linear(nn.Module):

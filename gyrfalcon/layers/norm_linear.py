@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, norm_gemv
+from gyrfalcon.kernels.gemv import GEMV_MAX_ROWS, norm_gemv
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm import RMSNorm, fold_norm_into

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
-from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
-from gyrfalcon.kernels.paged_decode_attention import wide_tile_context
+from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
+from gyrfalcon.kernels.decode_attention import wide_tile_context
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.precompile import ladder_warmup_steps, precompile
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, List, Optional
 
 from gyrfalcon.forward_context import forward_context
-from gyrfalcon.kernels._common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
+from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Triton kernels vs their references on a GPU, bf16, at real model shapes (Llama-3-8B-like:
 32 heads / 8 kv heads, head_dim 128, contexts up to 8k, batches up to 64), plus CUDA-graph capture
-of the decode path. Run through scripts/gpu_check.sh or `pytest tests/gpu/test_kernels_gpu.py`."""
+of the decode path. Run through scripts/gpu/test.sh or `pytest tests/gpu/test_kernels_gpu.py`."""
 
 import pytest
 import torch
@@ -11,19 +11,19 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from gyrfalcon.kernels import (  # noqa: E402
-    apply_rotary,
-    paged_attention,
-    paged_decode_attention,
-    rms_norm,
-    silu_and_mul,
-    store_kv,
-)
+                               apply_rotary,
+                               paged_attention,
+                               paged_decode_attention,
+                               rms_norm,
+                               silu_and_mul,
+                               store_kv,
+                               )
 from gyrfalcon.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from gyrfalcon.kernels.paged_attention import paged_attention_ref, paged_attention_triton  # noqa: E402
-from gyrfalcon.kernels.paged_decode_attention import (  # noqa: E402
-    paged_decode_attention_ref,
-    paged_decode_attention_triton,
-)
+from gyrfalcon.kernels.decode_attention import (  # noqa: E402
+                                                paged_decode_attention_ref,
+                                                paged_decode_attention_triton,
+                                                )
 from gyrfalcon.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from gyrfalcon.kernels.rotary import apply_rotary_ref, apply_rotary_triton  # noqa: E402
 from gyrfalcon.kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
@@ -244,14 +244,14 @@ def test_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch
 def test_decode_attention_with_prep_one_split(batch, max_ctx, n_heads, norm):
     """The one-split launch the wide-tile graphs capture (batch 5-16 at 8 kv heads: WIDE_TILE_CONFIG's one-stage
     256-key tile; past 256 tokens, which those graphs never replay, two of its tiles) against the references."""
-    from gyrfalcon.kernels.paged_decode_attention import wide_tile_context
+    from gyrfalcon.kernels.decode_attention import wide_tile_context
     assert wide_tile_context(batch * HKV, 2, torch.device(DEV)) == 256  # the H200 runs the wide tile here
     _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, False, False, 1)
 
 
 def _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefetch, num_splits):
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                          decode_attention_with_prep_triton)
+    from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_ref,
+                                                    decode_attention_with_prep_triton)
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     if batch > 1:
@@ -275,47 +275,6 @@ def _check_decode_attention_with_prep(batch, max_ctx, n_heads, norm, pdl, prefet
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(kc, kc_ref, **TOL)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
-
-
-def _b1_decode_case(ctx, n_heads, hidden):
-    """One sequence's decode step at ctx tokens (this one included): its paged K/V, block table, seq_lens,
-    position, slot, fused qkv row, RoPE table and an o_proj weight [hidden, n_heads * D]; then the references'
-    o_proj output [1, hidden] (fp32) and the cache they leave (copies: kc_ref, vc_ref)."""
-    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_ref
-    kc, vc, bt = _paged([ctx], HKV, D, 16, width=ctx // 16 + 1)
-    sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
-    pos = sl.long() - 1
-    slots = bt.long()[0, pos // 16] * 16 + pos % 16
-    qkv = torch.randn(1, (n_heads + 2 * HKV) * D, device=DEV, dtype=BF16)
-    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
-    freqs = torch.outer(torch.arange(ctx + 1, device=DEV).float(), inv)
-    cs = torch.cat([freqs.cos(), freqs.sin()], -1)
-    w = (torch.randn(hidden, n_heads * D, device=DEV) / (n_heads * D) ** 0.5).to(BF16)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    o = decode_attention_with_prep_ref(qkv, n_heads, HKV, D, pos, cs, D, True, kc_ref, vc_ref, slots, bt, sl,
-                                       D ** -0.5)
-    want = o.reshape(1, -1).float() @ w.float().t()
-    return (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, vc_ref)
-
-
-@pytest.mark.parametrize("ctx,splits", [(1, None), (200, None), (8192, None), (200, 2), (256, 2), (129, 4),
-                                        (512, 4), (1000, 4)])
-@pytest.mark.parametrize("n_heads,hidden", [(16, 1024), (32, 4096)], ids=["qwen3-0.6b", "llama-8b"])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_o_proj_merging_decode_partials(ctx, splits, n_heads, hidden, pdl):
-    """Batch 1: o_proj's GEMV merging decode attention's split partials (no reduce launch) against the
-    attention output through F.linear, at the default launch shapes; splits 2 / 4: the merged batch-1 graph's
-    (whole-row input tiles under PDL), within their 128 keys a split and past them (1000 tokens)."""
-    from gyrfalcon.kernels.paged_decode_attention import decode_attention_with_prep_triton
-    from gyrfalcon.kernels.small_m_gemv import merged_heads_gemv_triton
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm90+")
-    (kc, vc, bt, sl, pos, slots, qkv, cs, w), (want, kc_ref, _) = _b1_decode_case(ctx, n_heads, hidden)
-    parts = decode_attention_with_prep_triton(qkv, n_heads, HKV, D, pos, cs, D, True, kc, vc, slots, bt, sl,
-                                              D ** -0.5, splits, pdl=pdl, partials=True)
-    got = merged_heads_gemv_triton(parts, w, pdl=pdl)
-    torch.testing.assert_close(got.float(), want, **TOL)
-    torch.testing.assert_close(kc, kc_ref, **TOL)
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 16, 4), (256, 16, 2), (128, 64, 8)])
@@ -435,16 +394,10 @@ def test_store_kv_fp8_rounds_like_torch():
     assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
 
 
-@pytest.mark.parametrize("batch,max_ctx,mid", [(1, 8192, "0"), (16, 4096, "0"), (16, 4096, "1"), (8, 2048, "1"),
-                                               (256, 1024, "0")])
-@pytest.mark.parametrize("staged", ["1", "0"], ids=["staged", "unstaged"])
-def test_paged_decode_fp8_cache(batch, max_ctx, mid, staged, monkeypatch):
-    """fp8 tiles widened to fp16 for the dots; staged (the default): V widened in its row layout, pinned there by
-    an asm statement, and staged through shared memory; unstaged: V widened in the dot's operand layout
-    (GYRFALCON_DECODE_FP8_V_STAGED=0). mid "1": the batch 8 / 16 split launch on MID_TILE_CONFIG's 64-key tiles
-    (the default since run 100), "0": on 128-key tiles (GYRFALCON_DECODE_MID_TILE_FP8=0)."""
-    monkeypatch.setenv("GYRFALCON_DECODE_FP8_V_STAGED", staged)
-    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)
+@pytest.mark.parametrize("batch,max_ctx", [(1, 8192), (16, 4096), (8, 2048), (256, 1024)])
+def test_paged_decode_fp8_cache(batch, max_ctx):
+    """fp8 tiles widened to fp16 for the dots, V widened in its row layout, pinned there by an asm statement, and
+    staged through shared memory; batch 8 / 16 on MID_TILE_CONFIG's 64-key tiles, batch 256 on 128-key ones."""
     seq_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
     seq_lens[0] = max_ctx
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=max_ctx // 16)
@@ -455,11 +408,9 @@ def test_paged_decode_fp8_cache(batch, max_ctx, mid, staged, monkeypatch):
     torch.testing.assert_close(paged_decode_attention_triton(q, kc, vc, bt, sl, D ** -0.5), want, **TOL)
 
 
-@pytest.mark.parametrize("f16", ["1", "0"], ids=["f16-dots", "bf16-dots"])
-def test_paged_prefill_fp8_cache(f16, monkeypatch):
-    """fp16 dots beside the bf16 query (the default) or bf16 ones (GYRFALCON_PREFILL_FP8_F16=0); decode-like
-    rows (a 1-token query over 900 keys) as a throughput run's mixed steps hold them."""
-    monkeypatch.setenv("GYRFALCON_PREFILL_FP8_F16", f16)
+def test_paged_prefill_fp8_cache():
+    """fp16 dots beside the bf16 query; decode-like rows (a 1-token query over 900 keys) as a throughput run's
+    mixed steps hold them."""
     q_lens, seq_lens = [512, 1, 300, 128], [512, 900, 1300, 128]
     kc, vc, bt = _paged(seq_lens, HKV, D, 16, width=1300 // 16 + 1)
     kc, vc = kc.to(FP8), vc.to(FP8)
@@ -470,15 +421,12 @@ def test_paged_prefill_fp8_cache(f16, monkeypatch):
     torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, sl, qsl, D ** -0.5), want, **TOL)
 
 
-@pytest.mark.parametrize("pdl,prefetch,mid", [(False, False, "0"), (False, False, "1"), (True, True, "0")],
-                         ids=["plain", "plain-mid-tile", "pdl-prefetch"])
-def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, mid, monkeypatch):
+@pytest.mark.parametrize("pdl,prefetch", [(False, False), (True, True)], ids=["plain-mid-tile", "pdl-prefetch"])
+def test_decode_attention_with_prep_fp8_cache(pdl, prefetch):
     """The fused launch rounds the new token into the fp8 cache (within one step of the unfused path's
-    double rounding) and attends over the fp8 cache. mid "1": batch 16's split launch on MID_TILE_CONFIG (the
-    default since run 100), "0": on 128-key tiles (GYRFALCON_DECODE_MID_TILE_FP8=0)."""
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                          decode_attention_with_prep_triton)
-    monkeypatch.setenv("GYRFALCON_DECODE_MID_TILE_FP8", mid)
+    double rounding) and attends over the fp8 cache; batch 16's split launch on MID_TILE_CONFIG."""
+    from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_ref,
+                                                    decode_attention_with_prep_triton)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm90+")
     batch, max_ctx, n_heads = (1 if pdl else 16), 2000, 32
@@ -504,9 +452,9 @@ def test_decode_attention_with_prep_fp8_cache(pdl, prefetch, mid, monkeypatch):
 
 
 def test_max_shared_mem_reads_the_device():
-    """_common.max_shared_mem reads Triton's driver property: the H100 / H200 (sm_90) allow 227 KB a program
+    """common.max_shared_mem reads Triton's driver property: the H100 / H200 (sm_90) allow 227 KB a program
     (H200_MAX_SHARED, what the CPU tests assume); any card at least 48 KB."""
-    from gyrfalcon.kernels._common import H200_MAX_SHARED, max_shared_mem
+    from gyrfalcon.kernels.common import H200_MAX_SHARED, max_shared_mem
     smem = max_shared_mem(torch.device("cuda"))
     assert 48 * 1024 <= smem <= 256 * 1024
     if torch.cuda.get_device_capability()[0] == 9:

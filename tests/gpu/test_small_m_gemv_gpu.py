@@ -9,7 +9,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from gyrfalcon.kernels.small_m_gemv import norm_gemv_ref, norm_gemv_triton  # noqa: E402
+from gyrfalcon import envs  # noqa: E402
+from gyrfalcon.kernels.gemv import norm_gemv_ref, norm_gemv_triton  # noqa: E402
 
 SHAPES = {  # (K, N, silu): Llama-3.1-8B's qkv, o, gate_up, down; Qwen3-0.6B's qkv
     "l8_qkv": (4096, 6144, False), "l8_o": (4096, 4096, False), "l8_gate_up": (4096, 14336, True),
@@ -21,8 +22,7 @@ SHAPES = {  # (K, N, silu): Llama-3.1-8B's qkv, o, gate_up, down; Qwen3-0.6B's q
 @pytest.mark.parametrize("M,one_pass", [(1, None), (1, True), (8, None), (16, None), (16, False), (64, None)])
 def test_matches_reference(name, M, one_pass):
     """Default launch shapes; rows > 1 with a norm apply its rstd after the loop (one pass) unless
-    one_pass=False; single rows where one tile spans the row (q06_qkv) or with one_pass=True
-    (GYRFALCON_GEMV_ONE_PASS_NORM_B1)."""
+    one_pass=False; single rows where one tile spans the row (q06_qkv) or with one_pass=True."""
     K, N, silu = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -34,8 +34,8 @@ def test_matches_reference(name, M, one_pass):
     y_ref, r_ref = norm_gemv_ref(x, w, **kw)
     y, r_new = norm_gemv_triton(x, w, one_pass=one_pass, **kw)
     # The one-pass norm scales fp32 sums by rstd after the loop where the reference rounds the normed input
-    # to bf16 first; through silu(gate) x up that reaches one bf16 step of |up| ~ 2-4 (run 33:
-    # 1 of 917,504 outputs off by 0.022 at M=64).
+    # to bf16 first; through silu(gate) x up that reaches one bf16 step of |up| ~ 2-4 (seen: 1 of 917,504
+    # outputs off by 0.022 at M=64).
     atol = 3e-2 if silu and (M > 1 and one_pass is not False or one_pass) else 2e-2
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=atol)
     if norm:
@@ -43,27 +43,23 @@ def test_matches_reference(name, M, one_pass):
 
 
 @pytest.mark.parametrize("name", ["l8_qkv", "l8_o", "l8_down"])
-@pytest.mark.parametrize("M,cfg", [(16, (16, 512, 4, 6, 1)), (16, (32, 256, 8, 4, 2)), (16, (64, 128, 4, 6, 4)),
-                                   (16, (16, 256, 8, 4, 4)), (64, (32, 256, 4, 4, 1)), (40, (32, 256, 4, 4, 1))])
-def test_wide_row_launch_shapes_match_reference(name, M, cfg, monkeypatch):
-    """16 plain rows (the batch-16 graphs' o_proj, down_proj and, through GYRFALCON_GEMV_ROWS_SHAPES, qkv) at
-    launch shapes of benchmarks/small_m_gemv.py --wide: 8 warps, 6 stages, split-K 2 / 4, set through the
-    variable as the model would, in a CUDA graph replayed twice (split-K's arrival counters reset in-kernel);
-    40 / 64 rows through GYRFALCON_GEMV_WIDE_ROWS_SHAPES at run 90's best 64-row shape."""
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
+@pytest.mark.parametrize("M,cfg", [(16, None), (16, (16, 512, 4, 6)), (16, (32, 256, 8, 4)), (64, None), (40, None)])
+def test_wide_row_launch_shapes_match_reference(name, M, cfg):
+    """16 plain rows (the batch-16 graphs' o_proj, down_proj and Llama-8B's qkv: gemv.configs.ROWS_SHAPES) and 40 /
+    64 rows (down_proj: WIDE_ROWS_SHAPES) at their default launch shapes, or at other shapes of
+    benchmarks/small_m_gemv.py --wide (8 warps, 6 stages) passed as config, in a CUDA graph replayed twice."""
+    from gyrfalcon.kernels.gemv import GemvConfig
     K, N, _ = SHAPES[name]
-    var = "GYRFALCON_GEMV_ROWS_SHAPES" if M <= 16 else "GYRFALCON_GEMV_WIDE_ROWS_SHAPES"
-    monkeypatch.setenv(var, f"{N}x{K}=" + ",".join(map(str, cfg)))
-    assert default_config(M, N, K) == GemvConfig(*cfg)
+    config = GemvConfig(*cfg) if cfg else None
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     y_ref, _ = norm_gemv_ref(x, w)
-    norm_gemv_triton(x, w)  # compile outside the capture
+    norm_gemv_triton(x, w, config=config)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, _ = norm_gemv_triton(x, w)
+        y, _ = norm_gemv_triton(x, w, config=config)
     for _ in range(2):
         y.zero_()
         graph.replay()
@@ -79,8 +75,8 @@ def test_pdl_chain_identical_in_a_graph(monkeypatch, fused_prep):
     its input before gdc_wait; and close to the non-PDL variants (the GEMV peels its first weight tile
     under PDL, which changes the fp32 summation order)."""
     from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
-                                                          paged_decode_attention_triton)
+    from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_triton,
+                                                    paged_decode_attention_triton)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     K, layers = 1024, 6
@@ -115,6 +111,7 @@ def test_pdl_chain_identical_in_a_graph(monkeypatch, fused_prep):
     outs = {}
     for name, pdl, env in (("off", False, "0"), ("serial", True, "serial"), ("pdl", True, "1")):
         monkeypatch.setenv("GYRFALCON_PDL", env)
+        envs.refresh()
         chain(pdl)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

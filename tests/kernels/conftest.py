@@ -16,11 +16,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Another test folder may have imported the kernels first, building GPU-only JIT functions:
-    # rebuild them in interpreter mode (reload order: helpers before the modules using them).
-    for _name in sorted(n for n in sys.modules if n.startswith("gyrfalcon.kernels.")):
-        importlib.reload(sys.modules[_name])
-    if "gyrfalcon.kernels" in sys.modules:
-        importlib.reload(sys.modules["gyrfalcon.kernels"])
+    # rebuild them in interpreter mode (common first, then the ops, dependencies first).
+    if "gyrfalcon.kernels.common" in sys.modules:
+        importlib.reload(sys.modules["gyrfalcon.kernels.common"]).reload_kernel_modules()
 
 
 @pytest.fixture(autouse=True)

@@ -39,7 +39,7 @@ try:
     mods, compiled = cc._harness(90)
 except Exception:
     sys.exit(2)  # this Triton's internals do not allow the harness
-A = mods["paged_decode_attention"]
+A = mods["decode_attention"]
 H, KVH, D = 16, 8, 128
 kc = torch.zeros(64, 16, KVH, D)
 pos = torch.zeros(1, dtype=torch.int64)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
-from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                      decode_attention_with_prep_triton,
-                                                      paged_decode_attention_triton)
+from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_ref,
+                                                decode_attention_with_prep_triton,
+                                                paged_decode_attention_triton)
 from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
 
 # Contexts after this step's token: partly filled blocks, a first token, CUDA-graph padding rows
@@ -123,7 +123,7 @@ def test_fused_equals_the_two_triton_launches(num_splits, prefetch, k_rows):
 
 @pytest.mark.parametrize("pdl", [True, False])
 def test_prefetch_default_follows_pdl(pdl):
-    from gyrfalcon.kernels.paged_decode_attention import prefetch_default
+    from gyrfalcon.kernels.decode_attention import prefetch_default
     assert prefetch_default(pdl) is pdl
 
 
@@ -136,7 +136,7 @@ def test_fp8_cache_attends_over_what_it_stored(num_splits, prefetch):
     attention over the cache it left behind. (The stored values themselves are checked on the GPU,
     tests/gpu: the Triton interpreter rounds some values to fp8 wrongly, e.g. 1.96 to 1.0 where the
     hardware and torch give 2.0.)"""
-    from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_ref
+    from gyrfalcon.kernels.decode_attention import paged_decode_attention_ref
     H, KVH, D = 4, 2, 32
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case(SEQ_LENS, H, KVH, D, D, torch.float32, True, seed=5)
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
@@ -189,7 +189,8 @@ def test_batch16_wide_tile(wide_env, monkeypatch):
     from kernels_testutil import LaunchSpy
     pda = sys.modules[paged_decode_attention_triton.__module__]
     if wide_env == "small-card":
-        monkeypatch.setattr(pda, "max_shared_mem", lambda device: 99 * 1024)
+        monkeypatch.setattr(sys.modules["gyrfalcon.kernels.decode_attention.configs"], "max_shared_mem",
+                            lambda device: 99 * 1024)
     spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
     monkeypatch.setattr(pda, "_decode_split_kernel", spy)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 600, 128, 33, 2, 513, 160]

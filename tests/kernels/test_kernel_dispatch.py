@@ -5,7 +5,7 @@ import torch
 
 import gyrfalcon.kernels as K
 from gyrfalcon import envs
-from gyrfalcon.kernels import _common
+from gyrfalcon.kernels import common as _common
 
 KERNELS_DIR = pathlib.Path(K.__file__).parent
 

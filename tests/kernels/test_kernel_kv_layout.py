@@ -12,9 +12,9 @@ import torch
 
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref, qkv_prep_triton
 from gyrfalcon.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_ref,
-                                                      decode_attention_with_prep_triton, paged_decode_attention_ref,
-                                                      paged_decode_attention_triton)
+from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_ref,
+                                                decode_attention_with_prep_triton, paged_decode_attention_ref,
+                                                paged_decode_attention_triton)
 from gyrfalcon.kernels.store_kv import store_kv_ref, store_kv_triton
 from gyrfalcon.runner.model_runner import allocate_kv_cache
 

@@ -36,7 +36,7 @@ def test_ref_query_chunking(monkeypatch):
     # Chunking queries to bound memory must not change the result.
     import sys
 
-    pa = sys.modules["gyrfalcon.kernels.paged_attention"]  # the package re-exports a same-named function
+    pa = sys.modules["gyrfalcon.kernels.paged_attention.naive"]
 
     q, kc, vc, bt, sl, qsl, _, _ = _batch([9], [13], 4, 2, 16, 4, torch.float32)
     full = pa.paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.25)
@@ -68,11 +68,11 @@ def test_triton_head_dims(head_dim, block_size):
 
 
 def test_prefill_tiles_by_query_length():
-    from gyrfalcon.kernels.paged_attention import SHORT_QUERY, _prefill_config
+    from gyrfalcon.kernels.paged_attention import SHORT_QUERY, prefill_config
 
-    short, long_ = _prefill_config(128, 4, SHORT_QUERY), _prefill_config(128, 4, SHORT_QUERY + 1)
+    short, long_ = prefill_config(128, 4, SHORT_QUERY), prefill_config(128, 4, SHORT_QUERY + 1)
     assert short != long_ and short[1] < long_[1]  # short queries: fewer keys per tile
-    assert _prefill_config(128, 4, None) == long_  # nothing known: the long-prompt tiles
+    assert prefill_config(128, 4, None) == long_  # nothing known: the long-prompt tiles
 
 
 @requires_triton

@@ -76,9 +76,9 @@ def test_triton_matches_reference(S, V, block):
 def test_split_rows_draw_what_one_program_per_row_draws(S, V, block, min_chunk, target):
     """Rows cut into chunks (one program each, then a reduce launch) pick exactly the token one program
     streaming the whole row picks: the best score, the lowest index holding it; a row of all -inf gives 0."""
-    from gyrfalcon.kernels.argmax import _split
+    from gyrfalcon.kernels.argmax import split_rows
 
-    assert _split(S, V, block, min_chunk, target)[1] > 1  # the two-launch path
+    assert split_rows(S, V, block, min_chunk, target)[1] > 1  # the two-launch path
     g = torch.Generator().manual_seed(V + S)
     z = (torch.randn(S, V, generator=g) * 3).to(DEVICE)
     z[0, : V // 2] = float("-inf")

@@ -174,7 +174,7 @@ def test_batch1_graph_keeps_the_faster_of_pdl_and_not(monkeypatch, mode, ms, wan
     """With GYRFALCON_PDL unset the batch-1 graph is captured with and without PDL and the faster replay
     is kept; other sizes are captured once; GYRFALCON_PDL=1 / serial keep the PDL capture untimed."""
     import gyrfalcon.runner.cuda_graph as cg
-    from gyrfalcon.kernels import _common
+    from gyrfalcon.kernels import common as _common
 
     monkeypatch.setenv("GYRFALCON_PDL", mode)
     envs.refresh()
@@ -312,7 +312,7 @@ def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
 def test_second_ladder_follows_the_batch1_pdl_choice(monkeypatch):
     """capture_ladder(batch1_pdl=False / True) captures batch 1 that way once, untimed, in the given pool."""
     import gyrfalcon.runner.cuda_graph as cg
-    from gyrfalcon.kernels import _common
+    from gyrfalcon.kernels import common as _common
 
     monkeypatch.setenv("GYRFALCON_PDL", "auto")
     envs.refresh()

@@ -136,9 +136,9 @@ def test_eager_decode_kernels_runtime_specialization_once(launches):
     """Decode batches of 1-16 sequences run eagerly (enforce_eager, or a step the graphs do not cover). Their
     launch configs change with the batch by design (splits, rows per program: constexprs, a bounded set);
     within one launch config, the runtime part of a kernel's specialization must not."""
-    from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
-                                                          paged_decode_attention_triton)
-    from gyrfalcon.kernels.small_m_gemv import norm_gemv_triton
+    from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_triton,
+                                                    paged_decode_attention_triton)
+    from gyrfalcon.kernels.gemv import norm_gemv_triton
 
     H, KV, D, hidden, bs = 4, 2, 16, 64, 16
     kc = torch.zeros(64, bs, KV, D)

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from gyrfalcon.forward_context import get_forward_context  # noqa: E402
-from gyrfalcon.kernels import _common  # noqa: E402
+from gyrfalcon.kernels import common as _common  # noqa: E402
 from gyrfalcon.runner.precompile import ladder_warmup_steps, precompile  # noqa: E402
 
 

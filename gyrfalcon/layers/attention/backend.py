@@ -78,7 +78,7 @@ _BACKENDS: Dict[str, AttentionBackend] = {}
 def get_backend(device: torch.device) -> AttentionBackend:
     """TritonBackend for a CUDA device (unless GYRFALCON_KERNELS=ref or Triton is missing), else
     ReferenceBackend. One instance of each per process."""
-    from gyrfalcon.kernels._common import HAS_TRITON
+    from gyrfalcon.kernels.common import HAS_TRITON
 
     name = "triton" if device.type == "cuda" and HAS_TRITON and envs.get().kernels != "ref" else "reference"
     backend = _BACKENDS.get(name)

@@ -8,7 +8,7 @@ import torch
 
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
 from gyrfalcon.kernels.paged_attention import paged_attention_ref
-from gyrfalcon.kernels.paged_decode_attention import paged_decode_attention_ref
+from gyrfalcon.kernels.decode_attention import paged_decode_attention_ref
 from gyrfalcon.kernels.store_kv import store_kv_ref
 from gyrfalcon.layers.attention.backend import AttentionBackend
 

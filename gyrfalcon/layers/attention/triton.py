@@ -15,8 +15,8 @@ import torch
 
 from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_triton
 from gyrfalcon.kernels.paged_attention import paged_attention_triton
-from gyrfalcon.kernels.paged_decode_attention import (decode_attention_with_prep_triton,
-                                                      paged_decode_attention_triton, wide_tile_context)
+from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_triton,
+                                                paged_decode_attention_triton, wide_tile_context)
 from gyrfalcon.kernels.store_kv import store_kv_triton
 from gyrfalcon.layers.attention.backend import AttentionBackend
 

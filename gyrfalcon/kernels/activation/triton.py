@@ -1,30 +1,14 @@
-"""Gated activation for SwiGLU MLPs: silu(gate) * up.
-
-x: [..., 2 * d] holding gate in x[..., :d] and up in x[..., d:]; returns [..., d] in x.dtype.
-row_scale = (r [T, hidden], eps) (x 2-D): gate and up first scaled by each row's rstd(r), for the
-post-attention norm folded into the gate_up GEMM (rms_norm.apply_row_scale_ref).
-"""
+"""Triton SiLU-and-mul, with the folded post-attention norm's row scale (row_scale) or without."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
-from gyrfalcon.kernels.rms_norm import apply_row_scale_ref
-
-
-def silu_and_mul_ref(x: torch.Tensor, row_scale=None) -> torch.Tensor:
-    """Plain-torch silu(x[..., :d]) * x[..., d:], fp32 math."""
-    d = x.shape[-1] // 2
-    if row_scale is not None:
-        x = apply_row_scale_ref(x, row_scale)
-    xf = x.float()
-    return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
+from gyrfalcon.kernels.common import HAS_TRITON, next_pow2, tl, triton
 
 
 if HAS_TRITON:
-    from gyrfalcon.kernels.rms_norm import _row_rstd
+    from gyrfalcon.kernels.rms_norm.triton import _row_rstd
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, BLOCK: tl.constexpr):
@@ -82,10 +66,3 @@ def silu_and_mul_triton(x: torch.Tensor, row_scale=None) -> torch.Tensor:
         BLOCK_H=min(1024, max(16, next_pow2(r.shape[-1]))), num_warps=4,
     )
     return out
-
-
-def silu_and_mul(x: torch.Tensor, row_scale=None) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] -> [..., d] (row_scale: see the module docstring)."""
-    if use_triton(x):
-        return silu_and_mul_triton(x, row_scale)
-    return silu_and_mul_ref(x, row_scale)

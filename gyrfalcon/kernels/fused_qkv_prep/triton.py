@@ -1,15 +1,5 @@
-"""Fused attention-input preparation: per-head q/k RMSNorm + RoPE + KV-cache write, one launch.
-
-Between the qkv projection and attention, an unfused layer launches q-norm, k-norm, rotary and the
-KV store separately (4 kernels for Qwen3, 2 for Llama). Here one program per (token, head) reads its
-head of the fused qkv output once, normalizes it (optional), rotates the first rotary_dim dims,
-and either writes q to the output or writes k and v straight into the paged cache.
-
-qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows [q heads | k heads | v heads];
-positions: int [num_tokens]; cos_sin_cache: fp32 [max_positions, rotary_dim] (cos | sin);
-k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: int [num_tokens]
-(-1: do not write). Returns q: [num_tokens, num_heads, head_dim] (normalized and rotated).
-"""
+"""The Triton qkv prep (one program per (token, head group)), and its jit helpers (RoPE tables, norm weights,
+norm + RoPE of loaded heads) that decode attention's fused-prep kernel inlines too."""
 
 from __future__ import annotations
 
@@ -17,39 +7,13 @@ from typing import Optional
 
 import torch
 
-from gyrfalcon.kernels._common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
-                                       pdl_launch_kwargs, tl, triton, use_pdl, use_triton)
-from gyrfalcon.kernels.rms_norm import apply_row_scale_ref, rms_norm_ref
-from gyrfalcon.kernels.rotary import apply_rotary_ref
-from gyrfalcon.kernels.store_kv import store_kv_ref
-
-
-def qkv_prep_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                 eps: float = 1e-6, row_scale=None) -> torch.Tensor:
-    """The unfused composition of the existing references (the oracle of the fused kernel). row_scale =
-    (x [T, hidden], eps): the layer's input norm folded into the qkv GEMM (folded norms), so each
-    row is first scaled by rstd(x) (rms_norm.apply_row_scale_ref)."""
-    T = qkv.shape[0]
-    if row_scale is not None:
-        qkv = apply_row_scale_ref(qkv, row_scale)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = q.reshape(T, num_heads, head_dim)
-    k = k.reshape(T, num_kv_heads, head_dim)
-    v = v.reshape(T, num_kv_heads, head_dim)
-    if q_norm_weight is not None:
-        q = rms_norm_ref(q, q_norm_weight, eps)
-    if k_norm_weight is not None:
-        k = rms_norm_ref(k, k_norm_weight, eps)
-    q, k = apply_rotary_ref(q, k, positions, cos_sin_cache, rotary_dim, is_neox)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q.contiguous()
+from gyrfalcon.kernels.common import (HAS_TRITON, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch_kwargs, tl,
+                                      triton, use_pdl)
+from gyrfalcon.kernels.fused_qkv_prep.configs import heads_per_program
 
 
 if HAS_TRITON:
-    from gyrfalcon.kernels.rms_norm import _row_rstd
+    from gyrfalcon.kernels.rms_norm.triton import _row_rstd
 
     @triton.jit
     def _rope_tables(d, dmask, cs_row, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
@@ -186,20 +150,6 @@ if HAS_TRITON:
                          + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
-# Tokens from which a program takes several heads (prefill): one head per program leaves ~400k one-warp
-# programs for 8k tokens of Llama-8B, latency-bound at ~4x the bytes' time.
-MULTI_HEAD_MIN_TOKENS = 256
-MAX_HEADS_PER_PROGRAM = 8
-
-
-def heads_per_program(num_tokens: int, num_heads: int) -> int:
-    """Heads each program takes: 1 for small batches (decode-sized: more programs, more parallelism),
-    up to MAX_HEADS_PER_PROGRAM from MULTI_HEAD_MIN_TOKENS tokens (qkv_prep_triton's `heads` overrides it)."""
-    if num_tokens < MULTI_HEAD_MIN_TOKENS:
-        return 1
-    return min(MAX_HEADS_PER_PROGRAM, next_pow2(num_heads))
-
-
 def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -243,16 +193,3 @@ def qkv_prep_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         **pdl_launch_kwargs(pdl),
     )
     return q_out
-
-
-def qkv_prep(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-             positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool,
-             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-             eps: float = 1e-6, row_scale=None) -> torch.Tensor:
-    fn = qkv_prep_triton if use_triton(qkv) else qkv_prep_ref
-    return fn(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
-              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, row_scale=row_scale)
-
-
-__all__ = ["heads_per_program", "qkv_prep", "qkv_prep_ref", "qkv_prep_triton", "interpreting"]

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.kernels._common import next_pow2
-from gyrfalcon.kernels.small_m_gemv import norm_gemv_ref, norm_gemv_triton
+from gyrfalcon.kernels.gemv import norm_gemv_ref, norm_gemv_triton
 from kernels_testutil import LaunchSpy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,7 +62,7 @@ def test_peeled_first_tile_matches_unfused(M, K, N, mode):
 def test_whole_row_tiles_for_the_peeled_launch():
     """The PDL launch takes one tile over all of K (slices <= 64 KB, 16-bit weights), so that the whole weight
     slice loads before the wait; the plain launch keeps 1024-wide tiles."""
-    from gyrfalcon.kernels.small_m_gemv import default_config
+    from gyrfalcon.kernels.gemv import default_config
     assert default_config(1, 1024, 2048).block_k == 1024
     assert default_config(1, 1024, 2048, whole_row=True).block_k == 2048
     assert default_config(1, 1024, 3072, whole_row=True).block_k == 4096
@@ -87,7 +86,7 @@ def test_rows_routed_to_the_kernel():
     """How many rows a linear layer sends through this kernel: a norm-less Linear (o_proj, down_proj) 16, the
     merged projections (qkv, gate_up) single rows unless their shape has launch shapes of its own (ROWS_SHAPES:
     16; WIDE_ROWS_SHAPES: MAX_M)."""
-    from gyrfalcon.kernels.small_m_gemv import GEMV_MAX_ROWS, MAX_M, PLAIN_MAX_ROWS, linear_gemv_rows, norm_gemv_rows
+    from gyrfalcon.kernels.gemv import GEMV_MAX_ROWS, MAX_M, PLAIN_MAX_ROWS, linear_gemv_rows, norm_gemv_rows
     assert PLAIN_MAX_ROWS == 16 and GEMV_MAX_ROWS == 1 and norm_gemv_rows() == (1, 1)
     assert linear_gemv_rows(4, 8, merged=False) == 16 and linear_gemv_rows(8, 8, merged=True) == 1
     assert linear_gemv_rows(6144, 4096, merged=True) == 16  # Llama-3.1-8B's qkv: listed in ROWS_SHAPES
@@ -99,7 +98,7 @@ def test_multi_row_config_follows_the_sweep():
     """16 rows: 32-column tiles (64 where 64-wide tiles still give >= 2 x 132 programs), 4 stages; with
     SiLU-and-mul's two weight tiles 3, cut to 2 where 3 would pass the 160 KB shared-memory budget (the rule for
     shapes without a launch shape of their own: none listed here)."""
-    from gyrfalcon.kernels.small_m_gemv import default_config
+    from gyrfalcon.kernels.gemv import default_config
     assert tuple(default_config(16, 4096, 2048)) == (32, 256, 4, 4)
     assert tuple(default_config(16, 14336, 4096, silu_mul=True)) == (64, 256, 4, 2)
     assert tuple(default_config(16, 3072, 1024, silu_mul=True)) == (32, 256, 4, 3)
@@ -115,7 +114,7 @@ def test_wide_row_tiles_match_unfused(M, mode):
     kw = dict(norm_weight=nw if mode != "plain" else None, residual=r if "res" in mode else None,
               eps=1e-6, silu_mul=silu)
     y_ref, r_ref = norm_gemv_ref(x, w, **kw)
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+    from gyrfalcon.kernels.gemv import GemvConfig
     y, r_new = norm_gemv_triton(x, w, config=GemvConfig(16, 32, 4, 2), **kw)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     if "res" in mode:
@@ -189,7 +188,7 @@ def test_one_pass_norm_matches_unfused(M, one_pass, peel, mode):
 
 
 def test_one_pass_norm_b1_rule():
-    from gyrfalcon.kernels.small_m_gemv import one_pass_norm_b1
+    from gyrfalcon.kernels.gemv import one_pass_norm_b1
 
     # one tile spans a row of at most 1024 inputs
     assert one_pass_norm_b1(1024, 1024) and one_pass_norm_b1(200, 256)
@@ -219,7 +218,7 @@ def test_one_pass_norm_b1_reaches_the_launch(monkeypatch, block_k, want):
 def test_add_to_adds_into_the_residual_in_place(M, dtype):
     """add_to (folded norms: o_proj / down_proj add into the residual stream): y = r + x W^T, in fp32 and
     rounded once, written into r itself."""
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig
+    from gyrfalcon.kernels.gemv import GemvConfig
 
     x, _, w, _ = _data(M, 200, 96, dtype, False)
     r = torch.randn(M, 96, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEV)
@@ -238,7 +237,7 @@ def test_add_to_adds_into_the_residual_in_place(M, dtype):
 def test_b1_chain_shapes():
     """Single-row launch shapes: the chain-tuned table (B1_CHAIN_SHAPES) for peeled launches only; BLOCK_K still
     follows the whole-row rule."""
-    from gyrfalcon.kernels.small_m_gemv import B1_CHAIN_SHAPES, default_config
+    from gyrfalcon.kernels.gemv import B1_CHAIN_SHAPES, default_config
 
     base = default_config(1, 4096, 1024)
     assert (base.block_n, base.num_warps) == (8, 8)  # not peeled: untouched
@@ -252,7 +251,7 @@ def test_b1_chain_shapes():
 def test_rows_shapes():
     """Launch shapes for 2-16 rows of Llama-3.1-8B's down_proj, qkv and o_proj (ROWS_SHAPES); single rows and more
     than 16 rows keep their defaults; a listed launch shape passed as config runs and matches the reference."""
-    from gyrfalcon.kernels.small_m_gemv import ROWS_SHAPES, GemvConfig, default_config
+    from gyrfalcon.kernels.gemv import ROWS_SHAPES, GemvConfig, default_config
     assert set(ROWS_SHAPES) == {(4096, 14336), (6144, 4096), (4096, 4096)}
     assert default_config(16, 4096, 14336) == GemvConfig(32, 512, 4, 4) == default_config(2, 4096, 14336)
     assert default_config(16, 6144, 4096) == GemvConfig(64, 128, 4, 6)
@@ -265,8 +264,8 @@ def test_rows_shapes():
 def test_launch_shapes_fit_a_smaller_card():
     """default_config's stages / BLOCK_K (listed launch shapes included) are cut to the device's shared memory a
     program (max_shared: sm_89's ~99 KB, A100's ~163 KB); at the H200's bound (the default) nothing changes."""
-    from gyrfalcon.kernels._common import H200_MAX_SHARED
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
+    from gyrfalcon.kernels.common import H200_MAX_SHARED
+    from gyrfalcon.kernels.gemv import GemvConfig, default_config
     assert default_config(16, 4096, 14336, max_shared=H200_MAX_SHARED) == default_config(16, 4096, 14336) \
         == GemvConfig(32, 512, 4, 4)
     for smem in (99 * 1024, 163 * 1024):
@@ -282,7 +281,7 @@ def test_launch_shapes_fit_a_smaller_card():
 def test_wide_rows_shapes():
     """Launch shapes for 17-64 rows: Llama-3.1-8B's down_proj (WIDE_ROWS_SHAPES; 2-16 rows keep ROWS_SHAPES'
     entry); the kernel at 17 and 64 rows matches F.linear, its residual add (add_to) too."""
-    from gyrfalcon.kernels.small_m_gemv import WIDE_ROWS_SHAPES, GemvConfig, default_config
+    from gyrfalcon.kernels.gemv import WIDE_ROWS_SHAPES, GemvConfig, default_config
     assert WIDE_ROWS_SHAPES == {(4096, 14336): GemvConfig(32, 256, 4, 4)}
     assert default_config(64, 4096, 14336) == GemvConfig(32, 256, 4, 4) == default_config(17, 4096, 14336)
     assert default_config(16, 4096, 14336) == GemvConfig(32, 512, 4, 4)
@@ -299,5 +298,5 @@ def test_wide_rows_shapes():
 def test_listed_shape_loses_stages_with_4_byte_weights():
     """A listed launch shape keeps its BLOCK_K but loses stages to the 220 KB shared-memory bound (weight and input
     tiles) where the weights are fp32 (twice the bytes the sweep timed)."""
-    from gyrfalcon.kernels.small_m_gemv import GemvConfig, default_config
+    from gyrfalcon.kernels.gemv import GemvConfig, default_config
     assert default_config(16, 4096, 14336, elem_size=4) == GemvConfig(32, 512, 4, 2)  # 48 x 512 x 4 B x 2

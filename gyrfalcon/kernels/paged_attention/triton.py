@@ -1,83 +1,14 @@
-"""Variable-length causal attention over the paged KV cache (prefill, chunked prefill, mixed batches).
-
-q: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-v_cache: [num_blocks, block_size, num_kv_heads, head_dim_v]; block_tables: int32
-[num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs], the context length INCLUDING this step's
-tokens (already written by store_kv); query_start_loc: int32 [num_seqs + 1].
-Sequence i's queries q[qsl[i]:qsl[i+1]] sit at positions seq_lens[i] - q_len_i ... seq_lens[i] - 1 and
-the query at position p attends keys 0..p. GQA: head h reads kv head h // (num_heads // num_kv_heads).
-Returns o: [num_tokens, num_heads, head_dim_v] in q.dtype.
-"""
+"""Triton flash attention over the paged cache for varlen causal batches (prefill, chunked prefill, mixed)."""
 
 from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from gyrfalcon.kernels.common import HAS_TRITON, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels.paged_attention.configs import prefill_config
+
 
 _LOG2E = 1.4426950408889634
-
-# Bound on the fp32 score tensor the reference materializes at once (bytes); queries are chunked
-# so a 10k-token prompt on the CPU path does not allocate heads * 10k * 10k floats.
-_REF_SCORE_BYTES = 1 << 28
-
-
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Un-page one sequence: cache [num_blocks, block_size, H, D] -> [seq_len, H, D]."""
-    block_size = cache.shape[1]
-    n_blocks = -(-seq_len // block_size)
-    blocks = block_table[:n_blocks].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-
-
-def _attend_ref(q, k, v, q_pos0, scale):
-    """q [q_len, H, D] at positions q_pos0.., k/v [seq_len, Hkv, D*] -> [q_len, H, Dv] fp32, causal."""
-    q_len, n_heads, _ = q.shape
-    seq_len, n_kv, _ = k.shape
-    group = n_heads // n_kv
-    kf = k.float().permute(1, 0, 2)  # [Hkv, S, D]
-    vf = v.float().permute(1, 0, 2)  # [Hkv, S, Dv]
-    out = torch.empty(q_len, n_heads, v.shape[-1], dtype=torch.float32, device=q.device)
-    chunk = max(1, _REF_SCORE_BYTES // max(1, 4 * n_heads * seq_len))
-    key_pos = torch.arange(seq_len, device=q.device)
-    for s in range(0, q_len, chunk):
-        e = min(q_len, s + chunk)
-        # [Hkv, G, c, D]: grouping query heads by kv head avoids materializing repeated K/V.
-        qf = q[s:e].float().view(e - s, n_kv, group, -1).permute(1, 2, 0, 3)
-        scores = torch.einsum("hgqd,hkd->hgqk", qf, kf) * scale
-        q_pos = q_pos0 + torch.arange(s, e, device=q.device)
-        causal = key_pos[None, :] > q_pos[:, None]  # [c, S]
-        scores.masked_fill_(causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hgqk,hkd->hgqd", probs, vf)  # [Hkv, G, c, Dv]
-        out[s:e] = o.permute(2, 0, 1, 3).reshape(e - s, n_heads, -1)
-    return out
-
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """Plain-torch paged attention: loops over sequences, gathers K/V via the block table, fp32 softmax."""
-    n_heads = q.shape[1]
-    out = torch.zeros(q.shape[0], n_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        qs, qe = qsl[i], qsl[i + 1]
-        if qe == qs or seq_len == 0:
-            continue
-        k = gather_kv_ref(k_cache, block_tables[i], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[i], seq_len)
-        out[qs:qe] = _attend_ref(q[qs:qe], k, v, seq_len - (qe - qs), scale).to(q.dtype)
-    return out
 
 
 if HAS_TRITON:
@@ -234,24 +165,6 @@ if HAS_TRITON:
         )
 
 
-SHORT_QUERY = 512  # queries up to this long take _prefill_config's short-query tiles
-
-
-def _prefill_config(head_dim: int, group: int, max_query_len: int | None = None):
-    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages), chosen from shapes only (no autotune:
-    autotuning would benchmark inside CUDA-graph capture and differ between runs). max_query_len: the
-    longest query of the launch when the host knows it (a bound on it is enough)."""
-    if head_dim <= 64:
-        return 128, 64, 4, 2
-    if head_dim <= 128:
-        # H200 sweeps at Llama-8B's 32 / 8 heads: with queries of up to 512 tokens, 32-key tiles and 3 stages
-        # win (64 x 128 tokens: ~20% faster) and lose on one 2048-token prompt; 8k causal: 64-key tiles.
-        if max_query_len is not None and max_query_len <= SHORT_QUERY:
-            return 64, 32, 4, 3
-        return 64, 64, 4, 2
-    return 64, 32, 8, 2
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -288,7 +201,7 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return o
     # Without a host-side max_query_len, the token count bounds every query (no sync to learn more).
-    bm, bn, nw, ns = _prefill_config(max(dk, dv), group, num_tokens if max_query_len is None else max_query_len)
+    bm, bn, nw, ns = prefill_config(max(dk, dv), group, num_tokens if max_query_len is None else max_query_len)
     bm, bn, nw, ns = block_m or bm, block_n or bn, num_warps or nw, num_stages or ns
     group_p2 = next_pow2(group)
     # BLOCK_Q tokens x GROUP heads per program; at least 16 rows for tl.dot.
@@ -308,21 +221,3 @@ def paged_attention_triton(
         num_warps=nw, num_stages=ns,
     )
     return o
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """Causal varlen paged attention -> o [num_tokens, num_heads, head_dim_v]; see module docstring."""
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
-    if use_triton(q):
-        return paged_attention_triton(*args)
-    return paged_attention_ref(*args)

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from gyrfalcon.kernels.paged_attention import paged_attention_ref
-from gyrfalcon.kernels.paged_decode_attention import (
+from gyrfalcon.kernels.decode_attention import (
     MAX_SPLITS,
     default_num_splits,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from kernels_testutil import (ATTN_TOL, DEVICE, DTYPES, LaunchSpy, make_paged_kv, naive_causal_attention,
+from kernels_testutil import (ATTN_TOL, DEVICE, DTYPES, make_paged_kv, naive_causal_attention,
                               requires_triton)
 
 # Contexts: partly filled blocks, a single token, CUDA-graph padding rows (seq_len 0), a longer one.
@@ -108,37 +108,37 @@ def test_merge_and_key_layout_defaults():
     """The in-kernel merge is on from MERGE_IN_KERNEL_MIN_SEQS sequences, key tiles in row layout (with 2
     stages) for launches of more than 128 programs without the prefetch (128-key tiles, 3 stages, on an fp8 cache
     over more than 1024)."""
-    from gyrfalcon.kernels.paged_decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, _decode_config, k_rows,
-                                                          merge_in_kernel_default, wide_tile_context)
+    from gyrfalcon.kernels.decode_attention import (MERGE_IN_KERNEL_MIN_SEQS, decode_config, k_rows,
+                                                    merge_in_kernel_default, wide_tile_context)
     assert MERGE_IN_KERNEL_MIN_SEQS == 8
     assert not merge_in_kernel_default(1) and not merge_in_kernel_default(4) and merge_in_kernel_default(8)
     assert not k_rows(128) and k_rows(129) and not k_rows(512, prefetch=True)
     # Split launches of 33-128 programs without the prefetch (the batch 8 / 16 main graphs): MID_TILE_CONFIG;
     # one split or 32 programs or fewer: 128-key tiles.
-    assert _decode_config(128, 16 * 8) == (64, 4, 2) == _decode_config(128, 5 * 8)
-    assert _decode_config(128, 4 * 8) == (128, 4, 3) == _decode_config(128, 16 * 8, one_split=True)
-    assert _decode_config(128, 256 * 8) == (64, 4, 2)
-    assert _decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
-    assert _decode_config(128, 8, prefetch=True) == (64, 8, 3)  # batch 1 with the prefetch: B1_SPLIT_TILE keys
-    assert _decode_config(128, 8, prefetch=True, one_split=True) == (128, 8, 3)  # ... but one split: 128
-    assert _decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
-    assert _decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
+    assert decode_config(128, 16 * 8) == (64, 4, 2) == decode_config(128, 5 * 8)
+    assert decode_config(128, 4 * 8) == (128, 4, 3) == decode_config(128, 16 * 8, one_split=True)
+    assert decode_config(128, 256 * 8) == (64, 4, 2)
+    assert decode_config(128, 256 * 8, prefetch=True) == (64, 8, 3)
+    assert decode_config(128, 8, prefetch=True) == (64, 8, 3)  # batch 1 with the prefetch: B1_SPLIT_TILE keys
+    assert decode_config(128, 8, prefetch=True, one_split=True) == (128, 8, 3)  # ... but one split: 128
+    assert decode_config(128, 256 * 8, fp8=True) == (128, 4, 3)  # an fp8 cache over many programs: 128-key tiles
+    assert decode_config(128, 64 * 8, fp8=True) == (64, 4, 2)  # ... over fewer, the bf16 launch
     # ... and at 33-128 programs over splits MID_TILE_CONFIG, as on a bf16 cache
-    assert _decode_config(128, 16 * 8, fp8=True) == (64, 4, 2) == _decode_config(128, 8 * 8, fp8=True)
-    assert _decode_config(128, 16 * 8, fp8=True, one_split=True) == (128, 4, 3)
+    assert decode_config(128, 16 * 8, fp8=True) == (64, 4, 2) == decode_config(128, 8 * 8, fp8=True)
+    assert decode_config(128, 16 * 8, fp8=True, one_split=True) == (128, 4, 3)
     # The fused prep on a 2-byte cache (wide_tile) in one split at 33-128 programs: one stage of 256-key tiles at
     # 8 warps; not over several splits, with the prefetch, an fp8 cache, head_dim 256, or outside that band.
-    assert _decode_config(128, 16 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
-    assert _decode_config(64, 12 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
-    assert _decode_config(128, 8 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
-    assert _decode_config(128, 5 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
-    assert _decode_config(128, 4 * 8, one_split=True, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(128, 16 * 8, wide_tile=True) == (64, 4, 2)
-    assert _decode_config(128, 8 * 8, wide_tile=True) == (64, 4, 2)
-    assert _decode_config(128, 64 * 8, one_split=True, wide_tile=True) == (64, 4, 2)
-    assert _decode_config(128, 16 * 8, prefetch=True, one_split=True, wide_tile=True) == (128, 8, 3)
-    assert _decode_config(128, 16 * 8, fp8=True, one_split=True, wide_tile=True) == (128, 4, 3)
-    assert _decode_config(256, 16 * 8, one_split=True, wide_tile=True) == (32, 4, 3)
+    assert decode_config(128, 16 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert decode_config(64, 12 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert decode_config(128, 8 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert decode_config(128, 5 * 8, one_split=True, wide_tile=True) == (256, 8, 1)
+    assert decode_config(128, 4 * 8, one_split=True, wide_tile=True) == (128, 4, 3)
+    assert decode_config(128, 16 * 8, wide_tile=True) == (64, 4, 2)
+    assert decode_config(128, 8 * 8, wide_tile=True) == (64, 4, 2)
+    assert decode_config(128, 64 * 8, one_split=True, wide_tile=True) == (64, 4, 2)
+    assert decode_config(128, 16 * 8, prefetch=True, one_split=True, wide_tile=True) == (128, 8, 3)
+    assert decode_config(128, 16 * 8, fp8=True, one_split=True, wide_tile=True) == (128, 4, 3)
+    assert decode_config(256, 16 * 8, one_split=True, wide_tile=True) == (32, 4, 3)
     # wide_tile_context: the contexts (one tile) for which the graphs capture a one-split launch of it.
     assert wide_tile_context(16 * 8, 2, torch.device("cpu")) == 256 == wide_tile_context(5 * 8, 2, torch.device("cpu"))
     assert wide_tile_context(4 * 8, 2, torch.device("cpu")) == 0 == wide_tile_context(17 * 8, 2, torch.device("cpu"))
@@ -169,7 +169,7 @@ def test_triton_default_merge_at_batch_8(monkeypatch):
 def test_default_min_part():
     """Batched launches (>= 128 programs, no prefetch) cover at least SHORT_SPLIT_TOKENS keys a split; batch-1
     launches and the prefetching ones one tile."""
-    from gyrfalcon.kernels.paged_decode_attention import SHORT_SPLIT_TOKENS, default_min_part
+    from gyrfalcon.kernels.decode_attention import SHORT_SPLIT_TOKENS, default_min_part
     assert SHORT_SPLIT_TOKENS == 256
     assert default_min_part(16 * 8, prefetch=False) == 256 and default_min_part(64 * 8, prefetch=False) == 256
     assert default_min_part(8, prefetch=False) == 0 and default_min_part(8 * 8, prefetch=False) == 0

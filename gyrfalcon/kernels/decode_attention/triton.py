@@ -1,65 +1,23 @@
-"""Single-token decode attention over the paged KV cache.
-
-q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens[i] - 1;
-k_cache: [num_blocks, block_size, num_kv_heads, head_dim]; v_cache: [..., head_dim_v];
-block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs] (0 = CUDA-graph padding
-row: output zeros, read nothing). Returns o: [num_seqs, num_heads, head_dim_v] in q.dtype.
-
-decode_attention_with_prep takes the fused qkv rows instead of q and does fused_qkv_prep's work in the
-same launch (q/k RMSNorm, RoPE, this step's K/V into the cache): one launch fewer per decode layer (faster
-at batch 1, 16 and 64 on the H200; docs/performance.md).
-"""
+"""Triton split-KV decode attention: the split kernel (plain, or with the fused qkv prep), the reduce kernel
+and their launcher."""
 
 from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting,
-                                       max_shared_mem, next_pow2, pdl_launch_kwargs, sm_count, tl, triton, use_pdl,
-                                       use_triton)
-from gyrfalcon.kernels.fused_qkv_prep import qkv_prep_ref
+from gyrfalcon.kernels.common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                      pdl_launch_kwargs, tl, triton, use_pdl)
+from gyrfalcon.kernels.decode_attention.configs import (MID_TILE_CONFIG, REDUCE_WARPS, decode_config, default_min_part,
+                                                        default_num_splits, k_rows, merge_in_kernel_default,
+                                                        prefetch_default, v_staged, wide_tile_context)
+
 
 _LOG2E = 1.4426950408889634
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Plain-torch decode attention, batched: gathers every sequence's blocks up to the longest
-    context (padded, masked), so the CPU decode step is a handful of ops rather than a Python loop."""
-    n_seqs, n_heads, _ = q.shape
-    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(n_seqs, n_heads, v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    if n_seqs == 0:
-        return out
-    lens = seq_lens.long()
-    max_len = int(lens.max())
-    if max_len == 0:
-        return out
-    n_blocks = -(-max_len // block_size)
-    # Unused block-table entries may hold anything: clamp them into range; they are masked anyway.
-    blocks = block_tables[:, :n_blocks].long().clamp(0, k_cache.shape[0] - 1)
-    k = k_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, S, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, S, Hkv, Dv]
-    group = n_heads // n_kv
-    qf = q.float().view(n_seqs, n_kv, group, -1)
-    scores = torch.einsum("bhgd,bshd->bhgs", qf, k) * scale
-    pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, S]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # seq_len 0 rows: all -inf -> zeros
-    o = torch.einsum("bhgs,bshd->bhgd", probs, v).reshape(n_seqs, n_heads, -1)
-    return o.to(q.dtype)
-
-
 if HAS_TRITON:
-    from gyrfalcon.kernels.fused_qkv_prep import _norm_rope_values, _norm_weights, _rope_tables
-    from gyrfalcon.kernels.rms_norm import _row_rstd
+    from gyrfalcon.kernels.fused_qkv_prep.triton import _norm_rope_values, _norm_weights, _rope_tables
+    from gyrfalcon.kernels.rms_norm.triton import _row_rstd
 
     @triton.jit
     def _kv_tile(kc_ptr, vc_ptr, bt_row, kstart, end, kvh, s_kb, s_ko, s_kh, s_vb, s_vo, s_vh, dk, dv,
@@ -381,8 +339,6 @@ if HAS_TRITON:
 
 _MERGE_COUNTERS: dict = {}
 _MAX_COUNTERS = 1 << 16  # (sequence, kv head) pairs one launch may merge in-kernel
-MERGE_IN_KERNEL_MIN_SEQS = 8  # batch from which the splits merge in-kernel by default (merge_in_kernel_default)
-_SMALL_LAUNCH_PROGRAMS = 128  # (sequence, kv head) programs up to which the launch uses 128-key tiles
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
@@ -392,136 +348,6 @@ def _merge_counters(device: torch.device) -> torch.Tensor:
     if key not in _MERGE_COUNTERS:
         _MERGE_COUNTERS[key] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
     return _MERGE_COUNTERS[key]
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (16 off CUDA); scripts/compile_check.py and startup_compiles.py patch it to the H200's."""
-    return sm_count(device, 16)
-
-
-MAX_SPLITS = 16
-
-
-def prefetch_default(pdl: bool) -> bool:
-    """Whether decode attention with prep loads its first K/V tile before the qkv row: with PDL, where those
-    loads overlap the previous kernel's tail (the batch-1 graphs). Without PDL it was slower (the tile's
-    registers held across the prep)."""
-    return pdl
-
-
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe): enough programs to fill the GPU about
-    twice over, but at least ~256 context tokens per split, rounded to a power of two to bound the
-    number of compiled variants, and at most MAX_SPLITS. max_context is an upper bound (e.g.
-    block-table width * block_size: under a CUDA graph, max_model_len), so most of the grid is empty
-    splits at short contexts; each costs a block launch, which is why the grid stays small (a 64-split grid
-    was ~1.5x slower than 4-8 splits at batch 1 with 128-512 tokens on the H200)."""
-    want = cdiv(2 * _sm_count(device), max(1, num_seqs * num_kv_heads))
-    want = min(want, cdiv(max(1, max_context), 256), MAX_SPLITS)
-    return min(MAX_SPLITS, next_pow2(max(1, want)))
-
-
-SHORT_SPLIT_TOKENS = 256  # keys a split covers at least in batched launches (default_min_part)
-
-
-def default_min_part(programs: int, prefetch: bool, mid_tile: bool = False) -> int:
-    """Least keys one split covers when the caller does not say (0: one tile). SHORT_SPLIT_TOKENS for launches
-    of at least _SMALL_LAUNCH_PROGRAMS (sequence, kv head) programs without the prefetch (batch 16 and up at 8
-    kv heads: the batched decode graphs), else one tile. The decode graphs size the split count from
-    max_model_len (default_num_splits: 4 at batch 16), so at 129-256 tokens 2 splits of one 128-key tile each
-    would hold keys and merge; with 256-key splits one program holds them all and writes its output directly.
-    mid_tile: the launch runs MID_TILE_CONFIG at up to _SMALL_LAUNCH_PROGRAMS programs (the batch 8 / 16 main
-    graphs, whose contexts of up to 256 tokens replay the one-split graphs): one-tile splits, faster there at
-    320-600 tokens than 256-key ones."""
-    if mid_tile and programs <= _SMALL_LAUNCH_PROGRAMS:
-        return 0
-    return SHORT_SPLIT_TOKENS if programs >= _SMALL_LAUNCH_PROGRAMS and not prefetch else 0
-
-
-def v_staged() -> bool:
-    """Whether an fp8 cache's V tile widens to fp16 in its row layout and is staged through shared memory for the
-    dot (the kernel's V_STAGE; 15% faster than widening it in the dot's operand layout at Llama-8B's shape, batch
-    256). The pin (_pin_f16) is PTX: off on ROCm builds."""
-    return getattr(torch.version, "hip", None) is None
-
-
-def k_rows(programs: int, prefetch: bool = False) -> bool:
-    """Whether key tiles load in the cache's row layout ([keys, head_dim], as V loads) and are transposed in
-    registers (_kv_tile's K_ROWS) instead of loading the transposed tile directly: for the 64-key-tile launches
-    of many programs without the prefetch (with 2 stages, _decode_config), 3-4% faster at batch 64 / 256 with
-    1-2k tokens of context on the H200."""
-    return programs > _SMALL_LAUNCH_PROGRAMS and not prefetch
-
-
-def merge_in_kernel_default(n_seqs: int) -> bool:
-    """Whether the last split program to finish merges the splits (no reduce launch) when the caller does not
-    say: from MERGE_IN_KERNEL_MIN_SEQS sequences. At batch 1-4 the reduce launch was faster (the merging
-    program's extra round trips through L2 cost more than the launch they save)."""
-    return n_seqs >= MERGE_IN_KERNEL_MIN_SEQS
-
-
-_FP8_WIDE_TILE_PROGRAMS = 1024  # fp8 launches of more (sequence, kv head) programs: 128-key tiles (_decode_config)
-
-
-# Keys a tile of the prefetching (batch-1, PDL) launch when it splits the context (_decode_config).
-B1_SPLIT_TILE = 64
-
-
-# The fused-prep launch of a 2-byte cache in one split at (WIDE_TILE_MIN_PROGRAMS, _SMALL_LAUNCH_PROGRAMS] programs
-# (batch 5-16 at 8 kv heads: the one-split graphs, wide_tile_context): one stage of 256-key tiles at 8 warps
-# (_decode_config). Two stages would need 256 KB of shared memory.
-WIDE_TILE_CONFIG = (256, 8, 1)
-WIDE_TILE_SHARED = 140 * 1024  # shared memory a program may need for it (sm_90 code: 132 KB) -> max_shared_mem
-WIDE_TILE_MIN_PROGRAMS = _SMALL_LAUNCH_PROGRAMS // 4  # (sequence, kv head) programs above which it may be taken
-
-
-# The split launch of (WIDE_TILE_MIN_PROGRAMS, _SMALL_LAUNCH_PROGRAMS] programs (the batch 8 / 16 main decode graphs
-# at 8 kv heads) without the prefetch, on a 2-byte or an fp8 cache: 64-key tiles, 4 warps, 2 stages (_decode_config).
-MID_TILE_CONFIG = (64, 4, 2)
-
-
-def wide_tile_context(programs: int, element_size: int, device: torch.device) -> int:
-    """Tokens of context up to which a one-split launch of `programs` (sequence, kv head) programs with the fused
-    prep on a cache of element_size bytes runs WIDE_TILE_CONFIG (one tile holds the whole context), 0 where it
-    never does (_decode_config's rule: 33-128 programs, a 2-byte cache, no prefetch, a card with WIDE_TILE_SHARED
-    of shared memory a program). The decode graphs capture a one-split graph of such sizes for these contexts
-    (cuda_graph.CudaGraphRunner); the main graph keeps its splits, which won from 320 tokens on."""
-    ok = (WIDE_TILE_MIN_PROGRAMS < programs <= _SMALL_LAUNCH_PROGRAMS and element_size == 2
-          and max_shared_mem(device) >= WIDE_TILE_SHARED)
-    return WIDE_TILE_CONFIG[0] if ok else 0
-
-
-def _decode_config(head_dim: int, programs: int, prefetch: bool = False, fp8: bool = False,
-                   one_split: bool = False, wide_tile: bool = False):
-    """(BLOCK_N keys per tile, num_warps, num_stages) from shapes only (no autotune under graphs); programs =
-    sequences * kv heads. Chosen by sweeps on the H200 at 8 kv heads, head_dim 128 (docs/performance.md):
-    - up to 128 programs (batch 16): 128-key tiles, 4 warps, 3 stages; 8 warps with the prefetch (its first
-      tile held in registers across the qkv prep);
-    - one_split (the caller asked for one split: the short graphs, a whole context in one program) with
-      wide_tile (the fused prep on a 2-byte cache; an fp32 cache's 256-key tiles need 270 KB of shared memory)
-      at 33-128 programs: WIDE_TILE_CONFIG, one tile for contexts of up to 256 tokens (~25% faster there; past
-      one tile it lost, hence only the one-split graphs take it);
-    - the prefetching launch that splits the context: B1_SPLIT_TILE-key tiles at 8 warps, so that twice the
-      splits hold keys, each with one prefetched tile, and less of the work follows the PDL wait; the one-split
-      launch keeps 128-key tiles (a second tile would load after the wait);
-    - the split launch at 33-128 programs without the prefetch (the batch 8 / 16 main graphs): MID_TILE_CONFIG
-      (38 KB of shared memory and ~85 registers a thread against 72 KB and 130 for 128-key tiles: 5 programs an
-      SM instead of 3);
-    - many programs: 64-key tiles (2 stages with key tiles in row layout, k_rows); an fp8 cache over more than
-      1024 programs (batch 256): 128-key tiles with 3 stages."""
-    if head_dim <= 128:
-        if programs <= _SMALL_LAUNCH_PROGRAMS:
-            if wide_tile and one_split and not prefetch and not fp8 and programs > WIDE_TILE_MIN_PROGRAMS:
-                return WIDE_TILE_CONFIG
-            if prefetch and not one_split:
-                return B1_SPLIT_TILE, 8, 3
-            if not prefetch and not one_split and programs > WIDE_TILE_MIN_PROGRAMS:
-                return MID_TILE_CONFIG
-            return 128, (8 if prefetch else 4), 3
-        if fp8 and not prefetch and programs > _FP8_WIDE_TILE_PROGRAMS:
-            return 128, 4, 3
-        return 64, (8 if prefetch else 4), (2 if k_rows(programs, prefetch) else 3)
-    return 32, 4, 3
 
 
 def paged_decode_attention_triton(
@@ -556,9 +382,6 @@ def paged_decode_attention_triton(
                    min_part=min_part, pdl=pdl, key_rows=key_rows)
 
 
-REDUCE_WARPS = 4  # warps of the split-merge (reduce) launch
-
-
 def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, *, block_n=None,
             num_warps=None, num_stages=None, merge_in_kernel=None, min_part=None, pdl=None, prefetch=None,
             key_rows=None):
@@ -584,7 +407,7 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     if prefetch is None:
         prefetch = prefetch_default(pdl) and k_cache.element_size() <= 2
     prefetch = prefetch and prep is not None
-    bn, nw, ns = _decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
+    bn, nw, ns = decode_config(max(dk, dv), n_seqs * n_kv, prefetch, fp8=k_cache.element_size() == 1,
                                 one_split=num_splits == 1,
                                 wide_tile=(prep is not None
                                            and wide_tile_context(n_seqs * n_kv, k_cache.element_size(), q.device) > 0))
@@ -652,17 +475,6 @@ def _launch(q, n_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_spl
     return o
 
 
-def decode_attention_with_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim,
-                                   is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
-                                   num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
-                                   row_scale=None):
-    """The unfused composition: qkv_prep (norms, RoPE, K/V into the cache), then decode attention.
-    row_scale: see qkv_prep_ref (folded input norm)."""
-    q = qkv_prep_ref(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, rotary_dim, is_neox,
-                     k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, row_scale=row_scale)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
-
-
 def decode_attention_with_prep_triton(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache,
                                       rotary_dim, is_neox, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                       scale, num_splits=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
@@ -675,25 +487,3 @@ def decode_attention_with_prep_triton(qkv, num_heads, num_kv_heads, head_dim, po
     prep = (positions, cos_sin_cache, rotary_dim, is_neox, slot_mapping, q_norm_weight, k_norm_weight, eps,
             row_scale)
     return _launch(qkv, num_heads, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prep, **launch)
-
-
-def decode_attention_with_prep(*args, **kw) -> torch.Tensor:
-    """-> o [num_seqs, num_heads, head_dim]; the arguments of decode_attention_with_prep_ref."""
-    fn = decode_attention_with_prep_triton if use_triton(args[0]) else decode_attention_with_prep_ref
-    return fn(*args, **kw)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Decode attention -> o [num_seqs, num_heads, head_dim_v]; see module docstring."""
-    args = (q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
-    if use_triton(q):
-        return paged_decode_attention_triton(*args)
-    return paged_decode_attention_ref(*args)

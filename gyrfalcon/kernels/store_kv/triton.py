@@ -1,34 +1,10 @@
-"""Write this step's K/V into the paged cache.
-
-k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
-head_dim]; slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset_in_block, and a slot
-< 0 means "skip" (padding tokens of a CUDA-graph batch). Writes in place, casting to the cache dtype.
-"""
+"""Triton KV-cache write: one program per (token, head block)."""
 
 from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
-
-
-def store_kv_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Plain-torch cache write (the CPU path; boolean masking syncs on CUDA, which is fine here)."""
-    slots = slot_mapping.reshape(-1).long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Index (block, offset) rather than flattening so non-contiguous cache views work too.
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+from gyrfalcon.kernels.common import HAS_TRITON, next_pow2, tl, triton
 
 
 if HAS_TRITON:
@@ -92,17 +68,3 @@ def store_kv_triton(
         HEAD_DIM_K=dk, HEAD_DIM_V=dv, BLOCK_H=BLOCK_H, BLOCK_DK=BLOCK_DK, BLOCK_DV=BLOCK_DV,
         num_warps=4,
     )
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write k/v into the paged caches at slot_mapping (skipping slots < 0), in place."""
-    if use_triton(k):
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -1,4 +1,5 @@
-"""Shared helpers for the kernels package: Triton availability and the ref/Triton dispatch rule."""
+"""Shared helpers of the kernel folders: Triton availability, the ref/Triton dispatch rule, programmatic dependent
+launch, launch-shape arithmetic and device properties."""
 
 from __future__ import annotations
 
@@ -165,3 +166,33 @@ def max_shared_mem(device: torch.device) -> int:
 
         _MAX_SHARED[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
     return _MAX_SHARED[idx]
+
+
+# The op modules in an order where each comes after those it imports from (reload_kernel_modules).
+KERNEL_MODULES = (
+    "rms_norm.naive", "rms_norm.triton", "rms_norm",
+    "rotary.naive", "rotary.triton", "rotary",
+    "store_kv.naive", "store_kv.triton", "store_kv",
+    "activation.naive", "activation.triton", "activation",
+    "embedding.naive", "embedding.triton", "embedding",
+    "argmax.configs", "argmax.naive", "argmax.triton", "argmax",
+    "sampling.naive", "sampling.triton", "sampling",
+    "fused_qkv_prep.naive", "fused_qkv_prep.configs", "fused_qkv_prep.triton", "fused_qkv_prep",
+    "paged_attention.naive", "paged_attention.configs", "paged_attention.triton", "paged_attention",
+    "decode_attention.naive", "decode_attention.configs", "decode_attention.triton", "decode_attention",
+    "gemv.naive", "gemv.configs", "gemv.triton", "gemv",
+)
+
+
+def reload_kernel_modules() -> dict:
+    """Re-execute every op module (not this one), dependencies first, so that their @triton.jit functions are
+    built again in the mode now in force (the tests' interpreter, or scripts/compile_check.py's compile-only
+    harness after it patched this module's HAS_TRITON / triton / tl); then the package itself. Returns
+    {"rms_norm": module, ...} for the op packages."""
+    import importlib
+
+    mods = {}
+    for name in KERNEL_MODULES:
+        mods[name] = importlib.reload(importlib.import_module("gyrfalcon.kernels." + name))
+    importlib.reload(importlib.import_module("gyrfalcon.kernels"))
+    return {k: v for k, v in mods.items() if "." not in k}
