@@ -141,11 +141,15 @@ class Engine:
 
     def _complete(self, handle) -> List[RequestUpdate]:
         out = self.runner.complete(handle)
-        updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs)
+        updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs,
+                                        out.spec_token_ids)
         self.num_generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
         return updates
 
     def _needs_exact_state(self) -> bool:
+        if self._inflight.batch.has_spec_tokens or getattr(self.runner, "proposes_drafts", False):
+            # The next step's drafts and rollbacks come from this step's results.
+            return True
         if self.scheduler.num_history_dependent == 0:
             return False  # the common case, without a scan of every running request
         for req in self.scheduler.running:

@@ -52,6 +52,12 @@ class Request:
         self.block_ids: List[int] = []
         self.block_hashes: List[bytes] = []  # chained hashes of the full blocks, filled lazily
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # What the runner has of this request: whether it knows the request at all (not after a preemption),
+        # and how many of block_ids it was sent.
+        self.known_to_runner = False
+        self.num_blocks_sent = 0
+        # Draft tokens proposed for the next step (speculative decoding), verified there.
+        self.spec_token_ids: List[int] = []
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

@@ -18,40 +18,7 @@ from typing import Deque, Dict, List, Optional, Set
 
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # Whether this step ends on the request's last token, so it yields a sampled token (False for a
-    # prefill chunk that leaves part of the prompt for later).
-    sample: bool
-    # Position of the first token run this step (the request's computed count when scheduled: the
-    # scheduler advances that count at once, before the step runs).
-    start: int = -1
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            self.start = self.request.num_computed_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    """What the scheduler decided for one step; the runner turns it into a ForwardBatch."""
-
-    reqs: List[ScheduledRequest] = field(default_factory=list)
-    # Requests that ended since the last step: the runner drops its per-request state.
-    finished_request_ids: Set[str] = field(default_factory=set)
-    num_preempted: int = 0
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.reqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.reqs
+from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -143,7 +110,13 @@ class Scheduler:
                 i += 1  # its last token is still being sampled: nothing more to run
                 continue
             remaining = req.num_tokens + req.num_inflight - req.num_computed_tokens
-            num_new = min(remaining, budget)
+            # Draft tokens ride behind the last sampled token (a verify step), never behind a prompt chunk or a
+            # token still in flight; at most as many as leave room for the bonus token within max_tokens.
+            spec: List[int] = []
+            if req.spec_token_ids and remaining == 1 and not req.num_inflight:
+                room = min(req.max_tokens - req.num_output_tokens - 1, budget - 1)
+                spec = req.spec_token_ids[:max(room, 0)]
+            num_new = min(remaining + len(spec), budget)
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
             preempted_self = False
@@ -156,7 +129,7 @@ class Scheduler:
                     break
             if preempted_self:
                 break
-            self._commit(batch, req, num_new, num_new == remaining)
+            self._commit(batch, req, num_new, num_new >= remaining, spec)
             budget -= num_new
             i += 1
 
@@ -165,6 +138,8 @@ class Scheduler:
         if batch.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_inflight:
+                    break  # preempted with a token in flight: it resumes once that token is known
                 hits = bm.get_computed_blocks(req)
                 num_cached = len(hits) * bm.block_size
                 remaining = req.num_tokens - num_cached
@@ -182,16 +157,24 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                self._commit(batch, req, num_new, num_new == remaining)
+                self._commit(batch, req, num_new, num_new == remaining, [])
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
 
     @staticmethod
-    def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool) -> None:
+    def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: List[int]) -> None:
         """Add `req` to the batch and count its tokens as computed now: the next step can then be
         scheduled before this one's results are back (a sampled token is "in flight" meanwhile)."""
-        batch.reqs.append(ScheduledRequest(req, num_new, sample, req.num_computed_tokens))
+        new_req = None
+        if not req.known_to_runner:
+            new_req = NewRequestData(req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
+                                     list(req.output_token_ids))
+            req.known_to_runner = True
+        batch.reqs.append(ScheduledRequest(req.request_id, req.num_computed_tokens, num_new, sample,
+                                           req.block_ids[req.num_blocks_sent:], list(spec), new_req))
+        batch.requests.append(req)
+        req.num_blocks_sent = len(req.block_ids)
         req.num_computed_tokens += num_new
         if sample:
             req.num_inflight += 1
@@ -201,20 +184,27 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.spec_token_ids = []
+        # The runner learns it again, from scratch, when it is resumed (its blocks are gone).
+        request.known_to_runner = False
+        request.num_blocks_sent = 0
         self.waiting.appendleft(request)
 
-    def update(self, batch: ScheduledBatch, sampled: List[Optional[int]],
-               logprobs: Optional[List[Optional[tuple]]] = None,
-               prompt_logprobs: Optional[List[Optional[list]]] = None) -> List[RequestUpdate]:
-        """Apply one step's results: append sampled tokens, finish requests (computed counts were
-        advanced when the step was scheduled).
+    def update(self, batch: ScheduledBatch, sampled: List[List[int]],
+               logprobs: Optional[List[List[tuple]]] = None,
+               prompt_logprobs: Optional[List[Optional[list]]] = None,
+               spec_token_ids: Optional[List[List[int]]] = None) -> List[RequestUpdate]:
+        """Apply one step's results: append sampled tokens, roll back rejected drafts, finish requests
+        (computed counts were advanced when the step was scheduled).
 
-        sampled[i] is the token sampled for batch.reqs[i] (None where it did not sample).
-        prompt_logprobs[i]: entries for prompt tokens sr.start + 1, sr.start + 2, ... (prompt_logprobs).
+        sampled[i]: the tokens batch.reqs[i] produced (empty where it did not sample): one, or on a verify
+        step of k drafts the accepted drafts and one more (1..k + 1). logprobs[i]: one entry per token when
+        asked. prompt_logprobs[i]: entries for prompt tokens sr.start + 1, sr.start + 2, ...
+        spec_token_ids[i]: draft tokens proposed for the request's next step.
         """
         updates: List[RequestUpdate] = []
         for i, sr in enumerate(batch.reqs):
-            req = sr.request
+            req = batch.requests[i]
             plp = self._new_prompt_logprobs(req, sr, prompt_logprobs[i] if prompt_logprobs else None)
             if not sr.sample:
                 if plp is not None and req.request_id in self.requests:
@@ -223,11 +213,26 @@ class Scheduler:
                         num_prompt_tokens=req.num_prompt_tokens, prompt_logprobs=plp))
                 continue
             req.num_inflight -= 1
-            if req.is_finished or req.request_id not in self.requests:
-                continue  # finished (or aborted) while this step ran: the token is surplus
-            lp = logprobs[i] if logprobs is not None else None
-            req.append_output(sampled[i], lp)
-            finished = req.check_stop()
+            if req.is_finished or self.requests.get(req.request_id) is not req:
+                continue  # finished (or aborted) while this step ran: the tokens are surplus
+            tokens = sampled[i]
+            if sr.spec_token_ids:
+                # The K/V of rejected drafts is stale: those positions run again.
+                req.num_computed_tokens -= len(sr.spec_token_ids) - (len(tokens) - 1)
+            lps = logprobs[i] if logprobs is not None and logprobs[i] else []
+            new_tokens: List[int] = []
+            new_lps: List[tuple] = []
+            finished = False
+            for j, t in enumerate(tokens):
+                lp = lps[j] if j < len(lps) else None
+                req.append_output(t, lp)
+                new_tokens.append(t)
+                if lp is not None:
+                    new_lps.append(lp)
+                if req.check_stop():
+                    finished = True
+                    break
+            req.spec_token_ids = spec_token_ids[i] if spec_token_ids is not None and spec_token_ids[i] else []
             if finished:
                 if req in self.running:
                     self.running.remove(req)
@@ -238,8 +243,7 @@ class Scheduler:
                 self.block_manager.free(req)
                 self._finished_since_step.add(req.request_id)
             updates.append(RequestUpdate(
-                request_id=req.request_id, new_token_ids=[sampled[i]],
-                new_logprobs=[lp] if lp is not None else [], finished=finished,
+                request_id=req.request_id, new_token_ids=new_tokens, new_logprobs=new_lps, finished=finished,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                 prompt_logprobs=plp))

@@ -1,0 +1,108 @@
+"""The runner's own per-request state, kept across steps from the scheduler's plain-data batches.
+
+The scheduler sends a request's prompt, sampling params and blocks once (NewRequestData on its first step,
+again after a preemption) and afterwards only what changed (new block ids, draft tokens); the runner appends
+the tokens it samples itself. So the runner never reads the engine's Request objects and can live in another
+process (one worker per GPU rank): the model runner v2 idea of persistent state apart from per-step inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+
+class RequestState:
+    """What the runner knows of one request: its tokens (prompt + the outputs it sampled), sampling params,
+    block table and state slots. The token accessors mirror engine.Request's, which the input preparation
+    (forward_batch.pack_host_batch, the graphs' static inputs) reads."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "eos_token_ids",
+                 "block_ids", "state_slots", "num_inflight")
+
+    def __init__(self, request_id: str, new) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: List[int] = list(new.prompt_token_ids)
+        self.output_token_ids: List[int] = list(new.output_token_ids)
+        self.sampling_params = new.sampling_params
+        self.eos_token_ids: List[int] = list(new.eos_token_ids)
+        self.block_ids: List[int] = []
+        self.state_slots: Dict[str, int] = dict(new.state_slots)
+        # Steps launched that sample this request whose tokens the runner has not read back yet.
+        self.num_inflight = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_ids(self, lo: int, hi: int) -> List[int]:
+        """Tokens lo..hi-1 of prompt + outputs, without building the whole concatenation."""
+        n = len(self.prompt_token_ids)
+        if hi <= n:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= n:
+            return self.output_token_ids[lo - n:hi - n]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
+
+
+@dataclass
+class StepRow:
+    """One scheduled request of a step as the runner's input preparation sees it: tokens start ..
+    start + num_new_tokens - 1 of `request`, the last len(spec_token_ids) of them drafts to verify."""
+
+    request: RequestState
+    num_new_tokens: int
+    sample: bool
+    start: int
+    spec_token_ids: List[int] = field(default_factory=list)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose next token is sampled: the last one, and each draft's (1 + k on a verify step)."""
+        return (1 + len(self.spec_token_ids)) if self.sample else 0
+
+
+class RequestStates:
+    """request id -> RequestState, updated from each ScheduledBatch before its step runs."""
+
+    def __init__(self) -> None:
+        self.states: Dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self.states[request_id]
+
+    def apply(self, batch) -> List[StepRow]:
+        """batch: the engine's ScheduledBatch (plain data; runner/ does not import engine/).
+        Drop the finished requests, add the new ones (a resumed one replaces its old state), extend block
+        tables; returns the step's rows in batch order."""
+        for rid in batch.finished_request_ids:
+            self.states.pop(rid, None)
+        rows: List[StepRow] = []
+        for sr in batch.reqs:
+            if sr.new_request is not None:
+                st = RequestState(sr.request_id, sr.new_request)
+                self.states[sr.request_id] = st
+            else:
+                st = self.states[sr.request_id]
+            if sr.new_block_ids:
+                st.block_ids.extend(sr.new_block_ids)
+            rows.append(StepRow(st, sr.num_new_tokens, sr.sample, sr.start, sr.spec_token_ids))
+        return rows
