@@ -56,6 +56,8 @@ class Request:
         # and how many of block_ids it was sent.
         self.known_to_runner = False
         self.num_blocks_sent = 0
+        # Its slot in the linear-attention state pools (engine/state_manager.py), while it holds one.
+        self.state_slot: Optional[int] = None
         # Draft tokens proposed for the next step (speculative decoding), verified there.
         self.spec_token_ids: List[int] = []
         self.stop_reason: Optional[int | str] = None

@@ -18,6 +18,7 @@ from typing import Deque, Dict, List, Optional, Set
 
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
+from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: F401 (re-exported)
 
 
@@ -44,8 +45,10 @@ def _history_dependent(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None) -> None:
         self.block_manager = block_manager
+        # Per-request state slots, for models with linear-attention layers (None: the model has none).
+        self.state_manager = state_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -81,7 +84,7 @@ class Scheduler:
             except ValueError:
                 pass
         request.status = status
-        self.block_manager.free(request)
+        self._free(request)
         self._finished_since_step.add(request_id)
         return request
 
@@ -140,14 +143,21 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_inflight:
                     break  # preempted with a token in flight: it resumes once that token is known
-                hits = bm.get_computed_blocks(req)
+                # A prefix hit would skip the linear-attention state of the cached tokens: none for such models
+                # until states are kept at block boundaries.
+                hits = bm.get_computed_blocks(req) if self.state_manager is None else []
                 num_cached = len(hits) * bm.block_size
                 remaining = req.num_tokens - num_cached
                 num_new = min(remaining, budget)
                 if not self.enable_chunked_prefill and num_new < remaining:
                     break
+                sm = self.state_manager
+                if sm is not None and not sm.num_free_slots:
+                    break
                 if not bm.allocate_slots(req, num_new, hits):
                     break
+                if sm is not None:
+                    sm.allocate(req)
                 if bm.enable_prefix_caching:
                     bm.record_prefix_query(req.num_tokens, num_cached)
                 self.waiting.popleft()
@@ -169,7 +179,8 @@ class Scheduler:
         new_req = None
         if not req.known_to_runner:
             new_req = NewRequestData(req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                                     list(req.output_token_ids))
+                                     list(req.output_token_ids),
+                                     {} if req.state_slot is None else {"state": req.state_slot})
             req.known_to_runner = True
         batch.reqs.append(ScheduledRequest(req.request_id, req.num_computed_tokens, num_new, sample,
                                            req.block_ids[req.num_blocks_sent:], list(spec), new_req))
@@ -179,8 +190,13 @@ class Scheduler:
         if sample:
             req.num_inflight += 1
 
-    def _preempt(self, request: Request) -> None:
+    def _free(self, request: Request) -> None:
         self.block_manager.free(request)
+        if self.state_manager is not None:
+            self.state_manager.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -240,7 +256,7 @@ class Scheduler:
                     self.waiting.remove(req)
                 if self.requests.pop(req.request_id, None) is not None:
                     self.num_history_dependent -= _history_dependent(req)
-                self.block_manager.free(req)
+                self._free(req)
                 self._finished_since_step.add(req.request_id)
             updates.append(RequestUpdate(
                 request_id=req.request_id, new_token_ids=new_tokens, new_logprobs=new_lps, finished=finished,

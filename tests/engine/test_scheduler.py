@@ -252,3 +252,24 @@ def test_stop_token_inside_accepted_drafts_ends_there():
     _, ups = _spec_step(s, lambda r: [1, 42, 1], lambda r, d: len(d))
     assert ups[0].new_token_ids == [1, 42] and ups[0].finished and ups[0].finish_reason == "stop"
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_state_slots_held_from_admission_to_end():
+    """Models with linear-attention layers: each running request holds one state slot; admission waits for a
+    free slot; finishing, aborting and preemption return it; the runner learns the slot with the request."""
+    from gyrfalcon.engine.state_manager import StateManager
+    bm = BlockManager(64, 4, True)
+    sm = StateManager(2)
+    s = Scheduler(bm, 8, 64, state_manager=sm)
+    for rid in "abc":
+        s.add_request(req(rid, 5, max_tokens=3))
+    b, _ = run_step(s)
+    assert [sr.request_id for sr in b.reqs] == ["a", "b"] and sm.num_free_slots == 0
+    assert sorted(sr.new_request.state_slots["state"] for sr in b.reqs) == [0, 1]
+    s.finish_request("a")
+    b, _ = run_step(s)
+    c = [sr for sr in b.reqs if sr.request_id == "c"][0]
+    assert c.new_request.state_slots == {"state": 0}
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert sm.num_free_slots == 2 and bm.num_free_blocks == bm.num_blocks
