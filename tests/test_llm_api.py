@@ -236,9 +236,9 @@ def test_startup_reports_kv_blocks_and_max_concurrency(qwen3_ckpt, caplog):
 
     with caplog.at_level(logging.INFO, logger="gyrfalcon.runner.model_runner"):
         llm = LLM(str(qwen3_ckpt), max_model_len=128, block_size=8, num_gpu_blocks_override=64, device="cpu")
-    msg = next(r.getMessage() for r in caplog.records if "KV cache" in r.getMessage())
+    msg = next(r.getMessage() for r in caplog.records if "paged group" in r.getMessage())
     assert llm.engine.runner.num_blocks == 64
-    m = re.search(r"(\d+) blocks of 8 tokens .*maximum concurrency for 128-token requests: ([\d.]+)x", msg)
+    m = re.search(r"(\d+) blocks of 8 tokens.*maximum concurrency for 128-token requests ([\d.]+)x", msg)
     assert m and int(m.group(1)) == 64 and float(m.group(2)) == 64 * 8 / 128, msg
 
 

@@ -34,6 +34,7 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.kernels.decode_attention import wide_tile_context
 from gyrfalcon.runner.forward_batch import ForwardBatch
+from gyrfalcon.runner.kv_cache import first_attention_cache
 from gyrfalcon.runner.precompile import ladder_warmup_steps, precompile
 
 logger = logging.getLogger(__name__)
@@ -299,8 +300,8 @@ class CudaGraphRunner:
                              if s <= SHORT_GRAPH_MAX_BATCH and self.short_context}
         # Sizes whose one-split launch takes the wide tile (wide_tile_context: batch 5-16 at 8 kv heads on a bf16
         # cache) get a one-split graph too, for contexts within that one tile.
-        if kv_caches:
-            k_cache = kv_caches[0][0]
+        k_cache = first_attention_cache(kv_caches) if kv_caches else None
+        if k_cache is not None:
             for s in self.sizes:
                 wide = wide_tile_context(s * k_cache.shape[2], k_cache.element_size(), device)
                 if s not in self.short_limits and 0 < wide < max_model_len:
@@ -323,7 +324,8 @@ class CudaGraphRunner:
 
     def capture(self) -> None:
         prepare = self.prepare
-        num_blocks = self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+        k_cache = first_attention_cache(self.kv_caches)
+        num_blocks = k_cache.shape[0] if k_cache is not None else 0
 
         def at_context(ctx):  # only before any request exists: it writes into cache blocks 0..
             return self.inputs.set_context(1, ctx, self.block_size, num_blocks)

@@ -16,7 +16,8 @@ class ForwardBatch:
     input_ids: [T] int64, positions: [T] int64, slot_mapping: [T] int64 (-1: write nothing),
     query_start_loc: [B + 1] int32, seq_lens: [B] int32 (context incl. this step's tokens),
     block_tables: [B, max_blocks] int32, logits_indices: [S] int64 (rows of the hidden states
-    whose next token is sampled; the others are prefill chunks that stop mid-prompt).
+    whose next token is sampled: each sequence's last row, and on a verify step each draft's row too; the
+    others are prefill chunks that stop mid-prompt).
     """
 
     input_ids: torch.Tensor
@@ -31,6 +32,9 @@ class ForwardBatch:
     max_seq_len: int
     num_seqs: int
     decode_num_splits: Optional[int] = None
+    # Query tokens of every sequence when they are all alike (1: a decode step; 1 + k: a speculative verify
+    # step), else 0 (prefill chunks, mixed steps).
+    uniform_query_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +68,10 @@ class HostBatch:
 
 
 def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, int]] = None) -> HostBatch:
-    """One pass over the scheduled requests. A request whose last token was sampled by the previous
-    step but has not reached the host yet (scheduling ahead of the device) is marked pending, with its
-    row in that step's samples (`last_rows[request_id]`)."""
+    """One pass over the step's rows (request_state.StepRow). A request whose last token was sampled by the
+    previous step but has not reached the host yet (scheduling ahead of the device) is marked pending, with
+    its row in that step's samples (`last_rows[request_id]`). A verify step's draft tokens follow the
+    request's known tokens; every one of its 1 + k rows is sampled."""
     B = len(sched_reqs)
     q_lens = np.fromiter((sr.num_new_tokens for sr in sched_reqs), dtype=np.int64, count=B)
     starts = np.fromiter((sr.start for sr in sched_reqs), dtype=np.int64, count=B)
@@ -85,7 +90,11 @@ def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, i
         req = sr.request
         s, e = int(qsl[i]), int(qsl[i + 1])
         start = int(starts[i])
-        # The tokens to run: the rest of the prompt and/or outputs (recompute after preemption).
+        # The tokens to run: the rest of the prompt and/or outputs (recompute after preemption), then drafts.
+        spec = sr.spec_token_ids
+        if spec:
+            input_ids[e - len(spec):e] = spec
+            e -= len(spec)
         known = min(e - s, req.num_tokens - start)
         input_ids[s:s + known] = req.token_ids(start, start + known)
         if known < e - s:  # the last token is still on the device
@@ -93,11 +102,12 @@ def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, i
             input_ids[e - 1] = 0
             pending_rows.append(e - 1)
             pending_src.append(last_rows[req.request_id])
+        e = int(qsl[i + 1])
         positions[s:e] = np.arange(start, start + (e - s))
         nb = len(req.block_ids)
         block_tables[i, :nb] = req.block_ids
         if sr.sample:
-            sample_rows.append(e - 1)
+            sample_rows.extend(range(e - 1 - len(spec), e))
     # slot = block_id * block_size + offset, looked up per token from its sequence's table.
     seq_of_token = np.repeat(np.arange(B), q_lens)
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
@@ -160,5 +170,6 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
         query_start_loc=d32[i_qsl:i_qsl + B + 1], seq_lens=d32[i_sl:i_sl + B],
         block_tables=d32[i_bt:i_bt + B * W].view(B, W), logits_indices=dev[i_sample:i_sample + S],
         is_decode=bool(B > 0 and (q_lens == 1).all()),
+        uniform_query_len=int(q_lens[0]) if B and (q_lens == q_lens[0]).all() else 0,
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
         num_seqs=B)

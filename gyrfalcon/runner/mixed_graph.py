@@ -155,13 +155,16 @@ class MixedGraphRunner:
                 return t
         return None
 
-    def can_run(self, sched_reqs) -> bool:
-        return self.size_for(sum(sr.num_new_tokens for sr in sched_reqs), len(sched_reqs)) is not None
+    def can_run(self, rows) -> bool:
+        """rows: request_state.StepRow. A graph of b sequences gathers b sampled rows: a verify step's 1 + k
+        samples per sequence count against that too."""
+        seqs = max(len(rows), sum(r.num_sampled_rows for r in rows))
+        return self.size_for(sum(r.num_new_tokens for r in rows), seqs) is not None
 
     def run(self, hb: HostBatch) -> torch.Tensor:
         """Replay (on a CPU: run eagerly) the padded step; returns the sampled rows' hidden states
         [S, hidden] (a view)."""
-        t = self.size_for(hb.num_tokens, hb.num_seqs)
+        t = self.size_for(hb.num_tokens, max(hb.num_seqs, len(hb.sample_rows)))
         b = self.seqs_for(t)
         self.inputs.fill(hb, t, b)
         S = len(hb.sample_rows)

@@ -7,7 +7,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -18,34 +18,28 @@ from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
+from gyrfalcon.runner.kv_cache import CachePlan, first_attention_cache, full_attention_specs
 from gyrfalcon.runner.precompile import precompile
+from gyrfalcon.runner.request_state import RequestStates, StepRow
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
+from gyrfalcon.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepHandle:
-    """A launched step: its batch and the device tensors its results will come from."""
+    """A launched step: its batch, its rows (the runner's view of each scheduled request) and the device
+    tensors its results will come from."""
 
     batch: Any
+    rows: List[StepRow] = field(default_factory=list)
     sampled: Optional[torch.Tensor] = None  # [S] int64 on the device
     sampler_out: Any = None  # SamplerOutput when logprobs were asked for
     host: Optional[torch.Tensor] = None  # pinned copy of `sampled` (CUDA)
     event: Any = None  # recorded after the copy (CUDA)
     # prompt_logprobs: ([(batch row, number of entries)], logprob [R], rank [R], top ids / logprobs [R, k])
     prompt_lp: Any = None
-
-
-@dataclass
-class RunnerOutput:
-    """Aligned with ScheduledBatch.reqs: the sampled token (None for a mid-prompt chunk) and,
-    when the request asked for logprobs, (logprob, rank, [(token_id, logprob), ...top-N])."""
-
-    sampled: List[Optional[int]]
-    logprobs: List[Optional[tuple]]
-    # Per scheduled request asking for prompt_logprobs: entries for prompt tokens start + 1, start + 2, ...
-    prompt_logprobs: Optional[List[Optional[list]]] = None
 
 
 def start_device_init(device: str) -> Optional[threading.Thread]:
@@ -64,14 +58,6 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     t = threading.Thread(target=init, name="gyrfalcon-device-init", daemon=True)
     t.start()
     return t
-
-
-def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    """One zeroed cache [num_blocks, block_size, num_kv_heads, head_dim]. The kernels address it through its
-    strides; a [blocks, kv heads, block_size, head_dim] store (each kv head's block slice contiguous) measured
-    no faster on the H200."""
-    return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
@@ -106,21 +92,26 @@ class ModelRunner:
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
         clock("load")
-        spec = self.model.kv_cache_spec()
-        self.num_layers, self.num_kv_heads, self.head_dim = (
-            spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+        specs = full_attention_specs(self.model, self.kv_dtype)
+        self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
+        # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
+        self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
         self.num_blocks = self._determine_num_blocks()
         clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
-        alloc = functools.partial(allocate_kv_cache, self.num_blocks, self.block_size, self.num_kv_heads,
-                                  self.head_dim, self.kv_dtype, self.device)
-        self.kv_caches = [(alloc(), alloc()) for _ in range(self.num_layers)]
+        self.kv_caches = self.cache_plan.allocate(self.num_blocks, self.num_state_slots, self.device)
         clock("kv_alloc")
+        # Per-request state kept across steps from the scheduler's plain-data batches.
+        self.states = RequestStates()
+        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row.
+        self.proposer = None
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()
         # The last launched step's sampled tokens, on the device, and each request's row in them:
         # the next step reads a token from here when the host has not received it yet.
-        rows = max(config.scheduler_config.max_num_seqs, 8)
+        # (a verify step samples 1 + k rows per request: up to a step's whole token budget)
+        sc = config.scheduler_config
+        rows = max(sc.max_num_seqs, sc.max_num_batched_tokens, 8)
         self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.last_rows: Dict[str, int] = {}
         if self.device.type == "cuda":
@@ -143,12 +134,9 @@ class ModelRunner:
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
-        max_len = config.model_config.max_model_len
-        logger.info("model loaded in %.1f s; KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens; maximum "
-                    "concurrency for %d-token requests: %.2fx); CUDA graphs: %s", self.load_seconds,
-                    self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
-                    self.num_blocks * self.block_size, max_len,
-                    self.num_blocks * self.block_size / max_len,
+        logger.info("model loaded in %.1f s; caches: %s; CUDA graphs: %s", self.load_seconds,
+                    self.cache_plan.describe(self.num_blocks, self.num_state_slots,
+                                             config.model_config.max_model_len),
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
 
@@ -179,19 +167,25 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block id holds over every paged layer."""
+        return self.cache_plan.bytes_per_block
+
+    @property
+    def proposes_drafts(self) -> bool:
+        """Whether each step's output carries draft tokens for the next (the engine then waits for it)."""
+        return self.proposer is not None
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
         if cc.num_gpu_blocks is not None:
             return cc.num_gpu_blocks
+        state_bytes = self.num_state_slots * self.cache_plan.bytes_per_slot
         if self.device.type == "cpu":
-            return max(1, int(cc.cpu_kv_cache_gb * (1 << 30)) // self.bytes_per_block)
+            return max(1, int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes) // self.bytes_per_block)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak()
-        budget = total * cc.gpu_memory_utilization - (total - free) - peak
+        budget = total * cc.gpu_memory_utilization - (total - free) - peak - state_bytes
         if budget < self.bytes_per_block:
             raise RuntimeError(
                 f"No memory left for the KV cache: {total / 2**30:.1f} GiB on the GPU, "
@@ -204,9 +198,7 @@ class ModelRunner:
         sc = self.config.scheduler_config
         n = min(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
         blocks = -(-n // self.block_size)
-        shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
-                  for _ in range(self.num_layers)]
+        caches = self.cache_plan.allocate(blocks, 1, self.device)  # (the peak is measured above them)
         step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
         precompile([step])  # its kernels compile in threads first (runner/precompile.py)
         base = torch.cuda.memory_allocated(self.device)
@@ -228,25 +220,32 @@ class ModelRunner:
         """Queue one step on the device without waiting for it: forward, logits, sampling, and an
         asynchronous copy of the sampled tokens to the host. A token the previous step sampled
         that the host has not seen yet is read on the device from `last_sampled`."""
-        handle = StepHandle(batch)
-        if batch.is_empty:
+        rows = self.states.apply(batch)
+        handle = StepHandle(batch, rows)
+        if not rows:
             return handle
-        sample_reqs = [sr.request for sr in batch.reqs if sr.sample]
+        # One sampled row per sampling request, 1 + k on a verify step; j: the row's index among them.
+        sample_reqs, sample_j = [], []
+        for r in rows:
+            if r.sample:
+                r.request.num_inflight += 1
+                for j in range(r.num_sampled_rows):
+                    sample_reqs.append(r.request)
+                    sample_j.append(j)
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
-        plp_rows = self._prompt_logprob_rows(batch.reqs)
-        if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(batch.reqs):
+        plp_rows = self._prompt_logprob_rows(rows)
+        if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
             # Every decode row samples.
-            hidden = self.graph_runner.run(batch.reqs, self.last_rows)
-        elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(batch.reqs):
+            hidden = self.graph_runner.run(rows, self.last_rows)
+        elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
-            hidden = self.mixed_graph_runner.run(pack_host_batch(batch.reqs, self.block_size, self.last_rows))
+            hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))
         else:
-            fb = build_forward_batch(batch.reqs, self.block_size, self.device, self.last_rows,
-                                     self.last_sampled)
+            fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled)
             with forward_context(fb, self.kv_caches):
                 hidden = self.model(fb.input_ids, fb.positions)
             if plp_rows:
-                handle.prompt_lp = self._prompt_logprobs(hidden, batch.reqs, plp_rows)
+                handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
         if not sample_reqs:
             if handle.prompt_lp is not None and self.device.type == "cuda":
@@ -261,9 +260,11 @@ class ModelRunner:
             handle.sampled = greedy_argmax(logits)  # the common case: no metadata
             self.last_sampled[:n].copy_(handle.sampled)
         else:
-            out = self.sampler(logits, self._sampling_metadata(sample_reqs))
+            out = self.sampler(logits, self._sampling_metadata(sample_reqs, sample_j))
             handle.sampled, handle.sampler_out = out.sampled, out
             self.last_sampled[:n].copy_(handle.sampled)
+        # Each request's last sampled row (a verify step's next token is only known after verification, on
+        # the host: the engine waits for those steps, so no later step reads it from here).
         self.last_rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
         if self.device.type == "cuda":
             self._pinned_turn ^= 1
@@ -279,10 +280,13 @@ class ModelRunner:
         return handle
 
     def complete(self, handle: StepHandle) -> RunnerOutput:
-        """Wait for a launched step and return its tokens (and logprobs) per scheduled request."""
-        batch = handle.batch
-        sampled: List[Optional[int]] = [None] * len(batch.reqs)
-        logprobs: List[Optional[tuple]] = [None] * len(batch.reqs)
+        """Wait for a launched step and return its tokens (and logprobs) per scheduled request; the tokens
+        join the runner's own request state. On a verify step a request keeps its drafts up to the first
+        that differs from the token sampled at that position, then the sampled one (lossless: every kept
+        token is the one sampling would have produced one step at a time)."""
+        rows = handle.rows
+        sampled: List[List[int]] = [[] for _ in rows]
+        logprobs: List[List[tuple]] = [[] for _ in rows]
         prompt_lps = self._prompt_logprob_lists(handle) if handle.prompt_lp is not None else None
         if handle.sampled is None:
             if handle.event is not None:
@@ -300,16 +304,25 @@ class ModelRunner:
             if out.top_ids is not None:
                 top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         row = 0
-        for i, sr in enumerate(batch.reqs):
-            if not sr.sample:
+        for i, r in enumerate(rows):
+            if not r.sample:
                 continue
-            sampled[i] = tokens[row]
-            n = sr.request.sampling_params.logprobs
+            st = r.request
+            st.num_inflight -= 1
+            drafts = r.spec_token_ids
+            n_keep = 0
+            while n_keep < len(drafts) and drafts[n_keep] == tokens[row + n_keep]:
+                n_keep += 1
+            kept = tokens[row:row + n_keep + 1]
+            sampled[i] = kept
+            st.output_token_ids.extend(kept)
+            n = st.sampling_params.logprobs
             if n is not None and lp is not None:
-                top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n > 0 else []
-                logprobs[i] = (lp[row], rank[row], top)
-            row += 1
-        return RunnerOutput(sampled, logprobs, prompt_lps)
+                logprobs[i] = [(lp[x], rank[x], list(zip(top_ids[x][:n], top_lps[x][:n])) if n > 0 else [])
+                               for x in range(row, row + len(kept))]
+            row += r.num_sampled_rows
+        spec = self.proposer.propose(rows, sampled) if self.proposer is not None else None
+        return RunnerOutput(sampled, logprobs, prompt_lps, spec)
 
     # ---- prompt logprobs ------------------------------------------------------------------------
     @staticmethod
@@ -358,10 +371,10 @@ class ModelRunner:
         lp, rank = lp.tolist(), rank.tolist()
         top_ids = top_ids.tolist() if top_ids is not None else None
         top_lps = top_lps.tolist() if top_lps is not None else None
-        out: List[Optional[list]] = [None] * len(handle.batch.reqs)
+        out: List[Optional[list]] = [None] * len(handle.rows)
         r = 0
         for i, n in segments:
-            k = handle.batch.reqs[i].request.sampling_params.prompt_logprobs
+            k = handle.rows[i].request.sampling_params.prompt_logprobs
             out[i] = [(lp[j], rank[j], list(zip(top_ids[j][:k], top_lps[j][:k])) if k else [])
                       for j in range(r, r + n)]
             r += n
@@ -376,22 +389,26 @@ class ModelRunner:
                 return False
         return True
 
-    def _random_streams(self, reqs, params) -> List[List[int]]:
+    def _random_streams(self, reqs, params, draft_index: List[int]) -> List[List[int]]:
         """[seeds, offsets] per row for kernels/sampling.py. A seeded request: its seed, and the index
-        of the output token this step draws (tokens still in flight count: async scheduling), so its
-        draws depend on nothing else. Unseeded rows: this step's stream, one offset per row."""
+        of the output token this row draws (tokens still in flight count: async scheduling; a verify
+        step's j-th row draws output token + j), so its draws depend on nothing else. Unseeded rows: this
+        step's stream, one offset per row."""
         base = self._rng.getrandbits(62)
         seeds, offsets = [], []
-        for i, (r, p) in enumerate(zip(reqs, params)):
+        for i, (r, p, j) in enumerate(zip(reqs, params, draft_index)):
             if p.seed is None:
                 seeds.append(base)
                 offsets.append(i)
             else:
                 seeds.append(p.seed & (2**63 - 1))
-                offsets.append(r.num_output_tokens + r.num_inflight - 1)
+                offsets.append(r.num_output_tokens + r.num_inflight - 1 + j)
         return [seeds, offsets]
 
-    def _sampling_metadata(self, reqs) -> SamplingMetadata:
+    def _sampling_metadata(self, reqs, draft_index: Optional[List[int]] = None) -> SamplingMetadata:
+        """reqs: the RequestState of each sampled row (a verify step's request once per row); draft_index:
+        each row's index within its request's rows (0 outside verify steps)."""
+        draft_index = draft_index if draft_index is not None else [0] * len(reqs)
         dev = self.device
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in params]
@@ -399,7 +416,7 @@ class ModelRunner:
         # Two host-to-device copies for all the per-row scalars.
         floats = torch.tensor([temps, [p.top_p for p in params], [p.min_p for p in params]],
                               dtype=torch.float32).to(dev, non_blocking=True)
-        ints = torch.tensor([[p.top_k for p in params]] + self._random_streams(reqs, params),
+        ints = torch.tensor([[p.top_k for p in params]] + self._random_streams(reqs, params, draft_index),
                             dtype=torch.int64).to(dev, non_blocking=True)
         md = SamplingMetadata(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0],

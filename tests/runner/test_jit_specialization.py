@@ -42,7 +42,7 @@ def launches(monkeypatch):
 
 
 def _sched(q_lens, starts, pending, block_size=16):
-    """ScheduledRequest stand-ins: q_lens[i] tokens from starts[i]; pending[i]: the last one is in flight."""
+    """StepRow stand-ins: q_lens[i] tokens from starts[i]; pending[i]: the last one is in flight."""
     out, last_rows = [], {}
     for i, (q, s, p) in enumerate(zip(q_lens, starts, pending)):
         known = s + q - (1 if p else 0)
@@ -50,7 +50,7 @@ def _sched(q_lens, starts, pending, block_size=16):
                               block_ids=list(range(-(-(s + q) // block_size))))
         if p:
             last_rows[req.request_id] = i
-        out.append(SimpleNamespace(request=req, num_new_tokens=q, start=s, sample=True))
+        out.append(SimpleNamespace(request=req, num_new_tokens=q, start=s, sample=True, spec_token_ids=[]))
     return out, last_rows
 
 
