@@ -175,11 +175,25 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts num_speculative_tokens tokens a step, verified in one step of
+    1 + k tokens per sequence. The runner captures CUDA graphs for those verify steps when it is set; the
+    proposers themselves (EAGLE-3, MTP, n-gram) plug into ModelRunner.proposer."""
+
+    num_speculative_tokens: int = 0
+
+    def verify(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}.")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     enforce_eager: bool = False
 
@@ -226,6 +240,7 @@ class EngineConfig:
         self.model_config.resolve(self.device)
         self.cache_config.verify()
         self.parallel_config.verify()
+        self.speculative_config.verify()
         self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"

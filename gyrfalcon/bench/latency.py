@@ -157,7 +157,7 @@ def _decode_graph(runner, batch_size: int):
     gr = getattr(runner, "graph_runner", None)
     if gr is None or not getattr(gr, "graphs", None):
         return None
-    size = min((b for b in gr.graphs if b >= batch_size), default=None)
+    size = min((b for b in gr.sizes if b >= batch_size), default=None)
     return None if size is None else (gr, size)
 
 
@@ -165,7 +165,7 @@ def replay_only_ms(runner, batch_size: int, iters: int = 200) -> float | None:
     """Device time of one decode step's CUDA graph replayed back to back (no host work between replays):
     the floor that host/device overlap can reach. None without graphs."""
     found = _decode_graph(runner, batch_size)
-    return None if found is None else _replay_ms(found[0].graphs[found[1]], iters)
+    return None if found is None else _replay_ms(found[0].graphs[(found[1], 1)], iters)
 
 
 REPLAY_CONTEXTS = (0, 128, 256, 1024, 4096, 8192)
@@ -177,13 +177,13 @@ def replay_at_contexts(runner, batch_size: int, contexts=REPLAY_CONTEXTS, iters:
     one token at that context (blocks 0.. of the cache, contents whatever the bench left there): how
     the step's device time grows with the context, i.e. what decode attention costs in the real graph.
     Context 0 is what the startup PDL timing sees (seq_len 0: attention reads nothing). short: the
-    one-split graph of that size instead (cuda_graph.SHORT_GRAPH_CONTEXT), at the contexts it serves. Call
+    one-split graph of that size instead (the backend's graph_variants), at the contexts it serves. Call
     only when the engine is idle: it writes one K/V slot per row of the cache blocks it points at."""
     found = _decode_graph(runner, batch_size)
     if found is None:
         return {}
     gr, size = found
-    graph = gr.short_graphs.get(size) if short else gr.graphs[size]
+    graph = gr.short_graphs.get(size) if short else gr.graphs[(size, 1)]
     if graph is None:
         return {}
     out = {}

@@ -11,18 +11,17 @@ staging copy of them and sends them in one copy, so preparing a step costs a han
 whatever the batch size. A graph returns the hidden states [b, hidden]; the runner applies the LM head
 and samples outside it.
 
-The small sizes (up to SHORT_GRAPH_MAX_BATCH) get a second graph whose decode attention runs one split per
-sequence: no split merge, so one launch per layer fewer. A batch whose contexts all fit in
-SHORT_GRAPH_CONTEXT tokens replays it; the main graph's splits (sized for the block table's full width,
-max_model_len) then mostly hold no keys, but the reduce launch runs anyway. The sizes whose one-split
-attention takes the one-stage 256-key tile (batch 5-16 at 8 kv heads: paged_decode_attention.wide_tile_context)
-get one as well, replayed up to 256 tokens of context.
+The attention backend (layers/attention: graph_variants) names the small sizes that get a second graph whose
+decode attention runs one split per sequence (no split merge: one launch per layer fewer) and the context up to
+which a batch replays it; capture_metadata gives the batch such a graph captures.
+
+Verify steps of speculative decoding (b sequences of 1 + k tokens, every row sampled) replay graphs of their
+own, keyed like the others by (number of tokens, query length), for each k the config asks for.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from typing import Callable, Dict, List, Optional
@@ -32,7 +31,7 @@ import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
-from gyrfalcon.kernels.decode_attention import wide_tile_context
+from gyrfalcon.layers.attention import get_backend
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.kv_cache import first_attention_cache
 from gyrfalcon.runner.precompile import ladder_warmup_steps, precompile
@@ -41,13 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly: their launches are small next to the GPU's work
-# Sizes that get a one-split graph too: at batch 1-4 one split per sequence saves the reduce launch per layer;
-# at batch 16 the main graph's splits spread the work better (measured on the H200; docs/performance.md).
-SHORT_GRAPH_MAX_BATCH = 4
-# Tokens of context up to which those sizes replay the one-split graph: one 128-key tile. Past it, one program
-# per (sequence, kv head) walks every tile alone, where the main graph spreads the tiles over splits: slower
-# from 256 tokens.
-SHORT_GRAPH_CONTEXT = 128
+# Verify steps' graphs hold up to this many tokens (b * (1 + k)); larger ones run through the mixed or eager path.
+MAX_VERIFY_TOKENS = 512
 
 
 def capture_sizes(max_num_seqs: int) -> List[int]:
@@ -149,10 +143,11 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
 
 
 class DecodeInputs:
-    """Static buffers of a decode step for up to B sequences, plus their pinned host staging.
+    """Static buffers of a decode step for up to B sequences of q query tokens each (q = 1: a decode step;
+    1 + k: a speculative verify step), plus their pinned host staging. T = B * q tokens.
 
-    int64 part: [input_ids B | positions B | slot_mapping B | src B]
-    (src[i] >= 0: row i's token is still on the device, at last_sampled[src[i]])
+    int64 part: [input_ids T | positions T | slot_mapping T | src T]
+    (src[t] >= 0: token t is still on the device, at last_sampled[src[t]]; only where q = 1)
     int32 part: [seq_lens B | query_start_loc B+1 | block_tables W*B]   (W = max blocks per seq)
     Both parts are views of one buffer, so a step's inputs go to the device in one copy.
 
@@ -165,11 +160,11 @@ class DecodeInputs:
     the LM head and argmax.
     """
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        B, W = max_batch, max_blocks_per_seq
-        self.B, self.W = B, W
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device, query_len: int = 1) -> None:
+        B, W, q = max_batch, max_blocks_per_seq, query_len
+        self.B, self.W, self.q, self.T = B, W, q, B * q
         n32 = B + (B + 1) + B * W
-        self._words = 4 * B + -(-n32 // 2)  # int64 words: the int32 part packed two per word
+        self._words = 4 * self.T + -(-n32 // 2)  # int64 words: the int32 part packed two per word
         self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
         self.i64, self.i32 = self._split(self.raw, n32)
         # No row's token is pending until a step says so: the captures' warm-up steps (and the parallel
@@ -183,7 +178,7 @@ class DecodeInputs:
         for _ in range(2):
             hraw = torch.zeros(self._words, dtype=torch.int64, pin_memory=pin)
             h64, h32 = self._split(hraw, n32)
-            h32.numpy()[B:2 * B + 1] = np.arange(B + 1)  # one query per sequence, forever
+            h32.numpy()[B:2 * B + 1] = np.arange(B + 1) * q  # q queries per sequence, forever
             self._staging.append((hraw, h64.numpy(), h32.numpy()))
         self._turn = 0
         # The copy runs on its own stream once the last replay is done reading the buffers (replayed() marks
@@ -194,20 +189,22 @@ class DecodeInputs:
             self._read_done, self._copied = torch.cuda.Event(), torch.cuda.Event()
 
     def _split(self, raw: torch.Tensor, n32: int):
-        return raw[:4 * self.B], raw[4 * self.B:].view(torch.int32)[:n32]
+        return raw[:4 * self.T], raw[4 * self.T:].view(torch.int32)[:n32]
 
     def views(self, b: int) -> ForwardBatch:
-        """A ForwardBatch over the first b rows of the device buffers (what a graph captures)."""
-        B, W = self.B, self.W
+        """A ForwardBatch over the first b sequences of the device buffers (what a graph captures)."""
+        B, W, q, T = self.B, self.W, self.q, self.T
         table = self.i32[2 * B + 1:].view(B, W)
         return ForwardBatch(
-            input_ids=self.i64[:b], positions=self.i64[B:B + b], slot_mapping=self.i64[2 * B:2 * B + b],
-            seq_lens=self.i32[:b], query_start_loc=self.i32[B:B + b + 1], block_tables=table[:b],
-            logits_indices=torch.arange(b, device=self.i64.device), is_decode=True,
-            max_query_len=1, max_seq_len=W, num_seqs=b)
+            input_ids=self.i64[:b * q], positions=self.i64[T:T + b * q],
+            slot_mapping=self.i64[2 * T:2 * T + b * q], seq_lens=self.i32[:b],
+            query_start_loc=self.i32[B:B + b + 1], block_tables=table[:b],
+            logits_indices=torch.arange(b * q, device=self.i64.device), is_decode=q == 1,
+            max_query_len=q, max_seq_len=W, num_seqs=b,
+            uniform_query_len=q)
 
     def src(self, b: int) -> torch.Tensor:
-        return self.i64[3 * self.B:3 * self.B + b]
+        return self.i64[3 * self.T:3 * self.T + b * self.q]
 
     def set_context(self, b: int, ctx: int, block_size: int, num_blocks: Optional[int] = None) -> bool:
         """Point the first b rows of the device buffers at one decode token each at context ctx (row i
@@ -215,6 +212,7 @@ class DecodeInputs:
         has work (seq_len 0, what the capture leaves, reads nothing); ctx 0 restores that empty state.
         A replay then writes one K/V slot per row into those blocks: only while no request holds them.
         False (nothing written) when ctx does not fit the block-table width or the cache's num_blocks."""
+        assert self.q == 1, "only decode graphs are timed at a context"
         nb = -(-ctx // block_size)
         if nb > self.W or (num_blocks is not None and b * nb > num_blocks):
             return False
@@ -232,36 +230,56 @@ class DecodeInputs:
         return True
 
     def fill(self, sched_reqs, b: int, block_size: int, last_rows=None) -> int:
-        """Write the decode inputs of `sched_reqs` (padded to b rows) and send them; returns n.
-        A token the host does not have yet is marked by its row in the last step's samples."""
-        B, W = self.B, self.W
+        """Write the inputs of `sched_reqs` (request_state.StepRow, q tokens each; padded to b sequences) and
+        send them; returns n. A token the host does not have yet is marked by its row in the last step's
+        samples; a verify step's drafts follow the tokens the request has."""
+        B, W, q, T = self.B, self.W, self.q, self.T
         n = len(sched_reqs)
         self._turn ^= 1
         hraw, n64, n32 = self._staging[self._turn]
         # Row-major: block j of row i at i * W + j (bt is the transposed view: bt[j, i]).
         bt = n32[2 * B + 1:].reshape(B, W).T
-        for i, sr in enumerate(sched_reqs):
-            req = sr.request
-            pos = sr.start
-            if pos < req.num_tokens:
-                n64[i] = req.token_id_at(pos)
-                n64[3 * B + i] = -1
-            else:
-                n64[i] = 0
-                n64[3 * B + i] = last_rows[req.request_id]
-            n64[B + i] = pos
-            blocks = req.block_ids
-            n64[2 * B + i] = blocks[pos // block_size] * block_size + pos % block_size
-            n32[i] = pos + 1
-            bt[:len(blocks), i] = blocks
-        n64[n:b] = 0
-        n64[B + n:B + b] = 0
-        n64[2 * B + n:2 * B + b] = -1
-        n64[3 * B + n:3 * B + b] = -1
+        if q == 1:
+            for i, sr in enumerate(sched_reqs):
+                req = sr.request
+                pos = sr.start
+                if pos < req.num_tokens:
+                    n64[i] = req.token_id_at(pos)
+                    n64[3 * T + i] = -1
+                else:
+                    n64[i] = 0
+                    n64[3 * T + i] = last_rows[req.request_id]
+                n64[T + i] = pos
+                blocks = req.block_ids
+                n64[2 * T + i] = blocks[pos // block_size] * block_size + pos % block_size
+                n32[i] = pos + 1
+                bt[:len(blocks), i] = blocks
+        else:
+            for i, sr in enumerate(sched_reqs):
+                req, start, t0 = sr.request, sr.start, i * q
+                drafts = sr.spec_token_ids
+                known = q - len(drafts)
+                n64[t0:t0 + known] = req.token_ids(start, start + known)
+                n64[t0 + known:t0 + q] = drafts
+                n64[3 * T + t0:3 * T + t0 + q] = -1
+                pos = np.arange(start, start + q)
+                n64[T + t0:T + t0 + q] = pos
+                blocks = np.asarray(req.block_ids)
+                n64[2 * T + t0:2 * T + t0 + q] = blocks[pos // block_size] * block_size + pos % block_size
+                n32[i] = start + q
+                bt[:len(blocks), i] = blocks
+            # Padding sequences hold no query (their tokens belong to none: slot -1), as in the mixed graphs, so
+            # the varlen kernel has nothing to attend for them.
+            n32[B:B + n + 1] = np.arange(n + 1) * q
+            n32[B + n + 1:B + b + 1] = n * q
+        n64[n * q:b * q] = 0
+        n64[T + n * q:T + b * q] = 0
+        n64[2 * T + n * q:2 * T + b * q] = -1
+        n64[3 * T + n * q:3 * T + b * q] = -1
         n32[n:b] = 0
         # One copy, up to the last row of the padded batch: entries past a row's own blocks, or in rows past n,
         # are never read (seq_lens bounds every read; padding rows have seq_len 0).
-        words = 4 * B + -(-(2 * B + 1 + b * W) // 2)
+        words = 4 * T + -(-(2 * B + 1 + b * W) // 2)
         if self._copy_stream is None:
             self.raw[:words].copy_(hraw[:words], non_blocking=True)
             return n
@@ -282,89 +300,121 @@ class DecodeInputs:
 
 
 class CudaGraphRunner:
+    """Decode (and verify) steps as CUDA graphs, keyed by (number of tokens, uniform query length): the ladder
+    of batch sizes for one-token steps, and for each verify length q = 1 + k in `query_lens` a ladder of its
+    own (b sequences, b * q tokens, every row sampled). The attention backend says which one-token sizes get
+    a second, one-split graph and up to which context (graph_variants)."""
+
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, last_sampled: torch.Tensor) -> None:
+                 device: torch.device, last_sampled: torch.Tensor, query_lens=(1,)) -> None:
         self.model = model
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks_per_seq, device)
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: Dict[int, torch.Tensor] = {}
-        # The one-split ladder: its sizes, the context (tokens) up to which each size replays it, and their
-        # graphs once captured.
-        self.short_context = SHORT_GRAPH_CONTEXT if SHORT_GRAPH_CONTEXT < max_model_len else 0
-        self.short_limits = {s: self.short_context for s in self.sizes
-                             if s <= SHORT_GRAPH_MAX_BATCH and self.short_context}
-        # Sizes whose one-split launch takes the wide tile (wide_tile_context: batch 5-16 at 8 kv heads on a bf16
-        # cache) get a one-split graph too, for contexts within that one tile.
+        self.query_lens = sorted(set(query_lens) | {1})
+        # Verify steps: up to MAX_VERIFY_TOKENS tokens a graph (larger ones take the eager / mixed path).
+        self.sizes_by_q = {q: capture_sizes(max_num_seqs if q == 1 else min(max_num_seqs, MAX_VERIFY_TOKENS // q))
+                           for q in self.query_lens}
+        self.sizes = self.sizes_by_q[1]
+        self.inputs_by_q = {q: DecodeInputs(sizes[-1], self.max_blocks_per_seq, device, q)
+                            for q, sizes in self.sizes_by_q.items()}
+        self.inputs = self.inputs_by_q[1]
+        # {(tokens, q): graph} and its output, the hidden states [tokens, hidden].
+        self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[tuple, torch.Tensor] = {}
+        # The one-split ladder of one-token steps: the context (tokens) up to which each size replays it.
         k_cache = first_attention_cache(kv_caches) if kv_caches else None
+        self.short_limits: Dict[int, int] = {}
         if k_cache is not None:
-            for s in self.sizes:
-                wide = wide_tile_context(s * k_cache.shape[2], k_cache.element_size(), device)
-                if s not in self.short_limits and 0 < wide < max_model_len:
-                    self.short_limits[s] = wide
+            self.short_limits = get_backend(device).graph_variants(
+                self.sizes, k_cache.shape[2], k_cache.element_size(), max_model_len, device)
         self.short_sizes = sorted(self.short_limits)
         self.short_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.short_outputs: Dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.pdl_choice: dict = {}  # batch-1 replay times with / without PDL and the choice (capture_ladder)
 
-    def views(self, b: int, short: bool = False) -> ForwardBatch:
-        """The static inputs of size b; short: as the one-split graphs see them."""
-        fb = self.inputs.views(b)
-        return dataclasses.replace(fb, decode_num_splits=1) if short else fb
+    def views(self, b: int, short: bool = False, q: int = 1) -> ForwardBatch:
+        """The static inputs of b sequences of q tokens; short: as the one-split graphs see them."""
+        fb = self.inputs_by_q[q].views(b)
+        return get_backend(fb.input_ids.device).capture_metadata(fb, "one_split" if short else "main")
 
-    def prepare(self, b: int, short: bool = False):
+    def prepare(self, b: int, short: bool = False, q: int = 1):
         """(ForwardBatch over the static inputs of size b, the step a graph of that size captures)."""
-        fb, src = self.views(b, short), self.inputs.src(b)
+        fb, src = self.views(b, short, q), self.inputs_by_q[q].src(b)
         return fb, lambda: self._forward(fb, src)
 
     def capture(self) -> None:
-        prepare = self.prepare
         k_cache = first_attention_cache(self.kv_caches)
         num_blocks = k_cache.shape[0] if k_cache is not None else 0
 
         def at_context(ctx):  # only before any request exists: it writes into cache blocks 0..
             return self.inputs.set_context(1, ctx, self.block_size, num_blocks)
 
-        self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, prepare,
-                                                                         self.pdl_choice, at_context)
+        graphs, outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, self.prepare,
+                                                               self.pdl_choice, at_context)
+        self._keep(graphs, outputs, 1)
+        pool = graphs[self.sizes[-1]].pool()
+        for q in self.query_lens[1:]:
+            graphs, outputs, secs = capture_ladder(self.sizes_by_q[q], self.kv_caches,
+                                                   lambda b, q=q: self.prepare(b, q=q), pool=pool)
+            self._keep(graphs, outputs, q)
+            self.capture_seconds += secs
         if self.short_sizes:
             self.short_graphs, self.short_outputs, secs = capture_ladder(
-                self.short_sizes, self.kv_caches, lambda b: prepare(b, short=True),
-                pool=self.graphs[self.sizes[-1]].pool(), batch1_pdl=self.pdl_choice.get("batch1_pdl"))
+                self.short_sizes, self.kv_caches, lambda b: self.prepare(b, short=True),
+                pool=pool, batch1_pdl=self.pdl_choice.get("batch1_pdl"))
             self.capture_seconds += secs
 
+    def _keep(self, graphs, outputs, q: int) -> None:
+        for b, g in graphs.items():
+            self.graphs[(b * q, q)] = g
+            self.outputs[(b * q, q)] = outputs[b]
+
     def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> torch.Tensor:
-        """-> hidden states [b, hidden]"""
+        """-> hidden states [b * q, hidden]"""
         # Tokens still on the device are read from the last step's samples inside the graph, by the
         # embedding lookup itself (kernels/embedding.py: one launch).
         return self.model(fb.input_ids, fb.positions, src, self.last_sampled)
 
+    def query_len_of(self, sched_reqs) -> int:
+        """The step's uniform query length if a ladder has it (every row 1 token, or every row a verify row
+        of the same 1 + k, all sampled), else 0."""
+        q = sched_reqs[0].num_new_tokens if sched_reqs else 0
+        if q not in self.sizes_by_q:
+            return 0
+        for sr in sched_reqs:
+            if sr.num_new_tokens != q or (q > 1 and (not sr.sample or len(sr.spec_token_ids) != q - 1)):
+                return 0
+        return q
+
     def can_run(self, sched_reqs) -> bool:
-        return (len(sched_reqs) <= self.sizes[-1]
-                and all(sr.num_new_tokens == 1 for sr in sched_reqs))
+        q = self.query_len_of(sched_reqs)
+        return q > 0 and len(sched_reqs) <= self.sizes_by_q[q][-1]
 
     def uses_short_graph(self, sched_reqs, b: int) -> bool:
         """Whether the padded size b has a one-split graph and every context fits its limit."""
         return max(sr.start for sr in sched_reqs) < self.short_limits.get(b, 0)
 
     def run(self, sched_reqs, last_rows=None) -> torch.Tensor:
-        """Replay the decode step of `sched_reqs`; returns a view of the first n rows of the hidden states,
-        [n, hidden]. On a CPU (tests) the same padded step runs eagerly, which checks the static inputs and
-        the in-graph token gather against the eager path."""
-        n = len(sched_reqs)
-        b = padded_size(self.sizes, n)
-        short = self.uses_short_graph(sched_reqs, b)  # a context is sr.start + 1 tokens
-        self.inputs.fill(sched_reqs, b, self.block_size, last_rows)
-        if self.inputs.raw.device.type != "cuda":
-            fb = self.views(b, short)
+        """Replay the step of `sched_reqs`; returns a view of the first n * q rows of the hidden states,
+        [n * q, hidden]. On a CPU (tests) the same padded step runs eagerly, which checks the static inputs
+        and the in-graph token gather against the eager path."""
+        n, q = len(sched_reqs), self.query_len_of(sched_reqs)
+        b = padded_size(self.sizes_by_q[q], n)
+        short = q == 1 and self.uses_short_graph(sched_reqs, b)  # a context is sr.start + 1 tokens
+        inputs = self.inputs_by_q[q]
+        inputs.fill(sched_reqs, b, self.block_size, last_rows)
+        if inputs.raw.device.type != "cuda":
+            fb = self.views(b, short, q)
             with forward_context(fb, self.kv_caches):
-                return self._forward(fb, self.inputs.src(b))[:n]
-        graphs, outputs = (self.short_graphs, self.short_outputs) if short else (self.graphs, self.outputs)
-        graphs[b].replay()
-        self.inputs.replayed()
-        return outputs[b][:n]
+                return self._forward(fb, inputs.src(b))[:n * q]
+        if short:
+            self.short_graphs[b].replay()
+            out = self.short_outputs[b]
+        else:
+            self.graphs[(b * q, q)].replay()
+            out = self.outputs[(b * q, q)]
+        inputs.replayed()
+        return out[:n * q]

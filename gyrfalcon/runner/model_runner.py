@@ -18,7 +18,7 @@ from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
-from gyrfalcon.runner.kv_cache import CachePlan, first_attention_cache, full_attention_specs
+from gyrfalcon.runner.kv_cache import CachePlan, full_attention_specs
 from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates, StepRow
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
@@ -124,9 +124,11 @@ class ModelRunner:
             self._sampled_event = torch.cuda.Event()  # reused: the side stream's wait takes its latest record
         self.graph_runner: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
-                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled)
+                config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
+                query_lens=(1, 1 + k) if k else (1,))
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
@@ -235,7 +237,7 @@ class ModelRunner:
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
-            # Every decode row samples.
+            # Every row samples (a decode step, or a verify step: all 1 + k rows).
             hidden = self.graph_runner.run(rows, self.last_rows)
         elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.

@@ -19,7 +19,7 @@ from gyrfalcon.bench.make_checkpoint import make_checkpoint  # noqa: E402
 from gyrfalcon.engine.request import Request  # noqa: E402
 from gyrfalcon.runner.request_state import StepRow  # noqa: E402
 from gyrfalcon.forward_context import forward_context  # noqa: E402
-from gyrfalcon.runner import cuda_graph  # noqa: E402
+from gyrfalcon.layers.attention import triton as attention_triton  # noqa: E402
 from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
 
 STEPS = 32
@@ -80,7 +80,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     down_proj of decode batches of 2-16 rows through cuBLAS instead of gyrfalcon's tensor-core path
     (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is 16); merge-in-kernel: the attention splits merged by their
     last program at every batch (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences);
-    short-graph: decode steps replay the one-split graphs at every context (cuda_graph.SHORT_GRAPH_CONTEXT
+    short-graph: decode steps replay the one-split graphs at every context (layers/attention/triton.py ONE_SPLIT_CONTEXT
     patched to 512: every context here fits; the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
     launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
     that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
@@ -124,7 +124,7 @@ def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     else:
         monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
     if mode == "short-graph":  # (the default, 128 tokens: the first steps of short prompts replay them)
-        monkeypatch.setattr(cuda_graph, "SHORT_GRAPH_CONTEXT", 512)
+        monkeypatch.setattr(attention_triton, "ONE_SPLIT_CONTEXT", 512)
     if mode == "merge-in-kernel":
         monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
     else:

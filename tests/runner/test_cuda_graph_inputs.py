@@ -224,25 +224,26 @@ def test_set_context_points_rows_at_one_token_and_restores():
 
 
 def test_short_graph_ladder_and_choice(monkeypatch):
-    """The sizes up to SHORT_GRAPH_MAX_BATCH get a one-split ladder; a batch replays it when every context
-    (start + 1) fits SHORT_GRAPH_CONTEXT (128) tokens; none when max_model_len is not longer than that."""
+    """The sizes up to ONE_SPLIT_MAX_BATCH get a one-split ladder; a batch replays it when every context
+    (start + 1) fits ONE_SPLIT_CONTEXT (128) tokens; none when max_model_len is not longer than that."""
     from types import SimpleNamespace
 
-    import gyrfalcon.runner.cuda_graph as cg
-    from gyrfalcon.runner.cuda_graph import SHORT_GRAPH_CONTEXT, SHORT_GRAPH_MAX_BATCH, CudaGraphRunner
+    import gyrfalcon.layers.attention.triton as tb
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 
     def runner(max_num_seqs=64, max_model_len=1024):
-        return CudaGraphRunner(None, [], max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
+        kv = [(torch.empty(2, 16, 1, 32, dtype=torch.float32),) * 2]  # no wide-tile sizes on a 4-byte cache
+        return CudaGraphRunner(None, kv, max_num_seqs, max_model_len, 16, torch.device("cpu"), None)
 
     r = runner()
-    assert SHORT_GRAPH_CONTEXT == 128 and SHORT_GRAPH_MAX_BATCH == 4
-    assert r.short_sizes == [1, 2, 4] and r.short_context == 128
+    assert tb.ONE_SPLIT_CONTEXT == 128 and tb.ONE_SPLIT_MAX_BATCH == 4
+    assert r.short_sizes == [1, 2, 4] and set(r.short_limits.values()) == {128}
     assert runner(max_model_len=128).short_sizes == []
     reqs = lambda *starts: [SimpleNamespace(start=s) for s in starts]  # noqa: E731
     assert r.uses_short_graph(reqs(0, 127), 2)  # contexts 1 and 128
     assert not r.uses_short_graph(reqs(0, 128), 2)  # context 129
     assert not r.uses_short_graph(reqs(*range(8)), 8)  # no one-split graph of 8
-    monkeypatch.setattr(cg, "SHORT_GRAPH_CONTEXT", 256)  # the limit follows the constant
+    monkeypatch.setattr(tb, "ONE_SPLIT_CONTEXT", 256)  # the limit follows the backend's policy
     r = runner()
     assert r.uses_short_graph(reqs(0, 255), 2) and not r.uses_short_graph(reqs(0, 256), 2)
     fb = r.views(2, short=True)
@@ -251,7 +252,7 @@ def test_short_graph_ladder_and_choice(monkeypatch):
 
 
 def test_wide_tile_one_split_graphs():
-    """Sizes whose one-split decode attention takes the wide tile (paged_decode_attention.wide_tile_context: 33-128
+    """Sizes whose one-split decode attention takes the wide tile (wide_tile_context: 33-128
     (sequence, kv head) programs on a 2-byte cache) get a one-split graph for contexts of up to one 256-key tile,
     beside the small sizes' 128-token ones; not on an fp32 cache, or when max_model_len is not longer than the
     tile."""
@@ -294,11 +295,11 @@ def _eager_and_graph_runner_tokens(ckpt, kw, prompts, params, probe):
 
 def test_short_graph_step_gives_the_eager_tokens(qwen3_ckpt, monkeypatch):
     """The one-split decode step (run eagerly on a CPU, padded like the graph) for batches whose contexts
-    fit SHORT_GRAPH_CONTEXT (here lowered to 22 tokens), the main one past it: the eager path's tokens either
+    fit ONE_SPLIT_CONTEXT (here lowered to 22 tokens), the main one past it: the eager path's tokens either
     way."""
-    import gyrfalcon.runner.cuda_graph as cg
+    import gyrfalcon.layers.attention.triton as tb
 
-    monkeypatch.setattr(cg, "SHORT_GRAPH_CONTEXT", 22)
+    monkeypatch.setattr(tb, "ONE_SPLIT_CONTEXT", 22)
     kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=5)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -114,3 +114,31 @@ def test_engine_outputs_unchanged_by_drafts(llm, k, wrong_from, params):
     assert proposed > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_steps_replay_graphs_keyed_by_query_length(qwen3_ckpt, k):
+    """With num_speculative_tokens = k the graph runner holds a ladder of (b * (1 + k), 1 + k) graphs beside the
+    one-token ladder; verify steps of uniform length take it (on a CPU the padded step runs eagerly, checking
+    its static inputs), and the outputs equal those without drafts."""
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=6, device="cpu")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(qwen3_ckpt), **kw)
+    ref = llm.generate(prompts, params, use_tqdm=False)
+    conts = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, ref)}
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 6, 128, r.block_size, r.device, r.last_sampled,
+                                     query_lens=(1, 1 + k))
+    assert sorted(r.graph_runner.sizes_by_q) == [1, 1 + k]
+    seen = []
+    forward = r.graph_runner._forward
+    r.graph_runner._forward = lambda fb, src: seen.append((fb.uniform_query_len, fb.num_tokens)) or forward(fb, src)
+    r.proposer = _Proposer(conts, k, wrong_from=1 if k > 1 else None)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    qs = {q for q, _ in seen}
+    assert 1 + k in qs, seen  # verify steps replayed their own ladder
+    assert all(n % q == 0 for q, n in seen)
