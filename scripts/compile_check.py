@@ -177,6 +177,16 @@ def cases(mods):
                 (f"{name} attention b256 (key rows), fp8 cache", attn(256, pdl=False, kv_dtype=f8)),
                 (f"{name} attention b1 one split, fp8 cache", attn(1, pdl=False, splits=1, kv_dtype=f8))]
 
+        def plain(B, pdl=False):
+            def run():  # split-KV over a ready query (the unfused layers: qkv prep, then attention)
+                kc = torch.zeros(64, 16, KVH, D, dtype=bf)
+                return A.paged_decode_attention_triton(torch.zeros(B, H, D, dtype=bf), kc, torch.zeros_like(kc),
+                                                       torch.zeros(B, 40960 // 16, dtype=torch.int32),
+                                                       torch.ones(B, dtype=torch.int32), D ** -0.5, pdl=pdl)
+            return run
+        out += [(f"{name} attention b{B} over a ready query", plain(B)) for B in (1, 16, 256)]
+        out.append((f"{name} attention b1 pdl over a ready query", plain(1, pdl=True)))
+
         def prefill(kv_dtype, max_query_len=None):
             def run():  # (max_query_len None: the 512 tokens bound it, so the short-query tiles)
                 q = torch.zeros(512, H, D, dtype=bf)

@@ -179,7 +179,8 @@ KERNEL_MODULES = (
     "sampling.naive", "sampling.triton", "sampling",
     "fused_qkv_prep.naive", "fused_qkv_prep.configs", "fused_qkv_prep.triton", "fused_qkv_prep",
     "paged_attention.naive", "paged_attention.configs", "paged_attention.triton", "paged_attention",
-    "decode_attention.naive", "decode_attention.configs", "decode_attention.triton", "decode_attention",
+    "decode_attention.naive", "decode_attention.configs", "decode_attention.tiles", "decode_attention.reduce",
+    "decode_attention.split_kv", "decode_attention.with_prep", "decode_attention.launch", "decode_attention",
     "gemv.naive", "gemv.configs", "gemv.triton", "gemv",
 )
 

@@ -47,7 +47,7 @@ A.decode_attention_with_prep_triton(torch.zeros(1, (H + 2 * KVH) * D), H, KVH, D
                                     kc, torch.zeros_like(kc), pos, torch.zeros(1, 2560, dtype=torch.int32),
                                     torch.ones(1, dtype=torch.int32), 0.1, None, torch.ones(D), torch.ones(D), 1e-6,
                                     pdl=True, prefetch=True, block_n=128, num_warps=8)
-print("SHARED", dict((c[0], c[1]) for c in compiled)["_decode_split_kernel"])
+print("SHARED", dict((c[0], c[1]) for c in compiled)["_decode_prep_kernel"])
 """
     r = _run(["-c", code])
     if r.returncode == 2:

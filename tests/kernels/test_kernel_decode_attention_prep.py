@@ -161,8 +161,8 @@ def test_batch1_prefetch_default_tile(num_splits, want_bn, monkeypatch):
 
     from kernels_testutil import LaunchSpy
     pda = sys.modules[paged_decode_attention_triton.__module__]  # the package re-exports a same-named function
-    spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
-    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
+    spy = LaunchSpy(pda._decode_prep_kernel, "BLOCK_N")
+    monkeypatch.setattr(pda, "_decode_prep_kernel", spy)
     H, KVH, D = 4, 2, 32
     qkv, pos, cs, slots, kc, vc, bt, sl, qw, kw = _case([200], H, KVH, D, D, torch.float32, True, block_size=16)
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -191,8 +191,8 @@ def test_batch16_wide_tile(wide_env, monkeypatch):
     if wide_env == "small-card":
         monkeypatch.setattr(sys.modules["gyrfalcon.kernels.decode_attention.configs"], "max_shared_mem",
                             lambda device: 99 * 1024)
-    spy = LaunchSpy(pda._decode_split_kernel, "BLOCK_N")
-    monkeypatch.setattr(pda, "_decode_split_kernel", spy)
+    spy = LaunchSpy(pda._decode_prep_kernel, "BLOCK_N")
+    monkeypatch.setattr(pda, "_decode_prep_kernel", spy)
     lens = [1, 300, 0, 129, 256, 257, 17, 200, 64, 5, 600, 128, 33, 2, 513, 160]
     H, KVH, D = 16, 8, 32
     cases = [(torch.bfloat16, 1, 256 if wide_env is None else 128)]

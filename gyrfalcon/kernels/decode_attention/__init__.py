@@ -8,6 +8,11 @@ row: output zeros, read nothing). Returns o: [num_seqs, num_heads, head_dim_v] i
 decode_attention_with_prep takes the fused qkv rows instead of q and does fused_qkv_prep's work in the
 same launch (q/k RMSNorm, RoPE, this step's K/V into the cache): one launch fewer per decode layer (faster
 at batch 1, 16 and 64 on the H200; docs/performance.md).
+
+Files: naive.py (the references), configs.py (split counts, tiles, merge and prefetch policy), tiles.py (the
+K/V tile and online-softmax jit helpers), split_kv.py (the kernel over a ready query), with_prep.py (the kernel
+with the qkv prep fused in), reduce.py (the split merge: in-kernel or the reduce kernel), launch.py (the
+launchers).
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ import torch
 
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.decode_attention.configs import (B1_SPLIT_TILE, MAX_SPLITS, MERGE_IN_KERNEL_MIN_SEQS,
-                                                        MID_TILE_CONFIG, SHORT_SPLIT_TOKENS, WIDE_TILE_CONFIG, decode_config,
-                                                        default_min_part, default_num_splits, k_rows,
+                                                        MID_TILE_CONFIG, SHORT_SPLIT_TOKENS, WIDE_TILE_CONFIG,
+                                                        decode_config, default_min_part, default_num_splits, k_rows,
                                                         merge_in_kernel_default, prefetch_default, wide_tile_context)
 from gyrfalcon.kernels.decode_attention.naive import decode_attention_with_prep_ref, paged_decode_attention_ref
-from gyrfalcon.kernels.decode_attention.triton import decode_attention_with_prep_triton, paged_decode_attention_triton
+from gyrfalcon.kernels.decode_attention.launch import decode_attention_with_prep_triton, paged_decode_attention_triton
 
 
 def decode_attention_with_prep(*args, **kw) -> torch.Tensor:
