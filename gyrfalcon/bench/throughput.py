@@ -164,7 +164,7 @@ class GpuTimeline:
     the busy time (union of kernel intervals), the span from the first kernel to the last, the longest idle gaps
     with the kernels around them, and each kernel's device time a step. A step whose host time exceeds its device
     time shows as gaps; a host that only waits while the device works leaves none. The kernel times say where a
-    step's device time goes against the sum of its kernels timed apart (benchmarks/overlap_probe.py). (torch.profiler
+    step's device time goes against the sum of its kernels timed apart. (torch.profiler
     with CUDA activity only: no host-side op recording to slow the host being measured. On a CPU it records CPU
     ops, which checks the plumbing only.)"""
 
