@@ -2,8 +2,8 @@
 contiguity: on a cache stored [blocks, kv heads, block_size, head_dim] and handed over as the permuted view,
 each kernel that reads or writes it (store, qkv prep with its KV write, prefill attention, decode attention
 with and without the fused prep) must give the same results as on the contiguous cache, under the
-interpreter; so must the torch references (the CPU path). (The engine stores it contiguously: session 12's
-GYRFALCON_KV_LAYOUT=hnd engine option measured no faster on the H200, run 42, and was removed.)"""
+interpreter; so must the torch references (the CPU path). (The engine stores it contiguously: the permuted
+layout measured no faster on the H200.)"""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_ref,
                                                 decode_attention_with_prep_triton, paged_decode_attention_ref,
                                                 paged_decode_attention_triton)
 from gyrfalcon.kernels.store_kv import store_kv_ref, store_kv_triton
-from gyrfalcon.runner.model_runner import allocate_kv_cache
 
 NB, BS, KVH, D, H = 12, 16, 2, 32, 4
 EXACT = dict(rtol=0, atol=0)
+
+
+def _nhd() -> torch.Tensor:
+    """A zeroed cache in the engine's layout [blocks, block_size, kv heads, head_dim], contiguous."""
+    return torch.zeros(NB, BS, KVH, D)
 
 
 def _hnd_view() -> torch.Tensor:
@@ -29,7 +33,7 @@ def _hnd_view() -> torch.Tensor:
 
 def _pair(g):
     """The same random contents in both layouts: (contiguous, permuted view)."""
-    nhd = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"))
+    nhd = _nhd()
     nhd.copy_(torch.randn(NB, BS, KVH, D, generator=g))
     hnd = _hnd_view()
     hnd.copy_(nhd)
@@ -39,7 +43,7 @@ def _pair(g):
 def test_permuted_view_is_strided():
     c = _hnd_view()
     assert c.shape == (NB, BS, KVH, D) and c.stride() == (KVH * BS * D, D, BS * D, 1)
-    n = allocate_kv_cache(NB, BS, KVH, D, torch.float32, torch.device("cpu"))
+    n = _nhd()
     assert n.is_contiguous() and n.shape == c.shape and not n.any()
 
 
