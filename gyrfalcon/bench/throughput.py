@@ -308,10 +308,8 @@ class LaunchPhases:
         mr.build_forward_batch = self._stamped_after(self._build, "built")
         runner.model.forward = self._stamped_after(runner.model.forward, "forward_end")
         runner.model.compute_logits = self._stamped_after(runner.model.compute_logits, "logits_end")
-        for layer in self._layers:  # both layer paths (forward_folded: folded norms, the default)
+        for layer in self._layers:
             layer.forward = self._stamped(layer.forward)
-            if hasattr(layer, "forward_folded"):
-                layer.forward_folded = self._stamped(layer.forward_folded)
 
     def _stamped_after(self, f, key: str):
         """f, recording when it returned as `key` of the launch being timed."""
@@ -343,8 +341,6 @@ class LaunchPhases:
         del self._model.forward, self._model.compute_logits
         for layer in self._layers:
             del layer.forward
-            if "forward_folded" in vars(layer):
-                del layer.forward_folded
 
     def by_kind(self, step_log: list) -> dict:
         """Mean ms per eager step of each kind (step_log: StepFloor's, in launch order)."""

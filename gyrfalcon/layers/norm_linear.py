@@ -2,7 +2,7 @@
 
 A pre-norm block starts with norm(hidden + residual) -> linear. Three ways to run it, same math:
 - "separate": the RMSNorm kernel (with the residual add fused), then the linear layer.
-- "gemv": [residual add +] RMSNorm + GEMV (+ SiLU-and-mul) in one launch (kernels/small_m_gemv.py norm_gemv), for
+- "gemv": [residual add +] RMSNorm + GEMV (+ SiLU-and-mul) in one launch (kernels/gemv norm_gemv), for
   single rows, where it beats the norm kernel plus cuBLAS.
 - "folded": the norm's weight was folded into the linear's at load (`fold_norms`), so the GEMM reads the
   un-normalized residual stream and its consumer (the fused qkv prep / decode attention, SiLU-and-mul) scales

@@ -69,13 +69,6 @@ class CausalLM(nn.Module):
         return {m.layer_idx: m.kv_cache_spec(cache_dtype) for m in self.modules()
                 if callable(getattr(m, "kv_cache_spec", None)) and hasattr(m, "layer_idx")}
 
-    def kv_cache_spec(self) -> Dict[str, int]:
-        """The single-spec view the runner still reads (until it allocates from kv_cache_specs): every layer
-        alike, as layer 0."""
-        specs = self.kv_cache_specs("bfloat16")
-        first = specs[min(specs)]
-        return {"num_layers": len(specs), "num_kv_heads": first.num_kv_heads, "head_dim": first.head_dim}
-
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled (a fused
         weight's shards as name#shard)."""

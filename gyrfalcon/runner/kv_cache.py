@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from gyrfalcon.cache_spec import CacheGroup, CacheSpec, FullAttentionSpec, group_specs
+from gyrfalcon.cache_spec import CacheGroup, CacheSpec, group_specs
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -93,11 +93,6 @@ def first_attention_cache(kv_caches) -> Optional[torch.Tensor]:
     return None
 
 
-def full_attention_specs(model, kv_dtype: torch.dtype) -> Dict[int, CacheSpec]:
-    """model.kv_cache_specs(dtype name), or for a model that only states its attention geometry
-    (kv_cache_spec(): layers, kv heads, head_dim) a full-attention spec per layer."""
-    name = str(kv_dtype).replace("torch.", "")
-    if hasattr(model, "kv_cache_specs"):
-        return model.kv_cache_specs(name)
-    s = model.kv_cache_spec()
-    return {i: FullAttentionSpec(s["num_kv_heads"], s["head_dim"], name) for i in range(s["num_layers"])}
+def model_cache_specs(model, kv_dtype: torch.dtype) -> Dict[int, CacheSpec]:
+    """model.kv_cache_specs for a cache of kv_dtype (the torch dtype's name is what the specs carry)."""
+    return model.kv_cache_specs(str(kv_dtype).replace("torch.", ""))

@@ -18,7 +18,7 @@ from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
-from gyrfalcon.runner.kv_cache import CachePlan, full_attention_specs
+from gyrfalcon.runner.kv_cache import CachePlan, model_cache_specs
 from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates, StepRow
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
@@ -92,7 +92,7 @@ class ModelRunner:
             clock("device_init")
         self.model = load_model(config.model_config, config.device)
         clock("load")
-        specs = full_attention_specs(self.model, self.kv_dtype)
+        specs = model_cache_specs(self.model, self.kv_dtype)
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0

@@ -27,11 +27,6 @@ STEPS = 32
 # the card an earlier test's engine or reference model still holds; memory planning is exercised by the
 # benchmarks (scripts/gpu/).
 BLOCKS = dict(num_gpu_blocks_override=256)
-# GYRFALCON_GEMV_ROWS_SHAPES of the gemv-rows mode: Llama-3.1-8B's down_proj, qkv and o_proj (split-K 2)
-GEMV_ROWS_LLAMA = "4096x14336=32,512,4,4,1;6144x4096=64,128,4,6,1;4096x4096=32,512,4,4,2"
-# GYRFALCON_GEMV_WIDE_ROWS_SHAPES of the wide-rows mode: Llama-3.1-8B's down_proj at another 64-row launch shape,
-# o_proj split-K 2
-GEMV_WIDE_ROWS_LLAMA = "4096x14336=32,256,4,4,1;4096x4096=32,256,4,4,2"
 
 
 @pytest.fixture(autouse=True)
@@ -67,127 +62,99 @@ def ckpt(request, tmp_path_factory):
     return path, refs
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "pdl", "unfused-prep", "cublas-rows", "merge-in-kernel",
-                                  "short-graph", "unfolded-norms", "skinny-gemm", "long-splits",
-                                  "one-pass-b1", "gemv-rows", "wide-rows", "pdl-plain"])
+class _OracleProposer:
+    """Drafts the reference continuation (right drafts, then one wrong one every third step): verify steps of
+    1 + k tokens, accepted and rejected."""
+
+    def __init__(self, conts, k):
+        self.conts, self.k, self.calls = conts, k, 0
+
+    def propose(self, rows, sampled):
+        self.calls += 1
+        out = []
+        for r in rows:
+            cont = self.conts[tuple(r.request.prompt_token_ids)]
+            n = r.request.num_output_tokens
+            d = list(cont[n:n + self.k])
+            if self.calls % 3 == 0 and d:
+                d[-1] = (d[-1] + 1) % 1024
+            out.append(d)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager", "pdl", "unfused", "short-graph", "wide-rows", "verify-graphs"])
 def test_greedy_tokens_match_transformers_fp32(ckpt, mode, monkeypatch):
     """In fp32 both implementations agree to ~1e-6, so greedy paths must be identical; in bf16 two
     implementations round differently and random-weight logits have near-ties that flip.
-    graphs: decode steps and prefills replayed as CUDA graphs (every mode but eager);
-    pdl: the Triton kernels launched with programmatic dependent launch (GYRFALCON_PDL=1);
-    unfused-prep: decode steps launch fused_qkv_prep and decode attention separately
-    (GYRFALCON_FUSED_DECODE_PREP=0; every other mode folds the prep into the attention launch); cublas-rows: o_proj and
-    down_proj of decode batches of 2-16 rows through cuBLAS instead of gyrfalcon's tensor-core path
-    (GYRFALCON_SMALL_M_PLAIN_ROWS=1; the default is 16); merge-in-kernel: the attention splits merged by their
-    last program at every batch (GYRFALCON_DECODE_MERGE_IN_KERNEL=1; by default only from 8 sequences);
-    short-graph: decode steps replay the one-split graphs at every context (layers/attention/triton.py ONE_SPLIT_CONTEXT
-    patched to 512: every context here fits; the other modes replay them up to the default 128 tokens); unfolded-norms: the layers' norms as RMSNorm
-    launches of their own (GYRFALCON_FOLD_NORMS=0; every other mode folds them into the GEMMs around them, so
-    that batches of 2+ rows launch no layer norm); skinny-gemm: the layers' GEMMs of 2-128 rows through the
-    stream-K kernel instead of cuBLAS (GYRFALCON_SKINNY_GEMM_ROWS=128; off by default); long-splits: every decode
-    attention launch covers at least 256 keys a split (GYRFALCON_DECODE_MIN_PART=256; by default only launches of
-    128+ programs, batch 16 and up at 8 kv heads, which these 8-sequence runs do not reach); one-pass-b1: batch-1 qkv / gate_up GEMVs apply
-    the norm's rstd after the dot even where the row spans several tiles (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1; by
-    default only where one tile covers a row of <= 1024 inputs), with PDL, one request at a time; gemv-rows: batches of
-    2-8 rows run Llama-3.1-8B's o_proj / down_proj / qkv at other launch shapes than the default ROWS_SHAPES
-    (GYRFALCON_GEMV_ROWS_SHAPES: o_proj split-K 2); every other mode but cublas-rows runs Llama's qkv of 2-16 rows
-    through the GEMV kernel at ROWS_SHAPES' launch shape; the Qwen3 checkpoint's shapes are not listed; wide-rows:
-    Llama-3.1-8B's down_proj and o_proj of 17-64 rows on the GEMV kernel (GYRFALCON_GEMV_WIDE_ROWS_SHAPES; down_proj
-    alone by default, at another launch shape), exercised by prefill chunks of <= 64 tokens
-    (max_num_batched_tokens=64); pdl-plain: the batched graphs of up to 8 rows under PDL with the plain kernels
-    (GYRFALCON_PDL_ROWS=8, GYRFALCON_PDL=1, no attention prefetch and no peeled GEMV tile: GYRFALCON_ATTN_PREFETCH=0,
-    GYRFALCON_GEMV_PEEL=0)."""
+    graphs: decode steps and prefills replayed as CUDA graphs (every mode but eager and unfused);
+    pdl: one request at a time, the batch-1 graphs' kernels launched with programmatic dependent launch
+    (GYRFALCON_PDL=1); unfused: GYRFALCON_DISABLE_FUSION=1 (separate norm, RoPE and K/V store launches, no folded
+    norms), eagerly; short-graph: decode steps replay the one-split graphs at every context (ONE_SPLIT_CONTEXT
+    patched to 512; by default up to 128 tokens); wide-rows: prefill chunks of <= 64 tokens
+    (max_num_batched_tokens=64), which run Llama-3.1-8B's down_proj of 17-64 rows on the GEMV kernel;
+    verify-graphs: a proposer drafts 2 tokens a step (the reference continuation, sometimes wrong), and the verify
+    steps of 3 tokens per sequence replay their own graphs."""
     path, refs = ckpt
-    enforce_eager = mode == "eager"
-    one_at_a_time = mode in ("pdl", "one-pass-b1")  # batch-1 paths
-    plain = mode == "pdl-plain"
-    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time or plain else "0")
-    monkeypatch.setenv("GYRFALCON_PDL_ROWS", "8" if plain else "1")
-    monkeypatch.setenv("GYRFALCON_ATTN_PREFETCH", "0" if plain else "pdl")
-    monkeypatch.setenv("GYRFALCON_GEMV_PEEL", "0" if plain else "1")
-    if mode == "gemv-rows":
-        monkeypatch.setenv("GYRFALCON_GEMV_ROWS_SHAPES", GEMV_ROWS_LLAMA)
-    else:
-        monkeypatch.delenv("GYRFALCON_GEMV_ROWS_SHAPES", raising=False)
-    if mode == "wide-rows":
-        monkeypatch.setenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", GEMV_WIDE_ROWS_LLAMA)
-    else:
-        monkeypatch.delenv("GYRFALCON_GEMV_WIDE_ROWS_SHAPES", raising=False)
-    if mode == "one-pass-b1":
-        monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
-    else:  # the default: one pass where one tile spans a row of <= 1024 inputs
-        monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    monkeypatch.setenv("GYRFALCON_FUSED_DECODE_PREP", "0" if mode == "unfused-prep" else "1")
-    monkeypatch.setenv("GYRFALCON_SKINNY_GEMM_ROWS", "128" if mode == "skinny-gemm" else "0")
-    if mode == "cublas-rows":
-        monkeypatch.setenv("GYRFALCON_SMALL_M_PLAIN_ROWS", "1")
-    else:
-        monkeypatch.delenv("GYRFALCON_SMALL_M_PLAIN_ROWS", raising=False)
-    if mode == "short-graph":  # (the default, 128 tokens: the first steps of short prompts replay them)
+    enforce_eager = mode in ("eager", "unfused")
+    one_at_a_time = mode == "pdl"
+    monkeypatch.setenv("GYRFALCON_PDL", "1" if one_at_a_time else "0")
+    if mode == "unfused":
+        monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
+    if mode == "short-graph":
         monkeypatch.setattr(attention_triton, "ONE_SPLIT_CONTEXT", 512)
-    if mode == "merge-in-kernel":
-        monkeypatch.setenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", "1")
-    else:
-        monkeypatch.delenv("GYRFALCON_DECODE_MERGE_IN_KERNEL", raising=False)
-    monkeypatch.setenv("GYRFALCON_FOLD_NORMS", "0" if mode == "unfolded-norms" else "1")
-    if mode == "long-splits":
-        monkeypatch.setenv("GYRFALCON_DECODE_MIN_PART", "256")
-    else:
-        monkeypatch.delenv("GYRFALCON_DECODE_MIN_PART", raising=False)
     envs.refresh()
     chunk = dict(max_num_batched_tokens=64) if mode == "wide-rows" else {}
     llm = LLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=enforce_eager,
               max_num_seqs=8, **BLOCKS, **chunk)
-    assert (llm.engine.runner.graph_runner is None) == enforce_eager
+    runner = llm.engine.runner
+    assert (runner.graph_runner is None) == enforce_eager
+    assert (runner.mixed_graph_runner is None) == enforce_eager
     if mode == "short-graph":
-        assert llm.engine.runner.graph_runner.short_graphs
-    assert llm.engine.runner.model.model.fold_norms == (mode != "unfolded-norms")
-    layer0 = llm.engine.runner.model.model.layers[0]
-    assert layer0.mlp.down_proj.skinny_rows == (128 if mode == "skinny-gemm" else 0)
-    assert layer0.mlp.gate_up_proj.small_m_rows == 1
+        assert runner.graph_runner.short_graphs
+    layer0 = runner.model.model.layers[0]
     llama = layer0.self_attn.qkv_proj.weight.shape == (6144, 4096)
-    assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama and mode != "cublas-rows" else 1)
-    # Llama-3.1-8B's down_proj is in WIDE_ROWS_SHAPES: on the GEMV kernel up to 64 rows in every mode,
-    # cublas-rows included (a shape of its own overrides GYRFALCON_SMALL_M_PLAIN_ROWS)
-    assert layer0.mlp.down_proj.small_m_rows == (64 if llama else 1 if mode == "cublas-rows" else 16)
-    assert layer0.self_attn.o_proj.small_m_rows == (64 if llama and mode == "wide-rows" else
-                                                    1 if mode == "cublas-rows" else 16)
-    assert (llm.engine.runner.mixed_graph_runner is None) == enforce_eager
-    assert llm.engine.runner._d2h_stream is not None
+    if mode != "unfused":
+        assert layer0.mlp.gate_up_proj.small_m_rows == 1
+        assert layer0.self_attn.qkv_proj.small_m_rows == (16 if llama else 1)
+        assert layer0.mlp.down_proj.small_m_rows == (64 if llama else 16)
+        assert layer0.self_attn.o_proj.small_m_rows == 16
+    assert runner._d2h_stream is not None
     if not enforce_eager:
-        assert llm.engine.runner.graph_runner.inputs._copy_stream is not None
+        assert runner.graph_runner.inputs._copy_stream is not None
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     rows = refs[torch.float32]
+    seen_q = []
+    if mode == "verify-graphs":
+        from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+        gr = CudaGraphRunner(runner.model, runner.kv_caches, 8, 1024, runner.block_size, runner.device,
+                             runner.last_sampled, query_lens=(1, 3))
+        gr.capture()
+        runner.graph_runner = gr
+        q_of = gr.query_len_of
+        gr.query_len_of = lambda reqs: seen_q.append(q_of(reqs)) or seen_q[-1]
+        runner.proposer = _OracleProposer({tuple(r[0]): r[1] for r in rows}, 2)
     if one_at_a_time:  # batch-1 decode paths: one request at a time
         outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
     else:
         outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
     for out, (_, ref_tokens, _) in zip(outs, rows):
         assert out.outputs[0].token_ids == ref_tokens
+    if mode == "verify-graphs":
+        assert seen_q.count(3) >= 3, seen_q  # verify steps replayed the (b * 3, 3) graphs
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "one-pass-b1", "wide-tile"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "wide-tile"])
 def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
     """bf16: each token gyrfalcon picks (graphs or eager) is transformers' argmax on gyrfalcon's own
-    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once. one-pass-b1: one
-    request at a time, every batch-1 qkv / gate_up GEMV scaling by the norm's rstd after the dot
-    (GYRFALCON_GEMV_ONE_PASS_NORM_B1=1) under PDL: its bf16 rounding differs from the first pass's. wide-tile: the
+    sequence, up to bf16 rounding; a decode bug (wrong KV, position, block) breaks this at once. wide-tile: the
     prompts twice over, a batch of 8 (64 programs at 8 kv heads) whose contexts of <= 132 tokens replay the
-    one-split graph of the one-stage 256-key tile (paged_decode_attention.wide_tile_context).
+    one-split graph of the one-stage 256-key tile (kernels/decode_attention wide_tile_context).
     Rounding: the two implementations' bf16 logits differ by up to ~3% of the largest logit (the same
     bound test_prefill_logits_close holds them to), so a chosen token may trail transformers' argmax by
     that much at a near-tie, but rarely: most steps must pick transformers' argmax exactly."""
     path, refs = ckpt
-    one_at_a_time = mode == "one-pass-b1"
-    if mode == "one-pass-b1":
-        monkeypatch.setenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", "1")
-    else:  # the default: one pass where one tile spans a row of <= 1024 inputs
-        monkeypatch.delenv("GYRFALCON_GEMV_ONE_PASS_NORM_B1", raising=False)
-    if one_at_a_time:
-        monkeypatch.setenv("GYRFALCON_PDL", "1")
-    envs.refresh()
     llm = LLM(str(path), max_model_len=1024, enforce_eager=mode == "eager", max_num_seqs=8, **BLOCKS)
     rows = refs[torch.bfloat16]
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
@@ -197,10 +164,7 @@ def test_bf16_greedy_follows_transformers_argmax(ckpt, mode, monkeypatch):
         assert gr.short_limits[8] == 256 and 8 in gr.short_graphs
         choices, uses_short = [], gr.uses_short_graph
         gr.uses_short_graph = lambda reqs, b: choices.append((b, uses_short(reqs, b))) or choices[-1][1]
-    if one_at_a_time:
-        outs = [llm.generate([{"prompt_token_ids": r[0]}], sp, use_tqdm=False)[0] for r in rows]
-    else:
-        outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in rows], sp, use_tqdm=False)
     if mode == "wide-tile":
         assert choices.count((8, True)) >= STEPS // 2, choices  # the decode steps replayed the one-split graph
     del llm
