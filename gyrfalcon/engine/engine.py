@@ -21,10 +21,9 @@ logger = logging.getLogger(__name__)
 def freeze_gc_after_startup(default: bool) -> bool:
     """Move everything alive now (modules, weights' wrappers, captured graphs, imported libraries: ~215k
     tracked objects for the demo model on a CPU) out of the cyclic garbage collector's sight, so that a full
-    collection while serving walks only what requests create. It shortens the pauses, not their sum: in a
-    throughput run (run 40, Llama-3.1-8B, 768 x 1024/1024) the full collections took 43 ms each frozen
-    against 273 ms (24 of them against 4, ~1.0-1.1 s in all either way; 9,493 vs 9,436 tok/s), and a pause
-    lands between two decode steps of every running request: TPOT's tail. Frozen objects that later become
+    collection while serving walks only what requests create. It shortens the pauses (a full collection
+    walks a fraction of the objects), not their sum, and a pause lands between two decode steps of every
+    running request: TPOT's tail (measured on the H200; docs/performance.md). Frozen objects that later become
     cyclic garbage are never freed, so it suits a process that serves one engine for its lifetime: the
     server's engine core does it by default (default=True), the offline LLM only when asked (a process may
     build and drop several, each holding GPU memory). GYRFALCON_GC_FREEZE=1 / 0 forces either way.
