@@ -8,7 +8,7 @@ the engine's Request objects, only what is here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -34,6 +34,8 @@ class ScheduledRequest:
 
     Tokens start..start + num_new_tokens - 1 run this step. The last len(spec_token_ids) of them are draft
     tokens to verify (a speculative step: 1 + k tokens, every one sampled); the runner has the others.
+    Sequences are lists, or the empty tuple where there is nothing (a decode step's usual case: a large batch
+    builds no empty list per request per step for the garbage collector to count).
     """
 
     request_id: str
@@ -43,9 +45,17 @@ class ScheduledRequest:
     # prefill chunk that leaves part of the prompt for later).
     sample: bool
     # Blocks appended to the request's block table since the runner last saw it (all of them on a new one).
-    new_block_ids: List[int] = field(default_factory=list)
-    spec_token_ids: List[int] = field(default_factory=list)
+    new_block_ids: Sequence[int] = ()
+    spec_token_ids: Sequence[int] = ()
     new_request: Optional[NewRequestData] = None
+    # The runner's RequestState of this request, attached on the runner's side when the step is applied
+    # (runner/request_state.py); never encoded.
+    request: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose next token is sampled: the last one, and each draft's (1 + k on a verify step)."""
+        return (1 + len(self.spec_token_ids)) if self.sample else 0
 
 
 @dataclass
@@ -101,7 +111,8 @@ def encode_batch(batch: ScheduledBatch) -> bytes:
             n = r.new_request
             new = [n.prompt_token_ids, _sampling_params_dict(n.sampling_params), n.eos_token_ids,
                    n.output_token_ids, n.state_slots]
-        reqs.append([r.request_id, r.start, r.num_new_tokens, r.sample, r.new_block_ids, r.spec_token_ids, new])
+        reqs.append([r.request_id, r.start, r.num_new_tokens, r.sample, list(r.new_block_ids), list(r.spec_token_ids),
+                     new])
     return msgpack.packb([reqs, sorted(batch.finished_request_ids), batch.num_preempted], use_bin_type=True)
 
 
@@ -115,7 +126,7 @@ def decode_batch(data: bytes) -> ScheduledBatch:
         if new is not None:
             prompt, params, eos, outputs, slots = new
             nr = NewRequestData(prompt, SamplingParams(**params), eos, outputs, slots)
-        out.append(ScheduledRequest(rid, start, n, sample, blocks, spec, nr))
+        out.append(ScheduledRequest(rid, start, n, sample, blocks or (), spec or (), nr))
     return ScheduledBatch(out, set(finished), num_preempted)
 
 

@@ -81,3 +81,10 @@ def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Pa
     tok.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
     return path
+
+
+def step_row(request, num_new_tokens: int, sample: bool, start: int, spec=()):
+    """A scheduled request with its state attached, as the runner's RequestStates.apply leaves it: for tests that
+    drive input preparation directly (request: an engine Request, which has the same token accessors)."""
+    from gyrfalcon.step_io import ScheduledRequest
+    return ScheduledRequest(request.request_id, start, num_new_tokens, sample, spec_token_ids=spec, request=request)

@@ -372,7 +372,14 @@ def run_hf_baseline(args) -> dict:
     dtype = torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def forward(*a, **kw):
+        # Each call is a new CUDA-graph step: generate writes the static cache from the last call's outputs,
+        # which torch would otherwise see as reading a graph output that a later replay overwrote.
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*a, **kw)
+    model.forward = forward
     vocab = model.config.vocab_size
     ids = torch.tensor(random_prompts(args.batch_size, args.input_len, vocab, args.seed), device="cuda")
     attn = torch.ones_like(ids)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Set
+from typing import Deque, Dict, List, Optional, Sequence, Set
 
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
@@ -27,8 +27,8 @@ class RequestUpdate:
     """What one step produced for one request; the front end turns it into text."""
 
     request_id: str
-    new_token_ids: List[int]
-    new_logprobs: List[tuple]  # per new token: (logprob, [(token, logprob), ...]) if asked
+    new_token_ids: Sequence[int]
+    new_logprobs: Sequence[tuple]  # per new token: (logprob, [(token, logprob), ...]) if asked
     finished: bool
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -115,7 +115,7 @@ class Scheduler:
             remaining = req.num_tokens + req.num_inflight - req.num_computed_tokens
             # Draft tokens ride behind the last sampled token (a verify step), never behind a prompt chunk or a
             # token still in flight; at most as many as leave room for the bonus token within max_tokens.
-            spec: List[int] = []
+            spec: Sequence[int] = ()
             if req.spec_token_ids and remaining == 1 and not req.num_inflight:
                 room = min(req.max_tokens - req.num_output_tokens - 1, budget - 1)
                 spec = req.spec_token_ids[:max(room, 0)]
@@ -167,13 +167,13 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                self._commit(batch, req, num_new, num_new == remaining, [])
+                self._commit(batch, req, num_new, num_new == remaining, ())
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
 
     @staticmethod
-    def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: List[int]) -> None:
+    def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: Sequence[int]) -> None:
         """Add `req` to the batch and count its tokens as computed now: the next step can then be
         scheduled before this one's results are back (a sampled token is "in flight" meanwhile)."""
         new_req = None
@@ -182,10 +182,12 @@ class Scheduler:
                                      list(req.output_token_ids),
                                      {} if req.state_slot is None else {"state": req.state_slot})
             req.known_to_runner = True
+        blocks, sent = req.block_ids, req.num_blocks_sent
+        # (no slice, and no list, where no block is new: the usual decode step)
         batch.reqs.append(ScheduledRequest(req.request_id, req.num_computed_tokens, num_new, sample,
-                                           req.block_ids[req.num_blocks_sent:], list(spec), new_req))
+                                           blocks[sent:] if len(blocks) > sent else (), spec, new_req))
         batch.requests.append(req)
-        req.num_blocks_sent = len(req.block_ids)
+        req.num_blocks_sent = len(blocks)
         req.num_computed_tokens += num_new
         if sample:
             req.num_inflight += 1
@@ -235,19 +237,18 @@ class Scheduler:
             if sr.spec_token_ids:
                 # The K/V of rejected drafts is stale: those positions run again.
                 req.num_computed_tokens -= len(sr.spec_token_ids) - (len(tokens) - 1)
-            lps = logprobs[i] if logprobs is not None and logprobs[i] else []
-            new_tokens: List[int] = []
-            new_lps: List[tuple] = []
+            lps = logprobs[i] if logprobs is not None and logprobs[i] else ()
+            n = 0
             finished = False
-            for j, t in enumerate(tokens):
-                lp = lps[j] if j < len(lps) else None
-                req.append_output(t, lp)
-                new_tokens.append(t)
-                if lp is not None:
-                    new_lps.append(lp)
+            for t in tokens:
+                req.append_output(t, lps[n] if n < len(lps) else None)
+                n += 1
                 if req.check_stop():
                     finished = True
                     break
+            # The runner's lists, cut where the request stopped (no new list in the usual case).
+            new_tokens = tokens if n == len(tokens) else tokens[:n]
+            new_lps = lps if n >= len(lps) else lps[:n]
             req.spec_token_ids = spec_token_ids[i] if spec_token_ids is not None and spec_token_ids[i] else []
             if finished:
                 if req in self.running:

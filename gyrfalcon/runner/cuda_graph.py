@@ -230,7 +230,7 @@ class DecodeInputs:
         return True
 
     def fill(self, sched_reqs, b: int, block_size: int, last_rows=None) -> int:
-        """Write the inputs of `sched_reqs` (request_state.StepRow, q tokens each; padded to b sequences) and
+        """Write the inputs of `sched_reqs` (ScheduledRequest with its RequestState attached, q tokens each; padded to b sequences) and
         send them; returns n. A token the host does not have yet is marked by its row in the last step's
         samples; a verify step's drafts follow the tokens the request has."""
         B, W, q, T = self.B, self.W, self.q, self.T

@@ -68,7 +68,7 @@ class HostBatch:
 
 
 def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, int]] = None) -> HostBatch:
-    """One pass over the step's rows (request_state.StepRow). A request whose last token was sampled by the
+    """One pass over the step's rows (step_io.ScheduledRequest, its RequestState attached as .request). A request whose last token was sampled by the
     previous step but has not reached the host yet (scheduling ahead of the device) is marked pending, with
     its row in that step's samples (`last_rows[request_id]`). A verify step's draft tokens follow the
     request's known tokens; every one of its 1 + k rows is sampled."""

@@ -156,7 +156,7 @@ class MixedGraphRunner:
         return None
 
     def can_run(self, rows) -> bool:
-        """rows: request_state.StepRow. A graph of b sequences gathers b sampled rows: a verify step's 1 + k
+        """rows: ScheduledRequest (RequestState attached). A graph of b sequences gathers b sampled rows: a verify step's 1 + k
         samples per sequence count against that too."""
         seqs = max(len(rows), sum(r.num_sampled_rows for r in rows))
         return self.size_for(sum(r.num_new_tokens for r in rows), seqs) is not None

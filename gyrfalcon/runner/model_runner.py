@@ -20,7 +20,7 @@ from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pa
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
 from gyrfalcon.runner.kv_cache import CachePlan, model_cache_specs
 from gyrfalcon.runner.precompile import precompile
-from gyrfalcon.runner.request_state import RequestStates, StepRow
+from gyrfalcon.runner.request_state import RequestStates
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 from gyrfalcon.step_io import RunnerOutput
 
@@ -33,7 +33,7 @@ class StepHandle:
     tensors its results will come from."""
 
     batch: Any
-    rows: List[StepRow] = field(default_factory=list)
+    rows: list = field(default_factory=list)  # batch.reqs, each with its RequestState attached
     sampled: Optional[torch.Tensor] = None  # [S] int64 on the device
     sampler_out: Any = None  # SamplerOutput when logprobs were asked for
     host: Optional[torch.Tensor] = None  # pinned copy of `sampled` (CUDA)
@@ -230,10 +230,15 @@ class ModelRunner:
         sample_reqs, sample_j = [], []
         for r in rows:
             if r.sample:
-                r.request.num_inflight += 1
-                for j in range(r.num_sampled_rows):
-                    sample_reqs.append(r.request)
-                    sample_j.append(j)
+                st = r.request
+                st.num_inflight += 1
+                if r.spec_token_ids:
+                    for j in range(1 + len(r.spec_token_ids)):
+                        sample_reqs.append(st)
+                        sample_j.append(j)
+                else:
+                    sample_reqs.append(st)
+                    sample_j.append(0)
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
@@ -287,8 +292,10 @@ class ModelRunner:
         that differs from the token sampled at that position, then the sampled one (lossless: every kept
         token is the one sampling would have produced one step at a time)."""
         rows = handle.rows
-        sampled: List[List[int]] = [[] for _ in rows]
-        logprobs: List[List[tuple]] = [[] for _ in rows]
+        # () where a request has nothing: no empty list per request per step (a 768-sequence decode batch
+        # would hand the garbage collector thousands of them a step).
+        sampled: list = [()] * len(rows)
+        logprobs: list = [()] * len(rows)
         prompt_lps = self._prompt_logprob_lists(handle) if handle.prompt_lp is not None else None
         if handle.sampled is None:
             if handle.event is not None:

@@ -8,7 +8,6 @@ process (one worker per GPU rank): the model runner v2 idea of persistent state 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, List
 
 
@@ -57,23 +56,6 @@ class RequestState:
         return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
 
 
-@dataclass
-class StepRow:
-    """One scheduled request of a step as the runner's input preparation sees it: tokens start ..
-    start + num_new_tokens - 1 of `request`, the last len(spec_token_ids) of them drafts to verify."""
-
-    request: RequestState
-    num_new_tokens: int
-    sample: bool
-    start: int
-    spec_token_ids: List[int] = field(default_factory=list)
-
-    @property
-    def num_sampled_rows(self) -> int:
-        """Rows whose next token is sampled: the last one, and each draft's (1 + k on a verify step)."""
-        return (1 + len(self.spec_token_ids)) if self.sample else 0
-
-
 class RequestStates:
     """request id -> RequestState, updated from each ScheduledBatch before its step runs."""
 
@@ -89,13 +71,14 @@ class RequestStates:
     def __getitem__(self, request_id: str) -> RequestState:
         return self.states[request_id]
 
-    def apply(self, batch) -> List[StepRow]:
+    def apply(self, batch) -> list:
         """batch: the engine's ScheduledBatch (plain data; runner/ does not import engine/).
         Drop the finished requests, add the new ones (a resumed one replaces its old state), extend block
-        tables; returns the step's rows in batch order."""
+        tables, and attach each scheduled request's state to it (`sr.request`: what input preparation reads,
+        with the same token accessors as engine.Request); returns batch.reqs. The batch's own objects carry
+        the state: a large decode batch makes no new object per request per step."""
         for rid in batch.finished_request_ids:
             self.states.pop(rid, None)
-        rows: List[StepRow] = []
         for sr in batch.reqs:
             if sr.new_request is not None:
                 st = RequestState(sr.request_id, sr.new_request)
@@ -104,5 +87,5 @@ class RequestStates:
                 st = self.states[sr.request_id]
             if sr.new_block_ids:
                 st.block_ids.extend(sr.new_block_ids)
-            rows.append(StepRow(st, sr.num_new_tokens, sr.sample, sr.start, sr.spec_token_ids))
-        return rows
+            sr.request = st
+        return batch.reqs

@@ -168,7 +168,7 @@ def test_batch_is_plain_data_the_runner_can_rebuild_state_from():
     assert sr.new_request is not None and sr.new_request.prompt_token_ids == [(7 * i) % 100 for i in range(6)]
     assert sr.new_block_ids == b1.requests[0].block_ids[:2] and sr.start == 0 and sr.num_new_tokens == 6
     b, _ = run_step(s)  # position 6: in the second block
-    assert b.reqs[0].new_request is None and b.reqs[0].new_block_ids == []
+    assert b.reqs[0].new_request is None and b.reqs[0].new_block_ids == ()  # no list built for nothing
     run_step(s)
     b, _ = run_step(s)  # position 8 starts a third block: only it is sent
     assert b.reqs[0].start == 8 and len(b.reqs[0].new_block_ids) == 1

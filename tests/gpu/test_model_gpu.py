@@ -17,7 +17,7 @@ from gyrfalcon import LLM, SamplingParams, envs  # noqa: E402
 from gyrfalcon.bench.common import random_prompts  # noqa: E402
 from gyrfalcon.bench.make_checkpoint import make_checkpoint  # noqa: E402
 from gyrfalcon.engine.request import Request  # noqa: E402
-from gyrfalcon.runner.request_state import StepRow  # noqa: E402
+from checkpoints import step_row  # noqa: E402
 from gyrfalcon.forward_context import forward_context  # noqa: E402
 from gyrfalcon.layers.attention import triton as attention_triton  # noqa: E402
 from gyrfalcon.runner.forward_batch import build_forward_batch  # noqa: E402
@@ -217,7 +217,7 @@ def test_prefill_logits_close(ckpt):
     reqs = [Request(str(i), r[0], SamplingParams(max_tokens=1)) for i, r in enumerate(refs)]
     for r in reqs:
         assert bm.allocate_slots(r, r.num_tokens)
-    sched = [StepRow(r, r.num_tokens, True, 0) for r in reqs]
+    sched = [step_row(r, r.num_tokens, True, 0) for r in reqs]
     fb = build_forward_batch(sched, runner.block_size, runner.device)
     with torch.inference_mode(), forward_context(fb, runner.kv_caches):
         logits = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions))

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.engine.request import Request
-from gyrfalcon.runner.request_state import StepRow
+from checkpoints import step_row
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.runner.forward_batch import build_forward_batch
 
@@ -133,7 +133,7 @@ def test_prefill_logits_parity(tiny_ckpt, hf_refs):
             half = req.num_tokens // 2
             n = half if part == 0 else req.num_tokens - half
             if n:
-                sched.append(StepRow(req, n, part == 1, req.num_computed_tokens))
+                sched.append(step_row(req, n, part == 1, req.num_computed_tokens))
         fb = build_forward_batch(sched, runner.block_size, runner.device)
         with torch.inference_mode(), forward_context(fb, runner.kv_caches):
             logits = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions))

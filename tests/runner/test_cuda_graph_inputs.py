@@ -8,7 +8,7 @@ import torch
 
 from gyrfalcon import envs
 from gyrfalcon.engine.request import Request
-from gyrfalcon.runner.request_state import StepRow
+from checkpoints import step_row
 from gyrfalcon.runner.cuda_graph import DecodeInputs, capture_sizes, padded_size
 from gyrfalcon.runner.forward_batch import build_forward_batch
 from gyrfalcon.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def _decode_reqs(block_size):
         r.num_computed_tokens = r.num_tokens - 1
         nb = -(-r.num_tokens // block_size)
         r.block_ids = [7 * i + j + 1 for j in range(nb)]
-        reqs.append(StepRow(r, 1, True, r.num_computed_tokens))
+        reqs.append(step_row(r, 1, True, r.num_computed_tokens))
     return reqs
 
 
@@ -115,7 +115,7 @@ def test_decode_inputs_mark_tokens_still_on_the_device():
     sched = _decode_reqs(bs)
     r = sched[1].request
     r.num_computed_tokens = r.num_tokens  # the token at this position has not reached the host
-    sched[1] = StepRow(r, 1, True, r.num_computed_tokens)
+    sched[1] = step_row(r, 1, True, r.num_computed_tokens)
     r.block_ids = r.block_ids + [99]
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=8, device=torch.device("cpu"))
     inputs.fill(sched, 4, bs, last_rows={"1": 5})

@@ -42,7 +42,7 @@ def launches(monkeypatch):
 
 
 def _sched(q_lens, starts, pending, block_size=16):
-    """StepRow stand-ins: q_lens[i] tokens from starts[i]; pending[i]: the last one is in flight."""
+    """ScheduledRequest stand-ins: q_lens[i] tokens from starts[i]; pending[i]: the last one is in flight."""
     out, last_rows = [], {}
     for i, (q, s, p) in enumerate(zip(q_lens, starts, pending)):
         known = s + q - (1 if p else 0)

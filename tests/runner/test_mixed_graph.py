@@ -9,7 +9,7 @@ import torch
 
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.engine.request import Request
-from gyrfalcon.runner.request_state import StepRow
+from checkpoints import step_row
 from gyrfalcon.runner.forward_batch import build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedInputs, token_sizes
 
@@ -26,14 +26,14 @@ def _mixed_reqs(block_size):
     out = []
     r = Request("a", list(range(10, 30)), SamplingParams(max_tokens=5))
     r.num_computed_tokens, r.block_ids = 4, [3, 9, 4]
-    out.append(StepRow(r, 8, False, 4))
+    out.append(step_row(r, 8, False, 4))
     r = Request("b", list(range(40, 45)), SamplingParams(max_tokens=5))
     r.block_ids = [7, 2]
-    out.append(StepRow(r, 5, True, 0))
+    out.append(step_row(r, 5, True, 0))
     r = Request("c", list(range(50, 56)), SamplingParams(max_tokens=5))
     r.output_token_ids = [60, 61]
     r.block_ids = [5, 6]
-    out.append(StepRow(r, 1, True, 8))  # position 8: the token sampled last step, not yet here
+    out.append(step_row(r, 1, True, 8))  # position 8: the token sampled last step, not yet here
     return out
 
 

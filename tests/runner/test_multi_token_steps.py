@@ -11,7 +11,7 @@ from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.engine.request import Request
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.runner.forward_batch import build_forward_batch
-from gyrfalcon.runner.request_state import StepRow
+from checkpoints import step_row
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3], [8] * 13, [40, 41, 42, 43]]
 
@@ -47,12 +47,12 @@ def test_verify_step_logits_match_one_token_at_a_time(llm):
             r.output_token_ids = [conts[i][0]]  # the prompt's first sampled token, then k drafts
             assert bm.allocate_slots(r, r.num_tokens + ks[i])
             reqs.append(r)
-        _run(runner, [StepRow(r, r.num_prompt_tokens, False, 0) for r in reqs])  # prefill the prompts
+        _run(runner, [step_row(r, r.num_prompt_tokens, False, 0) for r in reqs])  # prefill the prompts
         return reqs
 
     # One step: token + k drafts per sequence, every row sampled.
     reqs = fresh("v")
-    rows = [StepRow(r, 1 + k, True, r.num_computed_tokens, list(conts[i][1:1 + k]))
+    rows = [step_row(r, 1 + k, True, r.num_computed_tokens, list(conts[i][1:1 + k]))
             for i, (r, k) in enumerate(zip(reqs, ks))]
     logits, fb = _run(runner, rows)
     assert fb.uniform_query_len == 0 and fb.logits_indices.numel() == sum(1 + k for k in ks)
@@ -65,7 +65,7 @@ def test_verify_step_logits_match_one_token_at_a_time(llm):
         for i, r in live:
             if j:
                 r.output_token_ids.append(conts[i][j])
-        step, _ = _run(runner, [StepRow(r, 1, True, r.num_computed_tokens) for _, r in live])
+        step, _ = _run(runner, [step_row(r, 1, True, r.num_computed_tokens) for _, r in live])
         for (i, _), row in zip(live, step):
             want[i].append(row)
     want = torch.stack([row for w in want for row in w])
