@@ -13,6 +13,41 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 from gyrfalcon.sampling_params import SamplingParams
 
 
+class TokenSequence:
+    """The token accessors of a request's prompt + outputs, shared by the engine's Request and the runner's
+    RequestState (each keeps its own prompt_token_ids and output_token_ids lists)."""
+
+    __slots__ = ()
+    prompt_token_ids: List[int]
+    output_token_ids: List[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_ids(self, lo: int, hi: int) -> List[int]:
+        """Tokens lo..hi-1 of prompt + outputs, without building the whole concatenation (that copies a long
+        prompt for every call: per block hashed, per row of every eager step)."""
+        n = len(self.prompt_token_ids)
+        if hi <= n:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= n:
+            return self.output_token_ids[lo - n:hi - n]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
+
+
 @dataclass
 class NewRequestData:
     """What the runner needs to know about a request the first time it runs it (and again after a

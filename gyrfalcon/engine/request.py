@@ -7,6 +7,7 @@ import time
 from typing import List, Optional
 
 from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.step_io import TokenSequence
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +24,7 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-class Request:
+class Request(TokenSequence):
     """A prompt, its sampling params, its output tokens and its KV blocks.
 
     `num_computed_tokens` counts the tokens whose K/V sit in the cache; the tokens from there to
@@ -71,34 +72,8 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 30
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def all_token_ids(self) -> List[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_id_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
-    def token_ids(self, lo: int, hi: int) -> List[int]:
-        """Tokens lo..hi-1 of prompt + outputs, without building the whole concatenation (all_token_ids
-        copies a long prompt for every call: per block hashed, per row of every eager step)."""
-        n = len(self.prompt_token_ids)
-        if hi <= n:
-            return self.prompt_token_ids[lo:hi]
-        if lo >= n:
-            return self.output_token_ids[lo - n:hi - n]
-        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
 
     @property
     def is_finished(self) -> bool:

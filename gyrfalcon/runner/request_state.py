@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from gyrfalcon.step_io import TokenSequence
 
-class RequestState:
+
+class RequestState(TokenSequence):
     """What the runner knows of one request: its tokens (prompt + the outputs it sampled), sampling params,
-    block table and state slots. The token accessors mirror engine.Request's, which the input preparation
-    (forward_batch.pack_host_batch, the graphs' static inputs) reads."""
+    block table and state slots. Its token accessors (TokenSequence, as engine.Request's) are what the input
+    preparation reads (forward_batch.pack_host_batch, the graphs' static inputs)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "eos_token_ids",
                  "block_ids", "state_slots", "num_inflight")
@@ -29,31 +31,6 @@ class RequestState:
         self.state_slots: Dict[str, int] = dict(new.state_slots)
         # Steps launched that sample this request whose tokens the runner has not read back yet.
         self.num_inflight = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_id_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
-    def token_ids(self, lo: int, hi: int) -> List[int]:
-        """Tokens lo..hi-1 of prompt + outputs, without building the whole concatenation."""
-        n = len(self.prompt_token_ids)
-        if hi <= n:
-            return self.prompt_token_ids[lo:hi]
-        if lo >= n:
-            return self.output_token_ids[lo - n:hi - n]
-        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - n]
 
 
 class RequestStates:
