@@ -88,3 +88,44 @@ def step_row(request, num_new_tokens: int, sample: bool, start: int, spec=()):
     drive input preparation directly (request: an engine Request, which has the same token accessors)."""
     from gyrfalcon.step_io import ScheduledRequest
     return ScheduledRequest(request.request_id, start, num_new_tokens, sample, spec_token_ids=spec, request=request)
+
+
+def make_moe_checkpoint(path, arch: str = "qwen3_moe", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random mixture-of-experts checkpoint ('qwen3_moe' | 'minimax_m2', ../shared/MODELS.md's
+    tiny configs) plus tokenizer under `path`. Every parameter and buffer that the checkpoint holds is
+    randomized, e_score_correction_bias included (it starts at zero)."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    common = dict(vocab_size=512, hidden_size=64, max_position_embeddings=1024, num_attention_heads=4,
+                  num_key_value_heads=2, eos_token_id=eos, bos_token_id=None, pad_token_id=eos,
+                  tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        # 3 layers: layer 1 dense (mlp_only_layers), 0 and 2 sparse.
+        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 128, "moe_intermediate_size": 32,
+                                "num_hidden_layers": 3, "head_dim": 32, "rope_theta": 1e6, "num_experts": 8,
+                                "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                **overrides})
+        model = Qwen3MoeForCausalLM(cfg)
+    elif arch == "minimax_m2":
+        from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+        cfg = MiniMaxM2Config(**{**common, "intermediate_size": 32, "num_hidden_layers": 2, "head_dim": 16,
+                                 "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                 "rope_theta": 5e6, **overrides})
+        model = MiniMaxM2ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path

@@ -4,6 +4,7 @@ stacked_params (checkpoint tensors that land in fused weights)."""
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -34,11 +35,19 @@ class DecoderModel(nn.Module):
         return norm_stream(self.norm, hidden, residual)[0]
 
 
+# A per-expert checkpoint tensor: (the experts module's name, expert index, projection name).
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)\.weight$")
+
+
 class CausalLM(nn.Module):
     """Subclasses: build_layer(config, layer_idx, max_position) -> a decoder layer; stacked_params: (checkpoint
-    name piece, fused parameter name piece, shard id) for the tensors that a fused weight holds."""
+    name piece, fused parameter name piece, shard id) for the tensors that a fused weight holds; expert_params:
+    (per-expert projection name, stacked parameter name, half) for MoE checkpoints, whose
+    `<...>.experts.<e>.<projection>.weight` tensors land in `<...>.experts.<stacked>` [E, ...] at shard
+    (e, half) (layers/moe.py FusedExperts: half 0 / 1 the gate / up rows of w13, None all of w2[e])."""
 
     stacked_params: Tuple[Tuple[str, str, object], ...] = ()
+    expert_params: Tuple[Tuple[str, str, Optional[int]], ...] = ()
 
     def __init__(self, config, max_position: Optional[int] = None) -> None:
         super().__init__()
@@ -80,15 +89,26 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             shard = None
-            for ckpt, fused, sid in self.stacked_params:
-                if ckpt in name:
-                    name, shard = name.replace(ckpt, fused), sid
-                    break
+            expert = _EXPERT_TENSOR.match(name) if self.expert_params else None
+            if expert is not None:
+                for proj, stacked, half in self.expert_params:
+                    if expert.group(3) == proj:
+                        name, shard = f"{expert.group(1)}.{stacked}", (int(expert.group(2)), half)
+                        break
+                else:
+                    raise ValueError(f"Checkpoint tensor {name!r}: unknown expert projection {expert.group(3)!r}.")
+            else:
+                for ckpt, fused, sid in self.stacked_params:
+                    if ckpt in name:
+                        name, shard = name.replace(ckpt, fused), sid
+                        break
             param = params.get(name)
             if param is None:
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
             owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, Linear) and name.endswith(("weight", "bias")):
+            if expert is not None:
+                owner.weight_loader(param, tensor, shard)
+            elif isinstance(owner, Linear) and name.endswith(("weight", "bias")):
                 owner.weight_loader(param, tensor, shard)
             else:
                 if param.shape != tensor.shape:
@@ -108,6 +128,8 @@ class CausalLM(nn.Module):
                     continue
                 if isinstance(module, MergedLinear) and pname in ("weight", "bias"):
                     out.update(f"{full}#{sid}" for sid in module.shards)
+                elif callable(getattr(module, "shard_ids", None)):
+                    out.update(f"{full}#{sid}" for sid in module.shard_ids(pname))
                 else:
                     out.add(full)
         return out

@@ -10,6 +10,7 @@ from torch import nn
 _MODELS = {
     "LlamaForCausalLM": ("gyrfalcon.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("gyrfalcon.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("gyrfalcon.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,173 @@
+"""Mixture-of-experts blocks: the router (which experts each token goes to, with what weights) and the sparse
+MoE block that fills a decoder layer's MLP slot (router + fused experts + optional shared expert).
+
+Router variants (`scoring`):
+- "softmax": p = softmax(logits) in fp32, the top-k of p, renormalized to sum 1 when norm_topk_prob
+  (Qwen3-MoE, Qwen3-Next, Qwen3.5).
+- "sigmoid": s = sigmoid(logits) in fp32; experts chosen by the top-k of s + e_score_correction_bias (the bias
+  only selects); weights are the chosen experts' unbiased s, normalized to sum 1 when norm_topk_prob, times
+  routed_scaling_factor (MiniMax-M2: normalized, factor 1). With n_group > 1 the selection is DeepSeek's
+  grouped noaux_tc: each group of experts scores the sum of its top-2 biased scores, the topk_group best
+  groups stay, the top-k experts are picked among theirs (DeepSeek-V3: factor 2.5).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gyrfalcon.kernels.fused_moe import fused_moe
+from gyrfalcon.layers.activation import SiluAndMul
+from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.norm_linear import NormLinear
+
+SOFTMAX, SIGMOID = "softmax", "sigmoid"
+
+
+class Router(nn.Module):
+    """x [T, hidden] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64). weight: [E, hidden] (the checkpoint's
+    `gate.weight`); e_score_correction_bias: [E] fp32 (sigmoid scoring with use_bias).
+
+    logits_fp32: the logits GEMM itself in fp32 (DeepSeek-V3 as transformers runs it); otherwise it runs in x's
+    dtype and only the scores are fp32 (Qwen3-MoE, MiniMax-M2)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str = SOFTMAX,
+                 norm_topk_prob: bool = True, use_bias: bool = False, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, logits_fp32: bool = False) -> None:
+        super().__init__()
+        if scoring not in (SOFTMAX, SIGMOID):
+            raise ValueError(f"Unsupported router scoring {scoring!r}; expected {SOFTMAX!r} or {SIGMOID!r}.")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts} experts.")
+        if top_k > num_experts:
+            raise ValueError(f"top_k {top_k} > {num_experts} experts.")
+        self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
+        self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
+        self.routed_scaling_factor, self.logits_fp32 = float(routed_scaling_factor), logits_fp32
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if use_bias else None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, E] (fp32 when logits_fp32, else x's dtype)."""
+        if self.logits_fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.select(self.logits(x))
+
+    def select(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+        logits = logits.float()
+        if self.scoring == SOFTMAX:
+            probs = logits.softmax(dim=-1)
+            weights, ids = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else weights, ids
+        scores = logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            T = choice.shape[0]
+            grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                                        float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
+
+
+class FusedExperts(nn.Module):
+    """The routed experts' SwiGLU weights stacked: w13 [E, 2I, hidden] (each expert's gate rows, then its up
+    rows), w2 [E, hidden, I]. The checkpoint stores them per expert; CausalLM.load_weights hands each tensor to
+    weight_loader with shard (expert, half): half 0 / 1 the gate / up rows of w13, None the whole w2[expert]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def shard_ids(self, pname: str):
+        """The shards load_weights reports for parameter `pname` of a complete checkpoint."""
+        halves = (0, 1) if pname == "w13" else (None,)
+        return [(e, h) for e in range(self.num_experts) for h in halves]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
+        expert, half = shard
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"Expert {expert} out of range: this layer has {self.num_experts} experts.")
+        dst = param.data[expert]
+        if half is not None:
+            dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"Shape mismatch for expert {expert} shard {half}: {tuple(dst.shape)} vs checkpoint "
+                             f"{tuple(loaded.shape)}.")
+        dst.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, hidden]."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class SharedExpert(nn.Module):
+    """An always-on SwiGLU expert on the normed input: down(silu(gate x) * up x), gate and up in gate_up_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size})
+        self.act = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """The MLP slot of an MoE decoder layer: x = norm(stream); out = experts(x; router(x)) [+ shared(x)
+    [* sigmoid(shared_expert_gate(x))]]. The input norm runs as its own kernel (NormLinear without a linear:
+    never folded); the output is carried to the next block's norm.
+
+    Parameter names follow the checkpoints: gate (the router), experts (w13 / w2), shared_expert or
+    shared_experts, shared_expert_gate."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 router: Optional[Router] = None, shared_intermediate_size: int = 0, shared_gate: bool = False,
+                 shared_name: str = "shared_expert", **router_kwargs) -> None:
+        super().__init__()
+        self.gate = router if router is not None else Router(hidden_size, num_experts, top_k, **router_kwargs)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_name = shared_name if shared_intermediate_size else None
+        if shared_intermediate_size:
+            setattr(self, shared_name, SharedExpert(hidden_size, shared_intermediate_size))
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_intermediate_size and shared_gate else None
+        self.norm_in: Optional[NormLinear] = None
+
+    def bind_input_norm(self, norm: RMSNorm) -> None:
+        self.norm_in = NormLinear(norm)
+
+    def forward(self, hidden: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(hidden, residual): the residual stream (layers/norm_linear.py) -> the stream after this block."""
+        n = self.norm_in(hidden, residual)
+        x = n.y
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
+        return out, n.residual
