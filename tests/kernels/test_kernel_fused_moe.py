@@ -166,3 +166,21 @@ def test_dispatcher_routes_cpu_to_reference(monkeypatch):
     assert not called
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, tw, ids), rtol=0, atol=0)
     assert fused_moe is pkg.fused_moe
+
+
+@requires_triton
+@pytest.mark.parametrize("T,k", [(1, 2), (3, 1)])
+def test_unselected_experts_are_never_used(T, k):
+    """NaN in every expert no pair selected leaves the output finite and equal to the reference's: padding rows and
+    tiles past the used ones contribute nothing from other experts' weights."""
+    g, _, w13, w2 = _weights(8, 32, 16, torch.float32, seed=11)
+    x = torch.randn(T, 32, generator=g).to(DEV)
+    tw, ids = _routing(T, 8, k, "random", g)
+    unused = torch.ones(8, dtype=torch.bool)
+    unused[ids.reshape(-1).cpu()] = False
+    w13p, w2p = w13.clone(), w2.clone()
+    w13p[unused.to(DEV)] = float("nan")
+    w2p[unused.to(DEV)] = float("nan")
+    got = fused_moe_triton(x, w13p, w2p, tw, ids)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, tw, ids), **TOL[torch.float32])

@@ -114,12 +114,11 @@ if HAS_TRITON:
             acc_g = _dot(acc_g, a, wg, UPCAST, DOT_PREC)
             acc_u = _dot(acc_u, a, wu, UPCAST, DOT_PREC)
         # The reference's GEMM output is in x's dtype before the fp32 activation: round the same way.
-        dt: tl.constexpr = act_ptr.dtype.element_ty
-        g = _cast(acc_g, dt, RTNE).to(tl.float32)
-        u = _cast(acc_u, dt, RTNE).to(tl.float32)
+        g = _cast(acc_g, act_ptr.dtype.element_ty, RTNE).to(tl.float32)
+        u = _cast(acc_u, act_ptr.dtype.element_ty, RTNE).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
         ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_act + cols[None, :]
-        tl.store(ptrs, _cast(y, dt, RTNE), mask=rmask[:, None] & cmask[None, :])
+        tl.store(ptrs, _cast(y, act_ptr.dtype.element_ty, RTNE), mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _moe_down_kernel(
