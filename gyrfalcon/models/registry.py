@@ -11,6 +11,7 @@ _MODELS = {
     "LlamaForCausalLM": ("gyrfalcon.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("gyrfalcon.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("gyrfalcon.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("gyrfalcon.models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 
