@@ -124,11 +124,15 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
-def test_align_groups_pads_and_marks_tiles():
+ALIGN_PATHS = [pytest.param(True, marks=requires_triton, id="kernel"), pytest.param(False, id="torch")]
+
+
+@pytest.mark.parametrize("one_launch", ALIGN_PATHS)
+def test_align_groups_pads_and_marks_tiles(one_launch):
     """moe_align's layout: each expert's pairs in pair order from a multiple of BLOCK_M, padding P, tiles past the
     used rows marked -1; empty experts own no tile."""
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEV)  # P = 6; expert 1 empty
-    sorted_ids, tile_expert = moe_align(ids, 5, 4)
+    sorted_ids, tile_expert = moe_align(ids, 5, 4, one_launch=one_launch)
     assert sorted_ids.numel() == max_sorted_rows(6, 5, 4) == 4 * tile_expert.numel()
     P = 6
     want_rows = [1, 4, P, P, 0, 2, 5, P, 3, P, P, P]  # expert 0: pairs 1, 4; expert 2: 0, 2, 5; expert 3: 3
@@ -138,10 +142,27 @@ def test_align_groups_pads_and_marks_tiles():
     assert (tile_expert[3:] == -1).all()
 
 
-def test_align_bound_is_tight_for_decode():
+@requires_triton
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 128, 8, 16), (17, 8, 3, 16), (40, 256, 8, 16), (33, 6, 6, 32),
+                                           (5, 4, 1, 64)])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_align_kernel_matches_torch(T, E, k, block_m, id_dtype):
+    """The single-program sort kernel (decode batches) and the torch sort give the same layout, bit for bit: several
+    chunks of pairs (40 x 8 = 320 pairs in chunks of 16 at E = 256), many tiles, skewed loads."""
+    g = torch.Generator().manual_seed(T * E)
+    p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+    ids = torch.stack([torch.multinomial(p, k, replacement=False, generator=g) for _ in range(T)]).to(id_dtype)
+    ids = ids.to(DEV)
+    a = moe_align(ids, E, block_m, one_launch=True)
+    b = moe_align(ids, E, block_m, one_launch=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("one_launch", ALIGN_PATHS)
+def test_align_bound_is_tight_for_decode(one_launch):
     """A batch-1 decode step (8 pairs over 128 experts) sizes its grid by its 8 experts, not all 128."""
     ids = torch.randperm(128)[:8][None].to(DEV)
-    _, tile_expert = moe_align(ids, 128, 16)
+    _, tile_expert = moe_align(ids, 128, 16, one_launch=one_launch)
     assert tile_expert.numel() == 8 and (tile_expert >= 0).all()
     assert sorted(tile_expert.tolist()) == sorted(ids[0].tolist())
 
@@ -184,3 +205,12 @@ def test_unselected_experts_are_never_used(T, k):
     got = fused_moe_triton(x, w13p, w2p, tw, ids)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, tw, ids), **TOL[torch.float32])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_batch_takes_the_torch_sort(dtype):
+    """40 tokens x k 8 = 320 pairs > ALIGN_KERNEL_MAX_PAIRS: the op sorts with torch ops, same result."""
+    from gyrfalcon.kernels.fused_moe.configs import ALIGN_KERNEL_MAX_PAIRS
+    assert 40 * 8 > ALIGN_KERNEL_MAX_PAIRS
+    _check(40, 16, 8, 32, 16, dtype, "skewed")

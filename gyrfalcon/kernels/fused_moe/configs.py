@@ -25,6 +25,12 @@ class MoeConfig(NamedTuple):
     down: GemmTile
 
 
+# (Token, expert) pairs up to which the sort runs as one single-program Triton kernel (a decode batch: 32 tokens at
+# k = 8); past it, torch's sort and scans (many launches, but a prefill's GEMMs dwarf them; the single program's
+# chunked loop would grow with P).
+ALIGN_KERNEL_MAX_PAIRS = 256
+
+
 # Upper bounds of the (token, expert) pair-count buckets that TUNED is keyed by; past the last, the key is None.
 PAIR_BUCKETS = (16, 64, 256, 1024, 4096)
 

@@ -5,7 +5,8 @@ Four steps, no host sync (the sort runs on the device and every grid is sized fr
 captured in a CUDA graph):
 1. moe_align: the P = T * k (token, expert) pairs, pair id p = t * k + j, grouped by expert and each expert's group
    padded to a multiple of BLOCK_M rows; a padded row holds P ("none"). One tile of BLOCK_M sorted rows belongs to
-   one expert; tiles past the last expert's are marked -1 and exit at once.
+   one expert; tiles past the last expert's are marked -1 and exit at once. Decode batches (P <=
+   ALIGN_KERNEL_MAX_PAIRS) sort in one single-program kernel (_moe_align_kernel), larger ones with torch ops.
 2. _moe_gate_up_kernel: tile x w13[e] -> silu(gate) * up, in x's dtype, into act [P, I] at the pair's row.
 3. _moe_down_kernel: tile of act x w2[e] -> times the pair's routing weight, fp32, into y [P, H].
 4. _moe_sum_kernel: out[t] = sum_j y[t * k + j], in a fixed order (deterministic), cast to x's dtype.
@@ -21,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
-from gyrfalcon.kernels.fused_moe.configs import MoeConfig, default_config
+from gyrfalcon.kernels.fused_moe.configs import ALIGN_KERNEL_MAX_PAIRS, MoeConfig, default_config
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -31,13 +32,42 @@ def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              one_launch: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int -> (sorted_ids [R] int32, tile_expert [R / block_m] int32), R = max_sorted_rows.
 
     sorted_ids: pair ids (t * k + j) grouped by expert in ascending expert order, pairs of one expert in ascending
     pair order, each expert's group starting at a multiple of block_m; padding rows hold P = T * k. tile_expert[b]:
-    the expert of rows b * block_m ..., or -1 for a tile past the last used row. Torch ops on topk_ids' device, no
-    host sync (scatter_add_ rather than bincount, whose CUDA path reads the max back to size its output)."""
+    the expert of rows b * block_m ..., or -1 for a tile past the last used row. No host sync.
+
+    one_launch (default: P <= ALIGN_KERNEL_MAX_PAIRS, on Triton): one single-program kernel (_moe_align_kernel)
+    instead of moe_align_torch's ~30 small torch kernels: in a decode step's CUDA graph each launch costs ~2 us,
+    several times the whole op's weight stream at batch 1. Both give the same layout."""
+    P = topk_ids.numel()
+    if one_launch is None:
+        one_launch = HAS_TRITON and (topk_ids.is_cuda or interpreting()) and P <= ALIGN_KERNEL_MAX_PAIRS
+    if not one_launch:
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    rows = max_sorted_rows(P, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    e_block = max(16, next_pow2(num_experts))
+    cursor = torch.empty(e_block, dtype=torch.int32, device=dev)
+    # Compare tiles of [CHUNK, E_BLOCK]: 4K elements, 32 a thread at 4 warps.
+    chunk = max(16, min(64, 4096 // e_block))
+    ids = topk_ids.reshape(-1)
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
+    _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, cursor, P, num_experts, rows, BLOCK_M=block_m,
+                            E_BLOCK=e_block, CHUNK=chunk, FILL=min(1024, next_pow2(rows)), num_warps=4)
+    return sorted_ids, tile_expert
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's layout with torch ops (any P; the path of prefill-sized batches, where the sort's launches are
+    lost in the GEMMs' time). No host sync: scatter_add_ rather than bincount, whose CUDA path reads the max back to
+    size its output."""
     P = topk_ids.numel()
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -61,6 +91,48 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[t
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _moe_align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, cursor_ptr, P, E, R,
+                          BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                          FILL: tl.constexpr):
+        # Grid: (1,). One program does the whole sort (a decode batch has at most a few hundred pairs): per-expert
+        # counts, padded group starts (cursor_ptr [E_BLOCK], scratch), the tile -> expert map, the padding fill,
+        # then the pairs in CHUNKs in pair order, each placed at its expert's cursor + its rank among the chunk's
+        # pairs of that expert. Barriers order the program's own global writes and reads between phases.
+        es = tl.arange(0, E_BLOCK)
+        cs = tl.arange(0, CHUNK)
+        counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+        for p0 in range(0, P, CHUNK):
+            ps = p0 + cs
+            e = tl.load(ids_ptr + ps, mask=ps < P, other=E_BLOCK).to(tl.int32)
+            counts += tl.sum((e[:, None] == es[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, 0)
+        tl.store(cursor_ptr + es, pad_end - padded)
+        for t0 in range(0, R // BLOCK_M, CHUNK):
+            ts = t0 + cs
+            # Experts whose group ends at or before the tile's first row: the tile's expert (an empty expert ends
+            # where it starts, so it is counted before the expert that owns the tile). E or more: past the end.
+            te = tl.sum((pad_end[None, :] <= (ts * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(tile_expert_ptr + ts, tl.where(te < E, te, -1), mask=ts < R // BLOCK_M)
+        for r0 in range(0, R, FILL):
+            rs = r0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + rs, tl.zeros([FILL], dtype=tl.int32) + P, mask=rs < R)
+        tl.debug_barrier()
+        for p0 in range(0, P, CHUNK):
+            ps = p0 + cs
+            valid = ps < P
+            e = tl.load(ids_ptr + ps, mask=valid, other=0).to(tl.int32)
+            same = (e[:, None] == e[None, :]) & (cs[None, :] < cs[:, None]) & valid[None, :]
+            rank = tl.sum(same.to(tl.int32), axis=1)
+            base = tl.load(cursor_ptr + e, mask=valid, other=0)
+            tl.store(sorted_ptr + base + rank, ps, mask=valid)
+            onehot = (e[:, None] == es[None, :]) & valid[:, None]
+            advance = tl.sum(onehot.to(tl.int32), axis=0)
+            tl.debug_barrier()  # every base read before any cursor moves
+            tl.store(cursor_ptr + es, tl.load(cursor_ptr + es) + advance)
+            tl.debug_barrier()  # the moved cursors visible to the next chunk's reads
 
     @triton.jit
     def _dot(acc, a, b, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
