@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: K/V stored as float8 e4m3 (half the memory and reads)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: quantize an unquantized checkpoint's linear layers to float8 e4m3 at load (per-channel "
+                        "weight scales, dynamic per-token activation scales); checkpoints that ship quantized "
+                        "(config.json quantization_config) load as they are without it")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
@@ -49,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
-                async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
+                async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

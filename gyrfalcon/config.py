@@ -24,6 +24,59 @@ def default_model_path() -> Optional[str]:
     return str(p) if (p / "config.json").exists() else None
 
 
+QUANTIZATION_METHODS = ("fp8",)
+
+
+@dataclass
+class QuantizationConfig:
+    """FP8 weights, resolved from the checkpoint's quantization_config or the --quantization flag.
+
+    weight_block_size (bn, bk): the checkpoint's block scales (DeepSeek-V3 / Qwen3-FP8 / MiniMax-M2: [128, 128]),
+    float8_e4m3fn weights with weight_scale_inv [ceil(N / bn), ceil(K / bk)] and activations quantized per token
+    and per bk columns at run time. None: `--quantization fp8` on an unquantized checkpoint: each linear layer's
+    weight is quantized at load with one scale per output channel (block (1, K)) and the activations per token.
+    modules_to_not_convert: module names whose linear layers stay unquantized (embeddings, LM head, norms and
+    MoE routers always do)."""
+    method: str = "fp8"
+    weight_block_size: Optional[tuple] = None
+    modules_to_not_convert: List[str] = field(default_factory=list)
+    from_checkpoint: bool = False
+
+    @classmethod
+    def resolve(cls, hf_quant: Any, flag: Optional[str], where: str) -> Optional["QuantizationConfig"]:
+        """hf_quant: config.json's quantization_config (dict or None); flag: --quantization (None or "fp8")."""
+        if flag is not None and flag not in QUANTIZATION_METHODS:
+            raise ValueError(f"Unsupported quantization {flag!r}; gyrfalcon supports {list(QUANTIZATION_METHODS)}.")
+        if hf_quant is not None and not isinstance(hf_quant, dict):
+            hf_quant = hf_quant.to_dict() if hasattr(hf_quant, "to_dict") else dict(vars(hf_quant))
+        if not hf_quant:
+            return cls(method=flag) if flag is not None else None
+        method = hf_quant.get("quant_method")
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"Unsupported quantization method {method!r} in {where} (quantization_config."
+                             f"quant_method); gyrfalcon supports {list(QUANTIZATION_METHODS)}.")
+        if flag is not None and flag != method:
+            raise ValueError(f"--quantization {flag} conflicts with the checkpoint's quant_method {method!r}.")
+        fmt = hf_quant.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"Unsupported fp8 format {fmt!r} in {where}; gyrfalcon supports e4m3.")
+        scheme = hf_quant.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"Unsupported fp8 activation_scheme {scheme!r} in {where}; gyrfalcon supports "
+                             "dynamic (activation scales computed at run time).")
+        block = hf_quant.get("weight_block_size")
+        if block is None or len(block) != 2:
+            raise ValueError(f"fp8 checkpoint {where} has no weight_block_size [bn, bk]: per-tensor fp8 scales "
+                             "are not supported, only block scales.")
+        bn, bk = int(block[0]), int(block[1])
+        if bk < 16 or bk & (bk - 1):
+            raise ValueError(f"Unsupported fp8 weight_block_size {list(block)}: the width must be a power of two "
+                             ">= 16.")
+        skip = hf_quant.get("modules_to_not_convert") or hf_quant.get("ignored_layers") or []
+        return cls(method=method, weight_block_size=(bn, bk), modules_to_not_convert=list(skip),
+                   from_checkpoint=True)
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -34,10 +87,15 @@ class ModelConfig:
     served_model_name: Optional[Union[str, List[str]]] = None
     tokenizer: Optional[str] = None
     trust_remote_code: bool = False
+    # None or "fp8" (vLLM's --quantization): "fp8" quantizes an unquantized checkpoint's linear layers at load
+    # (per-channel weight scales, dynamic per-token activation scales). A checkpoint whose config.json carries a
+    # quantization_config is loaded as it is quantized, without the flag.
+    quantization: Optional[str] = None
     # Filled by resolve(): the transformers config and derived facts.
     served_model_names: List[str] = field(default_factory=list)
     hf_config: Any = field(default=None, repr=False)
     generation_config: dict = field(default_factory=dict, repr=False)
+    quant_config: Optional[QuantizationConfig] = field(default=None, repr=False)
 
     def resolve(self, device: str) -> None:
         path = Path(self.model)
@@ -52,6 +110,8 @@ class ModelConfig:
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code)
+        self.quant_config = QuantizationConfig.resolve(getattr(self.hf_config, "quantization_config", None),
+                                                       self.quantization, str(path / "config.json"))
         gen = path / "generation_config.json"
         self.generation_config = json.loads(gen.read_text()) if gen.exists() else {}
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -207,7 +267,8 @@ class EngineConfig:
                served_model_name: Optional[Union[str, List[str]]] = None, tokenizer: Optional[str] = None,
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
-               async_scheduling: Optional[bool] = None, offline: bool = False) -> "EngineConfig":
+               async_scheduling: Optional[bool] = None, offline: bool = False,
+               quantization: Optional[str] = None) -> "EngineConfig":
         if model is None:
             model = default_model_path()
             if model is None:
@@ -216,7 +277,8 @@ class EngineConfig:
         cfg = cls(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
                                      seed=seed, served_model_name=served_model_name,
-                                     tokenizer=tokenizer, trust_remote_code=trust_remote_code),
+                                     tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                                     quantization=quantization),
             cache_config=CacheConfig(block_size=block_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      enable_prefix_caching=enable_prefix_caching,

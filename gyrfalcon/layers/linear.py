@@ -3,6 +3,10 @@
 A checkpoint stores q_proj, k_proj and v_proj (and gate_proj, up_proj) apart; gyrfalcon keeps each
 group in one weight so one GEMM does the work. `weight_loader(param, tensor, shard_id)` copies a
 checkpoint tensor into its rows of the fused weight.
+
+FP8 (layers/quantization/fp8.py): a Linear built inside fp8_scope(block) holds a float8_e4m3fn weight and a
+`weight_scale_inv` Parameter (quant_block set) and runs through kernels/fp8_gemm; a fused layer's scale shards
+land at row offsets in blocks. quant_block None: the plain weight in the model dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from torch import nn
 
 from gyrfalcon import envs
 from gyrfalcon.kernels.common import use_triton
+from gyrfalcon.kernels.fp8_gemm import fp8_block_gemm
 from gyrfalcon.kernels.gemv import linear_gemv_rows, norm_gemv_triton
+from gyrfalcon.layers.quantization import fp8 as _fp8
 
 
 class Linear(nn.Module):
@@ -31,11 +37,21 @@ class Linear(nn.Module):
         # (linear_gemv_rows); the unfused reference path (GYRFALCON_DISABLE_FUSION=1) keeps cuBLAS.
         self.small_m = not envs.get().disable_fusion and not bias
         self.small_m_rows = linear_gemv_rows(out_features, in_features, merged=False)
+        self.quant_block: Optional[Tuple[int, int]] = None  # (bn, bk) when the weight is FP8
+        block = _fp8.current_weight_block()
+        if block is not None:
+            _fp8.init_fp8_params(self, block)
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. add_to [num_tokens, out_features]: the
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
         beta = 1, or the GEMV's epilogue; folded norms, layers/norm_linear.py)."""
+        if self.quant_block is not None:
+            y = fp8_block_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.quant_block)
+            y = y.view(*x.shape[:-1], self.out_features)
+            if self.bias is not None:
+                y = y + self.bias
+            return y if add_to is None else add_to.add_(y)
         if self.small_m and x.shape[0] <= self.small_m_rows and x.dim() == 2 and x.stride(-1) == 1 and use_triton(x):
             return norm_gemv_triton(x, self.weight, add_to=add_to)[0]
         if add_to is None:
@@ -45,6 +61,7 @@ class Linear(nn.Module):
         return add_to.addmm_(x, self.weight.t())
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _fp8.check_weight_dtype(self, param, loaded)
         if param.shape != loaded.shape:
             raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
                              f"{tuple(loaded.shape)}.")
@@ -67,16 +84,26 @@ class MergedLinear(Linear):
         for sid, size in shard_sizes.items():
             self.shards[sid] = (off, size)
             off += size
+        if self.quant_block is not None:
+            _fp8.check_shard_alignment(self, self.shards)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
             return super().weight_loader(param, loaded)
+        if self.quant_block is not None and param is self.weight_scale_inv:
+            return _fp8.load_scale_shard(self, param, loaded, shard_id)
+        _fp8.check_weight_dtype(self, param, loaded)
         off, size = self.shards[shard_id]
         dst = param.data.narrow(0, off, size)
         if dst.shape != loaded.shape:
             raise ValueError(f"Shape mismatch for shard {shard_id!r}: {tuple(dst.shape)} vs "
                              f"checkpoint {tuple(loaded.shape)}.")
         dst.copy_(loaded)
+
+    def shard_ids(self, pname: str) -> List[object]:
+        """The shards a complete checkpoint fills of parameter `pname` beyond weight / bias (CausalLM.
+        expected_weights): each shard's weight_scale_inv rows."""
+        return list(self.shards)
 
     def split_sizes(self) -> List[int]:
         return [size for _, size in self.shards.values()]

@@ -77,9 +77,22 @@ class NormLinear(nn.Module):
         fused = not envs.get().disable_fusion
         plain = linear is not None and linear.bias is None and norm.weight_offset == 0.0
         # The GEMV kernel takes no bias; a bias would also be scaled by the folded rstd.
-        self.gemv = fused and plain and (act is None or isinstance(act, SiluAndMul))
-        self.foldable = fused and plain
+        self._gemv = fused and plain and (act is None or isinstance(act, SiluAndMul))
+        self._foldable = fused and plain
         self.folded = False  # set by fold_norms once the weights are folded
+
+    def _plain_weight(self) -> bool:
+        """The GEMV and the fold read a plain (bf16 / fp32) weight: not one quantized to FP8 (layers/quantization),
+        which a checkpoint brings or `--quantization fp8` makes after the modules are built."""
+        return getattr(self.linear, "quant_block", None) is None
+
+    @property
+    def gemv(self) -> bool:
+        return self._gemv and self._plain_weight()
+
+    @property
+    def foldable(self) -> bool:
+        return self._foldable and self._plain_weight()
 
     def plan(self, rows: int) -> str:
         """How a batch of `rows` rows runs: SEPARATE, GEMV or FOLDED (module docstring)."""
