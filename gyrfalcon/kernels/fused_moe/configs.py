@@ -62,9 +62,12 @@ def default_config(num_pairs: int, num_experts: int, H: int, I: int, elem_size: 
         return TUNED[(bucket, H, I)]
     avg = num_pairs / max(1, num_experts)
     if avg <= 16:
+        # 32-column tiles: a batch-1 step of 8 experts then runs 8 x I / 32 gate_up programs (192 at Qwen3-30B-A3B's
+        # I = 768) and 8 x H / 32 down programs, enough to keep the H200's 132 SMs streaming (the GEMV's batch-1
+        # sweep favoured many narrow programs with long K tiles too). Not yet swept here (issue 15's GPU run).
         bm = 16
-        up = GemmTile(64, 128, 4, 4)
-        down = GemmTile(64, 128, 4, 4)
+        up = GemmTile(32, 128, 4, 4)
+        down = GemmTile(32, 128, 4, 4)
     elif avg <= 48:
         bm = 32
         up = GemmTile(64, 64, 4, 4)
