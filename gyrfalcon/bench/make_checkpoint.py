@@ -31,7 +31,45 @@ PRESETS = {
         intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # 128 experts top-8 of intermediate 768 in every layer; ~61 GB in bf16.
+    "qwen3-30b-a3b": dict(
+        arch="Qwen3MoeForCausalLM", model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Real per-layer dims (62 layers in the release, ~7 GB each in bf16): cut with --num-layers (14: ~98 GB).
+    "minimax-m2": dict(
+        arch="MiniMaxM2ForCausalLM", model_type="minimax_m2", vocab_size=200064, hidden_size=3072,
+        intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8,
+        head_dim=128, rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, scoring_func="sigmoid",
+        use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer", max_position_embeddings=196608,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=5000000.0),
 }
+
+# Checkpoints store MoE experts one by one (transformers keeps them stacked in memory): per model type, the
+# per-expert names of the stacked gate_up rows (gate, up) and of down, and the MoE block's name on disk.
+_EXPERT_NAMES = {"qwen3_moe": (("gate_proj", "up_proj", "down_proj"), "mlp"),
+                 "minimax_m2": (("w1", "w3", "w2"), "block_sparse_moe")}
+
+
+def checkpoint_entries(model_type: str, name: str, shape) -> list:
+    """One tensor of transformers' in-memory state dict -> [(name on disk, shape)]: stacked experts
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) become per-expert tensors, and the MoE
+    block takes its on-disk name (MiniMax-M2: block_sparse_moe, the correction bias on the block)."""
+    if model_type not in _EXPERT_NAMES:
+        return [(name, tuple(shape))]
+    (gate, up, down), block = _EXPERT_NAMES[model_type]
+    name = name.replace(".mlp.", f".{block}.").replace(f".{block}.gate.e_score_correction_bias",
+                                                       f".{block}.e_score_correction_bias")
+    if name.endswith(".experts.gate_up_proj"):
+        E, two_i, H = shape
+        return [(f"{name[:-len('gate_up_proj')]}{e}.{proj}.weight", (two_i // 2, H))
+                for e in range(E) for proj in (gate, up)]
+    if name.endswith(".experts.down_proj"):
+        E, H, inter = shape
+        return [(f"{name[:-len('down_proj')]}{e}.{down}.weight", (H, inter)) for e in range(E)]
+    return [(name, tuple(shape))]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -103,18 +141,22 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
     shards, cur, cur_bytes, index = [], {}, 0, {}
     state = model.state_dict()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for name, meta in state.items():
+    entries = [e for name, meta in state.items() for e in checkpoint_entries(cfg.model_type, name, meta.shape)]
+    for name, shape in entries:
         if tied and name == "lm_head.weight":
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
-            t = 1.0 + 0.1 * torch.randn(meta.shape, generator=g, device=dev)
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
+        elif name.endswith("e_score_correction_bias"):  # fp32 (a selection bias: bf16 would blur near-ties)
+            t = (0.01 * torch.randn(shape, generator=g, device=dev)).cpu()
         elif name == "lm_head.weight" and lm_head_std is not None:
-            t = lm_head_std * torch.randn(meta.shape, generator=g, device=dev)
+            t = lm_head_std * torch.randn(shape, generator=g, device=dev)
         elif name.endswith("embed_tokens.weight") and tied and lm_head_std is not None:
-            t = lm_head_std * torch.randn(meta.shape, generator=g, device=dev)
+            t = lm_head_std * torch.randn(shape, generator=g, device=dev)
         else:
-            t = std * torch.randn(meta.shape, generator=g, device=dev)
-        t = t.to(tdtype).cpu()
+            t = std * torch.randn(shape, generator=g, device=dev)
+        if not name.endswith("e_score_correction_bias"):
+            t = t.to(tdtype).cpu()
         nbytes = t.numel() * t.element_size()
         if cur and cur_bytes + nbytes > shard_bytes:
             shards.append(cur)

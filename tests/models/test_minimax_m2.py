@@ -57,3 +57,12 @@ def test_mtp_weights_skipped(tiny_ckpt):
     loaded = model.load_weights(list(sd.items()) + list(extra.items()))
     assert loaded == model.expected_weights()
     assert not any("layers.2." in n for n in loaded)
+
+
+def test_make_checkpoint_preset():
+    from test_qwen3_moe import _preset_loads
+
+    names = _preset_loads("minimax-m2", 2)
+    assert "model.layers.1.block_sparse_moe.experts.255.w2.weight" in names
+    assert "model.layers.0.block_sparse_moe.e_score_correction_bias" in names
+    assert not any(".mlp." in n for n in names)

@@ -42,3 +42,28 @@ def test_experts_stacked_and_dense_layers(tiny_ckpt):
                                                                   sd[p + "up_proj.weight"]]), rtol=0, atol=0)
         torch.testing.assert_close(moe.experts.w2[e], sd[p + "down_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(moe.gate.weight, sd["model.layers.2.mlp.gate.weight"], rtol=0, atol=0)
+
+
+def _preset_loads(preset: str, num_layers: int) -> None:
+    """The make-checkpoint preset's tensors (names and shapes as it writes them, on the meta device) fill
+    gyrfalcon's model exactly: every expected weight, nothing left over."""
+    from transformers import AutoModelForCausalLM
+
+    from gyrfalcon.bench.make_checkpoint import build_config, checkpoint_entries
+    from gyrfalcon.models.registry import resolve_model_class
+
+    cfg = build_config(preset, num_layers)
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(cfg).state_dict()
+        model = resolve_model_class(cfg)(cfg, max_position=64)
+    tensors = [(n, torch.empty(s, device="meta")) for name, meta in state.items()
+               for n, s in checkpoint_entries(cfg.model_type, name, meta.shape)]
+    assert model.load_weights(tensors) == model.expected_weights()
+    return [n for n, _ in tensors]
+
+
+def test_make_checkpoint_preset():
+    names = _preset_loads("qwen3-30b-a3b", 2)
+    assert "model.layers.1.mlp.experts.127.down_proj.weight" in names
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in names)
