@@ -27,10 +27,9 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2
 
 def _weights(E, H, I, dtype, seed):  # noqa: E741
     g = torch.Generator().manual_seed(seed)
-    x_scale = 1.0
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype).to(DEV)
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).to(DEV)
-    return g, x_scale, w13, w2
+    return g, w13, w2
 
 
 def _routing(T, E, k, mode, g):
@@ -55,7 +54,7 @@ def _routing(T, E, k, mode, g):
 
 
 def _check(T, E, k, H, I, dtype, mode, config=None, id_dtype=torch.int64):  # noqa: E741
-    g, _, w13, w2 = _weights(E, H, I, dtype, seed=T * 100 + E * 10 + k)
+    g, w13, w2 = _weights(E, H, I, dtype, seed=T * 100 + E * 10 + k)
     x = torch.randn(T, H, generator=g).to(dtype).to(DEV)
     tw, ids = _routing(T, E, k, mode, g)
     ids = ids.to(id_dtype)
@@ -94,7 +93,7 @@ def test_one_expert_gets_every_pair_over_several_tiles(dtype):
     """T = 37 > BLOCK_M = 16: expert 5's pairs span three tiles, the last one partly padding; K and N loop over
     several tiles (BLOCK_K = BLOCK_N = 16 against H = 64, I = 48)."""
     cfg = MoeConfig(16, GemmTile(16, 16, 4, 1), GemmTile(16, 16, 4, 1))
-    g, _, w13, w2 = _weights(6, 64, 48, dtype, seed=7)
+    g, w13, w2 = _weights(6, 64, 48, dtype, seed=7)
     x = torch.randn(37, 64, generator=g).to(dtype).to(DEV)
     ids = torch.full((37, 1), 5, dtype=torch.int64, device=DEV)
     tw = torch.rand(37, 1, generator=g).float().to(DEV)
@@ -107,7 +106,7 @@ def test_one_expert_gets_every_pair_over_several_tiles(dtype):
 def test_small_tiles_many_experts(block_m):
     """Block shapes below the problem's (several N and K steps) and a 32-row tile, 17 tokens over 8 experts."""
     cfg = MoeConfig(block_m, GemmTile(16, 16, 4, 1), GemmTile(16, 32, 4, 1))
-    g, _, w13, w2 = _weights(8, 64, 48, torch.float32, seed=3)
+    g, w13, w2 = _weights(8, 64, 48, torch.float32, seed=3)
     x = torch.randn(17, 64, generator=g).to(DEV)
     tw, ids = _routing(17, 8, 3, "skewed", g)
     want = fused_moe_ref(x, w13, w2, tw, ids)
@@ -116,7 +115,7 @@ def test_small_tiles_many_experts(block_m):
 
 @requires_triton
 def test_deterministic():
-    g, _, w13, w2 = _weights(8, 32, 16, torch.bfloat16, seed=1)
+    g, w13, w2 = _weights(8, 32, 16, torch.bfloat16, seed=1)
     x = torch.randn(17, 32, generator=g).to(torch.bfloat16).to(DEV)
     tw, ids = _routing(17, 8, 4, "random", g)
     a = fused_moe_triton(x, w13, w2, tw, ids)
@@ -179,7 +178,7 @@ def test_dispatcher_routes_cpu_to_reference(monkeypatch):
     import gyrfalcon.kernels.fused_moe as pkg
     called = []
     monkeypatch.setattr(pkg, "fused_moe_triton", lambda *a, **kw: called.append(1))
-    g, _, w13, w2 = _weights(4, 32, 16, torch.float32, seed=2)
+    g, w13, w2 = _weights(4, 32, 16, torch.float32, seed=2)
     x = torch.randn(3, 32, generator=g)
     tw, ids = _routing(3, 4, 2, "random", g)
     w13, w2, tw, ids = w13.cpu(), w2.cpu(), tw.cpu(), ids.cpu()
@@ -194,7 +193,7 @@ def test_dispatcher_routes_cpu_to_reference(monkeypatch):
 def test_unselected_experts_are_never_used(T, k):
     """NaN in every expert no pair selected leaves the output finite and equal to the reference's: padding rows and
     tiles past the used ones contribute nothing from other experts' weights."""
-    g, _, w13, w2 = _weights(8, 32, 16, torch.float32, seed=11)
+    g, w13, w2 = _weights(8, 32, 16, torch.float32, seed=11)
     x = torch.randn(T, 32, generator=g).to(DEV)
     tw, ids = _routing(T, 8, k, "random", g)
     unused = torch.ones(8, dtype=torch.bool)

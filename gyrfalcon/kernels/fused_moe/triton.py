@@ -272,6 +272,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     rtne = upcast and x.dtype == torch.bfloat16
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     up, down = cfg.up, cfg.down
+    out_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
     _moe_gate_up_kernel[(n_tiles, triton.cdiv(inter, up.block_n))](
         x, w13, act, sorted_ids, tile_expert,
         P, inter, H, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -281,8 +282,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     _moe_down_kernel[(n_tiles, triton.cdiv(H, down.block_n))](
         act, w2, tw, y, sorted_ids, tile_expert,
         P, H, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, OUT_DTYPE={torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-                                                torch.float16: tl.float16}[x.dtype],
+        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, OUT_DTYPE=out_dtype,
         BLOCK_M=bm, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         num_warps=down.num_warps, num_stages=down.num_stages,
     )
