@@ -112,3 +112,61 @@ def test_bad_configs():
         Router(4, 8, 2, scoring="sigmoid", n_group=3)
     with pytest.raises(ValueError, match="top_k"):
         Router(4, 4, 5)
+
+
+def test_sparse_moe_block_with_gated_shared_expert():
+    """SparseMoE against a plain computation: norm(hidden + residual) -> routed experts (softmax top-2,
+    renormalized) + shared SwiGLU expert x sigmoid(shared_expert_gate); the stream carried on."""
+    from gyrfalcon.layers.moe import SparseMoE
+    from gyrfalcon.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    H, E, k, inter, shared_inter, T = 16, 6, 2, 8, 12, 5
+    moe = SparseMoE(H, E, k, inter, shared_intermediate_size=shared_inter, shared_gate=True, scoring="softmax",
+                    norm_topk_prob=True)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape) * 0.3)
+    norm = RMSNorm(H, 1e-6)
+    norm.weight.data.copy_(1 + 0.3 * torch.randn(H))
+    moe.bind_input_norm(norm)
+    hidden, residual = torch.randn(T, H), torch.randn(T, H)
+    out, res = moe(hidden, residual)
+    s = hidden + residual
+    x = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    probs = (x @ moe.gate.weight.t()).softmax(-1)
+    w, ids = probs.topk(k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            g, u = (moe.experts.w13[e] @ x[t]).split(inter)
+            ref[t] += w[t, j] * (moe.experts.w2[e] @ (torch.nn.functional.silu(g) * u))
+        sh = moe.shared_expert.gate_up_proj.weight @ x[t]
+        y = moe.shared_expert.down_proj.weight @ (torch.nn.functional.silu(sh[:shared_inter]) * sh[shared_inter:])
+        ref[t] += torch.sigmoid(moe.shared_expert_gate.weight @ x[t]) * y
+    torch.testing.assert_close(res, s)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # DeepSeek's naming (shared_experts, no gate): the parameter lands under that name.
+    ds = SparseMoE(H, E, k, inter, shared_intermediate_size=shared_inter, shared_name="shared_experts",
+                   scoring="sigmoid", use_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    names = {n for n, _ in ds.named_parameters()}
+    assert "shared_experts.gate_up_proj.weight" in names and "gate.e_score_correction_bias" in names
+    assert ds.shared_expert_gate is None
+
+
+def test_qwen3_moe_dense_layers_match_transformers():
+    """mlp_only_layers and decoder_sparse_step place the dense layers where transformers does."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gyrfalcon.models.qwen3_moe import is_sparse_layer
+
+    for step, only in ((1, []), (2, []), (2, [3]), (3, [0, 2])):
+        cfg = Qwen3MoeConfig(num_hidden_layers=6, decoder_sparse_step=step, mlp_only_layers=only, num_experts=4,
+                             hidden_size=16, intermediate_size=8, moe_intermediate_size=8, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8, vocab_size=32)
+        with torch.device("meta"):
+            hf = Qwen3MoeForCausalLM(cfg)
+        want = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+        assert [is_sparse_layer(cfg, i) for i in range(6)] == want
+        assert any(want) and (step == 1 and not only) == all(want)
