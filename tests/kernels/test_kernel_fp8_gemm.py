@@ -14,9 +14,9 @@ from gyrfalcon.kernels.common import interpreting
 # (conftest may have switched the interpreter on after another folder imported the kernels).
 for _m in ("naive", "configs", "triton", ""):
     importlib.reload(importlib.import_module("gyrfalcon.kernels.fp8_gemm" + ("." + _m if _m else "")))
-from gyrfalcon.kernels.fp8_gemm import (Fp8GemmConfig, dequantize_weight, fp8_block_gemm, fp8_block_gemm_ref,  # noqa: E402
-                                        fp8_block_gemm_triton, fp8_weight_only_ref, quantize_act,
-                                        quantize_weight_blockwise, quantize_weight_per_channel)
+from gyrfalcon.kernels.fp8_gemm import (Fp8GemmConfig, dequantize_weight, fp8_block_gemm,  # noqa: E402
+                                        fp8_block_gemm_ref, fp8_block_gemm_triton, fp8_weight_only_ref,
+                                        quantize_act, quantize_weight_blockwise, quantize_weight_per_channel)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,3 +118,48 @@ def test_quantize_weight_round_trip(N, K):
     torch.testing.assert_close(dequantize_weight(qq, ss), back, rtol=0, atol=0)
     qa, sa = quantize_act(w.float(), 128)
     assert qa.shape == (N, K) and sa.shape == (N, -(-K // 128))
+
+
+_COMPILE = """
+import importlib, sys, torch
+sys.path.insert(0, "scripts")
+import compile_check as cc
+try:
+    mods, compiled = cc._harness(90)
+except Exception:
+    sys.exit(2)  # this Triton's internals do not allow the harness
+for m in ("naive", "configs", "triton", ""):
+    importlib.reload(importlib.import_module("gyrfalcon.kernels.fp8_gemm" + ("." + m if m else "")))
+from gyrfalcon.kernels.fp8_gemm import fp8_block_gemm_triton
+for N, K in [(6144, 4096), (4096, 14336), (200, 4000)]:
+    for M in (1, 16, 64, 1024):
+        x = torch.empty(M, K, dtype=torch.bfloat16)
+        w = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+        fp8_block_gemm_triton(x, w, torch.empty(-(-N // 128), -(-K // 128)))
+        fp8_block_gemm_triton(x, w, torch.empty(N, 1), (1, K))
+for name, shared, nw, res, k in compiled:
+    ptx = k.asm.get("ptx", "")
+    print("KERNEL", shared, res.get("LOCAL", 0), int("e4m3" in ptx and "mma" in ptx))
+"""
+
+
+def test_compiles_for_sm90_with_fp8_tensor_cores():
+    """Compile-only for sm_90 (scripts/compile_check.py's harness, in a subprocess): every launch shape of Llama-8B's
+    linears fits the H200's shared memory, spills nothing and multiplies e4m3 operands on the tensor cores."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, capture_output=True, text=True, timeout=600,
+                       env=env)
+    if r.returncode == 2:
+        pytest.skip("this Triton does not allow the compile-only harness")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("KERNEL")]
+    assert len(rows) == 24
+    for shared, local, fp8_mma in rows:
+        assert int(shared) <= 232448 and int(local) == 0 and int(fp8_mma) == 1
