@@ -182,6 +182,7 @@ KERNEL_MODULES = (
     "decode_attention.naive", "decode_attention.configs", "decode_attention.tiles", "decode_attention.reduce",
     "decode_attention.split_kv", "decode_attention.with_prep", "decode_attention.launch", "decode_attention",
     "gemv.naive", "gemv.configs", "gemv.triton", "gemv",
+    "fused_moe.naive", "fused_moe.configs", "fused_moe.triton", "fused_moe",
 )
 
 

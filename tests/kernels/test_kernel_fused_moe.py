@@ -3,23 +3,14 @@ the loop-over-experts reference, under TRITON_INTERPRET=1 at small shapes (compi
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
 from kernels_testutil import HAS_CUDA, requires_triton
 
-# conftest.py rebuilds the kernel modules it knows of in interpreter mode when something imported them first;
-# rebuild this op's too, so that its @triton.jit kernels exist in the mode now in force.
-if not HAS_CUDA and "gyrfalcon.kernels.fused_moe.triton" in sys.modules:
-    for _m in ("configs", "triton", ""):
-        importlib.reload(sys.modules["gyrfalcon.kernels.fused_moe" + ("." + _m if _m else "")])
-
-from gyrfalcon.kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align  # noqa: E402
-from gyrfalcon.kernels.fused_moe.configs import GemmTile, MoeConfig, default_config  # noqa: E402
-from gyrfalcon.kernels.fused_moe.triton import max_sorted_rows  # noqa: E402
+from gyrfalcon.kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+from gyrfalcon.kernels.fused_moe.configs import GemmTile, MoeConfig, default_config
+from gyrfalcon.kernels.fused_moe.triton import max_sorted_rows
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
