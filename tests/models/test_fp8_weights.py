@@ -271,3 +271,23 @@ def test_unsupported_method_in_checkpoint_names_it(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="bitsandbytes_9bit"):
         LLM(str(src), block_size=8)
+
+
+def test_cli_flag_reaches_the_engine_config(ckpts):
+    """`--quantization fp8` (vLLM's flag) on serve / generate / bench goes through engine_kwargs to EngineConfig."""
+    import argparse
+
+    from gyrfalcon.cli import add_engine_args, engine_kwargs
+    from gyrfalcon.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--quantization", "fp8"]))
+    assert kw["quantization"] == "fp8" and engine_kwargs(p.parse_args([]))["quantization"] is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "awq"])
+    src, _, _ = ckpts
+    kw.pop("num_gpu_blocks_override")
+    cfg = EngineConfig.create(str(src), **{**kw, "device": "cpu"})
+    qc = cfg.model_config.quant_config
+    assert qc.method == "fp8" and qc.weight_block_size is None and not qc.from_checkpoint
