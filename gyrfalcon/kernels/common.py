@@ -183,6 +183,7 @@ KERNEL_MODULES = (
     "decode_attention.split_kv", "decode_attention.with_prep", "decode_attention.launch", "decode_attention",
     "gemv.naive", "gemv.configs", "gemv.triton", "gemv",
     "fused_moe.naive", "fused_moe.configs", "fused_moe.triton", "fused_moe",
+    "fp8_gemm.naive", "fp8_gemm.configs", "fp8_gemm.triton", "fp8_gemm",
 )
 
 

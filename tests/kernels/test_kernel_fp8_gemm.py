@@ -3,18 +3,12 @@ reference, at small shapes with partial edge blocks; the weight quantizer's roun
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from gyrfalcon.kernels.common import interpreting
 
-# The op is not in common.KERNEL_MODULES (a shared file): rebuild its @jit functions in the mode now in force
-# (conftest may have switched the interpreter on after another folder imported the kernels).
-for _m in ("naive", "configs", "triton", ""):
-    importlib.reload(importlib.import_module("gyrfalcon.kernels.fp8_gemm" + ("." + _m if _m else "")))
-from gyrfalcon.kernels.fp8_gemm import (Fp8GemmConfig, dequantize_weight, fp8_block_gemm,  # noqa: E402
+from gyrfalcon.kernels.fp8_gemm import (Fp8GemmConfig, dequantize_weight, fp8_block_gemm,
                                         fp8_block_gemm_ref, fp8_block_gemm_triton, fp8_weight_only_ref,
                                         quantize_act, quantize_weight_blockwise, quantize_weight_per_channel)
 
