@@ -72,6 +72,36 @@ class AttentionBackend:
         return norms if norms is not None else (None, None, 1e-6)
 
 
+class PagedOpsBackend(AttentionBackend):
+    """A backend made of four paged-attention ops (each a kernels/ function, with the signature of its reference):
+    the K/V store, single-query decode attention, varlen causal attention and the fused qkv prep. The reference
+    and Triton backends are this composition over their own ops; Triton adds the fused decode launch."""
+
+    store_kv_op = decode_op = prefill_op = qkv_prep_op = None  # staticmethods in the subclasses
+
+    def _attend(self, layer, fb, q, k_cache, v_cache) -> torch.Tensor:
+        if fb.is_decode:
+            o = self.decode_op(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, layer.scale, fb.decode_num_splits)
+        else:
+            o = self.prefill_op(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, layer.scale,
+                                fb.max_query_len, fb.max_seq_len)
+        return o.reshape(o.shape[0], layer.num_heads * layer.head_dim)
+
+    def forward(self, layer, q, k, v):
+        fb, k_cache, v_cache = self.context(layer)
+        if k is not None:
+            self.store_kv_op(k, v, k_cache, v_cache, fb.slot_mapping)
+        return self._attend(layer, fb, q, k_cache, v_cache)
+
+    def forward_fused(self, layer, qkv, positions, rotary, norms=None, row_scale=None):
+        fb, k_cache, v_cache = self.context(layer)
+        qw, kw, eps = self.split_norms(norms)
+        q = self.qkv_prep_op(qkv, layer.num_heads, layer.num_kv_heads, layer.head_dim, positions,
+                             rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox, k_cache, v_cache,
+                             fb.slot_mapping, qw, kw, eps, row_scale=row_scale)
+        return self._attend(layer, fb, q, k_cache, v_cache)
+
+
 _BACKENDS: Dict[str, AttentionBackend] = {}
 
 

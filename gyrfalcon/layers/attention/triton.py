@@ -18,7 +18,7 @@ from gyrfalcon.kernels.paged_attention import paged_attention_triton
 from gyrfalcon.kernels.decode_attention import (decode_attention_with_prep_triton,
                                                 paged_decode_attention_triton, wide_tile_context)
 from gyrfalcon.kernels.store_kv import store_kv_triton
-from gyrfalcon.layers.attention.backend import AttentionBackend
+from gyrfalcon.layers.attention.backend import PagedOpsBackend
 
 # Decode batches of up to ONE_SPLIT_MAX_BATCH sequences get a one-split graph, replayed while every context fits
 # ONE_SPLIT_CONTEXT tokens (one 128-key tile): the main graph's split launch is sized for the block table's full
@@ -45,39 +45,27 @@ def one_split_graph_limits(batch_sizes: List[int], num_kv_heads: int, kv_elem_si
     return dict(sorted(limits.items()))
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(PagedOpsBackend):
     """backend.py has the contract; this module's docstring the kernels."""
 
     name = "triton"
-
-    def _attend(self, layer, fb, q, k_cache, v_cache) -> torch.Tensor:
-        if fb.is_decode:
-            o = paged_decode_attention_triton(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, layer.scale,
-                                              fb.decode_num_splits)
-        else:
-            o = paged_attention_triton(q, k_cache, v_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc,
-                                       layer.scale, fb.max_query_len, fb.max_seq_len)
-        return o.reshape(o.shape[0], layer.num_heads * layer.head_dim)
-
-    def forward(self, layer, q, k, v):
-        fb, k_cache, v_cache = self.context(layer)
-        if k is not None:
-            store_kv_triton(k, v, k_cache, v_cache, fb.slot_mapping)
-        return self._attend(layer, fb, q, k_cache, v_cache)
+    store_kv_op = staticmethod(store_kv_triton)
+    decode_op = staticmethod(paged_decode_attention_triton)
+    prefill_op = staticmethod(paged_attention_triton)
+    qkv_prep_op = staticmethod(qkv_prep_triton)
 
     def forward_fused(self, layer, qkv, positions, rotary, norms=None, row_scale=None):
         fb, k_cache, v_cache = self.context(layer)
+        if not fb.is_decode:
+            return super().forward_fused(layer, qkv, positions, rotary, norms, row_scale)
+        # A decode step: the q/k norm, RoPE and K/V store inside the split-KV attention launch.
         qw, kw, eps = self.split_norms(norms)
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        if fb.is_decode:
-            o = decode_attention_with_prep_triton(qkv, H, Hkv, D, positions, rotary.cos_sin_cache, rotary.rotary_dim,
-                                                  rotary.is_neox, k_cache, v_cache, fb.slot_mapping, fb.block_tables,
-                                                  fb.seq_lens, layer.scale, fb.decode_num_splits, qw, kw, eps,
-                                                  row_scale=row_scale)
-            return o.reshape(o.shape[0], H * D)
-        q = qkv_prep_triton(qkv, H, Hkv, D, positions, rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox,
-                            k_cache, v_cache, fb.slot_mapping, qw, kw, eps, row_scale=row_scale)
-        return self._attend(layer, fb, q, k_cache, v_cache)
+        o = decode_attention_with_prep_triton(qkv, H, Hkv, D, positions, rotary.cos_sin_cache, rotary.rotary_dim,
+                                              rotary.is_neox, k_cache, v_cache, fb.slot_mapping, fb.block_tables,
+                                              fb.seq_lens, layer.scale, fb.decode_num_splits, qw, kw, eps,
+                                              row_scale=row_scale)
+        return o.reshape(o.shape[0], H * D)
 
     def graph_variants(self, batch_sizes: List[int], num_kv_heads: int, kv_elem_size: int, max_model_len: int,
                        device: torch.device) -> Dict[int, int]:
