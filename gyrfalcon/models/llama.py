@@ -19,6 +19,20 @@ STACKED_PARAMS = (
 )
 
 
+def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool) -> RotarySelfAttention:
+    """The Llama / Qwen3 attention block of `config` (per-head q/k RMSNorm before RoPE when qk_norm)."""
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    params = rope_parameters_of(config)
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+    rotary = RotaryEmbedding(head_dim, int(head_dim * partial), max_position, params, config.max_position_embeddings)
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return RotarySelfAttention(
+        config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim,
+        layer_idx, rotary, qk_norm_eps=config.rms_norm_eps if qk_norm else None, qkv_bias=attention_bias,
+        o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)))
+
+
 class LlamaForCausalLM(CausalLM):
     stacked_params = STACKED_PARAMS
     qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
@@ -27,16 +41,6 @@ class LlamaForCausalLM(CausalLM):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r}: gyrfalcon's Llama MLP is SwiGLU (silu).")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        params = rope_parameters_of(config)
-        partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-        rotary = RotaryEmbedding(head_dim, int(head_dim * partial), max_position, params,
-                                 config.max_position_embeddings)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        attn = RotarySelfAttention(
-            config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim,
-            layer_idx, rotary, qk_norm_eps=config.rms_norm_eps if self.qk_norm else None, qkv_bias=attention_bias,
-            o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)))
+        attn = rotary_attention(config, layer_idx, max_position, self.qk_norm)
         mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
         return DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)

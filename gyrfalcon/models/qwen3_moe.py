@@ -8,25 +8,10 @@ from __future__ import annotations
 from gyrfalcon.layers.decoder import DecoderLayer
 from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SOFTMAX, SparseMoE
-from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
-from gyrfalcon.layers.self_attention import RotarySelfAttention
 from gyrfalcon.models.causal_lm import CausalLM
-from gyrfalcon.models.llama import STACKED_PARAMS
+from gyrfalcon.models.llama import STACKED_PARAMS, rotary_attention
 
 QWEN_EXPERT_PARAMS = (("gate_proj", "w13", 0), ("up_proj", "w13", 1), ("down_proj", "w2", None))
-
-
-def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool) -> RotarySelfAttention:
-    """The Llama / Qwen3 attention block of `config` (per-head q/k norm when qk_norm)."""
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    params = rope_parameters_of(config)
-    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-    rotary = RotaryEmbedding(head_dim, int(head_dim * partial), max_position, params, config.max_position_embeddings)
-    bias = bool(getattr(config, "attention_bias", False))
-    return RotarySelfAttention(config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads,
-                               head_dim, layer_idx, rotary, qk_norm_eps=config.rms_norm_eps if qk_norm else None,
-                               qkv_bias=bias)
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
