@@ -19,18 +19,24 @@ STACKED_PARAMS = (
 )
 
 
-def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool) -> RotarySelfAttention:
-    """The Llama / Qwen3 attention block of `config` (per-head q/k RMSNorm before RoPE when qk_norm)."""
+def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool,
+                     qk_norm_whole: bool = False) -> RotarySelfAttention:
+    """The rotary attention block of `config`: q/k RMSNorm before RoPE when qk_norm (per head, Qwen3; over the
+    whole projections when qk_norm_whole, MiniMax-M2); RoPE over config.rotary_dim dims when the config names
+    them, else head_dim x partial_rotary_factor."""
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     params = rope_parameters_of(config)
-    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-    rotary = RotaryEmbedding(head_dim, int(head_dim * partial), max_position, params, config.max_position_embeddings)
+    rotary_dim = getattr(config, "rotary_dim", None)
+    if rotary_dim is None:
+        partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+        rotary_dim = head_dim * partial
+    rotary = RotaryEmbedding(head_dim, int(rotary_dim), max_position, params, config.max_position_embeddings)
     attention_bias = bool(getattr(config, "attention_bias", False))
     return RotarySelfAttention(
         config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim,
         layer_idx, rotary, qk_norm_eps=config.rms_norm_eps if qk_norm else None, qkv_bias=attention_bias,
-        o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)))
+        o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)), qk_norm_whole=qk_norm_whole)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -16,9 +16,8 @@ import torch
 
 from gyrfalcon.layers.decoder import DecoderLayer
 from gyrfalcon.layers.moe import SIGMOID, SOFTMAX, SparseMoE
-from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
-from gyrfalcon.layers.self_attention import RotarySelfAttention
 from gyrfalcon.models.causal_lm import CausalLM
+from gyrfalcon.models.llama import rotary_attention
 
 MINIMAX_STACKED_PARAMS = (
     (".q_proj", ".qkv_proj", "q"),
@@ -37,15 +36,7 @@ class MiniMaxM2ForCausalLM(CausalLM):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r}: gyrfalcon's experts are SwiGLU (silu).")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        params = rope_parameters_of(config)
-        rotary_dim = getattr(config, "rotary_dim", None)
-        if rotary_dim is None:
-            rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0))
-        rotary = RotaryEmbedding(head_dim, int(rotary_dim), max_position, params, config.max_position_embeddings)
-        attn = RotarySelfAttention(config.hidden_size, num_heads, config.num_key_value_heads, head_dim, layer_idx,
-                                   rotary, qk_norm_eps=config.rms_norm_eps, qk_norm_whole=True)
+        attn = rotary_attention(config, layer_idx, max_position, qk_norm=True, qk_norm_whole=True)
         scoring = getattr(config, "scoring_func", SIGMOID) or SIGMOID
         if scoring not in (SIGMOID, SOFTMAX):
             raise ValueError(f"Unsupported MiniMax-M2 scoring_func {scoring!r}.")
