@@ -265,3 +265,35 @@ def test_scoped_env_sets_unsets_and_restores(monkeypatch):
     with scoped_env({"GYRFALCON_PDL": "serial"}):
         assert envs.get().pdl == "serial"
     assert envs.get().pdl == "auto"
+
+
+def test_moe_step_bytes_count_the_selected_experts(tmp_path):
+    """An MoE model's step reads only the experts its tokens select: top_k of them at one row, the uniform-routing
+    expectation E (1 - (1 - k / E)^rows) for more; StepFloor charges that per step and runs top_k / E of the
+    experts' parameters per token."""
+    from transformers import AutoConfig
+
+    from checkpoints import make_moe_checkpoint
+    from gyrfalcon.bench.common import StepFloor, experts_touched, moe_blocks, step_weight_bytes
+    from gyrfalcon.models.registry import resolve_model_class
+
+    ck = make_moe_checkpoint(tmp_path / "moe", "qwen3_moe")  # 3 layers, layer 1 dense; 8 experts, top 2
+    cfg = AutoConfig.from_pretrained(ck)
+    model = resolve_model_class(cfg)(cfg)
+    blocks = moe_blocks(model)
+    assert [(E, k) for _, _, E, k in blocks] == [(8, 2), (8, 2)]
+    layer1 = model.model.layers[0].mlp.experts
+    per_layer = sum(p.numel() * p.element_size() for p in layer1.parameters())
+    assert blocks[0][0] == per_layer and per_layer == 8 * 3 * 32 * 64 * 4  # fp32 w13 [8, 64, 64] + w2 [8, 64, 32]
+    everything = step_weight_bytes(model, rows=8 ** 6)  # so many rows that every expert is read
+    assert everything == pytest.approx(
+        sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+        + model.lm_head.weight.numel() * 4 + model.model.norm.weight.numel() * 4, rel=1e-6)
+    assert everything - step_weight_bytes(model, rows=1) == 2 * (per_layer - per_layer * 2 // 8)
+    assert experts_touched(8, 2, 1) == 2 and experts_touched(8, 2, 0) == 0
+    assert experts_touched(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))  # 3.5: two rows overlap by 1/2 expert
+    f = StepFloor.for_model(model, kv_bytes_per_token=0)
+    f.add(SimpleNamespace(is_empty=False, reqs=[SimpleNamespace(start=5, num_new_tokens=1)]))
+    assert f.bytes == step_weight_bytes(model, rows=1)
+    dense_params = sum(p.numel() for p in model.model.layers.parameters()) - 2 * per_layer // 4
+    assert f.layer_params == dense_params + 2 * (per_layer // 4) * 2 // 8

@@ -25,20 +25,48 @@ BF16_FLOP_PER_S = 989e12
 MATMUL_FLOP_PER_S = 789e12
 
 
-def step_weight_bytes(model) -> int:
-    """The weight bytes a decode step of a Llama-family model of gyrfalcon's reads: the layers, the final norm and
-    the LM head (an untied embedding table is only gathered from, a row a token)."""
-    def nbytes(params):
-        return sum(p.numel() * p.element_size() for p in params)
-    return (nbytes(model.model.layers.parameters()) + nbytes([model.lm_head.weight])
-            + nbytes(model.model.norm.parameters()))
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def moe_blocks(model) -> list:
+    """[(expert bytes, expert parameters, num_experts, top_k)] per MoE layer of a gyrfalcon model: the routed
+    experts (layers/moe.py SparseMoE.experts, FP8 scales included) of each block whose router picks top_k."""
+    out = []
+    for m in model.modules():
+        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+        if experts is not None and hasattr(gate, "top_k") and hasattr(experts, "num_experts"):
+            params = list(experts.parameters())
+            out.append((_nbytes(params), sum(p.numel() for p in params), experts.num_experts, gate.top_k))
+    return out
+
+
+def experts_touched(num_experts: int, top_k: int, rows: int) -> float:
+    """The experts a step of `rows` tokens reads in one MoE layer: exactly top_k at one row (a token's experts are
+    distinct); for more rows, the expectation when each row picks top_k of num_experts uniformly at random,
+    E * (1 - (1 - k / E)^rows) (random-weight benchmarks route close to that; a real model's skew reads fewer)."""
+    if rows <= 1:
+        return float(min(top_k, num_experts)) if rows == 1 else 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
+def step_weight_bytes(model, rows: int = 1) -> int:
+    """The weight bytes a decode step of `rows` tokens reads: the layers, the final norm and the LM head (an
+    untied embedding table is only gathered from, a row a token); of an MoE layer's routed experts only those the
+    step's tokens select (experts_touched)."""
+    total = (_nbytes(model.model.layers.parameters()) + _nbytes([model.lm_head.weight])
+             + _nbytes(model.model.norm.parameters()))
+    for nbytes, _, E, k in moe_blocks(model):
+        total -= nbytes - int(nbytes * experts_touched(E, k, rows) / E)
+    return total
 
 
 class StepFloor:
     """The least time a run's scheduled steps could take on this GPU: per step, the larger of (bytes it must
     read / HBM bandwidth) and (FLOPs / the dense bf16 peak), summed. Bytes: the weights a step reads (the
-    layers and the LM head: an untied embedding table is only gathered from) plus the K/V of every
-    scheduled sequence's context after the step. FLOPs: 2 x the layers' parameters per token run, plus
+    layers and the LM head: an untied embedding table is only gathered from; of an MoE layer's routed experts,
+    those the step's tokens select, experts_touched) plus the K/V of every scheduled sequence's context after
+    the step. FLOPs: 2 x the layers' parameters a token runs (top_k of E experts) per token, plus
     attention's 4 x layers x heads x head_dim per (token, context position), causal for prompt chunks.
     A run's time over this floor is its fraction of the roofline (the throughput row's counterpart of
     bench latency's per-step figure).
@@ -50,8 +78,11 @@ class StepFloor:
     bandwidth) and (its FLOPs at MATMUL_FLOP_PER_S)."""
 
     def __init__(self, step_weight_bytes: int, kv_bytes_per_token: int, layer_params: int,
-                 attn_flops_per_pair: int, head_params: int = 0) -> None:
+                 attn_flops_per_pair: int, head_params: int = 0, moe: Optional[list] = None) -> None:
+        # moe: bench.common.moe_blocks' [(expert bytes, ...)]; step_weight_bytes then counts the weights without
+        # those experts, and layer_params the parameters a token runs (each layer's top_k experts of E).
         self.step_weight_bytes = step_weight_bytes
+        self.moe = list(moe or ())
         self.kv_bytes_per_token = kv_bytes_per_token
         self.layer_params = layer_params
         self.attn_flops_per_pair = attn_flops_per_pair
@@ -70,8 +101,11 @@ class StepFloor:
         """From a Llama-family model of gyrfalcon's (model.model.layers, embed_tokens, lm_head)."""
         layers = list(model.model.layers.parameters())
         attn = model.model.layers[0].self_attn
-        return cls(step_weight_bytes(model), kv_bytes_per_token, sum(p.numel() for p in layers),
-                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim, model.lm_head.weight.numel())
+        moe = moe_blocks(model)
+        dense_bytes = step_weight_bytes(model, rows=0)  # every weight but the routed experts'
+        active = sum(p.numel() for p in layers) - sum(n - n * k / E for _, n, E, k in moe)
+        return cls(dense_bytes, kv_bytes_per_token, int(active),
+                   4 * len(model.model.layers) * attn.num_heads * attn.head_dim, model.lm_head.weight.numel(), moe)
 
     def add(self, batch) -> None:
         """One ScheduledBatch (scheduler.schedule's result)."""
@@ -87,10 +121,12 @@ class StepFloor:
             attn_flops += self.attn_flops_per_pair * pairs
             # A prompt chunk that leaves part of its prompt samples nothing: no LM-head row (sample unset: one).
             head_rows += 1 if getattr(sr, "sample", True) else 0
-        step_bytes = self.step_weight_bytes + kv
+        rows = sum(sr.num_new_tokens for sr in batch.reqs)
+        wbytes = self.step_weight_bytes + int(sum(b * experts_touched(E, k, rows) / E for b, _, E, k in self.moe))
+        step_bytes = wbytes + kv
         step_floor = max(step_bytes / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
         gemm_flops = flops - attn_flops + 2 * self.head_params * head_rows
-        self.serial_s += (max(gemm_flops / MATMUL_FLOP_PER_S, self.step_weight_bytes / HBM_BYTES_PER_S)
+        self.serial_s += (max(gemm_flops / MATMUL_FLOP_PER_S, wbytes / HBM_BYTES_PER_S)
                           + max(kv / HBM_BYTES_PER_S, attn_flops / MATMUL_FLOP_PER_S))
         self.steps += 1
         self.bytes += step_bytes

@@ -4,7 +4,8 @@ The roofline of a decode step is the bytes it must read (every weight once, as G
 plus the KV cache of every sequence) divided by the HBM bandwidth. GPU.md's count includes an untied
 embedding table, of which a step only gathers its batch's rows: the read roofline (roofline_read_fraction)
 counts the weights a step does read (common.step_weight_bytes: the layers, the final norm, the LM head), so it is
-the stricter figure (Llama-3.1-8B: 15.01 of 16.06 GB). --profile counts CUDA kernel
+the stricter figure (Llama-3.1-8B: 15.01 of 16.06 GB); of an MoE layer's routed experts it counts those the
+batch's tokens select (top_k at batch 1; common.experts_touched). --profile counts CUDA kernel
 launches per decode step and per decoder layer with torch.profiler. --baseline hf runs Hugging Face
 transformers (static cache + torch.compile) on the same checkpoint in the same process.
 """
@@ -15,8 +16,8 @@ import argparse
 import time
 
 from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, busy_span_gaps, format_startup,
-                                    gaps_by_pair, hf_sampling_kwargs, print_table, random_prompts, run_info,
-                                    startup_phases, step_weight_bytes, write_json)
+                                    experts_touched, gaps_by_pair, hf_sampling_kwargs, moe_blocks, print_table,
+                                    random_prompts, run_info, startup_phases, step_weight_bytes, write_json)
 from gyrfalcon.bench.power import PowerSampler, device_uuid, format_summary
 from gyrfalcon.bench.step_events import StepEvents, format_step_events
 from gyrfalcon.bench.ttft_timeline import format_timeline, ttft_timeline
@@ -318,7 +319,7 @@ def run_gyrfalcon(args) -> dict:
     avg_ctx = args.input_len + args.output_len / 2
     kvbytes = int(args.batch_size * avg_ctx * kv_bytes_per_token(runner))
     roof_step = (wbytes + kvbytes) / HBM_BYTES_PER_S
-    read_wbytes = step_weight_bytes(runner.model)
+    read_wbytes = step_weight_bytes(runner.model, args.batch_size)
     read_roof_step = (read_wbytes + kvbytes) / HBM_BYTES_PER_S
     res = {
         "engine": "gyrfalcon", "startup_s": startup, "startup_phases": startup_phases(llm, startup),
@@ -333,6 +334,9 @@ def run_gyrfalcon(args) -> dict:
         "read_weight_bytes": read_wbytes, "read_roofline_step_ms": read_roof_step * 1e3,
         "roofline_read_fraction": read_roof_step / step_s,
         "num_kv_blocks": runner.num_blocks,
+        # Routed experts a step reads per MoE layer, as read_weight_bytes counts them (None: a dense model).
+        "moe_experts_read_per_layer": next((experts_touched(E, k, args.batch_size)
+                                            for _, _, E, k in moe_blocks(runner.model)), None),
         "step_clock": clock.summary(median_run),
         "gpu_power": power.summary(),
     }
