@@ -17,6 +17,8 @@ if [ "$FILTER" != kernels-only ]; then
     [[ -n $FILTER && $name != *$FILTER* ]] && continue
     if [ "$name" = test_model_gpu ]; then  # ~9 s a test, ~17 a family: one step each
       for fam in llama qwen; do step gpu_${name}_$fam 330 $PYTEST "$f" -k $fam; done
+    elif [ "$name" = test_moe_model_gpu ]; then  # real-width expert checkpoints (GBs each): one step a family
+      for fam in qwen3 minimax; do step gpu_${name}_$fam 330 $PYTEST "$f" -k $fam; done
     else
       step gpu_$name 300 $PYTEST "$f"
     fi

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The MoE rows on the device machine (NVIDIA H200): Qwen3-30B-A3B (whole, 48 layers) and MiniMax-M2 cut to 14 layers
+# of its real dims, in bf16 and in FP8 block weights (the released format: e4m3 + 128x128 weight_scale_inv, experts
+# included), random weights filled on the GPU (--load-format dummy: the 61-98 GB checkpoints would not fit the
+# machine's disk beside the others), bench latency 128 in / 128 out, greedy, async scheduling.
+#   sweep                     benchmarks/moe_sweep.py: the fused-MoE op's launch shapes at both shapes, T = 1-256
+#   q30_b1 q30_b64            Qwen3-30B-A3B bf16 at batch 1 (with --profile: launches per layer) / 64
+#   q30f_b1 q30f_b64          the same in FP8
+#   mm_b1 mm_b64 mmf_b1 mmf_b64   MiniMax-M2 (14 layers), bf16 / FP8
+# Each row writes $OUT/results/latency_<model>_b<B>_row.json with the read roofline of the bytes a step reads
+# (attention, the selected experts, the LM head, K/V: bench/common.py step_weight_bytes).
+# Usage, from the repo root: GYRFALCON_COMMIT=<hash> OUT=/some/dir bash scripts/gpu/moe.sh [ROW...]
+cd "$(dirname "$0")/../.."
+source scripts/gpu/lib.sh
+banner
+ROWS=${*:-q30_b1 q30_b64 q30f_b1 q30f_b64 mm_b1 mm_b64 mmf_b1 mmf_b64}
+
+config() {  # config NAME PRESET LAYERS [--fp8]: config.json + tokenizer (no weights) under /tmp/cfg/NAME, once
+  local name=$1 preset=$2 layers=$3; shift 3
+  [ -f /tmp/cfg/$name/config.json ] || step cfg_$name 60 $G bench make-checkpoint --preset $preset \
+    --num-layers $layers --config-only "$@" --out /tmp/cfg/$name
+}
+
+row() {  # row NAME PRESET LAYERS BATCH [--fp8]
+  local name=$1 preset=$2 layers=$3 b=$4; shift 4
+  local extra=() fp8=() model=$preset
+  [ "$b" = 1 ] && extra=(--profile)
+  if [ "${1:-}" = --fp8 ]; then fp8=(--fp8); model=${preset}-fp8; fi
+  [ "$preset" = minimax-m2 ] && model=${model/minimax-m2/minimax-m2-14l}
+  config $name $preset $layers "${fp8[@]}"
+  step lat_${name}_b$b 240 $G bench latency --model /tmp/cfg/$name --load-format dummy --batch-size $b \
+    --max-num-seqs $b --input-len 128 --output-len 128 --async-scheduling "${extra[@]}" \
+    --output-json "$R/latency_${model}_b${b}_row.json"
+}
+
+for r in $ROWS; do
+  case $r in
+    sweep) step moe_sweep 300 python3 benchmarks/moe_sweep.py --quick --output-json "$R/moe_sweep.json" ;;
+    q30_b1) row q30 qwen3-30b-a3b 48 1 ;;
+    q30_b64) row q30 qwen3-30b-a3b 48 64 ;;
+    q30f_b1) row q30f qwen3-30b-a3b 48 1 --fp8 ;;
+    q30f_b64) row q30f qwen3-30b-a3b 48 64 --fp8 ;;
+    mm_b1) row mm minimax-m2 14 1 ;;
+    mm_b64) row mm minimax-m2 14 64 ;;
+    mmf_b1) row mmf minimax-m2 14 1 --fp8 ;;
+    mmf_b64) row mmf minimax-m2 14 64 --fp8 ;;
+    *) echo "unknown row: $r" ;;
+  esac
+done
+finish
