@@ -13,6 +13,7 @@ from typing import List, Optional
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Engine flags shared by serve, generate and the benchmarks (vLLM's names)."""
+    from gyrfalcon.config import LOAD_FORMATS  # argparse-weight: config.py imports no torch
     if model_positional:
         p.add_argument("model", nargs="?", default=None,
                        help="checkpoint directory (default: the bundled demo model)")
@@ -31,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="fp8: quantize an unquantized checkpoint's linear layers to float8 e4m3 at load (per-channel "
                         "weight scales, dynamic per-token activation scales); checkpoints that ship quantized "
                         "(config.json quantization_config) load as they are without it")
+    p.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                   help="dummy: build the model from config.json and fill it with random weights on the device "
+                        "instead of reading *.safetensors (benchmarks of shapes that do not fit on disk; the "
+                        "directory still needs config.json and tokenizer files)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
@@ -54,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
                 async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization)
+                quantization=args.quantization, load_format=args.load_format)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

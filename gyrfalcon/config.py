@@ -25,6 +25,10 @@ def default_model_path() -> Optional[str]:
 
 
 QUANTIZATION_METHODS = ("fp8",)
+# vLLM's --load-format: auto and safetensors read the *.safetensors files; dummy builds the model from config.json
+# alone and fills every parameter with random values on the device (models/loader.py fill_dummy_weights), for
+# benchmarks of shapes whose checkpoint would not fit on the machine's disk.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass
@@ -91,6 +95,9 @@ class ModelConfig:
     # (per-channel weight scales, dynamic per-token activation scales). A checkpoint whose config.json carries a
     # quantization_config is loaded as it is quantized, without the flag.
     quantization: Optional[str] = None
+    # One of LOAD_FORMATS (vLLM's --load-format): "dummy" needs only config.json (+ tokenizer files) in the
+    # directory; random weights of the checkpoint's shapes and dtypes (FP8 ones too) seeded by `seed`.
+    load_format: str = "auto"
     # Filled by resolve(): the transformers config and derived facts.
     served_model_names: List[str] = field(default_factory=list)
     hf_config: Any = field(default=None, repr=False)
@@ -98,14 +105,17 @@ class ModelConfig:
     quant_config: Optional[QuantizationConfig] = field(default=None, repr=False)
 
     def resolve(self, device: str) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"Unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}.")
         path = Path(self.model)
         if not path.is_dir():
             raise FileNotFoundError(
                 f"Model directory {self.model!r} does not exist. gyrfalcon loads local Hugging Face "
                 "checkpoints (config.json + *.safetensors + tokenizer files).")
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint.")
-        if not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint"
+                                    f"{' (load_format dummy builds the model from it)' if self.dummy else ''}.")
+        if not self.dummy and not list(path.glob("*.safetensors")):
             raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
         from transformers import AutoConfig
 
@@ -133,6 +143,10 @@ class ModelConfig:
             names = [names]
         self.served_model_names = [str(n) for n in names]
         self.served_model_name = self.served_model_names[0]
+
+    @property
+    def dummy(self) -> bool:
+        return self.load_format == "dummy"
 
     @property
     def torch_dtype(self):
@@ -268,7 +282,7 @@ class EngineConfig:
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
                async_scheduling: Optional[bool] = None, offline: bool = False,
-               quantization: Optional[str] = None) -> "EngineConfig":
+               quantization: Optional[str] = None, load_format: str = "auto") -> "EngineConfig":
         if model is None:
             model = default_model_path()
             if model is None:
@@ -278,7 +292,7 @@ class EngineConfig:
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
                                      seed=seed, served_model_name=served_model_name,
                                      tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                                     quantization=quantization),
+                                     quantization=quantization, load_format=load_format),
             cache_config=CacheConfig(block_size=block_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      enable_prefix_caching=enable_prefix_caching,
