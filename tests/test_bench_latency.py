@@ -171,5 +171,24 @@ def test_count_launches_drains_the_engine(qwen3_ckpt, monkeypatch):
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=4)
     pr = count_launches(llm, [[3, 4, 5, 6], [7, 8, 9]], steps=3)
     assert pr["kernels_per_step"] == 0 and pr["gpu_busy_union_us_per_step"] == 0 and pr["idle_by_pair"] == []
+    assert pr["kernels_by_op"] == {}
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_kernel_op_names():
+    """Launches are charged to the op their kernel belongs to: the fused-MoE steps, cuBLAS GEMMs, torch's router
+    kernels, gyrfalcon's Triton kernels by their jit names."""
+    from gyrfalcon.bench.latency import kernel_op
+
+    assert kernel_op("_moe_align_kernel") == "moe_sort" and kernel_op("_moe_gate_up_kernel") == "moe_gate_up"
+    assert kernel_op("_moe_down_kernel") == "moe_down" and kernel_op("_moe_sum_kernel") == "moe_sum"
+    assert kernel_op("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT") == "gemm"
+    assert kernel_op("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kernel_op("_fp8_gemm_kernel") == "fp8_gemm" and kernel_op("_norm_gemv_kernel") == "norm_gemv"
+    assert kernel_op("void at::native::sbtopk::gatherTopK<float, unsigned int, 2>") == "torch_topk_sort"
+    assert kernel_op("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "torch_softmax"
+    assert kernel_op("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") \
+        == "torch_other"
+    assert kernel_op("_decode_split_kernel") == "attention" and kernel_op("_qkv_prep_kernel") == "qkv_prep"
+    assert kernel_op("some_new_kernel") == "other"

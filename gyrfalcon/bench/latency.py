@@ -63,6 +63,31 @@ def _device_events(prof) -> tuple:
     return device, [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
 
 
+# Kernel name pieces -> the op a launch belongs to (first match wins, case-insensitive): gyrfalcon's Triton kernels
+# by their jit function names (kernels/), cuBLAS / CUTLASS GEMMs, and torch's own kernels (the MoE router's softmax
+# / top-k / normalization run as those: each is a launch a fused router would remove).
+KERNEL_OPS = (
+    ("moe_sort", ("_moe_align",)), ("moe_gate_up", ("_moe_gate_up",)), ("moe_down", ("_moe_down",)),
+    ("moe_sum", ("_moe_sum",)), ("fp8_gemm", ("_fp8_gemm",)), ("norm_gemv", ("_norm_gemv",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("attention", ("_decode_", "_paged_prefill", "attn", "flash")), ("qkv_prep", ("_qkv_prep",)),
+    ("rms_norm", ("_rms_norm",)), ("rotary", ("_rotary",)), ("store_kv", ("_store_kv",)),
+    ("activation", ("_silu_and_mul",)), ("embedding", ("_embedding",)),
+    ("sampling", ("_argmax", "_gumbel")),
+    ("torch_topk_sort", ("topk", "sort", "bitonic", "radix")), ("torch_softmax", ("softmax",)),
+    ("torch_other", ("elementwise", "reduce", "scatter", "gather", "index", "vectorized", "cat")),
+)
+
+
+def kernel_op(name: str) -> str:
+    """The KERNEL_OPS op of a CUDA kernel's name, or "other"."""
+    low = name.lower()
+    for op, pieces in KERNEL_OPS:
+        if any(p in low for p in pieces):
+            return op
+    return "other"
+
+
 def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> dict:
     """CUDA kernels per decode step (and per layer), from a profiled run of `steps` decode steps."""
     import torch
@@ -100,7 +125,14 @@ def count_launches(llm, prompts, steps: int = 8, temperature: float = 0.0) -> di
     # The device's idle time between its busy stretches (copies count as busy: a copy in the compute stream
     # is time no kernel runs, but not idle), summed by the pair of activities around each gap.
     union_ms, _, gaps = busy_span_gaps(sorted((e.time_range.start, e.time_range.end, e.name) for e in device))
+    by_op: dict = {}
+    for n, c in names.items():
+        d = by_op.setdefault(kernel_op(n), [0.0, 0.0])
+        d[0] += c / steps
+        d[1] += times[n] / steps
     return {"kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
+            # {op: [launches per step, GPU us per step]}, by KERNEL_OPS: what each part of a layer costs in launches
+            "kernels_by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1][1])),
             "gpu_busy_us_per_step": busy_us, "gpu_span_us_per_step": span_us,
             "gpu_busy_union_us_per_step": union_ms * 1e3 / steps,
             "idle_by_pair": gaps_by_pair(gaps, steps),
@@ -474,6 +506,9 @@ def main(args: argparse.Namespace) -> int:
                   + ", ".join(f"{c}: {ms:.3f}" for c, ms in at.items()))
         for name, count, us in pr["top_kernels"]:
             print(f"  {us:8.1f} us {count:6.1f}x  {name}")
+        if pr.get("kernels_by_op"):
+            print("by op (launches / GPU us a step): " + ", ".join(
+                f"{op} {n:.0f} / {us:.0f}" for op, (n, us) in pr["kernels_by_op"].items()))
         if pr.get("idle_by_pair"):
             print(f"device busy (kernels and copies, overlaps once) {pr['gpu_busy_union_us_per_step']:.0f} us a step; "
                   "idle a step between:")
