@@ -98,6 +98,19 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, k, positions, self.cos_sin_cache, self.rotary_dim, self.is_neox)
 
 
+def yarn_softmax_scale(params: dict, scale: float) -> float:
+    """A softmax scale with YaRN's `mscale_all_dim` temperature applied twice: scale * mscale(factor,
+    mscale_all_dim)^2. MLA (DeepSeek) scales the whole q.k product this way, the non-rotary dims too, on top of
+    the rotary dims' attention factor already folded into cos/sin; without mscale_all_dim (or with plain
+    RoPE) the scale is unchanged."""
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    mscale_all = params.get("mscale_all_dim")
+    if rope_type == "default" or not mscale_all:
+        return scale
+    m = _yarn_mscale(float(params["factor"]), float(mscale_all))
+    return scale * m * m
+
+
 def rope_parameters_of(hf_config) -> dict:
     """The rope parameters of a transformers config (5.x `rope_parameters`, older `rope_scaling`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

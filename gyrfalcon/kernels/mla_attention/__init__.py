@@ -1,0 +1,51 @@
+"""Multi-head latent attention (DeepSeek's MLA) over the paged latent cache, in the absorbed form.
+
+The cache holds one shared row per token: cache [num_blocks, block_size, 1, L + R] = [latent (after
+kv_a_layernorm) | roped k_rope], L = kv_lora_rank, R = qk_rope_head_dim. With kv_b_proj's key half folded into
+the query (q_nope @ W_UK per head), attention is MQA over those rows:
+q: [T, H, L + R] = [q_nope @ W_UK | roped q_rope]; key = the whole row, value = its first L dims;
+o: [T, H, L] (the latent-space output; the caller applies W_UV per head, then o_proj).
+block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the context INCLUDING this step's tokens (already
+written by store_latent); query_start_loc: int32 [B + 1]. Sequence i's queries sit at positions
+seq_lens[i] - q_len_i ... seq_lens[i] - 1, and position p sees keys 0..p.
+
+- store_latent(latent [T, L], k_rope [T, R], cache, slot_mapping): the step's rows into the cache (slot < 0:
+  skipped), through store_kv on the cache's two column ranges.
+- mla_attention(...): decode steps (one query per sequence) take the split-K decode kernel on CUDA; other steps
+  the varlen paged prefill kernel with K = the row and V = its latent columns; the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels.common import use_triton
+from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, mla_attention_ref, mla_decode_ref,
+                                                   store_latent_ref)
+from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton
+from gyrfalcon.kernels.paged_attention import paged_attention_triton
+from gyrfalcon.kernels.store_kv import store_kv
+
+
+def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent [T, L], k_rope [T, R] -> the cache rows at slot_mapping, in place (module docstring)."""
+    L = latent.shape[-1]
+    store_kv(latent.unsqueeze(1), k_rope.unsqueeze(1), cache[..., :L], cache[..., L:], slot_mapping)
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, is_decode: bool = False,
+                  max_query_len: int | None = None, max_seq_len: int | None = None,
+                  num_splits: int | None = None) -> torch.Tensor:
+    """Causal paged MLA attention -> o [T, H, L] (module docstring). is_decode: one query per sequence (the
+    split-K kernel, num_splits None: its own choice)."""
+    if not use_triton(q):
+        return mla_attention_ref(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
+    if is_decode:
+        return mla_decode_triton(q, cache, block_tables, seq_lens, scale, kv_lora_rank, num_splits)
+    return paged_attention_triton(q, cache, cache[..., :kv_lora_rank], block_tables, seq_lens, query_start_loc,
+                                  scale, max_query_len, max_seq_len)
+
+
+__all__ = ["gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
+           "store_latent", "store_latent_ref"]

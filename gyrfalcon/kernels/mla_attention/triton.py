@@ -1,0 +1,155 @@
+"""Triton split-K decode attention over the paged MLA latent cache (one query per sequence, absorbed form).
+
+Grid (sequence, head block, split): each program scores BLOCK_H heads' [latent | rope] queries against the rows of
+its split of the context (one shared row per key: MQA, so a K/V tile loaded once serves every head of the block),
+keeps an online softmax, and accumulates p @ latent. With one split it writes the normalized output; otherwise
+its normalized partial and log2-sum-exp go to a buffer that the reduce kernel merges. Splits and buffers are sized
+from shapes (the block table's width), never from the lengths, so no host sync happens (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels.decode_attention.configs import default_num_splits
+
+_LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_split_kernel(
+        q_ptr, c_ptr, bt_ptr, sl_ptr, o_ptr, po_ptr, plse_ptr, scale_log2, n_heads, num_splits,
+        s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt,
+        L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        hmask = heads < n_heads
+        dl = tl.arange(0, BLOCK_L)
+        dr = tl.arange(0, BLOCK_R)
+        seq_len = tl.load(sl_ptr + b)
+        # Each split covers a whole number of key tiles; trailing splits of a short context stay empty.
+        part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * part
+        end = tl.minimum(start + part, seq_len)
+
+        q_row = q_ptr + b * s_qb + heads[:, None] * s_qh
+        q_lat = tl.load(q_row + dl[None, :], mask=hmask[:, None] & (dl[None, :] < L), other=0.0)
+        q_pe = tl.load(q_row + L + dr[None, :], mask=hmask[:, None] & (dr[None, :] < R), other=0.0)
+        if UPCAST:
+            q_lat = q_lat.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        bt_row = bt_ptr + b * s_bt
+        for kstart in range(start, end, BLOCK_N):
+            kpos = kstart + tl.arange(0, BLOCK_N)
+            kmask = kpos < end
+            phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            row = c_ptr + phys * s_cb + (kpos % BLOCK_SIZE) * s_co
+            kv = tl.load(row[:, None] + dl[None, :], mask=kmask[:, None] & (dl[None, :] < L), other=0.0)
+            kpe = tl.load(row[:, None] + L + dr[None, :], mask=kmask[:, None] & (dr[None, :] < R), other=0.0)
+            if UPCAST:
+                kv = kv.to(tl.float32)
+                kpe = kpe.to(tl.float32)
+            else:
+                kv = kv.to(q_lat.dtype)
+                kpe = kpe.to(q_lat.dtype)
+            s = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PREC)
+            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PREC)
+            s = tl.where(kmask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if DIRECT:
+            tl.store(o_ptr + b * s_ob + heads[:, None] * s_oh + dl[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=hmask[:, None] & (dl[None, :] < L))
+        else:
+            # Partials [B, H, S, BLOCK_L] fp32 normalized, lse [B, H, S] in log2 units (-inf: an empty split).
+            prow = (b * n_heads + heads) * num_splits + split
+            tl.store(po_ptr + prow[:, None] * BLOCK_L + dl[None, :], out, mask=hmask[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            tl.store(plse_ptr + prow, lse, mask=hmask)
+
+    @triton.jit
+    def _mla_decode_reduce_kernel(po_ptr, plse_ptr, o_ptr, num_splits, s_ob, s_oh,
+                                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n_heads = tl.num_programs(1)
+        sp = tl.arange(0, BLOCK_S)
+        dl = tl.arange(0, BLOCK_L)
+        prow = (b * n_heads + h) * num_splits + sp
+        smask = sp < num_splits
+        lse = tl.load(plse_ptr + prow, mask=smask, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.math.exp2(lse - m_safe)  # 0 for empty splits
+        parts = tl.load(po_ptr + prow[:, None] * BLOCK_L + dl[None, :], mask=(smask & (lse > float("-inf")))[:, None],
+                        other=0.0)
+        den = tl.sum(w, axis=0)
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)
+        tl.store(o_ptr + b * s_ob + h * s_oh + dl, out.to(o_ptr.dtype.element_ty), mask=dl < L)
+
+
+def _decode_config(kv_lora_rank: int):
+    """(BLOCK_H heads, BLOCK_N keys, num_warps) per program: the [BLOCK_H, L] fp32 accumulator and a
+    [BLOCK_N, L + R] key tile must fit one SM at the real model's L = 512 (untuned)."""
+    if kv_lora_rank >= 256:
+        return 16, 32, 8
+    return 16, 32, 4
+
+
+def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, kv_lora_rank: int, num_splits: int | None = None, *,
+                      block_h: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Split-K MLA decode; the contract of mla_decode_ref: q [B, H, L + R], cache [num_blocks, block_size, 1,
+    L + R] -> o [B, H, L] in q.dtype (seq_len 0: zeros). num_splits None: from the batch shape and the block
+    table's width (decode_attention's rule, with head blocks as the per-sequence programs); block_h / block_n
+    override the tiles (tests)."""
+    assert q.dim() == 3 and q.stride(-1) == 1 and cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    B, H, D = q.shape
+    L = kv_lora_rank
+    R = D - L
+    assert cache.shape[-1] == D and cache.shape[2] == 1
+    o = torch.empty(B, H, L, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    bh, bn, nw = _decode_config(L)
+    bh, bn = max(16, block_h or bh), max(16, block_n or bn)
+    n_hblocks = cdiv(H, bh)
+    block_size = cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(B, n_hblocks, block_tables.shape[1] * block_size, q.device)
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    block_l = max(16, next_pow2(L))
+    if direct:
+        po = plse = o  # unused
+    else:
+        po = torch.empty(B * H * num_splits, block_l, dtype=torch.float32, device=q.device)
+        plse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
+    _mla_decode_split_kernel[(B, n_hblocks, num_splits)](
+        q, cache, block_tables, seq_lens, o, po, plse, float(scale) * _LOG2E, H, num_splits,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
+        L=L, R=R, BLOCK_SIZE=block_size, BLOCK_H=bh, BLOCK_L=block_l, BLOCK_R=max(16, next_pow2(R)), BLOCK_N=bn,
+        DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        num_warps=nw, num_stages=2,
+    )
+    if not direct:
+        _mla_decode_reduce_kernel[(B, H)](po, plse, o, num_splits, o.stride(0), o.stride(1), L=L, BLOCK_L=block_l,
+                                          BLOCK_S=next_pow2(num_splits), num_warps=4)
+    return o

@@ -1,0 +1,112 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3's MLA) as a decoder layer's attention block.
+
+    q      = q_b_proj(RMSNorm(q_a_proj(x)))   (q_proj(x) when q_lora_rank is None)   per head [nope | rope]
+    kv     = kv_a_proj_with_mqa(x)            [latent L | k_rope R]; k_rope one head shared by all heads
+    latent = kv_a_layernorm(latent)
+    kv_b_proj(latent) per head [k_nope | v]   (never materialized here: absorbed, below)
+
+RoPE (YaRN in the real models, interleaved pairs unless rope_interleave is off) rotates q's rope part and k_rope.
+The paged cache keeps only [latent | roped k_rope] per token (one shared row of L + R, MLALatentSpec), 576
+values instead of 2 x 128 heads x 192 in the real model. Attention runs in the latent space ("weight
+absorption"): per head, q_nope . (W_UK latent) = (q_nope W_UK) . latent, and sum_j p_j (W_UV latent_j) =
+W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R], MQA over the cache rows
+gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
+writes its rows into the cache first and attends from the cache, causally by position.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from gyrfalcon.cache_spec import MLALatentSpec
+from gyrfalcon.forward_context import get_forward_context
+from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
+from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
+from gyrfalcon.layers.linear import Linear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.norm_linear import NormLinear, project_out
+from gyrfalcon.layers.rotary import RotaryEmbedding
+
+# transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """x [T, hidden] -> o_proj(MLA(x)) [T, hidden] (module docstring). Parameter names follow the checkpoints."""
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int,
+                 rotary: RotaryEmbedding, scale: float, bias: bool = False) -> None:
+        """rotary: RoPE over qk_rope_head_dim dims; scale: the softmax scale (YaRN's mscale included);
+        bias: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias)."""
+        super().__init__()
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.layer_idx, self.scale = layer_idx, scale
+        if q_lora_rank is None:
+            self.q_proj = Linear(hidden_size, num_heads * self.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
+        self.rotary_emb = rotary
+        self.norm_in: Optional[NormLinear] = None
+
+    def bind_input_norm(self, norm: RMSNorm) -> None:
+        # Two projections read the normed input (q_a / q and kv_a): the norm runs as its own kernel.
+        self.norm_in = NormLinear(norm)
+
+    def kv_cache_spec(self, cache_dtype: str) -> MLALatentSpec:
+        """One shared row of kv_lora_rank + qk_rope_head_dim per token, in cache_dtype (a torch dtype's name)."""
+        return MLALatentSpec(self.kv_lora_rank, self.rope_dim, cache_dtype)
+
+    def absorbed_weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]); an FP8
+        weight is dequantized to dtype (absorption multiplies it into activations, not through the FP8 GEMM)."""
+        w = self.kv_b_proj.weight
+        if self.kv_b_proj.quant_block is not None:
+            w = dequantize_weight(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.quant_block).to(dtype)
+        w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def forward(self, positions: torch.Tensor, hidden: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """positions: [T]; (hidden, residual): the residual stream (layers/norm_linear.py) -> the stream after
+        this block."""
+        n = self.norm_in(hidden, residual)
+        x = n.y
+        T, H, L = x.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, self.qk_head_dim)
+        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
+        latent = self.kv_a_layernorm(kv[:, :L])
+        q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
+        w_uk, w_uv = self.absorbed_weights(q.dtype)
+        # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
+        q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
+        q_abs = torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1)  # [T, H, L + R]
+        o_latent = self._attend(q_abs, latent, k_rope[:, 0])  # [T, H, L]
+        # [H, T, L] @ [H, L, v] -> [T, H, v]
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return project_out(self.o_proj, o.reshape(T, H * self.v_head_dim), n)
+
+    def _attend(self, q_abs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """q_abs [T, H, L + R]; this step's latent [T, L] and roped k_rope [T, R] go into this layer's cache
+        first -> o [T, H, L] over each sequence's cached rows."""
+        ctx = get_forward_context()
+        fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
+        store_latent(latent, k_rope, cache, fb.slot_mapping)
+        return mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
+                             self.kv_lora_rank, fb.is_decode, fb.max_query_len, fb.max_seq_len,
+                             fb.decode_num_splits)

@@ -1,0 +1,173 @@
+"""Paged MLA attention (kernels/mla_attention): the reference against the expanded form of MLA (per-head keys and
+values rebuilt from the latent, float64), the cache write, and the Triton kernels (split-K decode; the varlen
+prefill kernel over the latent rows) against the reference, on ragged batches with partly filled, shuffled blocks."""
+
+import pytest
+import torch
+
+from gyrfalcon.kernels.mla_attention import (mla_attention, mla_attention_ref, mla_decode_ref, mla_decode_triton,
+                                             store_latent, store_latent_ref)
+from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
+
+# Ragged: a fresh prefill, chunks over a cached prefix, decode rows, an empty query, a context of many blocks.
+RAGGED = ([7, 3, 1, 0, 12, 1], [7, 11, 9, 4, 12, 53])
+
+
+def _cache(seq_lens, width, block_size, dtype, extra_blocks=3):
+    """Random rows per sequence scattered into shuffled blocks -> (cache [NB, bs, 1, width], block_tables int32,
+    dense rows per sequence [S, width]). Slots past a sequence's end hold NaN: they must never be read."""
+    n_blocks = [-(-s // block_size) for s in seq_lens]
+    total = sum(n_blocks) + extra_blocks
+    cache = torch.full((total, block_size, 1, width), float("nan"), device=DEVICE).to(dtype)
+    perm = torch.randperm(total).tolist()
+    bt = torch.zeros(len(seq_lens), max(1, max(n_blocks)), dtype=torch.int32)
+    dense = []
+    for i, s in enumerate(seq_lens):
+        ids = [perm.pop() for _ in range(n_blocks[i])]
+        bt[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        rows = torch.randn(s, width, device=DEVICE).to(dtype)
+        for j in range(s):
+            cache[ids[j // block_size], j % block_size, 0] = rows[j]
+        dense.append(rows)
+    return cache, bt.to(DEVICE), dense
+
+
+def _qsl(q_lens):
+    return torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def _expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, L, scale):
+    """MLA as the model defines it, float64: keys [k_nope_h | k_rope], values v_h, per head from the latent.
+    q_nope [q, H, nope], q_rope [q, H, R] at the LAST q positions of rows [S, L + R]; w_uk [H, nope, L],
+    w_uv [H, v, L] -> [q, H, v]."""
+    rows = rows.double()
+    latent, k_rope = rows[:, :L], rows[:, L:]
+    k_nope = torch.einsum("hnl,sl->shn", w_uk.double(), latent)
+    v = torch.einsum("hvl,sl->shv", w_uv.double(), latent)
+    scores = (torch.einsum("qhn,shn->hqs", q_nope.double(), k_nope)
+              + torch.einsum("qhr,sr->hqs", q_rope.double(), k_rope)) * scale
+    S, q_len = rows.shape[0], q_nope.shape[0]
+    causal = torch.arange(S)[None, :] > torch.arange(S - q_len, S)[:, None]
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    return torch.einsum("hqs,shv->qhv", probs, v)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_ref_absorbed_equals_expanded_mla(block_size):
+    """The absorbed form ([q_nope W_UK | q_rope] against the latent rows, W_UV after) is MLA's attention."""
+    H, nope, R, L, V = 4, 16, 8, 32, 12
+    q_lens, seq_lens = RAGGED
+    cache, bt, dense = _cache(seq_lens, L + R, block_size, torch.float32)
+    T = sum(q_lens)
+    q_nope, q_rope = torch.randn(T, H, nope), torch.randn(T, H, R)
+    w_uk, w_uv = torch.randn(H, nope, L) / L ** 0.5, torch.randn(H, V, L) / L ** 0.5
+    q_abs = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_rope], dim=-1)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    o_lat = mla_attention_ref(q_abs, cache, bt, sl, _qsl(q_lens), 0.3, L)
+    assert o_lat.shape == (T, H, L)
+    o = torch.einsum("thl,hvl->thv", o_lat, w_uv)
+    qsl = _qsl(q_lens).tolist()
+    for i, ql in enumerate(q_lens):
+        s, e = qsl[i], qsl[i + 1]
+        if ql:
+            want = _expanded_attention(q_nope[s:e], q_rope[s:e], dense[i], w_uk, w_uv, L, 0.3)
+            torch.testing.assert_close(o[s:e].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_ref_query_chunking(monkeypatch):
+    """Chunking long queries to bound the score memory changes nothing."""
+    import sys
+
+    naive = sys.modules["gyrfalcon.kernels.mla_attention.naive"]
+    cache, bt, _ = _cache([13], 24, 4, torch.float32)
+    q = torch.randn(9, 4, 24)
+    args = (q, cache, bt, torch.tensor([13], dtype=torch.int32), _qsl([9]), 0.25, 16)
+    full = naive.mla_attention_ref(*args)
+    monkeypatch.setattr(naive, "_REF_SCORE_BYTES", 4 * 4 * 13 * 2)  # 2 queries per chunk
+    torch.testing.assert_close(naive.mla_attention_ref(*args), full)
+
+
+def test_store_latent_ref():
+    L, R, bs = 16, 8, 4
+    cache = torch.zeros(5, bs, 1, L + R)
+    latent, k_rope = torch.randn(4, L), torch.randn(4, R)
+    slots = torch.tensor([9, -1, 0, 19])  # a padding row (-1) writes nothing
+    store_latent_ref(latent, k_rope, cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(cache[slot // bs, slot % bs, 0], torch.cat([latent[t], k_rope[t]]))
+    assert int((cache.abs().sum(-1) > 0).sum()) == 3
+
+
+@requires_triton
+def test_store_latent_dispatch_matches_ref():
+    """store_latent writes through store_kv on the cache's two column ranges (the Triton kernel on CUDA or under
+    the interpreter when called directly); same cache as the reference."""
+    from gyrfalcon.kernels.store_kv import store_kv_triton
+
+    L, R, bs = 16, 8, 4
+    latent, k_rope = torch.randn(6, L, device=DEVICE), torch.randn(6, R, device=DEVICE)
+    slots = torch.tensor([3, 17, -1, 4, 0, 11], device=DEVICE)
+    want = torch.zeros(6, bs, 1, L + R, device=DEVICE)
+    store_latent_ref(latent, k_rope, want, slots)
+    got = torch.zeros_like(want)
+    store_kv_triton(latent.unsqueeze(1), k_rope.unsqueeze(1), got[..., :L], got[..., L:], slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got2 = torch.zeros_like(want)
+    store_latent(latent, k_rope, got2, slots)
+    torch.testing.assert_close(got2, want, rtol=0, atol=0)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,R,H", [(16, 8, 4), (64, 16, 20)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_matches_ref(dtype, L, R, H, num_splits):
+    """Split-K decode: one query per sequence over partly filled blocks; contexts shorter than the splits
+    (empty splits), a padding row (seq_len 0: zeros), head counts off the head block (20 of 16 + 16)."""
+    seq_lens = [1, 5, 0, 37, 16]
+    cache, bt, _ = _cache(seq_lens, L + R, 4, dtype)
+    q = torch.randn(len(seq_lens), H, L + R, device=DEVICE).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = mla_decode_ref(q, cache, bt, sl, 0.2, L)
+    got = mla_decode_triton(q, cache, bt, sl, 0.2, L, num_splits, block_n=16)
+    assert got.shape == want.shape == (len(seq_lens), H, L)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    torch.testing.assert_close(got.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@requires_triton
+def test_triton_decode_default_splits():
+    """The launch's own split choice (from the block-table width) gives the reference's output."""
+    seq_lens = [70, 3]
+    cache, bt, _ = _cache(seq_lens, 24, 8, torch.float32)
+    q = torch.randn(2, 4, 24, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(mla_decode_triton(q, cache, bt, sl, 0.3, 16), mla_decode_ref(q, cache, bt, sl, 0.3, 16),
+                               **ATTN_TOL[torch.float32])
+
+
+@requires_triton
+def test_triton_prefill_over_latent_rows_matches_ref():
+    """Non-decode steps on the GPU run the varlen paged prefill kernel with K = the whole row and V = its latent
+    columns (a strided view of the same cache): the reference's output on a ragged batch."""
+    from gyrfalcon.kernels.paged_attention import paged_attention_triton
+
+    L, R, H = 16, 8, 4
+    q_lens, seq_lens = RAGGED
+    cache, bt, _ = _cache(seq_lens, L + R, 4, torch.float32)
+    q = torch.randn(sum(q_lens), H, L + R, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = mla_attention_ref(q, cache, bt, sl, _qsl(q_lens), 0.2, L)
+    got = paged_attention_triton(q, cache, cache[..., :L], bt, sl, _qsl(q_lens), 0.2, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+
+
+def test_dispatch_uses_reference_off_cuda():
+    """CPU tensors take the reference (the CPU path), decode or not."""
+    cache, bt, _ = _cache([5, 9], 24, 4, torch.float32)
+    q = torch.randn(2, 4, 24)
+    sl = torch.tensor([5, 9], dtype=torch.int32)
+    want = mla_decode_ref(q, cache, bt, sl, 0.3, 16)
+    torch.testing.assert_close(mla_attention(q.cpu(), cache.cpu(), bt.cpu(), sl, _qsl([1, 1]).cpu(), 0.3, 16,
+                                             is_decode=True), want.cpu())
