@@ -184,6 +184,7 @@ KERNEL_MODULES = (
     "gemv.naive", "gemv.configs", "gemv.triton", "gemv",
     "fused_moe.naive", "fused_moe.configs", "fused_moe.triton", "fused_moe",
     "fp8_gemm.naive", "fp8_gemm.configs", "fp8_gemm.triton", "fp8_gemm",
+    "moe_router.naive", "moe_router.triton", "moe_router",
     "mla_attention.naive", "mla_attention.triton", "mla_attention",
 )
 
