@@ -62,7 +62,7 @@ class QuantizationConfig:
         if flag is not None and flag != method:
             raise ValueError(f"--quantization {flag} conflicts with the checkpoint's quant_method {method!r}.")
         fmt = hf_quant.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek-V3 / Qwen3-FP8 write e4m3, MiniMax-M2 the torch name
             raise ValueError(f"Unsupported fp8 format {fmt!r} in {where}; gyrfalcon supports e4m3.")
         scheme = hf_quant.get("activation_scheme", "dynamic")
         if scheme != "dynamic":

@@ -5,6 +5,13 @@ count optionally cut), safetensors shards with an index, a byte-level BPE tokeni
 local Python sources (its vocabulary is smaller than the model's; ids beyond it decode to nothing),
 generation_config.json. Parameter names and shapes come from transformers' own model class built on
 the meta device, so the files are exactly what that class would save.
+
+--fp8 writes the FP8 format that DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 ship: every decoder linear weight
+(attention q/k/v/o, the dense MLP's and each expert's gate/up/down or w1/w3/w2) float8_e4m3fn with a
+`<name>_scale_inv` fp32 [ceil(rows / 128), ceil(cols / 128)], the random weight quantized per 128 x 128 block
+(the same draws as without --fp8, so the two checkpoints of a seed hold the same model up to e4m3 rounding), and
+config.json's quantization_config. Embeddings, the LM head, norms, the router and its correction bias stay in
+--dtype (fp32 for the bias).
 """
 
 from __future__ import annotations
@@ -72,6 +79,35 @@ def checkpoint_entries(model_type: str, name: str, shape) -> list:
     return [(name, tuple(shape))]
 
 
+FP8_BLOCK = (128, 128)
+# Modules left unquantized among the decoder layers' 2-D weights, named as MiniMax-M2's release does (the router
+# `gate` matches model.layers.N.mlp.gate / block_sparse_moe.gate but not gate_proj); the embeddings, norms and the
+# correction bias are not 2-D layer weights and stay unquantized regardless.
+FP8_MODULES_TO_NOT_CONVERT = ["gate", "e_score_correction_bias", "lm_head"]
+
+
+def fp8_quantization_config(model_type: str) -> dict:
+    """config.json's quantization_config of an --fp8 checkpoint, as the model's release writes it."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
+            # MiniMax-M2 spells the format by its torch dtype, DeepSeek-V3 and Qwen3-FP8 as e4m3
+            "fmt": "float8_e4m3fn" if model_type == "minimax_m2" else "e4m3",
+            "modules_to_not_convert": list(FP8_MODULES_TO_NOT_CONVERT)}
+
+
+def is_fp8_weight(name: str, shape) -> bool:
+    """Whether on-disk tensor `name` [rows, cols] is stored float8_e4m3fn with a `<name>_scale_inv`: a 2-D
+    `.weight` inside the decoder layers whose module is not in FP8_MODULES_TO_NOT_CONVERT."""
+    from gyrfalcon.layers.quantization import matches_module
+
+    return (len(shape) == 2 and ".layers." in name and name.endswith(".weight")
+            and not matches_module(name[:-len(".weight")], FP8_MODULES_TO_NOT_CONVERT))
+
+
+def fp8_scale_shape(shape) -> tuple:
+    """weight [rows, cols] -> its weight_scale_inv [ceil(rows / 128), ceil(cols / 128)]."""
+    return tuple(-(-d // b) for d, b in zip(shape, FP8_BLOCK))
+
+
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="directory to write")
@@ -82,6 +118,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-std", type=float, default=None,
                    help="std of the LM head (larger gives peakier logits, stabler greedy tests)")
     p.add_argument("--tokenizer-vocab", type=int, default=4096)
+    p.add_argument("--fp8", action="store_true",
+                   help="decoder linear weights (attention, MLP, experts) as float8_e4m3fn with 128 x 128 block "
+                        "weight_scale_inv and an fp8 quantization_config, as DeepSeek-V3 / Qwen3-FP8 / MiniMax-M2 "
+                        "ship them (about half the bytes)")
 
 
 def build_config(preset: str, num_layers=None):
@@ -120,10 +160,12 @@ def train_tokenizer(vocab_size: int):
 
 def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat16", seed: int = 0,
                     std: float = 0.02, lm_head_std=None, tokenizer_vocab: int = 4096,
-                    shard_bytes: int = 4 << 30) -> Path:
+                    shard_bytes: int = 4 << 30, fp8: bool = False) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from gyrfalcon.kernels.fp8_gemm import quantize_weight_blockwise
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,13 +197,16 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
             t = lm_head_std * torch.randn(shape, generator=g, device=dev)
         else:
             t = std * torch.randn(shape, generator=g, device=dev)
-        if not name.endswith("e_score_correction_bias"):
-            t = t.to(tdtype).cpu()
-        nbytes = t.numel() * t.element_size()
-        if cur and cur_bytes + nbytes > shard_bytes:
+        if fp8 and is_fp8_weight(name, shape):
+            q, scale = quantize_weight_blockwise(t, FP8_BLOCK)
+            tensors = {name: q.cpu(), f"{name}_scale_inv": scale.cpu()}
+        else:
+            tensors = {name: t if name.endswith("e_score_correction_bias") else t.to(tdtype).cpu()}
+        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+        if cur and cur_bytes + nbytes > shard_bytes:  # a weight and its scales stay in one shard
             shards.append(cur)
             cur, cur_bytes = {}, 0
-        cur[name] = t
+        cur.update(tensors)
         cur_bytes += nbytes
     if cur:
         shards.append(cur)
@@ -174,6 +219,8 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
             total += v.numel() * v.element_size()
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    if fp8:
+        cfg.quantization_config = fp8_quantization_config(cfg.model_type)
     cfg.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out_dir))
@@ -183,6 +230,7 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     path = make_checkpoint(args.preset, args.out, args.num_layers, args.dtype, args.seed, args.std,
-                           args.lm_head_std, args.tokenizer_vocab)
-    print(f"wrote {args.preset} ({args.num_layers or 'all'} layers) to {path} in {time.perf_counter() - t0:.1f} s")
+                           args.lm_head_std, args.tokenizer_vocab, fp8=args.fp8)
+    print(f"wrote {args.preset} ({args.num_layers or 'all'} layers{', fp8' if args.fp8 else ''}) to {path} in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0

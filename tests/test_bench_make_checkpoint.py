@@ -1,0 +1,147 @@
+"""`gyrfalcon bench make-checkpoint --fp8`: the FP8 block format of DeepSeek-V3 / Qwen3-FP8 / MiniMax-M2
+releases. A one-layer qwen3-0.6b (the smallest dense preset) is written, checked tensor by tensor and loaded by
+gyrfalcon; the MoE presets' expert tensors are GBs even at one layer, so their FP8 selection is checked on names
+and shapes from the meta model, and the writer's per-expert path on a shrunken MoE preset."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from gyrfalcon.bench.make_checkpoint import (PRESETS, build_config, checkpoint_entries, fp8_quantization_config,
+                                             fp8_scale_shape, is_fp8_weight, make_checkpoint)
+from gyrfalcon.config import QuantizationConfig
+from gyrfalcon.kernels.fp8_gemm import dequantize_weight
+
+DENSE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})
+    return out
+
+
+def _entries(preset):
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_config(preset, num_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return [e for n, t in model.state_dict().items() for e in checkpoint_entries(cfg.model_type, n, t.shape)]
+
+
+@pytest.fixture(scope="module")
+def fp8_dense(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mkckpt")
+    return (make_checkpoint("qwen3-0.6b", str(base / "bf16"), num_layers=1, lm_head_std=0.1),
+            make_checkpoint("qwen3-0.6b", str(base / "fp8"), num_layers=1, lm_head_std=0.1, fp8=True))
+
+
+def test_dense_preset_writes_fp8_weights_and_scales(fp8_dense):
+    plain_dir, fp8_dir = fp8_dense
+    plain, fp8 = _tensors(plain_dir), _tensors(fp8_dir)
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                          "activation_scheme": "dynamic",
+                                          "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    assert "quantization_config" not in json.loads((plain_dir / "config.json").read_text())
+    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(fp8)
+    quantized = {n for n, t in fp8.items() if t.dtype == torch.float8_e4m3fn}
+    want = {f"model.layers.0.{'self_attn' if p.startswith(('q', 'k', 'v', 'o')) else 'mlp'}.{p}.weight"
+            for p in DENSE_LINEARS}
+    assert quantized == want
+    assert set(fp8) == set(plain) | {f"{n}_scale_inv" for n in want}
+    for n in want:
+        w, s = fp8[n], fp8[f"{n}_scale_inv"]
+        assert w.shape == plain[n].shape and s.dtype == torch.float32
+        assert s.shape == (math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128))
+        # the same draw as the plain checkpoint, quantized: e4m3 keeps 3 mantissa bits (<= 6.25% per element)
+        torch.testing.assert_close(dequantize_weight(w, s), plain[n].float(), rtol=0.07, atol=1e-6)
+    assert fp8["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (16, 8)  # q_proj [2048, 1024]
+    for n in set(plain) - want:  # embeddings (tied LM head), norms: as without --fp8
+        assert torch.equal(fp8[n], plain[n]), n
+
+
+def test_dense_fp8_checkpoint_loads_and_generates(fp8_dense):
+    from gyrfalcon import LLM, SamplingParams
+    from gyrfalcon.layers.quantization import is_quantized
+
+    _, fp8_dir = fp8_dense
+    llm = LLM(str(fp8_dir), block_size=8, max_model_len=128)
+    model = llm.engine.runner.model
+    assert llm.config.model_config.quant_config.weight_block_size == (128, 128)
+    assert sum(is_quantized(m) for m in model.modules()) == 4  # qkv, o, gate_up, down of the one layer
+    out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values())
+
+
+@pytest.mark.parametrize("preset, linears", [
+    ("qwen3-30b-a3b", 4 + 128 * 3),  # q/k/v/o + each expert's gate/up/down
+    ("minimax-m2", 4 + 256 * 3),  # q/k/v/o + each expert's w1/w3/w2
+])
+def test_moe_preset_fp8_selection(preset, linears):
+    """Names and shapes only (one layer of experts is GBs): the per-expert and attention weights are FP8, the
+    router, its correction bias, norms, embeddings and LM head are not; scale shapes are per 128 x 128 block."""
+    entries = _entries(preset)
+    fp8 = {n: s for n, s in entries if is_fp8_weight(n, s)}
+    assert len(fp8) == linears
+    rest = {n for n, _ in entries} - set(fp8)
+    moe = "block_sparse_moe" if preset == "minimax-m2" else "mlp"
+    assert f"model.layers.0.{moe}.gate.weight" in rest and "lm_head.weight" in rest
+    assert "model.embed_tokens.weight" in rest
+    assert all("norm" in n or n.endswith(("gate.weight", "e_score_correction_bias", "embed_tokens.weight",
+                                           "lm_head.weight")) for n in rest), rest
+    H, inter = PRESETS[preset]["hidden_size"], PRESETS[preset].get("moe_intermediate_size",
+                                                                   PRESETS[preset]["intermediate_size"])
+    up, down = ("w1", "w2") if preset == "minimax-m2" else ("gate_proj", "down_proj")
+    assert fp8_scale_shape(fp8[f"model.layers.0.{moe}.experts.7.{up}.weight"]) == (math.ceil(inter / 128), H // 128)
+    assert fp8_scale_shape(fp8[f"model.layers.0.{moe}.experts.7.{down}.weight"]) == (H // 128, math.ceil(inter / 128))
+    qc = QuantizationConfig.resolve(fp8_quantization_config(PRESETS[preset]["model_type"]), None, preset)
+    assert qc.weight_block_size == (128, 128) and qc.from_checkpoint
+
+
+def test_moe_writer_quantizes_each_expert(tmp_path, monkeypatch):
+    """The writer's MoE path on MiniMax-M2's layout shrunk to 4 experts of 128 x 256 (no flag for it: a preset
+    added for this test): every expert's w1 / w3 / w2 e4m3 with its scales, the router and the fp32 correction
+    bias as they are without --fp8; config.json's fmt spelled as MiniMax-M2's release does."""
+    tiny = dict(PRESETS["minimax-m2"], vocab_size=512, hidden_size=256, intermediate_size=128,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+                num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    monkeypatch.setitem(PRESETS, "tiny-minimax", tiny)
+    path = make_checkpoint("tiny-minimax", str(tmp_path / "m"), tokenizer_vocab=300, fp8=True)
+    t = _tensors(path)
+    moe = "model.layers.0.block_sparse_moe"
+    for e in range(4):
+        for proj, shape in (("w1", (128, 256)), ("w3", (128, 256)), ("w2", (256, 128))):
+            w, s = t[f"{moe}.experts.{e}.{proj}.weight"], t[f"{moe}.experts.{e}.{proj}.weight_scale_inv"]
+            assert w.dtype == torch.float8_e4m3fn and tuple(w.shape) == shape
+            assert s.dtype == torch.float32 and tuple(s.shape) == fp8_scale_shape(shape)
+    assert t[f"{moe}.gate.weight"].dtype == torch.bfloat16
+    assert t[f"{moe}.e_score_correction_bias"].dtype == torch.float32
+    assert not any(n.startswith(f"{moe}.gate.") and n.endswith("scale_inv") for n in t)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc["fmt"] == "float8_e4m3fn" and "e_score_correction_bias" in qc["modules_to_not_convert"]
+    assert QuantizationConfig.resolve(qc, None, str(path)).weight_block_size == (128, 128)
+
+
+def test_cli_flag_reaches_the_writer(monkeypatch, tmp_path):
+    import gyrfalcon.bench.make_checkpoint as mk
+    from gyrfalcon.cli import build_parser
+
+    calls = []
+    monkeypatch.setattr(mk, "make_checkpoint", lambda *a, **kw: calls.append((a, kw)) or tmp_path)
+    for flag in ([], ["--fp8"]):
+        args = build_parser().parse_args(["bench", "make-checkpoint", "--preset", "minimax-m2", "--out",
+                                          str(tmp_path), "--num-layers", "2", *flag])
+        assert args.func(args) == 0
+    assert [kw.get("fp8") for _, kw in calls] == [False, True]
