@@ -134,14 +134,32 @@ def test_moe_writer_quantizes_each_expert(tmp_path, monkeypatch):
     assert QuantizationConfig.resolve(qc, None, str(path)).weight_block_size == (128, 128)
 
 
+def test_config_only_directory_loads_with_dummy_weights(tmp_path):
+    """--config-only --fp8: config.json with the quantization_config and the tokenizer, no weight files; the
+    engine's --load-format dummy builds the FP8 model from it and generates (an ordinary load refuses it)."""
+    from gyrfalcon import LLM, SamplingParams
+    from gyrfalcon.layers.quantization import is_quantized
+
+    path = make_checkpoint("qwen3-0.6b", str(tmp_path / "cfg"), num_layers=2, fp8=True, config_only=True)
+    assert not list(path.glob("*.safetensors*"))
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert (path / "tokenizer.json").exists() and (path / "generation_config.json").exists()
+    with pytest.raises(FileNotFoundError, match="No \\*.safetensors"):
+        LLM(str(path))
+    llm = LLM(str(path), load_format="dummy", block_size=8, max_model_len=128)
+    assert sum(is_quantized(m) for m in llm.engine.runner.model.modules()) == 8  # 4 per layer
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 def test_cli_flag_reaches_the_writer(monkeypatch, tmp_path):
     import gyrfalcon.bench.make_checkpoint as mk
     from gyrfalcon.cli import build_parser
 
     calls = []
     monkeypatch.setattr(mk, "make_checkpoint", lambda *a, **kw: calls.append((a, kw)) or tmp_path)
-    for flag in ([], ["--fp8"]):
+    for flags in ([], ["--fp8"], ["--config-only"]):
         args = build_parser().parse_args(["bench", "make-checkpoint", "--preset", "minimax-m2", "--out",
-                                          str(tmp_path), "--num-layers", "2", *flag])
+                                          str(tmp_path), "--num-layers", "2", *flags])
         assert args.func(args) == 0
-    assert [kw.get("fp8") for _, kw in calls] == [False, True]
+    assert [(kw["fp8"], kw["config_only"]) for _, kw in calls] == [(False, False), (True, False), (False, True)]

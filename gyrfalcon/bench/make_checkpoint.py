@@ -12,6 +12,9 @@ the meta device, so the files are exactly what that class would save.
 (the same draws as without --fp8, so the two checkpoints of a seed hold the same model up to e4m3 rounding), and
 config.json's quantization_config. Embeddings, the LM head, norms, the router and its correction bias stay in
 --dtype (fp32 for the bias).
+
+--config-only writes everything but the weights, for `--load-format dummy` (models/loader.py): the engine builds
+the model from config.json and fills it with random values on the device, so shapes larger than the disk run.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="decoder linear weights (attention, MLP, experts) as float8_e4m3fn with 128 x 128 block "
                         "weight_scale_inv and an fp8 quantization_config, as DeepSeek-V3 / Qwen3-FP8 / MiniMax-M2 "
                         "ship them (about half the bytes)")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json, tokenizer and generation_config but no weights: the directory for "
+                        "--load-format dummy (random weights made on the device at load)")
 
 
 def build_config(preset: str, num_layers=None):
@@ -160,7 +166,7 @@ def train_tokenizer(vocab_size: int):
 
 def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat16", seed: int = 0,
                     std: float = 0.02, lm_head_std=None, tokenizer_vocab: int = 4096,
-                    shard_bytes: int = 4 << 30, fp8: bool = False) -> Path:
+                    shard_bytes: int = 4 << 30, fp8: bool = False, config_only: bool = False) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -183,7 +189,8 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
     shards, cur, cur_bytes, index = [], {}, 0, {}
     state = model.state_dict()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    entries = [e for name, meta in state.items() for e in checkpoint_entries(cfg.model_type, name, meta.shape)]
+    entries = [] if config_only else [e for name, meta in state.items()
+                                      for e in checkpoint_entries(cfg.model_type, name, meta.shape)]
     for name, shape in entries:
         if tied and name == "lm_head.weight":
             continue
@@ -217,8 +224,9 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
         for k, v in shard.items():
             index[k] = fname
             total += v.numel() * v.element_size()
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    if shards:
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     if fp8:
         cfg.quantization_config = fp8_quantization_config(cfg.model_type)
     cfg.save_pretrained(str(out_dir))
@@ -230,7 +238,8 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     path = make_checkpoint(args.preset, args.out, args.num_layers, args.dtype, args.seed, args.std,
-                           args.lm_head_std, args.tokenizer_vocab, fp8=args.fp8)
-    print(f"wrote {args.preset} ({args.num_layers or 'all'} layers{', fp8' if args.fp8 else ''}) to {path} in "
+                           args.lm_head_std, args.tokenizer_vocab, fp8=args.fp8, config_only=args.config_only)
+    what = ", fp8" * args.fp8 + ", config only" * args.config_only
+    print(f"wrote {args.preset} ({args.num_layers or 'all'} layers{what}) to {path} in "
           f"{time.perf_counter() - t0:.1f} s")
     return 0
