@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gyrfalcon import envs
+from gyrfalcon.kernels.rms_norm import qk_norm_whole
 from gyrfalcon.layers.attention import Attention
 from gyrfalcon.layers.linear import Linear, QKVLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -74,10 +75,12 @@ class RotarySelfAttention(nn.Module):
 
     def _forward_whole_qk_norm(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: the normed input [T, hidden] -> attention output [T, num_heads * head_dim] (qk_norm_whole)."""
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes(), dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.fused:  # both norms and the v copy in one launch (not two norms and a cat)
+            qkv = qk_norm_whole(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return self.attn.forward_fused(qkv, positions, self.rotary_emb)
+        q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused:
-            return self.attn.forward_fused(torch.cat([q, k, v], dim=-1), positions, self.rotary_emb)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)

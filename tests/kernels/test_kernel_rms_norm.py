@@ -74,3 +74,27 @@ def test_triton_no_weight_and_empty():
     torch.testing.assert_close(rms_norm_triton(x, None, 1e-6), rms_norm_ref(x, None, 1e-6), **TOL[torch.float32])
     e = torch.randn(0, 24, device=DEVICE)
     assert rms_norm_triton(e, torch.ones(24, device=DEVICE), 1e-6).shape == (0, 24)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("widths", [(64, 32, 32), (6144, 1024, 1024), (40, 24, 8)])
+def test_qk_norm_whole_matches_reference(dtype, widths):
+    """MiniMax-M2's whole-projection q / k norms in one launch: q and k columns normalized each as one row, v
+    copied bit for bit; a strided (sliced) input row too."""
+    from gyrfalcon.kernels.rms_norm import qk_norm_whole_ref, qk_norm_whole_triton
+
+    qw, kw, vw = widths
+    g = torch.Generator().manual_seed(qw)
+    big = torch.randn(5, qw + kw + vw + 8, generator=g).to(dtype).to(DEVICE)
+    qkv = big[:, 8:]  # row stride wider than the row
+    q_w = (1 + 0.1 * torch.randn(qw, generator=g)).to(dtype).to(DEVICE)
+    k_w = (1 + 0.1 * torch.randn(kw, generator=g)).to(dtype).to(DEVICE)
+    got = qk_norm_whole_triton(qkv, q_w, k_w, 1e-6)
+    want = qk_norm_whole_ref(qkv, q_w, k_w, 1e-6)
+    assert got.shape == qkv.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[:, qw + kw:], qkv[:, qw + kw:])
+    # the reference is the two norms of the package's rms_norm
+    torch.testing.assert_close(want[:, :qw].double(), _formula(qkv[:, :qw].float(), q_w, 1e-6).to(want.dtype).double(),
+                               **TOL[dtype])

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from gyrfalcon.kernels.common import use_triton
-from gyrfalcon.kernels.rms_norm.naive import apply_row_scale_ref, rms_norm_ref, row_rstd_ref
-from gyrfalcon.kernels.rms_norm.triton import rms_norm_triton
+from gyrfalcon.kernels.rms_norm.naive import apply_row_scale_ref, qk_norm_whole_ref, rms_norm_ref, row_rstd_ref
+from gyrfalcon.kernels.rms_norm.triton import qk_norm_whole_triton, rms_norm_triton
 
 
 def rms_norm(
@@ -27,4 +27,12 @@ def rms_norm(
     return rms_norm_ref(x, weight, eps, residual, weight_offset=weight_offset)
 
 
-__all__ = ["apply_row_scale_ref", "rms_norm", "rms_norm_ref", "rms_norm_triton", "row_rstd_ref"]
+def qk_norm_whole(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The whole-projection q and k RMSNorms of a fused qkv row (MiniMax-M2); see qk_norm_whole_ref."""
+    if use_triton(qkv):
+        return qk_norm_whole_triton(qkv, q_weight, k_weight, eps)
+    return qk_norm_whole_ref(qkv, q_weight, k_weight, eps)
+
+
+__all__ = ["apply_row_scale_ref", "qk_norm_whole", "qk_norm_whole_ref", "qk_norm_whole_triton", "rms_norm",
+           "rms_norm_ref", "rms_norm_triton", "row_rstd_ref"]

@@ -44,3 +44,12 @@ def apply_row_scale_ref(t: torch.Tensor, row_scale) -> torch.Tensor:
     x, eps = row_scale
     shape = (t.shape[0],) + (1,) * (t.dim() - 1)
     return (t.float() * row_rstd_ref(x, eps).view(shape)).to(t.dtype)
+
+
+def qk_norm_whole_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """MiniMax-M2's q/k norm: qkv [T, q_width + k_width + v_width] (the fused projection's rows, q_width =
+    q_weight's, k_width = k_weight's) -> a new [T, same] with one RMSNorm over each row's whole q part and one over
+    its whole k part (before any split into heads), v copied unchanged."""
+    qw, kw = q_weight.shape[0], k_weight.shape[0]
+    q, k, v = qkv[:, :qw], qkv[:, qw:qw + kw], qkv[:, qw + kw:]
+    return torch.cat([rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), v], dim=-1)

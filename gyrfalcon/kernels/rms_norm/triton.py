@@ -100,3 +100,52 @@ def rms_norm_triton(
         num_warps=num_warps,
     )
     return out if residual is None else (out, res_out)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _qk_norm_whole_kernel(x_ptr, qw_ptr, kw_ptr, out_ptr, stride_x, stride_out, QW, KW, VW, eps,
+                              BLOCK: tl.constexpr):
+        # Grid: (T, 3). Part 0 / 1: RMSNorm of the row's q / k columns with its weight; part 2: the v columns
+        # copied, so the result is one contiguous qkv row for the fused prep (no torch.cat launch).
+        t = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        start = tl.where(part == 0, 0, tl.where(part == 1, QW, QW + KW))
+        n = tl.where(part == 0, QW, tl.where(part == 1, KW, VW))
+        cols = tl.arange(0, BLOCK)
+        x_row = x_ptr + t * stride_x + start
+        o_row = out_ptr + t * stride_out + start
+        if part == 2:
+            for c0 in range(0, VW, BLOCK):
+                m = c0 + cols < VW
+                tl.store(o_row + c0 + cols, tl.load(x_row + c0 + cols, mask=m), mask=m)
+        else:
+            w_ptr = qw_ptr if part == 0 else kw_ptr
+            ss = tl.zeros([BLOCK], tl.float32)
+            for c0 in range(0, n, BLOCK):
+                xv = tl.load(x_row + c0 + cols, mask=c0 + cols < n, other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / n + eps)
+            for c0 in range(0, n, BLOCK):
+                m = c0 + cols < n
+                xv = tl.load(x_row + c0 + cols, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c0 + cols, mask=m, other=0.0).to(tl.float32)
+                tl.store(o_row + c0 + cols, (xv * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def qk_norm_whole_triton(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """qk_norm_whole_ref's contract in one launch (in place of two norm launches and a cat)."""
+    T, width = qkv.shape
+    qw, kw = q_weight.shape[0], k_weight.shape[0]
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    out = torch.empty(T, width, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return out
+    # 2K-element chunks: a 6144-wide q row (MiniMax-M2) is three loads per pass, kept in registers of 8 warps.
+    block = min(2048, max(16, next_pow2(max(qw, kw))))
+    _qk_norm_whole_kernel[(T, 3)](qkv, q_weight, k_weight, out, qkv.stride(0), out.stride(0), qw, kw,
+                                  width - qw - kw, float(eps), BLOCK=block, num_warps=8 if block >= 1024 else 4)
+    return out
