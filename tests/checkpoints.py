@@ -129,3 +129,40 @@ def make_moe_checkpoint(path, arch: str = "qwen3_moe", seed: int = 0, **override
     tok.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
     return path
+
+
+DEEPSEEK_V3_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=4096 * 40,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0})
+
+
+def make_deepseek_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random DeepSeek-V3 checkpoint (../shared/MODELS.md's tiny config without the V3.2 indexer:
+    MLA with YaRN and interleaved RoPE, layer 0 dense, layers 1-2 MoE with grouped sigmoid routing and a shared
+    expert) plus tokenizer under `path`. Every parameter is randomized, the MLA norms and
+    e_score_correction_bias included. overrides: DeepseekV3Config fields (q_lora_rank=None: a plain q_proj)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = DeepseekV3Config(**{**DEEPSEEK_V3_TINY, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos,
+                              "tie_word_embeddings": False, **overrides})
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path

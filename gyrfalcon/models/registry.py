@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen3ForCausalLM": ("gyrfalcon.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("gyrfalcon.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("gyrfalcon.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 
