@@ -30,6 +30,13 @@ ckpt() {  # ckpt q06|l8: the random-weight checkpoint of Qwen3-0.6B's / Llama-3.
   [ -f /tmp/ck/$1/config.json ] || step ckpt_$1 $secs $G bench make-checkpoint --preset $preset --out /tmp/ck/$1
 }
 
+cfg() {  # cfg NAME PRESET LAYERS [--fp8]: config.json + tokenizer, no weights (for --load-format dummy), under
+  # /tmp/cfg/NAME, once: the way to run shapes whose checkpoints would not fit the machine's disk beside the others
+  local name=$1 preset=$2 layers=$3; shift 3
+  [ -f /tmp/cfg/$name/config.json ] || step cfg_$name 60 $G bench make-checkpoint --preset $preset \
+    --num-layers $layers --config-only "$@" --out /tmp/cfg/$name
+}
+
 banner() {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,

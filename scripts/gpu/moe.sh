@@ -15,19 +15,13 @@ source scripts/gpu/lib.sh
 banner
 ROWS=${*:-q30_b1 q30_b64 q30f_b1 q30f_b64 mm_b1 mm_b64 mmf_b1 mmf_b64}
 
-config() {  # config NAME PRESET LAYERS [--fp8]: config.json + tokenizer (no weights) under /tmp/cfg/NAME, once
-  local name=$1 preset=$2 layers=$3; shift 3
-  [ -f /tmp/cfg/$name/config.json ] || step cfg_$name 60 $G bench make-checkpoint --preset $preset \
-    --num-layers $layers --config-only "$@" --out /tmp/cfg/$name
-}
-
 row() {  # row NAME PRESET LAYERS BATCH [--fp8]
   local name=$1 preset=$2 layers=$3 b=$4; shift 4
   local extra=() fp8=() model=$preset
   [ "$b" = 1 ] && extra=(--profile)
   if [ "${1:-}" = --fp8 ]; then fp8=(--fp8); model=${preset}-fp8; fi
   [ "$preset" = minimax-m2 ] && model=${model/minimax-m2/minimax-m2-14l}
-  config $name $preset $layers "${fp8[@]}"
+  cfg $name $preset $layers "${fp8[@]}"
   step lat_${name}_b$b 240 $G bench latency --model /tmp/cfg/$name --load-format dummy --batch-size $b \
     --max-num-seqs $b --input-len 128 --output-len 128 --async-scheduling "${extra[@]}" \
     --output-json "$R/latency_${model}_b${b}_row.json"
