@@ -82,6 +82,37 @@ def default_config(num_pairs: int, num_experts: int, H: int, I: int, elem_size: 
     return MoeConfig(bm, _fit(up, I, H), _fit(down, H, I))
 
 
+# {(pairs bucket, H, I, (bn, bk)): MoeConfig} tuned FP8 shapes in place of fp8_config's rule (empty until a GPU sweep).
+TUNED_FP8: dict = {}
+
+
+def fp8_config(num_pairs: int, num_experts: int, H: int, I: int, block=(128, 128),  # noqa: E741
+               elem_size: int = 2) -> MoeConfig:
+    """A launch shape for FP8 experts with (bn, bk) weight blocks (kernels/fused_moe/triton.py's FP8 mode).
+
+    BLOCK_K is the weight block's width bk: one K step meets one activation scale per row (the activations are
+    quantized per row over exactly that step, as fp8_gemm does) and one weight scale row-block. BLOCK_N stays <= bn
+    and divides it, so a program's down columns and its gate columns lie in one scale row-block (one scalar scale a
+    K step), and so do its up columns (rows I + cols of w13) when BLOCK_N also divides I: always for checkpoint
+    experts (I % bn == 0), not for a w13 quantized whole at load with an odd I, where the kernel loads a scale per
+    column instead (SCALE_COLS). block_m and BLOCK_N otherwise follow default_config's rule (the same decode /
+    prefill reasoning; an e4m3 weight tile is half a bf16 one's bytes). A 128-wide K step of fp32 activations (fp32
+    models on a GPU) is 32 KB a 64-row stage: two stages then instead of three. Checked to compile for sm_90 within
+    shared memory without spills (scripts/compile_check.py's harness); not yet timed on a GPU."""
+    bucket = pairs_bucket(num_pairs)
+    bn, bk = int(block[0]), int(block[1])
+    if (bucket, H, I, (bn, bk)) in TUNED_FP8:
+        return TUNED_FP8[(bucket, H, I, (bn, bk))]
+    base = default_config(num_pairs, num_experts, H, I, 2)
+    cap = bn & -bn  # the largest power of two dividing bn (bn itself for 128)
+
+    def tile(t: GemmTile) -> GemmTile:  # t's block_n already cut to the problem's N by default_config
+        stages = min(t.num_stages, 2) if elem_size >= 4 and base.block_m >= 64 else t.num_stages
+        return GemmTile(max(16, min(t.block_n, cap)), bk, t.num_warps, stages)
+
+    return MoeConfig(base.block_m, tile(base.up), tile(base.down))
+
+
 def _fit(t: GemmTile, N: int, K: int) -> GemmTile:
     """t with BLOCK_N / BLOCK_K cut to the problem's N / K (powers of two, >= 16: tl.dot's least)."""
     return t._replace(block_n=min(t.block_n, max(16, next_pow2(N))), block_k=min(t.block_k, max(16, next_pow2(K))))

@@ -13,6 +13,17 @@ captured in a CUDA graph):
 
 A decode batch reads only the selected experts' weights: an expert with no pairs owns no tile, and a tile past the
 used ones reads its expert id (-1) and returns before touching any weight.
+
+FP8 experts (FP8 constexpr of both GEMM kernels; w13 / w2 float8_e4m3fn with (bn, bk) block scales, naive.py): the
+K loop steps by BLOCK_K = bk, so one step meets one activation scale per row and one weight scale per output
+column. Each step loads the A tile (x rows, or act rows for the down GEMM, in x's dtype), quantizes it to e4m3 per
+row over that step (scale = amax / 448, as kernels/fp8_gemm does: the reference's per-token, per-bk-column groups),
+runs the fp8 x fp8 dot with fp32 accumulation and adds it times x_scale[row] * w_scale[e, col // bn, step]; the
+epilogues (rounding to x's dtype, SiLU-and-mul, routing weights) are the unquantized path's. The quantization is
+recomputed by every N tile of a row block (cheap next to the weight tiles it meets; a separate act-quant launch
+would cost more at decode sizes). Under the interpreter the e4m3 cast is emulated in fp32 (fp8_gemm's _round_e4m3)
+and the dot runs on the fp8 operands' exact fp32 values. FP8 False compiles to the unquantized kernels unchanged
+(the scale arguments are then unused).
 """
 
 from __future__ import annotations
@@ -22,7 +33,10 @@ from typing import Optional, Tuple
 import torch
 
 from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
-from gyrfalcon.kernels.fused_moe.configs import ALIGN_KERNEL_MAX_PAIRS, MoeConfig, default_config
+from gyrfalcon.kernels.fp8_gemm import triton as fp8_triton  # _round_e4m3, looked up at launch (module reloads)
+from gyrfalcon.kernels.fp8_gemm.naive import AMAX_FLOOR, FP8_MAX
+from gyrfalcon.kernels.fused_moe.configs import ALIGN_KERNEL_MAX_PAIRS, MoeConfig, default_config, fp8_config
+from gyrfalcon.kernels.fused_moe.naive import check_fp8_experts
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -152,10 +166,28 @@ if HAS_TRITON:
         return v.to(DTYPE)
 
     @triton.jit
+    def _quant_rows(a, amax_floor, fp8_max):
+        """a [M, K] (one K step of the A tile) -> (its values / scale, clamped to +-448, fp32; scale [M] =
+        amax / 448 per row): the e4m3 operand before its cast, and the row scales."""
+        a = a.to(tl.float32)
+        xs = tl.maximum(tl.max(tl.abs(a), axis=1), amax_floor) / fp8_max
+        return tl.minimum(tl.maximum(a / xs[:, None], -fp8_max), fp8_max), xs
+
+    @triton.jit
+    def _dot_fp8(aq, w, UPCAST: tl.constexpr):
+        """aq [M, K] (fp32, e4m3-ranged, not yet rounded) @ w [K, N] (float8_e4m3fn) -> fp32 [M, N]. UPCAST (the
+        interpreter): both operands' e4m3 values in fp32 (products of e4m3 values are exact in fp32)."""
+        if UPCAST:
+            return tl.dot(fp8_triton._round_e4m3(aq), w.to(tl.float32), input_precision="ieee")
+        return tl.dot(aq.to(tl.float8e4nv), w)
+
+    @triton.jit
     def _moe_gate_up_kernel(
-        x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr,
-        P, I, H, TOPK, stride_x, stride_we, stride_wn, stride_act,
-        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RTNE: tl.constexpr,
+        x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, ws_ptr,
+        P, I, H, TOPK, stride_x, stride_we, stride_wn, stride_act, stride_wse, stride_wsn, stride_wsk,
+        amax_floor, fp8_max,
+        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RTNE: tl.constexpr, FP8: tl.constexpr, W_BN: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # Grid: (sorted tiles, cdiv(I, BLOCK_N)); axis 0 runs fastest, so the tiles of one expert that share a
@@ -172,6 +204,18 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         # int64: E * 2I * H passes 2^31 at MiniMax-M2's shapes.
         w_base = w_ptr + e.to(tl.int64) * stride_we
+        if FP8:
+            # The scale rows of the gate columns cols and of the up columns I + cols in w13_scale[e]. SCALE_COLS
+            # False (BLOCK_N divides bn and I): each set lies in one row-block, one scalar a K step; True (a w13
+            # quantized whole with I % BLOCK_N != 0): the up columns may straddle two, a [BLOCK_N] load each.
+            ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+            n0 = tl.program_id(1) * BLOCK_N
+            if SCALE_COLS:
+                sg_ptrs = ws_base + (cols // W_BN) * stride_wsn
+                su_ptrs = ws_base + ((cols + I) // W_BN) * stride_wsn
+            else:
+                sg_ptrs = ws_base + (n0 // W_BN) * stride_wsn
+                su_ptrs = ws_base + ((n0 + I) // W_BN) * stride_wsn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -183,8 +227,23 @@ if HAS_TRITON:
             wmask = kmask[:, None] & cmask[None, :]
             wg = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (cols[None, :] + I) * stride_wn + kk[:, None], mask=wmask, other=0.0)
-            acc_g = _dot(acc_g, a, wg, UPCAST, DOT_PREC)
-            acc_u = _dot(acc_u, a, wu, UPCAST, DOT_PREC)
+            if FP8:
+                # BLOCK_K = bk: this step is K block k0 // bk of the weight and one activation group of each row.
+                aq, xs = _quant_rows(a, amax_floor, fp8_max)
+                kb = k0 // BLOCK_K
+                if SCALE_COLS:
+                    sg = tl.load(sg_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
+                    su = tl.load(su_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
+                    acc_g += _dot_fp8(aq, wg, UPCAST) * xs[:, None] * sg[None, :]
+                    acc_u += _dot_fp8(aq, wu, UPCAST) * xs[:, None] * su[None, :]
+                else:
+                    sg = tl.load(sg_ptrs + kb * stride_wsk)
+                    su = tl.load(su_ptrs + kb * stride_wsk)
+                    acc_g += _dot_fp8(aq, wg, UPCAST) * (xs * sg)[:, None]
+                    acc_u += _dot_fp8(aq, wu, UPCAST) * (xs * su)[:, None]
+            else:
+                acc_g = _dot(acc_g, a, wg, UPCAST, DOT_PREC)
+                acc_u = _dot(acc_u, a, wu, UPCAST, DOT_PREC)
         # The reference's GEMM output is in x's dtype before the fp32 activation: round the same way.
         g = _cast(acc_g, act_ptr.dtype.element_ty, RTNE).to(tl.float32)
         u = _cast(acc_u, act_ptr.dtype.element_ty, RTNE).to(tl.float32)
@@ -194,9 +253,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_down_kernel(
-        act_ptr, w_ptr, tw_ptr, y_ptr, sorted_ids_ptr, tile_expert_ptr,
-        P, H, I, stride_act, stride_we, stride_wn, stride_y,
+        act_ptr, w_ptr, tw_ptr, y_ptr, sorted_ids_ptr, tile_expert_ptr, ws_ptr,
+        P, H, I, stride_act, stride_we, stride_wn, stride_y, stride_wse, stride_wsn, stride_wsk,
+        amax_floor, fp8_max,
         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RTNE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        FP8: tl.constexpr, W_BN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # Grid: (sorted tiles, cdiv(H, BLOCK_N)), as the gate_up kernel's.
@@ -211,6 +272,9 @@ if HAS_TRITON:
         cmask = cols < H
         ks = tl.arange(0, BLOCK_K)
         w_base = w_ptr + e.to(tl.int64) * stride_we
+        if FP8:
+            # BLOCK_N divides bn (fp8_config), so this program's columns lie in one scale row-block of w2_scale[e].
+            s_ptr = ws_ptr + e.to(tl.int64) * stride_wse + (tl.program_id(1) * BLOCK_N // W_BN) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
@@ -219,7 +283,12 @@ if HAS_TRITON:
                         other=0.0)
             w = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None], mask=kmask[:, None] & cmask[None, :],
                         other=0.0)
-            acc = _dot(acc, a, w, UPCAST, DOT_PREC)
+            if FP8:
+                aq, xs = _quant_rows(a, amax_floor, fp8_max)
+                ws = tl.load(s_ptr + (k0 // BLOCK_K) * stride_wsk)
+                acc += _dot_fp8(aq, w, UPCAST) * (xs * ws)[:, None]
+            else:
+                acc = _dot(acc, a, w, UPCAST, DOT_PREC)
         tw = tl.load(tw_ptr + pairs, mask=rmask, other=0.0)
         # The reference rounds the down GEMM's output to x's dtype, then weights it in fp32.
         y = _cast(acc, OUT_DTYPE, RTNE).to(tl.float32) * tw[:, None]
@@ -240,17 +309,29 @@ if HAS_TRITON:
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: Optional[MoeConfig] = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                     w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128),
+                     config: Optional[MoeConfig] = None) -> torch.Tensor:
     """Same contract as fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (fp32),
-    topk_ids [T, k] int (each row's experts distinct) -> [T, H] in x's dtype. No host sync. config overrides
-    default_config (tests, sweeps)."""
+    topk_ids [T, k] int (each row's experts distinct) -> [T, H] in x's dtype. FP8 experts: w13 / w2
+    float8_e4m3fn, w13_scale fp32 [E, ceil(2I / bn), ceil(H / bk)], w2_scale fp32 [E, ceil(H / bn), ceil(I / bk)],
+    block (bn, bk) with bk a power of two >= 16. No host sync. config overrides default_config / fp8_config
+    (tests, sweeps); in FP8 mode its block_k must be bk."""
     T, H = x.shape
     E, two_i, H2 = w13.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
     assert H2 == H and tuple(w2.shape) == (E, H, inter), (tuple(x.shape), tuple(w13.shape), tuple(w2.shape))
     assert topk_weights.shape == topk_ids.shape and topk_ids.shape[0] == T
-    assert w13.dtype == x.dtype and w2.dtype == x.dtype, "the grouped GEMMs run in x's dtype"
+    fp8 = check_fp8_experts(w13, w2, w13_scale, w2_scale, block)
+    bn, bk = (int(block[0]), int(block[1])) if fp8 else (1, 0)
+    if fp8:
+        if bk < 16 or bk & (bk - 1):
+            raise ValueError(f"the FP8 weight block's width must be a power of two >= 16, got {bk}")
+        if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+            raise ValueError("FP8 expert scales must be float32")
+    else:
+        assert w13.dtype == x.dtype and w2.dtype == x.dtype, "the grouped GEMMs run in x's dtype"
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     P = T * k
     if P == 0:
@@ -261,7 +342,18 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         w13 = w13.contiguous()
     if w2.stride(-1) != 1:
         w2 = w2.contiguous()
-    cfg = config or default_config(P, E, H, inter, x.element_size())
+    if fp8:
+        cfg = config or fp8_config(P, E, H, inter, (bn, bk), x.element_size())
+        if cfg.up.block_k != bk or cfg.down.block_k != bk:
+            raise ValueError(f"FP8 experts step K by the weight block's width {bk}; config has "
+                             f"{cfg.up.block_k} / {cfg.down.block_k}")
+        if bn % cfg.up.block_n or bn % cfg.down.block_n:
+            raise ValueError(f"FP8 experts need BLOCK_N dividing the weight block's {bn} rows; config has "
+                             f"{cfg.up.block_n} / {cfg.down.block_n}")
+        s13, s2 = w13_scale, w2_scale
+    else:
+        cfg = config or default_config(P, E, H, inter, x.element_size())
+        s13, s2 = w13, w2  # unused by the unquantized kernels (FP8 False): any pointer, zero strides
     bm = cfg.block_m
     sorted_ids, tile_expert = moe_align(topk_ids, E, bm)
     n_tiles = tile_expert.numel()
@@ -273,20 +365,25 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     up, down = cfg.up, cfg.down
     out_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
+    s13_strides = tuple(s13.stride()) if fp8 else (0, 0, 0)
+    s2_strides = tuple(s2.stride()) if fp8 else (0, 0, 0)
     _moe_gate_up_kernel[(n_tiles, triton.cdiv(inter, up.block_n))](
-        x, w13, act, sorted_ids, tile_expert,
-        P, inter, H, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, BLOCK_M=bm, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        x, w13, act, sorted_ids, tile_expert, s13,
+        P, inter, H, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *s13_strides,
+        AMAX_FLOOR, FP8_MAX,
+        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, FP8=fp8, W_BN=bn, SCALE_COLS=fp8 and inter % up.block_n != 0,
+        BLOCK_M=bm, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         num_warps=up.num_warps, num_stages=up.num_stages,
     )
     _moe_down_kernel[(n_tiles, triton.cdiv(H, down.block_n))](
-        act, w2, tw, y, sorted_ids, tile_expert,
-        P, H, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, OUT_DTYPE=out_dtype,
+        act, w2, tw, y, sorted_ids, tile_expert, s2,
+        P, H, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides,
+        AMAX_FLOOR, FP8_MAX,
+        UPCAST=upcast, DOT_PREC=prec, RTNE=rtne, OUT_DTYPE=out_dtype, FP8=fp8, W_BN=bn,
         BLOCK_M=bm, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         num_warps=down.num_warps, num_stages=down.num_stages,
     )
-    block = min(1024, max(16, next_pow2(H)))
-    _moe_sum_kernel[(T, triton.cdiv(H, block))](y, out, H, y.stride(0), out.stride(0), TOPK=k, RTNE=rtne, BLOCK=block,
-                                                num_warps=4)
+    block_sum = min(1024, max(16, next_pow2(H)))
+    _moe_sum_kernel[(T, triton.cdiv(H, block_sum))](y, out, H, y.stride(0), out.stride(0), TOPK=k, RTNE=rtne,
+                                                    BLOCK=block_sum, num_warps=4)
     return out
