@@ -108,5 +108,4 @@ class MultiHeadLatentAttention(nn.Module):
         fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
         store_latent(latent, k_rope, cache, fb.slot_mapping)
         return mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
-                             self.kv_lora_rank, fb.is_decode, fb.max_query_len, fb.max_seq_len,
-                             fb.decode_num_splits)
+                             self.kv_lora_rank, fb.is_decode, fb.decode_num_splits)

@@ -1,12 +1,12 @@
 """Paged MLA attention (kernels/mla_attention): the reference against the expanded form of MLA (per-head keys and
-values rebuilt from the latent, float64), the cache write, and the Triton kernels (split-K decode; the varlen
-prefill kernel over the latent rows) against the reference, on ragged batches with partly filled, shuffled blocks."""
+values rebuilt from the latent, float64), the cache write, and the Triton split-K kernel (decode rows; prefill
+steps as one row per query token) against the reference, on ragged batches with partly filled, shuffled blocks."""
 
 import pytest
 import torch
 
 from gyrfalcon.kernels.mla_attention import (mla_attention, mla_attention_ref, mla_decode_ref, mla_decode_triton,
-                                             store_latent, store_latent_ref)
+                                             mla_prefill_triton, store_latent, store_latent_ref)
 from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
 
 # Ragged: a fresh prefill, chunks over a cached prefix, decode rows, an empty query, a context of many blocks.
@@ -148,19 +148,26 @@ def test_triton_decode_default_splits():
 
 
 @requires_triton
-def test_triton_prefill_over_latent_rows_matches_ref():
-    """Non-decode steps on the GPU run the varlen paged prefill kernel with K = the whole row and V = its latent
-    columns (a strided view of the same cache): the reference's output on a ragged batch."""
-    from gyrfalcon.kernels.paged_attention import paged_attention_triton
-
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_matches_ref(dtype):
+    """Non-decode steps: every query token a row of the split-K kernel, its context ending at its position; a
+    ragged batch (fresh prefill, chunks over a cached prefix, decode rows, an empty query), then padding as a
+    mixed graph leaves it: 3 tokens past query_start_loc[-1] and 2 empty sequences (zeros for the padding)."""
     L, R, H = 16, 8, 4
     q_lens, seq_lens = RAGGED
-    cache, bt, _ = _cache(seq_lens, L + R, 4, torch.float32)
-    q = torch.randn(sum(q_lens), H, L + R, device=DEVICE)
+    cache, bt, _ = _cache(seq_lens, L + R, 4, dtype)
+    T = sum(q_lens)
+    q = torch.randn(T + 3, H, L + R, device=DEVICE).to(dtype)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    want = mla_attention_ref(q, cache, bt, sl, _qsl(q_lens), 0.2, L)
-    got = paged_attention_triton(q, cache, cache[..., :L], bt, sl, _qsl(q_lens), 0.2, block_m=16, block_n=16)
-    torch.testing.assert_close(got, want, **ATTN_TOL[torch.float32])
+    want = mla_attention_ref(q[:T], cache, bt, sl, _qsl(q_lens), 0.2, L)
+    for splits in (None, 2):
+        got = mla_prefill_triton(q[:T], cache, bt, sl, _qsl(q_lens), 0.2, L, splits, block_n=16)
+        torch.testing.assert_close(got.float(), want.float(), **ATTN_TOL[dtype])
+    pad_bt = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=bt.dtype, device=DEVICE)])
+    pad_sl = torch.cat([sl, torch.zeros(2, dtype=sl.dtype, device=DEVICE)])
+    got = mla_prefill_triton(q, cache, pad_bt, pad_sl, _qsl(q_lens + [0, 0]), 0.2, L)
+    torch.testing.assert_close(got[:T].float(), want.float(), **ATTN_TOL[dtype])
+    assert torch.equal(got[T:], torch.zeros_like(got[T:]))
 
 
 def test_dispatch_uses_reference_off_cuda():

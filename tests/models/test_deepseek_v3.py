@@ -142,3 +142,36 @@ def test_variants_match_transformers(tmp_path, variant):
         sd = load_file(str(next(ckpt.glob("*.safetensors"))))
         assert "model.layers.0.self_attn.q_proj.weight" in sd and not any("q_a_proj" in n for n in sd)
     _prefill_logits_match(ckpt)
+
+
+def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
+    """The GPU path's MLA kernels (the Triton split-K kernel for decode rows and per-token prefill rows, under the
+    interpreter here) in place of the reference inside the model: the same logprobs as transformers at every
+    decode step, the first from a chunked prefill."""
+    from gyrfalcon.kernels.common import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton (or its interpreter) is not available")
+    import gyrfalcon.layers.mla as mla_layer
+    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
+
+    calls = {"decode": 0, "prefill": 0}
+
+    def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None):
+        calls["decode" if is_decode else "prefill"] += 1
+        if is_decode:
+            return mla_decode_triton(q, cache, bt, sl, scale, L, num_splits)
+        return mla_prefill_triton(q, cache, bt, sl, qsl, scale, L)
+
+    monkeypatch.setattr(mla_layer, "mla_attention", triton_attention)
+    _, model, refs = hf_refs
+    vocab = model.config.vocab_size
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=vocab)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs[:3]], sp, use_tqdm=False)
+    assert calls["decode"] and calls["prefill"]
+    for out, (_, ref_tokens, ref_logits) in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref_tokens[:8]
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            got = torch.tensor([entry[t].logprob for t in range(vocab)])
+            torch.testing.assert_close(got, ref_logits[step].log_softmax(-1), rtol=1e-5, atol=1e-5)

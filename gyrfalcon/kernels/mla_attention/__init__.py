@@ -11,8 +11,9 @@ seq_lens[i] - q_len_i ... seq_lens[i] - 1, and position p sees keys 0..p.
 
 - store_latent(latent [T, L], k_rope [T, R], cache, slot_mapping): the step's rows into the cache (slot < 0:
   skipped), through store_kv on the cache's two column ranges.
-- mla_attention(...): decode steps (one query per sequence) take the split-K decode kernel on CUDA; other steps
-  the varlen paged prefill kernel with K = the row and V = its latent columns; the reference elsewhere.
+- mla_attention(...): on CUDA the split-K kernel (triton.py), decode steps with one row per sequence, other steps
+  with one row per query token (its context ending at its position); the reference elsewhere. (The MHA prefill
+  kernel cannot take MLA's shape: all H heads share one kv head, so its tiles would hold H x (L + R) queries.)
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import torch
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, mla_attention_ref, mla_decode_ref,
                                                    store_latent_ref)
-from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton
-from gyrfalcon.kernels.paged_attention import paged_attention_triton
+from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton, mla_prefill_triton
 from gyrfalcon.kernels.store_kv import store_kv
 
 
@@ -35,7 +35,6 @@ def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, is_decode: bool = False,
-                  max_query_len: int | None = None, max_seq_len: int | None = None,
                   num_splits: int | None = None) -> torch.Tensor:
     """Causal paged MLA attention -> o [T, H, L] (module docstring). is_decode: one query per sequence (the
     split-K kernel, num_splits None: its own choice)."""
@@ -43,9 +42,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         return mla_attention_ref(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
     if is_decode:
         return mla_decode_triton(q, cache, block_tables, seq_lens, scale, kv_lora_rank, num_splits)
-    return paged_attention_triton(q, cache, cache[..., :kv_lora_rank], block_tables, seq_lens, query_start_loc,
-                                  scale, max_query_len, max_seq_len)
+    return mla_prefill_triton(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
 
 
 __all__ = ["gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
-           "store_latent", "store_latent_ref"]
+           "mla_prefill_triton", "store_latent", "store_latent_ref"]

@@ -153,3 +153,23 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         _mla_decode_reduce_kernel[(B, H)](po, plse, o, num_splits, o.stride(0), o.stride(1), L=L, BLOCK_L=block_l,
                                           BLOCK_S=next_pow2(num_splits), num_warps=4)
     return o
+
+
+def mla_prefill_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, num_splits: int | None = None,
+                       **tiles) -> torch.Tensor:
+    """Causal varlen MLA (prefill chunks, mixed and verify steps); the contract of mla_attention_ref. Each query
+    token runs as a decode row of its own: its sequence's block table and a context ending at its position
+    (seq_len - (query end - token) + 1), found on the device (no host sync). Tokens past query_start_loc[-1]
+    (a padded graph's) get context 0: zeros. Every token streams its own keys, so long prompts re-read the
+    prefix once per token: correct at any length, but no tiled prefill kernel yet."""
+    T, B = q.shape[0], seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return q.new_zeros(T, q.shape[1], kv_lora_rank)
+    tok = torch.arange(T, device=q.device, dtype=query_start_loc.dtype)
+    seq = torch.searchsorted(query_start_loc[1:].contiguous(), tok, right=True)
+    valid = seq < B
+    seq = seq.clamp(max=B - 1)
+    ctx = seq_lens[seq] - (query_start_loc[seq + 1] - tok) + 1
+    ctx = torch.where(valid, ctx, torch.zeros_like(ctx)).to(torch.int32)
+    return mla_decode_triton(q, cache, block_tables[seq], ctx, scale, kv_lora_rank, num_splits, **tiles)
