@@ -95,7 +95,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self.absorbed_weights(q.dtype)
         # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
         q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
-        q_abs = torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1)  # [T, H, L + R]
+        q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
         o_latent = self._attend(q_abs, latent, k_rope[:, 0])  # [T, H, L]
         # [H, T, L] @ [H, L, v] -> [T, H, v]
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
