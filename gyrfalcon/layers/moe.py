@@ -24,6 +24,7 @@ from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear
+from gyrfalcon.layers.quantization import fp8 as _fp8
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 
@@ -92,23 +93,37 @@ class Router(nn.Module):
 class FusedExperts(nn.Module):
     """The routed experts' SwiGLU weights stacked: w13 [E, 2I, hidden] (each expert's gate rows, then its up
     rows), w2 [E, hidden, I]. The checkpoint stores them per expert; CausalLM.load_weights hands each tensor to
-    weight_loader with shard (expert, half): half 0 / 1 the gate / up rows of w13, None the whole w2[expert]."""
+    weight_loader with shard (expert, half): half 0 / 1 the gate / up rows of w13, None the whole w2[expert].
+
+    FP8 (built under fp8_scope(block), layers/quantization/fp8.py): w13 / w2 float8_e4m3fn with block scales
+    w13_weight_scale_inv [E, ceil(2I / bn), ceil(hidden / bk)] and w2_weight_scale_inv [E, ceil(hidden / bn),
+    ceil(I / bk)] (quant_block (bn, bk)), named so that a checkpoint's `experts.<e>.<proj>.weight_scale_inv` lands
+    in `experts.<stacked>_weight_scale_inv` at the same shard (expert, half) as its weight: the gate / up scale
+    rows stack like the weight rows (I % bn == 0, checked by prepare_model). `--quantization fp8` gives the same
+    layout, quantized at load. Either runs kernels/fused_moe's FP8 mode."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.quant_block: Optional[Tuple[int, int]] = None  # (bn, bk) when the experts are FP8
+        block = _fp8.current_weight_block()
+        if block is not None:
+            _fp8.init_fp8_experts(self, block)
 
     def shard_ids(self, pname: str):
-        """The shards load_weights reports for parameter `pname` of a complete checkpoint."""
-        halves = (0, 1) if pname == "w13" else (None,)
+        """The shards load_weights reports for parameter `pname` of a complete checkpoint (the scales too: a
+        checkpoint missing one expert's scale is incomplete)."""
+        halves = (0, 1) if pname in ("w13", "w13_weight_scale_inv") else (None,)
         return [(e, h) for e in range(self.num_experts) for h in halves]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
         expert, half = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} out of range: this layer has {self.num_experts} experts.")
+        if self.quant_block is not None and param is not self.w13 and param is not self.w2:
+            return _fp8.load_expert_scale(self, param, loaded, expert, half)
         dst = param.data[expert]
         if half is not None:
             dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
@@ -119,6 +134,9 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, hidden]."""
+        if self.quant_block is not None:
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_weight_scale_inv,
+                             self.w2_weight_scale_inv, self.quant_block)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 

@@ -35,8 +35,23 @@ class DecoderModel(nn.Module):
         return norm_stream(self.norm, hidden, residual)[0]
 
 
-# A per-expert checkpoint tensor: (the experts module's name, expert index, projection name).
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)\.weight$")
+# A per-expert checkpoint tensor: (the experts module's name, expert index, projection name, weight or its FP8
+# block scales weight_scale_inv).
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)\.(weight|weight_scale_inv)$")
+
+
+def _check_expert_dtype(param: nn.Parameter, tensor: torch.Tensor, ckpt_name: str) -> None:
+    """An expert weight's dtype must match the experts' quantization: e4m3 into FP8 experts (a bf16 tensor there
+    would be cast to e4m3 without a scale), and no float8 tensor into unquantized ones (its values mean nothing
+    without the scales the model has no place for)."""
+    fp8 = torch.float8_e4m3fn
+    if param.dtype == fp8 and tensor.dtype != fp8:
+        raise ValueError(f"Checkpoint tensor {ckpt_name!r} is {tensor.dtype}, but the quantization_config makes these "
+                         f"experts FP8 ({fp8} with weight_scale_inv); list them in modules_to_not_convert if the "
+                         "checkpoint ships them unquantized.")
+    if param.dtype != fp8 and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"Checkpoint tensor {ckpt_name!r} is {tensor.dtype}, but these experts are unquantized "
+                         "(no fp8 quantization_config with weight_block_size, or modules_to_not_convert lists them).")
 
 
 class CausalLM(nn.Module):
@@ -44,7 +59,9 @@ class CausalLM(nn.Module):
     name piece, fused parameter name piece, shard id) for the tensors that a fused weight holds; expert_params:
     (per-expert projection name, stacked parameter name, half) for MoE checkpoints, whose
     `<...>.experts.<e>.<projection>.weight` tensors land in `<...>.experts.<stacked>` [E, ...] at shard
-    (e, half) (layers/moe.py FusedExperts: half 0 / 1 the gate / up rows of w13, None all of w2[e])."""
+    (e, half) (layers/moe.py FusedExperts: half 0 / 1 the gate / up rows of w13, None all of w2[e]); an FP8
+    checkpoint's `<...>.experts.<e>.<projection>.weight_scale_inv` in `<...>.experts.<stacked>_weight_scale_inv`
+    at the same shard."""
 
     stacked_params: Tuple[Tuple[str, str, object], ...] = ()
     expert_params: Tuple[Tuple[str, str, Optional[int]], ...] = ()
@@ -91,9 +108,11 @@ class CausalLM(nn.Module):
             shard = None
             expert = _EXPERT_TENSOR.match(name) if self.expert_params else None
             if expert is not None:
+                suffix = "_weight_scale_inv" if expert.group(4) == "weight_scale_inv" else ""
                 for proj, stacked, half in self.expert_params:
                     if expert.group(3) == proj:
-                        name, shard = f"{expert.group(1)}.{stacked}", (int(expert.group(2)), half)
+                        ckpt_name = name
+                        name, shard = f"{expert.group(1)}.{stacked}{suffix}", (int(expert.group(2)), half)
                         break
                 else:
                     raise ValueError(f"Checkpoint tensor {name!r}: unknown expert projection {expert.group(3)!r}.")
@@ -103,10 +122,15 @@ class CausalLM(nn.Module):
                         name, shard = name.replace(ckpt, fused), sid
                         break
             param = params.get(name)
+            if param is None and expert is not None and suffix:
+                raise ValueError(f"Checkpoint tensor {ckpt_name!r} is an FP8 expert scale, but these experts are "
+                                 "unquantized (no fp8 quantization_config, or modules_to_not_convert lists them).")
             if param is None:
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             if expert is not None:
+                if not suffix:
+                    _check_expert_dtype(param, tensor, ckpt_name)
                 owner.weight_loader(param, tensor, shard)
             elif isinstance(owner, Linear) and name.endswith(("weight", "bias")):
                 owner.weight_loader(param, tensor, shard)

@@ -11,9 +11,18 @@ checkpoint's `<module>.weight_scale_inv` tensors find it by name, with `quant_bl
   (block (1, K)); the activations get one scale per token. The same kernel runs both (kernels/fp8_gemm).
   Quantizing after the load keeps one unquantized weight per layer's worth of memory in flight only through
   the load itself: the whole model is in the model dtype until the pass (fine for what fits unquantized).
-Only Linear modules convert: embeddings, the LM head, norms and MoE routers have their own modules and stay
-in the model dtype. A quantized Linear never takes the GEMV / folded-norm paths (layers/norm_linear.py): both
-read a plain weight.
+Linear modules and the MoE experts (layers/moe.py FusedExperts) convert: embeddings, the LM head, norms and MoE
+routers have their own modules and stay in the model dtype. A quantized Linear never takes the GEMV / folded-norm
+paths (layers/norm_linear.py): both read a plain weight.
+
+FusedExperts (w13 [E, 2I, H], w2 [E, H, I]) hold e4m3 weights with block scales in both modes, so one fused-MoE
+kernel mode serves both (kernels/fused_moe's FP8 mode):
+- checkpoint: w13_weight_scale_inv [E, ceil(2I / bn), ceil(H / bk)] and w2_weight_scale_inv [E, ceil(H / bn),
+  ceil(I / bk)], one grid per expert; the checkpoint quantized gate_proj and up_proj apart, so their scale rows
+  stack like their weight rows only when I % bn == 0 (prepare_model checks, naming the layer).
+- `--quantization fp8`: each expert's stacked w13 and its w2 quantized here with (128, 128) blocks over the whole
+  stacked matrix (quantize_experts_blockwise: no alignment needed), not per channel: the grouped GEMMs step K by
+  the block width, one activation scale per row a step.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, quantize_weight_per_channel
+from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, quantize_weight_blockwise, quantize_weight_per_channel
 
 _SCOPE: List[Optional[Tuple[int, int]]] = [None]
 
@@ -45,8 +54,9 @@ def current_weight_block() -> Optional[Tuple[int, int]]:
     return _SCOPE[0]
 
 
-def is_quantized(linear) -> bool:
-    return getattr(linear, "quant_block", None) is not None
+def is_quantized(module) -> bool:
+    """A quantized Linear or FusedExperts (quant_block set)."""
+    return getattr(module, "quant_block", None) is not None
 
 
 def matches_module(name: str, patterns: Iterable[str]) -> bool:
@@ -111,13 +121,19 @@ def check_weight_dtype(linear, param: nn.Parameter, loaded: torch.Tensor) -> Non
 def prepare_model(model: nn.Module, modules_to_not_convert: Iterable[str], dtype: torch.dtype) -> int:
     """After building under fp8_scope: the Linear modules named in modules_to_not_convert go back to `dtype`; the
     fused ones are matched by their checkpoint names too (model.stacked_params: qkv_proj as q_proj, ...), all or
-    none of their shards. Returns how many Linear modules stay quantized."""
+    none of their shards. MoE experts likewise (prepare_experts); those that stay quantized must have
+    checkpoint-aligned halves (check_expert_alignment). Returns how many modules (Linear and FusedExperts) stay
+    quantized."""
     from gyrfalcon.layers.linear import Linear
+    from gyrfalcon.layers.moe import FusedExperts
 
     skip = list(modules_to_not_convert)
     stacked = getattr(model, "stacked_params", ())
     n = 0
     for name, m in model.named_modules():
+        if isinstance(m, FusedExperts) and is_quantized(m):
+            n += prepare_experts(model, name, m, skip, dtype)
+            continue
         if not isinstance(m, Linear) or not is_quantized(m):
             continue
         names = [name] + [name.replace(fused, ckpt) for ckpt, fused, _ in stacked if fused in name]
@@ -131,6 +147,123 @@ def prepare_model(model: nn.Module, modules_to_not_convert: Iterable[str], dtype
     return n
 
 
+# Checkpoint spellings of an MoE block's MLP slot besides gyrfalcon's `mlp` (MiniMax-M2 / Mixtral:
+# `model.layers.N.block_sparse_moe.experts...`): modules_to_not_convert may name the experts by them.
+MLP_SLOT_ALIASES = ("block_sparse_moe",)
+
+
+def expert_module_names(model: nn.Module, name: str, experts) -> Tuple[List[str], List[List[str]]]:
+    """The names modules_to_not_convert may give the experts module `name`, in gyrfalcon's and the checkpoint's
+    spelling of the MLP slot: (the module's own, e.g. model.layers.3.mlp.experts and
+    model.layers.3.block_sparse_moe.experts; per spelling, its per-expert projections, e.g.
+    model.layers.3.mlp.experts.7.gate_proj for model.expert_params' projection names)."""
+    whole = [name] + [name.replace(".mlp.", f".{a}.") for a in MLP_SLOT_ALIASES if ".mlp." in name]
+    projs = [proj for proj, _, _ in getattr(model, "expert_params", ())]
+    per = [[f"{w}.{e}.{p}" for e in range(experts.num_experts) for p in projs] for w in whole] if projs else []
+    return whole, per
+
+
+def experts_not_converted(model: nn.Module, name: str, experts, skip: List[str]) -> bool:
+    """Whether modules_to_not_convert names the FusedExperts `name`: an `experts`, `mlp` or `block_sparse_moe`
+    pattern, a layer prefix, or every one of its per-expert projections; ValueError when it names only some
+    experts' projections (they share one stacked weight, quantized or not as a whole)."""
+    whole, per = expert_module_names(model, name, experts)
+    if any(matches_module(x, skip) for x in whole):
+        return True
+    hits = [[matches_module(x, skip) for x in names] for names in per]
+    if any(all(h) for h in hits):
+        return True
+    if any(any(h) for h in hits):
+        raise ValueError(f"modules_to_not_convert lists some but not all expert projections of {name}: its experts "
+                         "are one stacked weight, quantized or not as a whole.")
+    return False
+
+
+def prepare_experts(model: nn.Module, name: str, experts, skip: List[str], dtype: torch.dtype) -> int:
+    """One FusedExperts built under fp8_scope: back to `dtype` when modules_to_not_convert names it, else checked
+    for checkpoint-aligned halves. Returns 1 if it stays quantized."""
+    if experts_not_converted(model, name, experts, skip):
+        dequantize_experts(experts, dtype)
+        return 0
+    check_expert_alignment(experts, name)
+    return 1
+
+
+def init_fp8_experts(experts, block: Tuple[int, int]) -> None:
+    """A freshly built FusedExperts: empty e4m3 w13 [E, 2I, H] / w2 [E, H, I] and their block scales
+    w13_weight_scale_inv [E, ceil(2I / bn), ceil(H / bk)], w2_weight_scale_inv [E, ceil(H / bn), ceil(I / bk)]."""
+    bn, bk = block
+    E, two_i, H = experts.w13.shape
+    inter = two_i // 2
+    dev = experts.w13.device
+    experts.w13 = nn.Parameter(torch.empty(E, two_i, H, dtype=FP8_DTYPE, device=dev), requires_grad=False)
+    experts.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=FP8_DTYPE, device=dev), requires_grad=False)
+    experts.w13_weight_scale_inv = nn.Parameter(
+        torch.empty(E, -(-two_i // bn), -(-H // bk), dtype=torch.float32, device=dev), requires_grad=False)
+    experts.w2_weight_scale_inv = nn.Parameter(
+        torch.empty(E, -(-H // bn), -(-inter // bk), dtype=torch.float32, device=dev), requires_grad=False)
+    experts.quant_block = (bn, bk)
+
+
+def dequantize_experts(experts, dtype: torch.dtype) -> None:
+    """Undo init_fp8_experts before loading (experts in modules_to_not_convert): empty weights in `dtype`."""
+    experts.w13 = nn.Parameter(torch.empty(experts.w13.shape, dtype=dtype, device=experts.w13.device),
+                               requires_grad=False)
+    experts.w2 = nn.Parameter(torch.empty(experts.w2.shape, dtype=dtype, device=experts.w2.device),
+                              requires_grad=False)
+    del experts.w13_weight_scale_inv, experts.w2_weight_scale_inv
+    experts.quant_block = None
+
+
+def check_expert_alignment(experts, name: str = "") -> None:
+    """Checkpoint FP8 experts: gate_proj and up_proj were quantized apart, each with its own
+    [ceil(I / bn), ceil(H / bk)] scales; stacked into w13 they stay per-block exact only when I is a multiple
+    of bn (else one block of w13 rows would hold gate rows and up rows under two different scales)."""
+    bn = experts.quant_block[0]
+    inter = experts.intermediate_size
+    if inter % bn:
+        where = f" {name}" if name else ""
+        raise ValueError(
+            f"FP8 block quantization: the MoE experts{where} have intermediate size {inter}, not a multiple of the "
+            f"{bn}-row weight block, so each expert's separately quantized gate_proj and up_proj scale blocks "
+            "cannot stack into w13; list the experts in modules_to_not_convert (and ship them unquantized) or use "
+            "a checkpoint with aligned shapes.")
+
+
+def load_expert_scale(experts, param: nn.Parameter, loaded: torch.Tensor, expert: int, half) -> None:
+    """One checkpoint projection's weight_scale_inv into the stacked scales: half 0 / 1 (gate / up) the
+    [I / bn, ceil(H / bk)] rows at block row half * I / bn of w13_weight_scale_inv[expert]; None the whole
+    w2_weight_scale_inv[expert] [ceil(H / bn), ceil(I / bk)]."""
+    dst = param.data[expert]
+    if half is not None:
+        check_expert_alignment(experts)
+        rows = experts.intermediate_size // experts.quant_block[0]
+        dst = dst.narrow(0, half * rows, rows)
+    if dst.shape != loaded.shape:
+        raise ValueError(f"Shape mismatch for the weight_scale_inv of expert {expert} shard {half}: "
+                         f"{tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}.")
+    dst.copy_(loaded)
+
+
+def quantize_experts_blockwise(experts, block: Tuple[int, int] = (128, 128)) -> None:
+    """`--quantization fp8` for loaded FusedExperts: each expert's stacked w13 [2I, H] and w2 [H, I] to e4m3 with
+    `block` scales over the whole matrix (so the gate / up boundary need not fall on a block edge), one expert at a
+    time (one expert's fp32 copy in flight)."""
+    E = experts.num_experts
+    dev = experts.w13.device
+    for pname in ("w13", "w2"):
+        w = getattr(experts, pname).data
+        q = torch.empty(w.shape, dtype=FP8_DTYPE, device=dev)
+        scales = []
+        for e in range(E):
+            qe, se = quantize_weight_blockwise(w[e], block)
+            q[e].copy_(qe)
+            scales.append(se)
+        setattr(experts, pname, nn.Parameter(q, requires_grad=False))
+        setattr(experts, f"{pname}_weight_scale_inv", nn.Parameter(torch.stack(scales), requires_grad=False))
+    experts.quant_block = tuple(block)
+
+
 def quantize_linear_per_channel(linear) -> None:
     """A loaded Linear's weight -> e4m3 with one scale per output row (block (1, K))."""
     q, s = quantize_weight_per_channel(linear.weight.data)
@@ -140,15 +273,24 @@ def quantize_linear_per_channel(linear) -> None:
     linear.small_m = False
 
 
+# `--quantization fp8`'s block for MoE experts (the checkpoints' own: DeepSeek-V3, Qwen3-FP8, MiniMax-M2).
+ONLINE_EXPERT_BLOCK = (128, 128)
+
+
 def quantize_model_per_channel(model: nn.Module, modules_to_not_convert: Iterable[str] = ()) -> int:
     """`--quantization fp8`: every unquantized Linear of the loaded model (not the embeddings, LM head, norms or
-    routers: not Linear modules) to per-channel e4m3, except those in modules_to_not_convert. Returns how many."""
+    routers: not Linear modules) to per-channel e4m3, and every unquantized FusedExperts to 128 x 128 block e4m3
+    (quantize_experts_blockwise), except those in modules_to_not_convert. Returns how many modules."""
     from gyrfalcon.layers.linear import Linear
+    from gyrfalcon.layers.moe import FusedExperts
 
     skip = list(modules_to_not_convert)
     n = 0
     for name, m in model.named_modules():
         if isinstance(m, Linear) and not is_quantized(m) and not matches_module(name, skip):
             quantize_linear_per_channel(m)
+            n += 1
+        elif isinstance(m, FusedExperts) and not is_quantized(m) and not experts_not_converted(model, name, m, skip):
+            quantize_experts_blockwise(m, ONLINE_EXPERT_BLOCK)
             n += 1
     return n
