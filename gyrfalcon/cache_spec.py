@@ -10,6 +10,9 @@ Kinds:
   compressed latent and its decoupled RoPE key, one shared "head").
 - IndexerKeySpec: one paged tensor [num_blocks, block_size, 1, index_head_dim] (DeepSeek sparse
   attention's lightning-indexer keys).
+- SparseMLASpec: an MLALatentSpec and an IndexerKeySpec of the same layer (DeepSeek-V3.2: every layer's MLA has
+  its own indexer), allocated as the pair (latent, keys), each in its part's dtype. One spec per layer keeps the
+  runner's cache list indexed by layer.
 - LinearStateSpec: per request, no paging: a conv window [conv_shape] and a recurrent state
   [recurrent_shape] in one slot of a [num_slots, ...] pool (Gated DeltaNet).
 
@@ -80,6 +83,23 @@ class IndexerKeySpec:
 
 
 @dataclass(frozen=True)
+class SparseMLASpec:
+    latent: MLALatentSpec
+    indexer: IndexerKeySpec
+    kind = "sparse_mla"
+    paged = True
+
+    def parts(self) -> Tuple[MLALatentSpec, IndexerKeySpec]:
+        return self.latent, self.indexer
+
+    def tensor_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {**self.latent.tensor_shapes(), **self.indexer.tensor_shapes()}
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.latent.page_bytes(block_size) + self.indexer.page_bytes(block_size)
+
+
+@dataclass(frozen=True)
 class LinearStateSpec:
     conv_shape: Tuple[int, ...]
     recurrent_shape: Tuple[int, ...]
@@ -97,7 +117,7 @@ class LinearStateSpec:
         return n_conv * elem_bytes(self.dtype) + n_rec * elem_bytes(self.state_dtype)
 
 
-CacheSpec = Union[FullAttentionSpec, MLALatentSpec, IndexerKeySpec, LinearStateSpec]
+CacheSpec = Union[FullAttentionSpec, MLALatentSpec, IndexerKeySpec, SparseMLASpec, LinearStateSpec]
 
 
 @dataclass

@@ -166,3 +166,32 @@ def make_deepseek_checkpoint(path, seed: int = 0, **overrides) -> Path:
     tok.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
     return path
+
+
+DEEPSEEK_V32_TINY = dict(DEEPSEEK_V3_TINY, index_n_heads=4, index_head_dim=16, index_topk=4)
+
+
+def make_deepseek_v32_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random DeepSeek-V3.2 checkpoint (../shared/MODELS.md's tiny DeepseekV32Config: the V3 tiny model
+    plus a lightning indexer of 4 heads x 16 dims and index_topk 4 in every layer) plus tokenizer under `path`.
+    Every parameter is randomized, the indexer's LayerNorm weight and bias and its fp32 weights_proj included.
+    overrides: DeepseekV32Config fields (index_topk >= the sequence length: dense-equivalent; index_n_heads)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GenerationConfig
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = DeepseekV32Config(**{**DEEPSEEK_V32_TINY, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos,
+                               "tie_word_embeddings": False, **overrides})
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(cfg)
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path

@@ -186,6 +186,7 @@ KERNEL_MODULES = (
     "fp8_gemm.naive", "fp8_gemm.configs", "fp8_gemm.triton", "fp8_gemm",
     "moe_router.naive", "moe_router.triton", "moe_router",
     "mla_attention.naive", "mla_attention.triton", "mla_attention",
+    "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
 )
 
 

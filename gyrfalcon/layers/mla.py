@@ -12,6 +12,10 @@ absorption"): per head, q_nope . (W_UK latent) = (q_nope W_UK) . latent, and sum
 W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R], MQA over the cache rows
 gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
 writes its rows into the cache first and attends from the cache, causally by position.
+
+DeepSeek-V3.2 adds a lightning indexer (layers/dsa_indexer.py, child `indexer`, reading q_a_layernorm's output):
+the layer's cache is then the pair (latent, indexer keys) (SparseMLASpec), and each query attends only over the
+indexer's top-k keys (the attention kernels' `indices`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from gyrfalcon.cache_spec import MLALatentSpec
+from gyrfalcon.cache_spec import MLALatentSpec, SparseMLASpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
+from gyrfalcon.layers.dsa_indexer import LightningIndexer
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
@@ -39,9 +44,11 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int,
-                 rotary: RotaryEmbedding, scale: float, bias: bool = False) -> None:
+                 rotary: RotaryEmbedding, scale: float, bias: bool = False,
+                 index: Optional[Tuple[int, int, int]] = None) -> None:
         """rotary: RoPE over qk_rope_head_dim dims; scale: the softmax scale (YaRN's mscale included);
-        bias: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias)."""
+        bias: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias); index: (index_n_heads,
+        index_head_dim, index_topk) of a DeepSeek-V3.2 lightning indexer (needs q_lora_rank), None: dense MLA."""
         super().__init__()
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -59,14 +66,26 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
         self.rotary_emb = rotary
         self.norm_in: Optional[NormLinear] = None
+        self.indexer: Optional[LightningIndexer] = None
+        if index is not None:
+            if q_lora_rank is None:
+                raise ValueError("DeepSeek sparse attention's indexer reads the q_lora residual: q_lora_rank is "
+                                 "required.")
+            n_heads, head_dim, topk = index
+            self.indexer = LightningIndexer(hidden_size, q_lora_rank, n_heads, head_dim, qk_rope_head_dim, topk,
+                                            rotary)
 
     def bind_input_norm(self, norm: RMSNorm) -> None:
         # Two projections read the normed input (q_a / q and kv_a): the norm runs as its own kernel.
         self.norm_in = NormLinear(norm)
 
-    def kv_cache_spec(self, cache_dtype: str) -> MLALatentSpec:
-        """One shared row of kv_lora_rank + qk_rope_head_dim per token, in cache_dtype (a torch dtype's name)."""
-        return MLALatentSpec(self.kv_lora_rank, self.rope_dim, cache_dtype)
+    def kv_cache_spec(self, cache_dtype: str):
+        """One shared row of kv_lora_rank + qk_rope_head_dim per token, in cache_dtype (a torch dtype's name); with an
+        indexer, its keys beside it (SparseMLASpec)."""
+        latent = MLALatentSpec(self.kv_lora_rank, self.rope_dim, cache_dtype)
+        if self.indexer is None:
+            return latent
+        return SparseMLASpec(latent, self.indexer.kv_cache_spec(cache_dtype))
 
     def absorbed_weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]); an FP8
@@ -84,10 +103,12 @@ class MultiHeadLatentAttention(nn.Module):
         n = self.norm_in(hidden, residual)
         x = n.y
         T, H, L = x.shape[0], self.num_heads, self.kv_lora_rank
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(T, H, self.qk_head_dim)
         kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         latent = self.kv_a_layernorm(kv[:, :L])
@@ -96,16 +117,22 @@ class MultiHeadLatentAttention(nn.Module):
         # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
         q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
         q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
-        o_latent = self._attend(q_abs, latent, k_rope[:, 0])  # [T, H, L]
+        o_latent = self._attend(q_abs, latent, k_rope[:, 0], positions, x, q_resid)  # [T, H, L]
         # [H, T, L] @ [H, L, v] -> [T, H, v]
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return project_out(self.o_proj, o.reshape(T, H * self.v_head_dim), n)
 
-    def _attend(self, q_abs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q_abs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor,
+                x: torch.Tensor, q_resid: Optional[torch.Tensor]) -> torch.Tensor:
         """q_abs [T, H, L + R]; this step's latent [T, L] and roped k_rope [T, R] go into this layer's cache
-        first -> o [T, H, L] over each sequence's cached rows."""
+        first -> o [T, H, L] over each sequence's cached rows (with an indexer: over each query's selected rows;
+        positions [T], the normed input x [T, hidden] and q_resid [T, q_lora_rank] feed the indexer)."""
         ctx = get_forward_context()
         fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
+        indices = None
+        if self.indexer is not None:
+            cache, key_cache = cache
+            indices = self.indexer(positions, x, q_resid, key_cache, fb)
         store_latent(latent, k_rope, cache, fb.slot_mapping)
         return mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
-                             self.kv_lora_rank, fb.is_decode, fb.decode_num_splits)
+                             self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)

@@ -5,9 +5,14 @@ grouped noaux_tc (n_group groups scored by their top-2 experts, topk_group kept)
 scores normalized and scaled by routed_scaling_factor, plus n_shared_experts always-on experts (one SwiGLU of
 moe_intermediate_size x n_shared_experts, added without a gate).
 
+DeepSeek-V3.2 (DeepseekV32ForCausalLM) is the same model with a lightning indexer in every layer's MLA (DeepSeek
+sparse attention, layers/dsa_indexer.py: each query attends over its index_topk best-scored keys) and its key cache
+beside the latent.
+
 Checkpoint names as transformers saves them: `mlp.experts.<e>.{gate,up,down}_proj.weight` (stacked into w13 / w2),
-`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.{gate,up,down}_proj.weight`.
-Multi-token-prediction layers (`model.layers.<num_hidden_layers + i>.*` in the released checkpoints) are skipped."""
+`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.{gate,up,down}_proj.weight`,
+`self_attn.indexer.*` (V3.2). Multi-token-prediction layers (`model.layers.<num_hidden_layers + i>.*` in the released
+checkpoints) are skipped."""
 
 from __future__ import annotations
 
@@ -43,9 +48,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             config.hidden_size, config.num_attention_heads, getattr(config, "q_lora_rank", None),
             config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, layer_idx,
             self._rotary(config, max_position), self._softmax_scale(config),
-            bias=bool(getattr(config, "attention_bias", False)))
+            bias=bool(getattr(config, "attention_bias", False)), index=self._index(config))
         n_experts = getattr(config, "n_routed_experts", None) or 0
-        if n_experts and layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0):
+        if n_experts and self._is_sparse_mlp(config, layer_idx):
             n_shared = getattr(config, "n_shared_experts", None) or 0
             mlp = SparseMoE(config.hidden_size, n_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                             shared_intermediate_size=config.moe_intermediate_size * n_shared,
@@ -58,6 +63,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         return DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
+
+    def _index(self, config) -> Optional[Tuple[int, int, int]]:
+        """The lightning indexer's (index_n_heads, index_head_dim, index_topk): none in V3."""
+        return None
+
+    @staticmethod
+    def _is_sparse_mlp(config, layer_idx: int) -> bool:
+        """MoE from layer first_k_dense_replace on (V3.2's config spells it out as mlp_layer_types)."""
+        kinds = getattr(config, "mlp_layer_types", None)
+        if kinds:
+            return kinds[layer_idx] == "sparse"
+        return layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0)
 
     def _rotary(self, config, max_position: int) -> RotaryEmbedding:
         """One RoPE table shared by every layer (max_position x qk_rope_head_dim fp32: ~40 MiB at 160k positions,
@@ -88,3 +105,10 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         return super().load_weights(self._checkpoint_names(weights))
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention (module docstring)."""
+
+    def _index(self, config) -> Optional[Tuple[int, int, int]]:
+        return int(config.index_n_heads), int(config.index_head_dim), int(config.index_topk)

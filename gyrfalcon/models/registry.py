@@ -13,6 +13,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("gyrfalcon.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("gyrfalcon.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV32ForCausalLM"),
 }
 
 

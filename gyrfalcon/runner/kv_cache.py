@@ -2,10 +2,11 @@
 
 One list, indexed by layer: a full-attention layer's (k_cache, v_cache), each [num_blocks, block_size,
 num_kv_heads, head_dim]; an MLA layer's latent [num_blocks, block_size, 1, kv_lora_rank + rope_dim]; an
-indexer's keys [num_blocks, block_size, 1, index_head_dim]; a linear-attention layer's (conv [num_slots,
-*conv_shape], recurrent [num_slots, *recurrent_shape]); None for a layer that keeps nothing. Layers read
-their entry through the forward context (`kv_caches[layer_idx]`). Every paged layer is indexed by the same
-block ids (one block table per request), so a block id costs `bytes_per_block` over all of them.
+indexer's keys [num_blocks, block_size, 1, index_head_dim]; a sparse-MLA layer's (latent, keys) pair of those
+two; a linear-attention layer's (conv [num_slots, *conv_shape], recurrent [num_slots, *recurrent_shape]);
+None for a layer that keeps nothing. Layers read their entry through the forward context
+(`kv_caches[layer_idx]`). Every paged layer is indexed by the same block ids (one block table per request),
+so a block id costs `bytes_per_block` over all of them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def _zeros(shape, dtype: str, device) -> torch.Tensor:
 
 
 def allocate_layer_cache(spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, device) -> Any:
+    if spec.kind == "sparse_mla":
+        return tuple(allocate_layer_cache(p, num_blocks, block_size, num_slots, device) for p in spec.parts())
     if spec.kind == "linear_state":
         return (_zeros((num_slots, *spec.conv_shape), spec.dtype, device),
                 _zeros((num_slots, *spec.recurrent_shape), spec.state_dtype, device))

@@ -7,13 +7,15 @@ q: [T, H, L + R] = [q_nope @ W_UK | roped q_rope]; key = the whole row, value = 
 o: [T, H, L] (the latent-space output; the caller applies W_UV per head, then o_proj).
 block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the context INCLUDING this step's tokens (already
 written by store_latent); query_start_loc: int32 [B + 1]. Sequence i's queries sit at positions
-seq_lens[i] - q_len_i ... seq_lens[i] - 1, and position p sees keys 0..p.
+seq_lens[i] - q_len_i ... seq_lens[i] - 1, and position p sees keys 0..p; with indices int32 [T, K] (sparse MLA,
+DeepSeek-V3.2: the lightning indexer's top-k, kernels/dsa_indexer; -1: none) only the listed ones of those.
 
 - store_latent(latent [T, L], k_rope [T, R], cache, slot_mapping): the step's rows into the cache (slot < 0:
   skipped), through store_kv on the cache's two column ranges.
 - mla_attention(...): on CUDA the split-K kernel (triton.py), decode steps with one row per sequence, other steps
-  with one row per query token (its context ending at its position); the reference elsewhere. (The MHA prefill
-  kernel cannot take MLA's shape: all H heads share one kv head, so its tiles would hold H x (L + R) queries.)
+  with one row per query token (its context ending at its position, its own index row when sparse); the
+  reference elsewhere. (The MHA prefill kernel cannot take MLA's shape: all H heads share one kv head, so its
+  tiles would hold H x (L + R) queries.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, mla_attention_ref, mla_decode_ref,
                                                    store_latent_ref)
-from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton, mla_prefill_triton
+from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton, mla_prefill_triton, token_contexts
 from gyrfalcon.kernels.store_kv import store_kv
 
 
@@ -35,15 +37,16 @@ def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, is_decode: bool = False,
-                  num_splits: int | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, indices: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged MLA attention -> o [T, H, L] (module docstring). is_decode: one query per sequence (the
-    split-K kernel, num_splits None: its own choice)."""
+    split-K kernel, num_splits None: its own choice); indices: the sparse selection, None: dense."""
     if not use_triton(q):
-        return mla_attention_ref(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
+        return mla_attention_ref(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank, indices)
     if is_decode:
-        return mla_decode_triton(q, cache, block_tables, seq_lens, scale, kv_lora_rank, num_splits)
-    return mla_prefill_triton(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
+        return mla_decode_triton(q, cache, block_tables, seq_lens, scale, kv_lora_rank, num_splits, indices=indices)
+    return mla_prefill_triton(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank,
+                              indices=indices)
 
 
 __all__ = ["gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
-           "mla_prefill_triton", "store_latent", "store_latent_ref"]
+           "mla_prefill_triton", "store_latent", "store_latent_ref", "token_contexts"]

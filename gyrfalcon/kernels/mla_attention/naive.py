@@ -27,9 +27,11 @@ def gather_latent_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
     return cache.index_select(0, block_table[:n_blocks].long()).flatten(0, 1)[:seq_len, 0]
 
 
-def _attend_one(q: torch.Tensor, kv: torch.Tensor, q_pos0: int, scale: float, kv_lora_rank: int) -> torch.Tensor:
+def _attend_one(q: torch.Tensor, kv: torch.Tensor, q_pos0: int, scale: float, kv_lora_rank: int,
+                indices: torch.Tensor | None = None) -> torch.Tensor:
     """q [q_len, H, L + R] at positions q_pos0.., kv [S, L + R] -> [q_len, H, L] fp32; causal: position p sees
-    keys 0..p. Every head scores against the same row (MQA over the latent), values are its first L dims."""
+    keys 0..p, and with indices [q_len, K] (sparse MLA; -1: none) only the listed ones of those. Every head scores
+    against the same row (MQA over the latent), values are its first L dims."""
     q_len, n_heads, _ = q.shape
     seq_len = kv.shape[0]
     kf = kv.float()
@@ -41,14 +43,27 @@ def _attend_one(q: torch.Tensor, kv: torch.Tensor, q_pos0: int, scale: float, kv
         e = min(q_len, s + chunk)
         scores = torch.einsum("qhd,kd->qhk", q[s:e].float(), kf) * scale
         q_pos = q_pos0 + torch.arange(s, e, device=q.device)
-        scores.masked_fill_((key_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
+        masked = key_pos[None, :] > q_pos[:, None]  # [e - s, S]
+        if indices is not None:
+            masked = masked | ~_selected(indices[s:e], seq_len)
+        scores.masked_fill_(masked[:, None, :], float("-inf"))
         out[s:e] = torch.einsum("qhk,kl->qhl", torch.softmax(scores, dim=-1), vf)
     return out
 
 
+def _selected(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """indices [t, K] (key positions, -1: none) -> bool [t, seq_len], True at the listed positions."""
+    sel = torch.zeros(indices.shape[0], seq_len + 1, dtype=torch.bool, device=indices.device)
+    # -1 lands in the spare last column, dropped below.
+    sel.scatter_(1, torch.where(indices < 0, seq_len, indices).long(), True)
+    return sel[:, :seq_len]
+
+
 def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+                      query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int,
+                      indices: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged MLA attention of a ragged batch (prefill chunks, decode, mixed) -> o [T, H, L] in q.dtype.
+    indices: int32 [T, K], each query's selected key positions (sparse MLA, -1: none), None: every causal key.
     Loops over sequences on the host (tolist: not for CUDA graphs)."""
     out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
     qsl = query_start_loc.tolist()
@@ -57,13 +72,15 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         if qe == qs or seq_len == 0:
             continue
         kv = gather_latent_ref(cache, block_tables[i], seq_len)
-        out[qs:qe] = _attend_one(q[qs:qe], kv, seq_len - (qe - qs), scale, kv_lora_rank).to(q.dtype)
+        sel = indices[qs:qe] if indices is not None else None
+        out[qs:qe] = _attend_one(q[qs:qe], kv, seq_len - (qe - qs), scale, kv_lora_rank, sel).to(q.dtype)
     return out
 
 
 def mla_decode_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   scale: float, kv_lora_rank: int, num_splits: int | None = None) -> torch.Tensor:
+                   scale: float, kv_lora_rank: int, num_splits: int | None = None,
+                   indices: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (its last position) -> o [B, H, L]; seq_len 0 (a CUDA-graph padding row): zeros.
     num_splits is the Triton kernel's knob; the reference has one split."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return mla_attention_ref(q, cache, block_tables, seq_lens, qsl, scale, kv_lora_rank)
+    return mla_attention_ref(q, cache, block_tables, seq_lens, qsl, scale, kv_lora_rank, indices)

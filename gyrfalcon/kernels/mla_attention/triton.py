@@ -2,7 +2,9 @@
 
 Grid (sequence, head block, split): each program scores BLOCK_H heads' [latent | rope] queries against the rows of
 its split of the context (one shared row per key: MQA, so a K/V tile loaded once serves every head of the block),
-keeps an online softmax, and accumulates p @ latent. With one split it writes the normalized output; otherwise
+keeps an online softmax, and accumulates p @ latent. Sparse MLA (DeepSeek-V3.2, SPARSE): the keys are the row's
+list of selected positions (indices [B, K], -1: none) instead of 0 .. seq_len - 1; the splits divide the list, each
+key is gathered through the block table as before, and a position outside the context is masked (never read). With one split it writes the normalized output; otherwise
 its normalized partial and log2-sum-exp go to a buffer that the reduce kernel merges. Splits and buffers are sized
 from shapes (the block table's width), never from the lengths, so no host sync happens (CUDA-graph safe).
 """
@@ -20,11 +22,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_decode_split_kernel(
-        q_ptr, c_ptr, bt_ptr, sl_ptr, o_ptr, po_ptr, plse_ptr, scale_log2, n_heads, num_splits,
-        s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt,
+        q_ptr, c_ptr, bt_ptr, sl_ptr, idx_ptr, o_ptr, po_ptr, plse_ptr, scale_log2, n_heads, num_splits, n_idx,
+        s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt, s_idx,
         L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SPARSE: tl.constexpr,
     ):
         b = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -33,10 +35,15 @@ if HAS_TRITON:
         dl = tl.arange(0, BLOCK_L)
         dr = tl.arange(0, BLOCK_R)
         seq_len = tl.load(sl_ptr + b)
+        # The keys visited: the context, or (sparse) the row's index list, whose -1 entries are masked below.
+        if SPARSE:
+            span = tl.where(seq_len > 0, n_idx, 0)
+        else:
+            span = seq_len
         # Each split covers a whole number of key tiles; trailing splits of a short context stay empty.
-        part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        part = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
         start = split * part
-        end = tl.minimum(start + part, seq_len)
+        end = tl.minimum(start + part, span)
 
         q_row = q_ptr + b * s_qb + heads[:, None] * s_qh
         q_lat = tl.load(q_row + dl[None, :], mask=hmask[:, None] & (dl[None, :] < L), other=0.0)
@@ -52,6 +59,10 @@ if HAS_TRITON:
         for kstart in range(start, end, BLOCK_N):
             kpos = kstart + tl.arange(0, BLOCK_N)
             kmask = kpos < end
+            if SPARSE:
+                kpos = tl.load(idx_ptr + b * s_idx + kpos, mask=kmask, other=-1)
+                kmask = kmask & (kpos >= 0) & (kpos < seq_len)
+                kpos = tl.where(kmask, kpos, 0)
             phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
             row = c_ptr + phys * s_cb + (kpos % BLOCK_SIZE) * s_co
             kv = tl.load(row[:, None] + dl[None, :], mask=kmask[:, None] & (dl[None, :] < L), other=0.0)
@@ -115,11 +126,13 @@ def _decode_config(kv_lora_rank: int):
 
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, kv_lora_rank: int, num_splits: int | None = None, *,
-                      block_h: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                      indices: torch.Tensor | None = None, block_h: int | None = None,
+                      block_n: int | None = None) -> torch.Tensor:
     """Split-K MLA decode; the contract of mla_decode_ref: q [B, H, L + R], cache [num_blocks, block_size, 1,
-    L + R] -> o [B, H, L] in q.dtype (seq_len 0: zeros). num_splits None: from the batch shape and the block
-    table's width (decode_attention's rule, with head blocks as the per-sequence programs); block_h / block_n
-    override the tiles (tests)."""
+    L + R] -> o [B, H, L] in q.dtype (seq_len 0: zeros). indices: int32 [B, K], each row's selected key positions
+    (-1: none; sparse MLA), None: the whole context. num_splits None: from the batch shape and the keys a row
+    visits (the block table's width, or K; decode_attention's rule, with head blocks as the per-sequence
+    programs); block_h / block_n override the tiles (tests)."""
     assert q.dim() == 3 and q.stride(-1) == 1 and cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     B, H, D = q.shape
     L = kv_lora_rank
@@ -132,8 +145,12 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     bh, bn = max(16, block_h or bh), max(16, block_n or bn)
     n_hblocks = cdiv(H, bh)
     block_size = cache.shape[1]
+    sparse = indices is not None
+    if sparse:
+        assert indices.dim() == 2 and indices.shape[0] == B and indices.stride(-1) == 1
     if num_splits is None:
-        num_splits = default_num_splits(B, n_hblocks, block_tables.shape[1] * block_size, q.device)
+        span = indices.shape[1] if sparse else block_tables.shape[1] * block_size
+        num_splits = default_num_splits(B, n_hblocks, span, q.device)
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
     block_l = max(16, next_pow2(L))
@@ -143,11 +160,13 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         po = torch.empty(B * H * num_splits, block_l, dtype=torch.float32, device=q.device)
         plse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     _mla_decode_split_kernel[(B, n_hblocks, num_splits)](
-        q, cache, block_tables, seq_lens, o, po, plse, float(scale) * _LOG2E, H, num_splits,
+        q, cache, block_tables, seq_lens, indices if sparse else seq_lens, o, po, plse, float(scale) * _LOG2E, H,
+        num_splits, indices.shape[1] if sparse else 0,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
+        indices.stride(0) if sparse else 0,
         L=L, R=R, BLOCK_SIZE=block_size, BLOCK_H=bh, BLOCK_L=block_l, BLOCK_R=max(16, next_pow2(R)), BLOCK_N=bn,
         DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        num_warps=nw, num_stages=2,
+        SPARSE=sparse, num_warps=nw, num_stages=2,
     )
     if not direct:
         _mla_decode_reduce_kernel[(B, H)](po, plse, o, num_splits, o.stride(0), o.stride(1), L=L, BLOCK_L=block_l,
@@ -157,19 +176,27 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
 
 def mla_prefill_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, num_splits: int | None = None,
-                       **tiles) -> torch.Tensor:
+                       indices: torch.Tensor | None = None, **tiles) -> torch.Tensor:
     """Causal varlen MLA (prefill chunks, mixed and verify steps); the contract of mla_attention_ref. Each query
     token runs as a decode row of its own: its sequence's block table and a context ending at its position
-    (seq_len - (query end - token) + 1), found on the device (no host sync). Tokens past query_start_loc[-1]
-    (a padded graph's) get context 0: zeros. Every token streams its own keys, so long prompts re-read the
-    prefix once per token: correct at any length, but no tiled prefill kernel yet."""
+    (seq_len - (query end - token) + 1), found on the device (no host sync), and its row of indices (sparse MLA).
+    Tokens past query_start_loc[-1] (a padded graph's) get context 0: zeros. Every token streams its own keys, so
+    long prompts re-read the prefix once per token: correct at any length, but no tiled prefill kernel yet."""
     T, B = q.shape[0], seq_lens.shape[0]
     if T == 0 or B == 0:
         return q.new_zeros(T, q.shape[1], kv_lora_rank)
-    tok = torch.arange(T, device=q.device, dtype=query_start_loc.dtype)
+    seq, ctx = token_contexts(query_start_loc, seq_lens, T)
+    return mla_decode_triton(q, cache, block_tables[seq], ctx, scale, kv_lora_rank, num_splits, indices=indices,
+                             **tiles)
+
+
+def token_contexts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
+    """Each query token's sequence and causal context, on the device (no host sync) -> (seq int64 [T], ctx int32
+    [T]): ctx = its position + 1; tokens past query_start_loc[-1] (a padded graph's) get seq 0 and ctx 0."""
+    B = seq_lens.shape[0]
+    tok = torch.arange(num_tokens, device=seq_lens.device, dtype=query_start_loc.dtype)
     seq = torch.searchsorted(query_start_loc[1:].contiguous(), tok, right=True)
     valid = seq < B
     seq = seq.clamp(max=B - 1)
     ctx = seq_lens[seq] - (query_start_loc[seq + 1] - tok) + 1
-    ctx = torch.where(valid, ctx, torch.zeros_like(ctx)).to(torch.int32)
-    return mla_decode_triton(q, cache, block_tables[seq], ctx, scale, kv_lora_rank, num_splits, **tiles)
+    return seq, torch.where(valid, ctx, torch.zeros_like(ctx)).to(torch.int32)
