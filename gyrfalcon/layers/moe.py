@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon.kernels.fused_moe import fused_moe
+from gyrfalcon.kernels.moe_router import SIGMOID, SOFTMAX, route
 from gyrfalcon.layers.activation import SiluAndMul
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear
 from gyrfalcon.layers.quantization import fp8 as _fp8
 
-SOFTMAX, SIGMOID = "softmax", "sigmoid"
 
 
 class Router(nn.Module):
@@ -63,31 +63,10 @@ class Router(nn.Module):
         return self.select(self.logits(x))
 
     def select(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """logits: [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
-        logits = logits.float()
-        if self.scoring == SOFTMAX:
-            probs = logits.softmax(dim=-1)
-            weights, ids = probs.topk(self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else weights, ids
-        scores = logits.sigmoid()
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            T = choice.shape[0]
-            grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-            keep = group_scores.topk(self.topk_group, dim=-1).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~group_mask.repeat_interleave(self.num_experts // self.n_group, dim=1),
-                                        float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.routed_scaling_factor != 1.0:
-            weights = weights * self.routed_scaling_factor
-        return weights, ids
+        """logits: [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64): kernels/moe_router (one launch on
+        a GPU but for the grouped selection; its naive.py is the reference of every variant above)."""
+        return route(logits, self.top_k, self.scoring, self.norm_topk_prob, self.e_score_correction_bias,
+                     self.n_group, self.topk_group, self.routed_scaling_factor)
 
 
 class FusedExperts(nn.Module):
