@@ -98,6 +98,10 @@ class LightningIndexer(nn.Module):
         docstring). fb: the step's ForwardBatch."""
         q, k, w = self.project(positions, x, q_resid)
         store_index_keys(k, key_cache, fb.slot_mapping)
-        if fb.block_tables.shape[1] * key_cache.shape[1] <= self.index_topk:
+        if self.every_key_selected(fb, key_cache):
             return None
         return indexer_topk(q, w, key_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.index_topk)
+
+    def every_key_selected(self, fb, key_cache: torch.Tensor) -> bool:
+        """No sequence of the step can hold more than index_topk keys (its block table's capacity)."""
+        return fb.block_tables.shape[1] * key_cache.shape[1] <= self.index_topk

@@ -157,7 +157,8 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
 
     calls = {"decode": 0, "prefill": 0}
 
-    def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None):
+    def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):
+        assert indices is None  # V3: dense MLA
         calls["decode" if is_decode else "prefill"] += 1
         if is_decode:
             return mla_decode_triton(q, cache, bt, sl, scale, L, num_splits)

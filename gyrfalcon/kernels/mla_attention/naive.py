@@ -52,10 +52,12 @@ def _attend_one(q: torch.Tensor, kv: torch.Tensor, q_pos0: int, scale: float, kv
 
 
 def _selected(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """indices [t, K] (key positions, -1: none) -> bool [t, seq_len], True at the listed positions."""
+    """indices [t, K] (key positions, -1: none) -> bool [t, seq_len], True at the listed positions (a position
+    outside the context selects nothing, as in the kernel)."""
     sel = torch.zeros(indices.shape[0], seq_len + 1, dtype=torch.bool, device=indices.device)
-    # -1 lands in the spare last column, dropped below.
-    sel.scatter_(1, torch.where(indices < 0, seq_len, indices).long(), True)
+    # -1 and positions past the context land in the spare last column, dropped below.
+    idx = indices.long()
+    sel.scatter_(1, torch.where((idx < 0) | (idx >= seq_len), seq_len, idx), True)
     return sel[:, :seq_len]
 
 

@@ -77,8 +77,13 @@ if HAS_TRITON:
             s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PREC)
             s = tl.where(kmask[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            if SPARSE:
+                # A tile of only unselected entries can come before any key: keep exp2(-inf - -inf) out (p = 0).
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            p = tl.math.exp2(s - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
             m_i = m_new
