@@ -163,3 +163,139 @@ def test_cli_flag_reaches_the_writer(monkeypatch, tmp_path):
                                           str(tmp_path), "--num-layers", "2", *flags])
         assert args.func(args) == 0
     assert [(kw["fp8"], kw["config_only"]) for _, kw in calls] == [(False, False), (True, False), (False, True)]
+
+
+def _meta_model(cfg, fp8: bool):
+    """gyrfalcon's model of `cfg` on the meta device, built as models/loader.py builds it (FP8 linears under the
+    preset's quantization_config when fp8)."""
+    from gyrfalcon.layers.quantization import fp8_scope, prepare_model
+    from gyrfalcon.models.registry import resolve_model_class
+
+    qc = fp8_quantization_config(cfg.model_type) if fp8 else None
+    with torch.device("meta"), fp8_scope(tuple(qc["weight_block_size"]) if fp8 else None):
+        model = resolve_model_class(cfg)(cfg, max_position=64)
+    if fp8:
+        prepare_model(model, qc["modules_to_not_convert"], torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v3.2"])
+def test_deepseek_presets_fill_the_model(preset, fp8):
+    """The DeepSeek presets' tensors, names and shapes as the writer puts them on disk (two layers of the real dims
+    on the meta device: the dense first layer and an MoE layer; with --fp8 each selected weight e4m3 plus its
+    weight_scale_inv), fill gyrfalcon's model exactly through the loader's scale routing: every expected weight and
+    scale, nothing left over. V3.2's indexer: wq_b / wk quantized, weights_proj not (fp32 in the model)."""
+    from gyrfalcon.layers.dsa_indexer import LightningIndexer
+    from gyrfalcon.layers.mlp import GatedMLP
+    from gyrfalcon.layers.moe import SparseMoE
+    from gyrfalcon.models.loader import route_scales
+
+    cfg = build_config(preset, num_layers=2)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim, cfg.v_head_dim) == (7168, 128, 1536, 512, 128, 64, 128)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.moe_intermediate_size,
+            cfg.intermediate_size, cfg.routed_scaling_factor, cfg.vocab_size) == (256, 8, 8, 4, 2048, 18432, 2.5, 129280)
+    assert cfg.first_k_dense_replace == 1 and cfg.rope_parameters["factor"] == 40.0
+    entries = _entries_of(cfg)
+    names = [n for n, _ in entries]
+    assert "model.layers.1.mlp.experts.255.down_proj.weight" in names
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names  # on the router, as DeepSeek saves it
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    tensors = []
+    for n, shape in entries:
+        if fp8 and is_fp8_weight(n, shape, cfg.model_type):
+            tensors += [(n, torch.empty(shape, device="meta", dtype=torch.float8_e4m3fn)),
+                        (f"{n}_scale_inv", torch.empty(fp8_scale_shape(shape), device="meta"))]
+        else:
+            tensors.append((n, torch.empty(shape, device="meta")))
+    model = _meta_model(cfg, fp8)
+    scales: set = set()
+    loaded = model.load_weights(route_scales(model, tensors, scales))
+    assert model.expected_weights() == loaded | scales
+    # The linears' scales went to their Linear (scales), the experts' to the stacked experts (load_weights).
+    assert len(scales) == (16 + 4 * (preset == "deepseek-v3.2")) * fp8  # 5 MLA (+ 2 indexer) per layer, dense MLP
+    assert any("experts.w13" in n and "scale" in n for n in loaded) == fp8
+    layers = model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [GatedMLP, SparseMoE]
+    indexer = layers[1].self_attn.indexer
+    if preset == "deepseek-v3":
+        assert indexer is None
+        return
+    assert isinstance(indexer, LightningIndexer) and (indexer.n_heads, indexer.head_dim, indexer.index_topk) == (
+        64, 128, 2048)
+    assert indexer.weights_proj.weight.dtype == torch.float32
+    fp8_names = {n for n, s in entries if is_fp8_weight(n, s, cfg.model_type)}
+    assert "model.layers.1.self_attn.indexer.wq_b.weight" in fp8_names
+    assert "model.layers.1.self_attn.indexer.wk.weight" in fp8_names
+    assert "model.layers.1.self_attn.indexer.weights_proj.weight" not in fp8_names
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in fp8_names and "model.layers.1.mlp.gate.weight" not in fp8_names
+    assert len(fp8_names) == 2 * 5 + 2 * 2 + 3 + 256 * 3 + 3  # MLA + indexer per layer, dense MLP, experts, shared
+    if fp8:
+        assert indexer.wq_b.quant_block == (128, 128) and indexer.wk.weight.dtype == torch.float8_e4m3fn
+
+
+def _entries_of(cfg):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(cfg).state_dict()
+    return [e for n, t in state.items() for e in checkpoint_entries(cfg.model_type, n, t.shape)]
+
+
+def test_deepseek_config_only_is_the_bench_slice(tmp_path):
+    """--config-only --fp8 --num-layers 5 for deepseek-v3.2 (what the GPU run loads with --load-format dummy): the
+    real dims, the first layer dense and four MoE layers, the indexer, the FP8 quantization_config keeping the
+    indexer's weights_proj unquantized; gyrfalcon resolves and builds it."""
+    from transformers import AutoConfig
+
+    from gyrfalcon.layers.mlp import GatedMLP
+    from gyrfalcon.layers.moe import SparseMoE
+
+    path = make_checkpoint("deepseek-v3.2", str(tmp_path / "ds"), num_layers=5, fp8=True, config_only=True,
+                           tokenizer_vocab=300)
+    assert not list(path.glob("*.safetensors*"))
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["DeepseekV32ForCausalLM"] and raw["num_hidden_layers"] == 5
+    assert raw["mlp_layer_types"] == ["dense"] + ["sparse"] * 4
+    assert (raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"]) == (64, 128, 2048)
+    qc = raw["quantization_config"]
+    assert "weights_proj" in qc["modules_to_not_convert"] and qc["fmt"] == "e4m3"
+    assert QuantizationConfig.resolve(qc, None, str(path)).weight_block_size == (128, 128)
+    cfg = AutoConfig.from_pretrained(str(path))
+    model = _meta_model(cfg, fp8=True)
+    assert [type(layer.mlp) for layer in model.model.layers] == [GatedMLP] + [SparseMoE] * 4
+
+
+def test_deepseek_writer_fp8_loads_and_generates(tmp_path, monkeypatch):
+    """The writer's DeepSeek path on deepseek-v3.2 shrunk to 2 layers of 256 wide (a preset added for this test; shards
+    and MLA projections multiples of the 128-row block): MLA, indexer wq_b / wk, dense MLP, shared and routed experts
+    e4m3 with scales; weights_proj, the router and its fp32 correction bias (on the gate, as DeepSeek saves it) not.
+    gyrfalcon loads the directory (FP8 linears, kv_b_proj dequantized for absorption) and generates."""
+    from gyrfalcon import LLM, SamplingParams
+    from gyrfalcon.layers.quantization import is_quantized
+
+    tiny = dict(PRESETS["deepseek-v3.2"], vocab_size=512, hidden_size=256, intermediate_size=128,
+                moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
+                n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, index_n_heads=2,
+                index_head_dim=64, index_topk=4, max_position_embeddings=4096 * 40)
+    monkeypatch.setitem(PRESETS, "tiny-deepseek-v3.2", tiny)
+    path = make_checkpoint("tiny-deepseek-v3.2", str(tmp_path / "d"), tokenizer_vocab=300, fp8=True, lm_head_std=0.1)
+    t = _tensors(path)
+    attn, moe = "model.layers.1.self_attn", "model.layers.1.mlp"
+    for n in (f"{attn}.kv_b_proj.weight", f"{attn}.indexer.wq_b.weight", f"{attn}.indexer.wk.weight",
+              f"{moe}.experts.3.down_proj.weight", f"{moe}.shared_experts.gate_proj.weight",
+              "model.layers.0.mlp.up_proj.weight"):
+        assert t[n].dtype == torch.float8_e4m3fn and t[f"{n}_scale_inv"].shape == fp8_scale_shape(t[n].shape), n
+    assert t[f"{attn}.indexer.weights_proj.weight"].dtype == torch.bfloat16
+    assert t[f"{moe}.gate.weight"].dtype == torch.bfloat16
+    assert t[f"{moe}.gate.e_score_correction_bias"].dtype == torch.float32
+    llm = LLM(str(path), block_size=4, max_model_len=64)
+    model = llm.engine.runner.model
+    assert is_quantized(model.model.layers[1].self_attn.indexer.wq_b)
+    assert model.model.layers[1].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    out = llm.generate([list(range(3, 15))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values())

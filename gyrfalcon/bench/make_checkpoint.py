@@ -6,12 +6,14 @@ local Python sources (its vocabulary is smaller than the model's; ids beyond it 
 generation_config.json. Parameter names and shapes come from transformers' own model class built on
 the meta device, so the files are exactly what that class would save.
 
---fp8 writes the FP8 format that DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 ship: every decoder linear weight
-(attention q/k/v/o, the dense MLP's and each expert's gate/up/down or w1/w3/w2) float8_e4m3fn with a
+--fp8 writes the FP8 format that DeepSeek-V3 / V3.2, Qwen3-*-FP8 and MiniMax-M2 ship: every decoder linear weight
+(attention q/k/v/o or MLA's projections and V3.2's indexer wq_b / wk, the dense MLP's and each expert's gate/up/down
+or w1/w3/w2) float8_e4m3fn with a
 `<name>_scale_inv` fp32 [ceil(rows / 128), ceil(cols / 128)], the random weight quantized per 128 x 128 block
 (the same draws as without --fp8, so the two checkpoints of a seed hold the same model up to e4m3 rounding), and
 config.json's quantization_config. Embeddings, the LM head, norms, the router and its correction bias stay in
---dtype (fp32 for the bias).
+--dtype (fp32 for the bias), and so does V3.2's indexer weights_proj (unquantized in the release: its fp32 head
+weights order the top-k).
 
 --config-only writes everything but the weights, for `--load-format dummy` (models/loader.py): the engine builds
 the model from config.json and fills it with random values on the device, so shapes larger than the disk run.
@@ -23,6 +25,16 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+_DEEPSEEK_V3_DIMS = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0})
 
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -55,12 +67,26 @@ PRESETS = {
         head_dim=128, rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, scoring_func="sigmoid",
         use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer", max_position_embeddings=196608,
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=5000000.0),
+    # Real per-layer dims (61 layers in the release: ~22 GB per MoE layer in bf16), cut with --num-layers: the
+    # benchmark slice of ../shared/MODELS.md is 5 layers with only the first dense (~90 GiB). The release has 3
+    # dense layers (first_k_dense_replace=3); the preset says 1 so that the slice is that one, and any cut keeps
+    # MoE layers.
+    "deepseek-v3": dict(
+        arch="DeepseekV3ForCausalLM", model_type="deepseek_v3", **_DEEPSEEK_V3_DIMS, rope_interleave=True),
+    # V3 plus the lightning indexer (DeepSeek sparse attention) in every layer: 64 heads of 128, top-2048 keys.
+    "deepseek-v3.2": dict(
+        arch="DeepseekV32ForCausalLM", model_type="deepseek_v32", **_DEEPSEEK_V3_DIMS, index_n_heads=64,
+        index_head_dim=128, index_topk=2048),
 }
 
 # Checkpoints store MoE experts one by one (transformers keeps them stacked in memory): per model type, the
-# per-expert names of the stacked gate_up rows (gate, up) and of down, and the MoE block's name on disk.
-_EXPERT_NAMES = {"qwen3_moe": (("gate_proj", "up_proj", "down_proj"), "mlp"),
-                 "minimax_m2": (("w1", "w3", "w2"), "block_sparse_moe")}
+# per-expert names of the stacked gate_up rows (gate, up) and of down, the MoE block's name on disk, and whether the
+# router's e_score_correction_bias sits on the block (MiniMax-M2) rather than on its gate (DeepSeek).
+_QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_NAMES = {"qwen3_moe": (_QWEN_EXPERTS, "mlp", False),
+                 "minimax_m2": (("w1", "w3", "w2"), "block_sparse_moe", True),
+                 "deepseek_v3": (_QWEN_EXPERTS, "mlp", False),
+                 "deepseek_v32": (_QWEN_EXPERTS, "mlp", False)}
 
 
 def checkpoint_entries(model_type: str, name: str, shape) -> list:
@@ -69,9 +95,10 @@ def checkpoint_entries(model_type: str, name: str, shape) -> list:
     block takes its on-disk name (MiniMax-M2: block_sparse_moe, the correction bias on the block)."""
     if model_type not in _EXPERT_NAMES:
         return [(name, tuple(shape))]
-    (gate, up, down), block = _EXPERT_NAMES[model_type]
-    name = name.replace(".mlp.", f".{block}.").replace(f".{block}.gate.e_score_correction_bias",
-                                                       f".{block}.e_score_correction_bias")
+    (gate, up, down), block, bias_on_block = _EXPERT_NAMES[model_type]
+    name = name.replace(".mlp.", f".{block}.")
+    if bias_on_block:
+        name = name.replace(f".{block}.gate.e_score_correction_bias", f".{block}.e_score_correction_bias")
     if name.endswith(".experts.gate_up_proj"):
         E, two_i, H = shape
         return [(f"{name[:-len('gate_up_proj')]}{e}.{proj}.weight", (two_i // 2, H))
@@ -87,6 +114,8 @@ FP8_BLOCK = (128, 128)
 # `gate` matches model.layers.N.mlp.gate / block_sparse_moe.gate but not gate_proj); the embeddings, norms and the
 # correction bias are not 2-D layer weights and stay unquantized regardless.
 FP8_MODULES_TO_NOT_CONVERT = ["gate", "e_score_correction_bias", "lm_head"]
+# Per model type, more modules that its release keeps unquantized (DeepSeek-V3.2's indexer head weights).
+_FP8_ALSO_NOT_CONVERTED = {"deepseek_v32": ["weights_proj"]}
 
 
 def fp8_quantization_config(model_type: str) -> dict:
@@ -94,16 +123,17 @@ def fp8_quantization_config(model_type: str) -> dict:
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
             # MiniMax-M2 spells the format by its torch dtype, DeepSeek-V3 and Qwen3-FP8 as e4m3
             "fmt": "float8_e4m3fn" if model_type == "minimax_m2" else "e4m3",
-            "modules_to_not_convert": list(FP8_MODULES_TO_NOT_CONVERT)}
+            "modules_to_not_convert": FP8_MODULES_TO_NOT_CONVERT + _FP8_ALSO_NOT_CONVERTED.get(model_type, [])}
 
 
-def is_fp8_weight(name: str, shape) -> bool:
+def is_fp8_weight(name: str, shape, model_type: str = "") -> bool:
     """Whether on-disk tensor `name` [rows, cols] is stored float8_e4m3fn with a `<name>_scale_inv`: a 2-D
-    `.weight` inside the decoder layers whose module is not in FP8_MODULES_TO_NOT_CONVERT."""
+    `.weight` inside the decoder layers whose module is not in model_type's modules_to_not_convert."""
     from gyrfalcon.layers.quantization import matches_module
 
+    keep = fp8_quantization_config(model_type)["modules_to_not_convert"]
     return (len(shape) == 2 and ".layers." in name and name.endswith(".weight")
-            and not matches_module(name[:-len(".weight")], FP8_MODULES_TO_NOT_CONVERT))
+            and not matches_module(name[:-len(".weight")], keep))
 
 
 def fp8_scale_shape(shape) -> tuple:
@@ -204,7 +234,7 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
             t = lm_head_std * torch.randn(shape, generator=g, device=dev)
         else:
             t = std * torch.randn(shape, generator=g, device=dev)
-        if fp8 and is_fp8_weight(name, shape):
+        if fp8 and is_fp8_weight(name, shape, cfg.model_type):
             q, scale = quantize_weight_blockwise(t, FP8_BLOCK)
             tensors = {name: q.cpu(), f"{name}_scale_inv": scale.cpu()}
         else:
