@@ -57,3 +57,21 @@ def test_empty_batch_and_dispatch():
     got = route(logits, 4, "sigmoid", True, bias, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     want = route_ref(logits, 4, "sigmoid", True, bias, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+@requires_triton
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_garbage_rows_still_pick_distinct_experts_in_range(scoring):
+    """NaN and -inf logits (a CUDA-graph capture pass runs the model over unwritten cache memory): each row still
+    gets k distinct expert ids in [0, E), which the grouped GEMMs and the sort index by."""
+    E, k = 60, 8
+    logits = torch.randn(4, E, device=DEVICE)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, ::2] = float("nan")
+    _, ids = route_triton(logits, k, scoring, True, torch.zeros(E, device=DEVICE) if scoring == "sigmoid" else None)
+    ids = ids.cpu()
+    assert ids.min() >= 0 and ids.max() < E
+    assert all(len(set(r.tolist())) == k for r in ids)
+    _, want = route_ref(logits[3:], k, scoring)
+    assert torch.equal(ids[3], want[0].cpu())

@@ -39,17 +39,21 @@ if HAS_TRITON:
             ex = tl.exp(x - m)
             scores = ex / tl.sum(ex, axis=0)
             choice = scores
-        choice = tl.where(emask, choice, float("-inf"))
+        # NaN ranks lowest (a row of garbage, e.g. a graph-capture pass over an unwritten cache, must still pick k
+        # distinct experts in range: the grouped GEMMs index weights by them).
+        choice = tl.where(choice == choice, choice, float("-inf"))
+        avail = emask
         ks = tl.arange(0, K_BLOCK)
         sel_w = tl.zeros([K_BLOCK], dtype=tl.float32)
         sel_i = tl.zeros([K_BLOCK], dtype=tl.int64)
         for j in tl.static_range(TOPK):
-            best = tl.max(choice, axis=0)
-            idx = tl.min(tl.where(choice == best, es, E_BLOCK), axis=0)
+            key = tl.where(avail, choice, float("-inf"))
+            best = tl.max(key, axis=0)
+            idx = tl.min(tl.where(avail & (key == best), es, E_BLOCK), axis=0)
             w = tl.sum(tl.where(es == idx, scores, 0.0), axis=0)
             sel_w = tl.where(ks == j, w, sel_w)
             sel_i = tl.where(ks == j, idx.to(tl.int64), sel_i)
-            choice = tl.where(es == idx, float("-inf"), choice)
+            avail = avail & (es != idx)
         kmask = ks < TOPK
         if NORM:
             total = tl.sum(tl.where(kmask, sel_w, 0.0), axis=0)
