@@ -285,15 +285,15 @@ def test_fp8_uneven_and_empty_experts(mode, T, k):
 
 
 @requires_triton
-@pytest.mark.parametrize("H,I,dtype", [(136, 96, torch.float32), (64, 80, torch.bfloat16)])
+@pytest.mark.parametrize("H,I,dtype", [(136, 192, torch.float32), (64, 80, torch.bfloat16)])
 def test_fp8_whole_stacked_odd_intermediate(H, I, dtype):  # noqa: E741
     """`--quantization fp8`'s layout: w13 quantized as one [2I, H] matrix, so the up rows I .. 2I - 1 straddle
-    two 128-row scale blocks (rows 96..191 / 80..159 across row 128). I 96: 32-column tiles divide I, so each
-    program's up columns still lie in one block (the scalar-scale path); I 80: a tile of up columns 112..143
+    two 128-row scale blocks (rows 192..383 / 80..159 across rows 256 / 128). I 192: 64-column tiles divide I, so
+    each program's up columns still lie in one block (the scalar-scale path); I 80: a tile of up columns 112..175
     straddles the boundary (the per-column scale path, SCALE_COLS). I is a partial K block of the down GEMM too,
     and H 64 is less than one block."""
     cfg = fp8_config(5 * 2, 6, H, I)
-    assert cfg.up.block_n == 32 and (I % 32 == 0) == (I == 96)
+    assert cfg.up.block_n == 64 and (I % 64 == 0) == (I == 192)
     _fp8_check(5, 6, 2, H, I, dtype, "random", whole=True)
 
 
