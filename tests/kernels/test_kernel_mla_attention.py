@@ -59,10 +59,11 @@ def test_ref_absorbed_equals_expanded_mla(block_size):
     q_lens, seq_lens = RAGGED
     cache, bt, dense = _cache(seq_lens, L + R, block_size, torch.float32)
     T = sum(q_lens)
-    q_nope, q_rope = torch.randn(T, H, nope), torch.randn(T, H, R)
-    w_uk, w_uv = torch.randn(H, nope, L) / L ** 0.5, torch.randn(H, V, L) / L ** 0.5
+    dev = cache.device  # the helpers build the cache where the kernels run (a GPU when there is one)
+    q_nope, q_rope = torch.randn(T, H, nope, device=dev), torch.randn(T, H, R, device=dev)
+    w_uk, w_uv = torch.randn(H, nope, L, device=dev) / L ** 0.5, torch.randn(H, V, L, device=dev) / L ** 0.5
     q_abs = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_rope], dim=-1)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     o_lat = mla_attention_ref(q_abs, cache, bt, sl, _qsl(q_lens), 0.3, L)
     assert o_lat.shape == (T, H, L)
     o = torch.einsum("thl,hvl->thv", o_lat, w_uv)
