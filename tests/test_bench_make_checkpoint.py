@@ -195,13 +195,15 @@ def test_deepseek_presets_fill_the_model(preset, fp8):
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim) == (7168, 128, 1536, 512, 128, 64, 128)
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.moe_intermediate_size,
-            cfg.intermediate_size, cfg.routed_scaling_factor, cfg.vocab_size) == (256, 8, 8, 4, 2048, 18432, 2.5, 129280)
+            cfg.intermediate_size, cfg.routed_scaling_factor,
+            cfg.vocab_size) == (256, 8, 8, 4, 2048, 18432, 2.5, 129280)
     assert cfg.first_k_dense_replace == 1 and cfg.rope_parameters["factor"] == 40.0
     entries = _entries_of(cfg)
     names = [n for n, _ in entries]
     assert "model.layers.1.mlp.experts.255.down_proj.weight" in names
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names  # on the router, as DeepSeek saves it
-    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
     tensors = []
     for n, shape in entries:
         if fp8 and is_fp8_weight(n, shape, cfg.model_type):
@@ -229,7 +231,8 @@ def test_deepseek_presets_fill_the_model(preset, fp8):
     assert "model.layers.1.self_attn.indexer.wq_b.weight" in fp8_names
     assert "model.layers.1.self_attn.indexer.wk.weight" in fp8_names
     assert "model.layers.1.self_attn.indexer.weights_proj.weight" not in fp8_names
-    assert "model.layers.1.self_attn.kv_b_proj.weight" in fp8_names and "model.layers.1.mlp.gate.weight" not in fp8_names
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in fp8_names
+    assert "model.layers.1.mlp.gate.weight" not in fp8_names
     assert len(fp8_names) == 2 * 5 + 2 * 2 + 3 + 256 * 3 + 3  # MLA + indexer per layer, dense MLP, experts, shared
     if fp8:
         assert indexer.wq_b.quant_block == (128, 128) and indexer.wk.weight.dtype == torch.float8_e4m3fn

@@ -78,7 +78,8 @@ class LightningIndexer(nn.Module):
         self.weight_scale = n_heads ** -0.5 * head_dim ** -0.5
         self.__dict__["rotary"] = rotary
 
-    def kv_cache_spec(self, cache_dtype: str) -> IndexerKeySpec:
+    def key_cache_spec(self, cache_dtype: str) -> IndexerKeySpec:
+        """Its keys, one row of index_head_dim per token (the MLA layer declares it beside its latent)."""
         return IndexerKeySpec(self.head_dim, cache_dtype)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor):

@@ -85,7 +85,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent = MLALatentSpec(self.kv_lora_rank, self.rope_dim, cache_dtype)
         if self.indexer is None:
             return latent
-        return SparseMLASpec(latent, self.indexer.kv_cache_spec(cache_dtype))
+        return SparseMLASpec(latent, self.indexer.key_cache_spec(cache_dtype))
 
     def absorbed_weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]); an FP8

@@ -75,7 +75,8 @@ def test_ref_topk_selects_the_best_causal_keys(monkeypatch):
 
 
 def test_store_index_keys():
-    """The reference write, and the dispatching one (store_kv over the row's two halves): same cache, slot -1 skipped."""
+    """The reference write, and the dispatching one (store_kv over the row's two halves): the same cache, slot -1
+    skipped."""
     bs, D = 4, 16
     k = torch.randn(5, D, device=DEVICE)
     slots = torch.tensor([9, -1, 0, 19, 3], device=DEVICE)

@@ -61,7 +61,8 @@ def test_checkpoint_and_loading(ties_ckpt):
     for name, t in sd.items():
         assert t.unique().numel() > 1, name  # no constant tensor left from the init (the LayerNorm bias included)
     ix = "model.layers.2.self_attn.indexer."
-    assert {ix + n for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")} <= set(sd)
+    names = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+    assert {ix + n for n in names} <= set(sd)
     llm = LLM(str(ties_ckpt), block_size=8)
     runner = llm.engine.runner
     model = runner.model
@@ -71,7 +72,7 @@ def test_checkpoint_and_loading(ties_ckpt):
     indexer = layers[2].self_attn.indexer
     assert isinstance(indexer, LightningIndexer) and indexer.index_topk == 4 and indexer.rope_dim == 8
     assert indexer.weights_proj.weight.dtype == torch.float32
-    for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+    for n in names:
         torch.testing.assert_close(indexer.get_submodule(n.rsplit(".", 1)[0]).get_parameter(n.rsplit(".", 1)[1]),
                                    sd[ix + n], rtol=0, atol=0)
     # One spec per layer: the MLA latent and the indexer keys, paged by the same block table.

@@ -2,11 +2,13 @@
 
 Grid (sequence, head block, split): each program scores BLOCK_H heads' [latent | rope] queries against the rows of
 its split of the context (one shared row per key: MQA, so a K/V tile loaded once serves every head of the block),
-keeps an online softmax, and accumulates p @ latent. Sparse MLA (DeepSeek-V3.2, SPARSE): the keys are the row's
-list of selected positions (indices [B, K], -1: none) instead of 0 .. seq_len - 1; the splits divide the list, each
-key is gathered through the block table as before, and a position outside the context is masked (never read). With one split it writes the normalized output; otherwise
+keeps an online softmax, and accumulates p @ latent. With one split it writes the normalized output; otherwise
 its normalized partial and log2-sum-exp go to a buffer that the reduce kernel merges. Splits and buffers are sized
 from shapes (the block table's width), never from the lengths, so no host sync happens (CUDA-graph safe).
+
+Sparse MLA (DeepSeek-V3.2, SPARSE): the keys are the row's list of selected positions (indices [B, K], -1: none)
+instead of 0 .. seq_len - 1; the splits divide the list (sized from K), each key is gathered through the block
+table as before, and a position outside the context is masked (never read).
 """
 
 from __future__ import annotations
