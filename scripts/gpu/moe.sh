@@ -7,6 +7,7 @@
 #   q30_b1 q30_b64            Qwen3-30B-A3B bf16 at batch 1 (with --profile: launches per layer) / 64
 #   q30f_b1 q30f_b64          the same in FP8
 #   mm_b1 mm_b64 mmf_b1 mmf_b64   MiniMax-M2 (14 layers), bf16 / FP8
+#   ds_b1 dsf_b1              DeepSeek-V3.2 cut to 5 layers of its real dims (the first dense), bf16 / FP8
 # Each row writes $OUT/results/latency_<model>_b<B>_row.json with the read roofline of the bytes a step reads
 # (attention, the selected experts, the LM head, K/V: bench/common.py step_weight_bytes).
 # Usage, from the repo root: GYRFALCON_COMMIT=<hash> OUT=/some/dir bash scripts/gpu/moe.sh [ROW...]
@@ -21,6 +22,7 @@ row() {  # row NAME PRESET LAYERS BATCH [--fp8]
   [ "$b" = 1 ] && extra=(--profile)
   if [ "${1:-}" = --fp8 ]; then fp8=(--fp8); model=${preset}-fp8; fi
   [ "$preset" = minimax-m2 ] && model=${model/minimax-m2/minimax-m2-14l}
+  [ "$preset" = deepseek-v3.2 ] && model=${model/deepseek-v3.2/deepseek-v3.2-5l}
   cfg $name $preset $layers "${fp8[@]}"
   step lat_${name}_b$b 240 $G bench latency --model /tmp/cfg/$name --load-format dummy --batch-size $b \
     --max-num-seqs $b --input-len 128 --output-len 128 --async-scheduling "${extra[@]}" \
@@ -38,6 +40,8 @@ for r in $ROWS; do
     mm_b64) row mm minimax-m2 14 64 ;;
     mmf_b1) row mmf minimax-m2 14 1 --fp8 ;;
     mmf_b64) row mmf minimax-m2 14 64 --fp8 ;;
+    ds_b1) row ds deepseek-v3.2 5 1 ;;
+    dsf_b1) row dsf deepseek-v3.2 5 1 --fp8 ;;
     *) echo "unknown row: $r" ;;
   esac
 done
