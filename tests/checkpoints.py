@@ -56,7 +56,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random `arch` ('qwen3' | 'llama') checkpoint plus tokenizer under `path`."""
+    """Save a tiny random `arch` ('qwen3' | 'llama' | 'qwen2' | 'mistral') checkpoint plus tokenizer under `path`."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
@@ -73,6 +73,16 @@ def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Pa
                 "original_max_position_embeddings": 256, "rope_theta": 500000.0}
         cfg = LlamaConfig(**{**common, "head_dim": 16, "rope_scaling": rope, **overrides})
         model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        # q/k/v biases (randomized below like every parameter); head_dim from hidden / heads = 16.
+        cfg = Qwen2Config(**{**common, "rope_theta": 1e6, **overrides})
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+        # sliding_window None as current Mistral configs ship it (MistralConfig's default is 4096).
+        cfg = MistralConfig(**{**common, "head_dim": 16, "rope_theta": 1e6, "sliding_window": None, **overrides})
+        model = MistralForCausalLM(cfg)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -9,6 +9,8 @@ from torch import nn
 
 _MODELS = {
     "LlamaForCausalLM": ("gyrfalcon.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("gyrfalcon.models.qwen2", "Qwen2ForCausalLM"),
+    "MistralForCausalLM": ("gyrfalcon.models.mistral", "MistralForCausalLM"),
     "Qwen3ForCausalLM": ("gyrfalcon.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("gyrfalcon.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("gyrfalcon.models.minimax_m2", "MiniMaxM2ForCausalLM"),
