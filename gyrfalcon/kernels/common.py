@@ -187,6 +187,7 @@ KERNEL_MODULES = (
     "moe_router.naive", "moe_router.triton", "moe_router",
     "mla_attention.naive", "mla_attention.triton", "mla_attention",
     "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
+    "gated_delta.naive", "gated_delta",
 )
 
 

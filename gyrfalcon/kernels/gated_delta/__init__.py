@@ -1,0 +1,60 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): the ops of one layer's step, each over a ragged batch
+whose requests keep their state in slots of per-layer pools.
+
+T tokens, B sequences (sequence i's rows query_start_loc[i]:query_start_loc[i + 1]), C = 2 * H * dk + HV * dv
+conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K the conv width:
+- causal_conv1d: x [T, C] -> silu(depthwise causal conv) [T, C]; conv_states [num_slots, K - 1, C] (a request's
+  first chunk starts from zeros, has_initial_state False; later chunks from its slot; the last K - 1 inputs are
+  written back).
+- causal_conv1d_update: the same for one token per sequence (decode), x [B, C] (has_initial_state False for a
+  one-token prompt's step).
+- gated_delta_prefill: q, k [T, H, dk], v [T, HV, dv], a, b [T, HV], A_log, dt_bias [HV] -> o [T, HV, dv]:
+  gating (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), L2 norm of q and k, the chunked gated delta
+  rule (chunks of 64) from each slot's state (or zeros) in states [num_slots, HV, dk, dv] fp32, final states
+  written back.
+- gated_delta_decode: the same for one token per sequence, the state updated in place (one launch later:
+  gating, norm, update and output).
+- gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
+
+Only the plain-torch references exist so far (naive.py): they loop over sequences on the host, so a step
+through them cannot be captured in a CUDA graph. The Triton kernels go behind these same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, causal_conv1d_update_ref,
+                                                 chunk_gated_delta_rule_ref, gated_delta_decode_ref,
+                                                 gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
+                                                 recurrent_gated_delta_rule_ref)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_slots: torch.Tensor,
+                  query_start_loc: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    return causal_conv1d_ref(x, weight, conv_states, state_slots, query_start_loc, has_initial_state)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                         state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    return causal_conv1d_update_ref(x, weight, conv_states, state_slots, has_initial_state)
+
+
+def gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
+                        has_initial_state) -> torch.Tensor:
+    return gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
+                                   has_initial_state)
+
+
+def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state) -> torch.Tensor:
+    return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return gated_rms_norm_ref(x, z, weight, eps)
+
+
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref",
+           "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_prefill",
+           "gated_delta_prefill_ref", "gated_rms_norm", "gated_rms_norm_ref", "gdn_gating_ref",
+           "recurrent_gated_delta_rule_ref"]

@@ -1,0 +1,135 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next (three of every four layers), in a decoder layer's
+attention slot.
+
+    x = norm(stream)
+    q | k | v | z = in_proj_qkvz(x);  b | a = in_proj_ba(x)
+    q | k | v = silu(causal_conv1d(q | k | v))          per-request conv window (K - 1 tokens) in a state slot
+    o = gated_delta_rule(q, k, v, g(a), beta(b))         per-request recurrent state [HV, dk, dv] fp32
+    out = out_proj(rms_norm(o) * w * silu(z))
+
+Qwen3-Next's checkpoint groups in_proj_qkvz's rows per key head ([H, q dk | k dk | v r*dv | z r*dv], r = HV / H)
+and in_proj_ba's likewise ([H, b r | a r]); the loader reorders them into flat [q | k | v | z] and [b | a] once,
+so the conv reads one contiguous slice of the projection every step and Qwen3.5's flat layout maps onto the same
+weights. The state lives in this layer's entry of the "state" cache group (cache_spec.LinearStateSpec): a conv
+pool [num_slots, K - 1, C] in the model's dtype and a recurrent pool [num_slots, HV, dk, dv] in fp32; the step's
+rows find their slot in ForwardBatch.state_slots. A request whose step starts at position 0 starts from zeros
+(its slot may hold a finished request's state), later prefill chunks and decode steps from the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from gyrfalcon.cache_spec import LinearStateSpec
+from gyrfalcon.forward_context import get_forward_context
+from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
+                                           gated_delta_prefill, gated_rms_norm)
+from gyrfalcon.layers.linear import Linear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.norm_linear import NormLinear, project_out
+
+
+class GroupedHeadsLinear(Linear):
+    """A projection whose checkpoint rows come grouped per key head: [H, seg_0 | seg_1 | ...] (segment widths
+    `segments`), kept here as flat [seg_0 of every head | seg_1 of every head | ...]."""
+
+    def __init__(self, in_features: int, num_groups: int, segments: Sequence[int]) -> None:
+        super().__init__(in_features, num_groups * sum(segments))
+        self.num_groups, self.segments = num_groups, tuple(segments)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.quant_block is not None:
+            raise NotImplementedError("FP8 block-quantized Gated DeltaNet input projections are not supported yet.")
+        if param.shape != loaded.shape:
+            raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}.")
+        grouped = loaded.view(self.num_groups, sum(self.segments), -1)
+        param.data.copy_(torch.cat([part.reshape(-1, loaded.shape[-1])
+                                    for part in grouped.split(self.segments, dim=1)]))
+
+
+class GatedRMSNorm(nn.Module):
+    """rms_norm(x) * weight * silu(z) over the last dim (the weight plain, initialized to ones)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z: [..., dim] -> [..., dim]"""
+        return gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer: (hidden, residual) stream -> stream (layers/norm_linear.py), its input norm the
+    decoder layer's (bind_input_norm)."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float, layer_idx: int) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads "
+                             f"({num_k_heads}).")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.layer_idx = layer_idx
+        r = num_v_heads // num_k_heads
+        self.in_proj_qkvz = GroupedHeadsLinear(hidden_size, num_k_heads,
+                                               (head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim))
+        self.in_proj_ba = GroupedHeadsLinear(hidden_size, num_k_heads, (r, r))
+        # Depthwise, no bias: only its weight [C, 1, K] is used (the checkpoint's conv1d.weight).
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.conv1d.weight.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.norm_in: Optional[NormLinear] = None
+
+    def kv_cache_spec(self, cache_dtype: str) -> LinearStateSpec:
+        """Per request: the conv window [K - 1, C] in the model's dtype (cache_dtype, the KV cache's, may be FP8:
+        not for a state that is read back every step) and the recurrent state [HV, dk, dv] in fp32."""
+        dtype = str(self.conv1d.weight.dtype).replace("torch.", "")
+        return LinearStateSpec((self.conv_kernel - 1, self.conv_dim),
+                               (self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype, "float32")
+
+    def bind_input_norm(self, norm: RMSNorm) -> None:
+        # The norm runs on its own: in_proj_qkvz and in_proj_ba both read its output.
+        self.norm_in = NormLinear(norm)
+
+    def forward(self, positions: torch.Tensor, hidden: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """positions: [T] (unused: the recurrence has no positions); (hidden, residual): the stream."""
+        n = self.norm_in(hidden, residual)
+        ctx = get_forward_context()
+        batch, (conv_states, states) = ctx.batch, ctx.kv_caches[self.layer_idx]
+        slots = batch.state_slots
+        T = n.y.shape[0]
+        qkvz = self.in_proj_qkvz(n.y)  # [T, C + value_dim]: q | k | v (the conv's input) | z
+        mixed, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(n.y).split([self.num_v_heads, self.num_v_heads], dim=-1)  # [T, HV] each
+        w = self.conv1d.weight.squeeze(1)  # [C, K]
+        qsl = batch.query_start_loc
+        # [B]: a step that starts past position 0 continues the request's state (its earlier chunks' or tokens');
+        # one at position 0 (a new or recomputed request, a one-token prompt's decode-shaped step) starts at zero.
+        has_initial = batch.seq_lens > (qsl[1:] - qsl[:-1])
+        if batch.is_decode:
+            mixed = causal_conv1d_update(mixed, w, conv_states, slots, has_initial)
+        else:
+            mixed = causal_conv1d(mixed, w, conv_states, slots, qsl, has_initial)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        if batch.is_decode:
+            o = gated_delta_decode(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, has_initial)
+        else:
+            o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial)
+        o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
+        return project_out(self.out_proj, o.reshape(T, self.value_dim), n)
