@@ -13,6 +13,7 @@ from gyrfalcon import envs
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
 from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
+from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,10 @@ class Engine:
                 f"The KV cache holds {runner.num_blocks} blocks of {cc.block_size} tokens "
                 f"({runner.num_blocks * cc.block_size} tokens), fewer than one sequence of "
                 f"max_model_len={self.max_model_len} needs; lower max_model_len or give the cache more memory.")
+        # Linear-attention layers: one state slot per running request, out of the pool the runner allocated.
+        num_slots = getattr(runner, "num_state_slots", 0)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.enable_chunked_prefill)
+                                   sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None)
         self.async_scheduling = bool(getattr(sc, "async_scheduling", False))
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0

@@ -35,6 +35,9 @@ class ForwardBatch:
     # Query tokens of every sequence when they are all alike (1: a decode step; 1 + k: a speculative verify
     # step), else 0 (prefill chunks, mixed steps).
     uniform_query_len: int = 0
+    # [B] int32: each sequence's slot in the linear-attention layers' state pools (runner/kv_cache.py), for models
+    # with a "state" cache group; else None.
+    state_slots: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,7 @@ class HostBatch:
     sample_rows: List[int]
     pending_rows: List[int]
     pending_src: List[int]
+    state_slots: Optional[np.ndarray] = None  # [B] int32, when the requests hold state slots
 
     @property
     def num_tokens(self) -> int:
@@ -112,8 +116,12 @@ def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, i
     seq_of_token = np.repeat(np.arange(B), q_lens)
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    # A model with linear-attention layers gives every running request a state slot (RequestState.state_slots).
+    state_slots = None
+    if B and getattr(sched_reqs[0].request, "state_slots", None):
+        state_slots = np.fromiter((sr.request.state_slots["state"] for sr in sched_reqs), dtype=np.int32, count=B)
     return HostBatch(input_ids, positions, slot_mapping, q_lens, qsl, seq_lens, block_tables, sample_rows,
-                     pending_rows, pending_src)
+                     pending_rows, pending_src, state_slots)
 
 
 def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
@@ -130,14 +138,16 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
 
     # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
     # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables
-    # B*W] as int32 packed two per word. (Each copy costs a launch on a slow host.) Every section starts on
-    # 16 bytes (int64 sections padded to an even length, int32 ones to a multiple of 4): Triton compiles a
-    # kernel per pointer alignment, so a section whose offset followed the token count would compile new
-    # variants in the middle of a run (tests/runner/test_jit_specialization.py). For the same reason the
-    # block table's width (its row stride, an integer Triton specializes on) is padded to a multiple of 16.
+    # B*W | state slots B (0 without state layers)] as int32 packed two per word. (Each copy costs a launch on
+    # a slow host.) Every section starts on 16 bytes (int64 sections padded to an even length, int32 ones to a
+    # multiple of 4): Triton compiles a kernel per pointer alignment, so a section whose offset followed the
+    # token count would compile new variants in the middle of a run (tests/runner/test_jit_specialization.py).
+    # For the same reason the block table's width (its row stride, an integer Triton specializes on) is padded
+    # to a multiple of 16.
     S, P, W = len(sample_rows), len(pending_rows), -(-max_blocks // 16) * 16
+    NS = 0 if hb.state_slots is None else B
     sizes64 = (T, T, T, S, P, P)
-    sizes32 = (B + 1, B, B * W)
+    sizes32 = (B + 1, B, B * W, NS)
     offs64, offs32, o = [], [], 0
     for n in sizes64:
         offs64.append(o)
@@ -158,10 +168,12 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     bt = h32[offs32[2]:offs32[2] + B * W].reshape(B, W)
     bt[:, :max_blocks] = block_tables
     bt[:, max_blocks:] = 0
+    if NS:
+        h32[offs32[3]:offs32[3] + NS] = hb.state_slots
     dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
     d32 = dev[n64:].view(torch.int32)
     i_ids, i_pos, i_slot, i_sample, i_prow, i_psrc = offs64
-    i_qsl, i_sl, i_bt = offs32
+    i_qsl, i_sl, i_bt, i_ss = offs32
     ids = dev[i_ids:i_ids + T]
     if pending_rows:
         ids[dev[i_prow:i_prow + P]] = last_sampled[dev[i_psrc:i_psrc + P]]
@@ -172,4 +184,4 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
         is_decode=bool(B > 0 and (q_lens == 1).all()),
         uniform_query_len=int(q_lens[0]) if B and (q_lens == q_lens[0]).all() else 0,
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
-        num_seqs=B)
+        num_seqs=B, state_slots=d32[i_ss:i_ss + NS] if NS else None)

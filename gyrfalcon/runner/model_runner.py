@@ -71,7 +71,8 @@ def profile_step(model, n: int, sample_rows: int, caches, block_size: int, devic
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
         logits_indices=torch.arange(min(n, sample_rows), device=device),
-        is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1)
+        is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1,
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device))  # (`caches` has one state slot)
     with torch.inference_mode(), forward_context(fb, caches):
         hidden = model(fb.input_ids, fb.positions)
         model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
@@ -96,6 +97,9 @@ class ModelRunner:
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
+        if self.cache_plan.has_state and config.speculative_config.num_speculative_tokens:
+            # A verify step would advance the linear-attention state past drafts that get rejected.
+            raise ValueError("Speculative decoding is not supported yet for models with linear-attention layers.")
         self.num_blocks = self._determine_num_blocks()
         clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
         self.kv_caches = self.cache_plan.allocate(self.num_blocks, self.num_state_slots, self.device)
@@ -123,7 +127,11 @@ class ModelRunner:
             self._d2h_stream = torch.cuda.Stream(self.device)
             self._sampled_event = torch.cuda.Event()  # reused: the side stream's wait takes its latest record
         self.graph_runner: Optional[CudaGraphRunner] = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # A model whose layers cannot run inside a captured graph yet (the linear-attention reference ops loop over
+        # sequences on the host) runs every step eagerly.
+        graphs = (self.device.type == "cuda" and not config.enforce_eager
+                  and getattr(self.model, "supports_cuda_graphs", True))
+        if graphs:
             k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
@@ -132,7 +140,7 @@ class ModelRunner:
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if graphs:
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
