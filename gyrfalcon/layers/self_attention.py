@@ -26,13 +26,20 @@ class RotarySelfAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding, qk_norm_eps: Optional[float] = None, qkv_bias: bool = False,
-                 o_proj_bias: bool = False, qk_norm_whole: bool = False) -> None:
+                 o_proj_bias: bool = False, qk_norm_whole: bool = False, output_gate: bool = False,
+                 qk_norm_offset: float = 0.0) -> None:
         """qk_norm_eps: per-head RMSNorm of q and k before RoPE with this eps (Qwen3); None: none.
         qk_norm_whole: the q/k norm is instead one RMSNorm over the whole q projection [num_heads * head_dim]
-        and one over the whole k projection, before the split into heads (MiniMax-M2)."""
+        and one over the whole k projection, before the split into heads (MiniMax-M2).
+        output_gate: q_proj gives each head [query | gate] (2 * head_dim rows per head) and the attention output
+        is multiplied by sigmoid(gate) before o_proj (Qwen3-Next's gated attention). qk_norm_offset: the q/k
+        norms' weight offset (1: Qwen3-Next's zero-centred `* (1 + w)`)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.output_gate = output_gate
+        # (the q shard holds the gate rows too: the checkpoint's q_proj [num_heads * 2 * head_dim, hidden])
+        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads * (2 if output_gate else 1), num_kv_heads,
+                                  qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, o_proj_bias)
         self.rotary_emb = rotary
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, layer_idx)
@@ -41,9 +48,10 @@ class RotarySelfAttention(nn.Module):
         if self.use_qk_norm:
             q_width, k_width = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_whole else (head_dim,
                                                                                                         head_dim)
-            self.q_norm = RMSNorm(q_width, qk_norm_eps)
-            self.k_norm = RMSNorm(k_width, qk_norm_eps)
-        self.fused = not envs.get().disable_fusion
+            self.q_norm = RMSNorm(q_width, qk_norm_eps, qk_norm_offset)
+            self.k_norm = RMSNorm(k_width, qk_norm_eps, qk_norm_offset)
+        # The fused qkv prep takes neither the gate's rows nor (1 + w) norms: such layers run the separate ops.
+        self.fused = not envs.get().disable_fusion and not output_gate and qk_norm_offset == 0.0
         self.qkv_in: Optional[NormLinear] = None
 
     def bind_input_norm(self, norm: RMSNorm) -> None:
@@ -64,13 +72,18 @@ class RotarySelfAttention(nn.Module):
         else:
             assert n.row_scale is None, "folded norms need the fused attention path"
             q, k, v = n.y.split(self.qkv_proj.split_sizes(), dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
+            gate = None
+            if self.output_gate:  # per head [query | gate]
+                q, gate = q.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             if self.use_qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
             o = self.attn(q, k, v)
+            if gate is not None:
+                o = o * torch.sigmoid(gate.reshape(o.shape))
         return project_out(self.o_proj, o, n)
 
     def _forward_whole_qk_norm(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

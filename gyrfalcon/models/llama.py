@@ -20,10 +20,12 @@ STACKED_PARAMS = (
 
 
 def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool,
-                     qk_norm_whole: bool = False) -> RotarySelfAttention:
+                     qk_norm_whole: bool = False, output_gate: bool = False,
+                     qk_norm_offset: float = 0.0) -> RotarySelfAttention:
     """The rotary attention block of `config`: q/k RMSNorm before RoPE when qk_norm (per head, Qwen3; over the
-    whole projections when qk_norm_whole, MiniMax-M2); RoPE over config.rotary_dim dims when the config names
-    them, else head_dim x partial_rotary_factor."""
+    whole projections when qk_norm_whole, MiniMax-M2; with weight (qk_norm_offset + w)); RoPE over
+    config.rotary_dim dims when the config names them, else head_dim x partial_rotary_factor; output_gate: a
+    sigmoid gate per head from q_proj (Qwen3-Next)."""
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     params = rope_parameters_of(config)
@@ -36,7 +38,8 @@ def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool,
     return RotarySelfAttention(
         config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim,
         layer_idx, rotary, qk_norm_eps=config.rms_norm_eps if qk_norm else None, qkv_bias=attention_bias,
-        o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)), qk_norm_whole=qk_norm_whole)
+        o_proj_bias=attention_bias and bool(getattr(config, "o_proj_bias", False)), qk_norm_whole=qk_norm_whole,
+        output_gate=output_gate, qk_norm_offset=qk_norm_offset)
 
 
 class LlamaForCausalLM(CausalLM):
