@@ -205,3 +205,50 @@ def make_deepseek_v32_checkpoint(path, seed: int = 0, **overrides) -> Path:
     tok.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
     return path
+
+
+QWEN3_NEXT_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, rope_theta=1e7, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    full_attention_interval=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=1024)
+
+
+def make_qwen3_next_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random Qwen3-Next checkpoint (../shared/MODELS.md's tiny Qwen3NextConfig: layers 0-2 Gated
+    DeltaNet, layer 3 gated attention, MoE with a gated shared expert everywhere) plus tokenizer under `path`.
+    Every parameter is randomized: norms (the (1 + w) ones around w = 0), conv weights, dt_bias, and A_log with decay
+    rates A = exp(A_log) in [0.02, 1], so the recurrent state remembers over tens of tokens (transformers'
+    init range [0.01, 16] would forget most of it within a few tokens and hide a state lost between chunks).
+    overrides: Qwen3NextConfig fields (layer_types, mlp_only_layers, linear_num_value_heads, ...)."""
+    from transformers import GenerationConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = Qwen3NextConfig(**{**QWEN3_NEXT_TINY, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos,
+                             "tie_word_embeddings": False, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(cfg)
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 1.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2 and "conv1d" not in name and "embed" not in name:
+                # Matrices at half randomize_'s scale: at full scale the residual stream reaches ~7 and
+                # transformers' own fp32 logits differ from its fp64 ones by up to 9e-5, above the 1e-5 that
+                # parity is held to; at half, ~1e-5 at most.
+                p.mul_(0.5)
+            elif name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+                # Zero-centred norms scale by (1 + w): w around 0, as trained checkpoints have it (randomize_'s
+                # 1 + noise would double every normed activation and the logits' rounding noise with it).
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path

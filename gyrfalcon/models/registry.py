@@ -16,6 +16,7 @@ _MODELS = {
     "MiniMaxM2ForCausalLM": ("gyrfalcon.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV32ForCausalLM"),
+    "Qwen3NextForCausalLM": ("gyrfalcon.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -1,0 +1,86 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): a hybrid of Gated DeltaNet linear attention (layers/gated_deltanet.py) and
+gated full attention, with a sparse MoE (softmax top-k router, renormalized; a shared SwiGLU expert behind a
+sigmoid gate) in every MLP slot unless mlp_only_layers / decoder_sparse_step keep it dense.
+
+config.layer_types says which layer is which ("linear_attention" / "full_attention"; transformers derives it from
+full_attention_interval: layer i is full attention when (i + 1) % interval == 0). Every RMSNorm of the residual
+stream (each layer's two, the final one) and the attention's per-head q/k norms are zero-centred:
+x * rsqrt(mean(x^2) + eps) * (1 + w). The attention is Qwen3's with a sigmoid output gate per head from q_proj
+and RoPE on the first partial_rotary_factor (0.25) of each head. The linear-attention layers keep a state slot
+per request (the "state" cache group); the attention layers the paged K/V.
+
+The checkpoint names a GDN layer's block `linear_attn`; here it sits in the decoder layer's attention slot
+(`self_attn`), and load_weights maps the name. MTP weights (`mtp.*`) are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Set, Tuple
+
+import torch
+
+from gyrfalcon.layers.decoder import DecoderLayer
+from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
+from gyrfalcon.layers.mlp import GatedMLP
+from gyrfalcon.layers.moe import SOFTMAX, SparseMoE
+from gyrfalcon.models.causal_lm import CausalLM
+from gyrfalcon.models.llama import STACKED_PARAMS, rotary_attention
+from gyrfalcon.models.qwen3_moe import QWEN_EXPERT_PARAMS, is_sparse_layer
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+def layer_types_of(config) -> list:
+    """Each layer's kind, from config.layer_types or else full_attention_interval (default 4)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    interval = getattr(config, "full_attention_interval", 4) or 4
+    return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(config.num_hidden_layers)]
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    # The GDN block of the checkpoint's `linear_attn` lives in the attention slot (first: a rename, no shard).
+    stacked_params = ((".linear_attn.", ".self_attn.", None),) + STACKED_PARAMS
+    expert_params = QWEN_EXPERT_PARAMS
+    # The linear-attention reference ops loop over sequences on the host: no CUDA graphs yet (the runner steps
+    # eagerly).
+    supports_cuda_graphs = False
+
+    def __init__(self, config, max_position=None) -> None:
+        super().__init__(config, max_position)
+        self.model.norm.weight_offset = 1.0
+
+    def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported hidden_act {act!r}: Qwen3-Next's MLPs and conv are SiLU.")
+        kind = layer_types_of(config)[layer_idx]
+        if kind == LINEAR_ATTENTION:
+            attn = GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                                 config.linear_key_head_dim, config.linear_value_head_dim,
+                                 config.linear_conv_kernel_dim, config.rms_norm_eps, layer_idx)
+        elif kind == FULL_ATTENTION:
+            attn = rotary_attention(config, layer_idx, max_position, qk_norm=True, output_gate=True,
+                                    qk_norm_offset=1.0)
+        else:
+            raise ValueError(f"Unsupported layer type {kind!r} at layer {layer_idx}: expected {LINEAR_ATTENTION!r} "
+                             f"or {FULL_ATTENTION!r}.")
+        if is_sparse_layer(config, layer_idx):
+            mlp = SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                            config.moe_intermediate_size,
+                            shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True,
+                            scoring=SOFTMAX, norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)))
+        else:
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        layer = DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
+        # Zero-centred norms; the blocks bind them again, so that each NormLinear plans with the offset (an offset
+        # norm is never folded into a weight nor fused into the GEMV).
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight_offset = 1.0
+        attn.bind_input_norm(layer.input_layernorm)
+        mlp.bind_input_norm(layer.post_attention_layernorm)
+        return layer
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        return super().load_weights((n, t) for n, t in weights if not n.startswith("mtp."))
