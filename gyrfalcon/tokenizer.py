@@ -7,9 +7,13 @@ from typing import List, Optional
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer of a checkpoint directory, a hub id, or a GGUF file (built by transformers from the file's
+    tokenizer.ggml.* metadata: vocabulary, merges, special tokens, and tokenizer.chat_template)."""
     from transformers import AutoTokenizer
 
     p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, trust_remote_code=trust_remote_code)
     if p.is_dir() and not any((p / f).exists() for f in (
             "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
         raise FileNotFoundError(f"No tokenizer files (tokenizer.json, tokenizer_config.json, ...) in {path}.")

@@ -25,6 +25,7 @@ from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm_linear import fold_norms
 from gyrfalcon.layers.quantization import fp8_scope, prepare_model, quantize_model_per_channel
+from gyrfalcon.models.gguf_loader import gguf_file_description, is_gguf, iterate_gguf
 from gyrfalcon.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,14 @@ def load_model(model_config, device: str) -> torch.nn.Module:
         _load_dummy(model, model_config.seed, device)
     else:
         scales: Set[str] = set()
-        loaded = model.load_weights(route_scales(model, iterate_safetensors(model_config.model), scales))
+        gguf, t0 = is_gguf(model_config.model), time.perf_counter()
+        # A GGUF file: every tensor dequantized as it is read (models/gguf_loader.py), under the HF names.
+        weights = (iterate_gguf(model_config.model, model_config.hf_config) if gguf
+                   else iterate_safetensors(model_config.model))
+        loaded = model.load_weights(route_scales(model, weights, scales))
+        if gguf:
+            logger.info("GGUF %s dequantized in %.2f s", gguf_file_description(model_config.model),
+                        time.perf_counter() - t0)
         missing = model.expected_weights() - loaded - scales
         if missing:
             raise ValueError(f"Checkpoint {model_config.model} lacks weights: {sorted(missing)[:10]}"
