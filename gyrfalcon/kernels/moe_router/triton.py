@@ -41,7 +41,9 @@ if HAS_TRITON:
             choice = scores
         # NaN ranks lowest (a row of garbage, e.g. a graph-capture pass over an unwritten cache, must still pick k
         # distinct experts in range: the grouped GEMMs index weights by them).
-        choice = tl.where(choice == choice, choice, float("-inf"))
+        # (NaN found by its bits: the GPU's max.f32 skips NaN operands, so a NaN left in would never equal the max.)
+        bits = choice.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        choice = tl.where(bits > 0x7F800000, float("-inf"), choice)
         avail = emask
         ks = tl.arange(0, K_BLOCK)
         sel_w = tl.zeros([K_BLOCK], dtype=tl.float32)
@@ -50,6 +52,10 @@ if HAS_TRITON:
             key = tl.where(avail, choice, float("-inf"))
             best = tl.max(key, axis=0)
             idx = tl.min(tl.where(avail & (key == best), es, E_BLOCK), axis=0)
+            # Never past the experts, whatever the scores held (the GEMMs index weights by it): no score matched
+            # the max, so the lowest expert not yet taken.
+            first = tl.min(tl.where(avail, es, E_BLOCK), axis=0)
+            idx = tl.minimum(tl.where(idx < E, idx, first), E - 1)
             w = tl.sum(tl.where(es == idx, scores, 0.0), axis=0)
             sel_w = tl.where(ks == j, w, sel_w)
             sel_i = tl.where(ks == j, idx.to(tl.int64), sel_i)
