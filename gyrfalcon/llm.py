@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from gyrfalcon.config import EngineConfig
 from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
@@ -14,6 +14,11 @@ from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.tokenizer import encode, load_tokenizer, render_chat
 
 PromptType = Union[str, List[int], Dict[str, Any]]
+
+# generation_config.json fields that become sampling defaults (vLLM's set), with SamplingParams' names. A GGUF
+# file's general.sampling.* keys arrive under the same names (models/gguf_loader.py sampling_defaults).
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 class LLM:
@@ -47,6 +52,17 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def default_sampling_overrides(self) -> Dict[str, Any]:
+        """The sampling fields the model's generation_config.json sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens)."""
+        gen = self.config.model_config.generation_config
+        return {ours: gen[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if gen.get(theirs) is not None}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate / chat use when given no sampling params (as vLLM does): SamplingParams' defaults with
+        the model's generation_config.json values over them."""
+        return SamplingParams(**self.default_sampling_overrides())
+
     def _to_token_ids(self, prompt: PromptType):
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -71,7 +87,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -95,6 +111,33 @@ class LLM:
         for o, p in zip(outs, prompts):
             o.prompt = self.tokenizer.decode(p["prompt_token_ids"])
         return outs
+
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """One prompt's completion as it is generated: the new text of each engine step that added some (stop
+        strings held back until they cannot match). n must be 1. Closing the iterator early (break, an
+        exception, Ctrl-C) aborts the request."""
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        if params.n != 1:
+            raise ValueError("stream() generates one sample; use n=1.")
+        text, ids = self._to_token_ids(prompt)
+        self.engine.validate_prompt(ids)
+        self.engine.validate_params(params)
+        processor = OutputProcessor(self.tokenizer)  # text token by token: the stream reads it as it grows
+        rid = str(next(self._counter))
+        [(eid, child)] = processor.add_request(rid, text, ids, params)
+        sample = processor.requests[rid].samples[0]
+        self.engine.add_request(eid, ids, child)
+        try:
+            while not sample.finished and self.engine.has_unfinished_requests():
+                _, to_finish = processor.process(self.engine.step())
+                for done in to_finish:
+                    self.engine.finish_request(done)
+                delta = sample.take_delta()[0]
+                if delta:
+                    yield delta
+        finally:
+            if not sample.finished:
+                self.engine.abort_request(eid)
 
     def _run(self, items, use_tqdm: bool) -> List[RequestOutput]:
         processor = OutputProcessor(self.tokenizer, defer_text=True)

