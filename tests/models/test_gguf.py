@@ -43,6 +43,12 @@ PROMPTS = ["def add(a, b):", "import os\nimport sys\n\n\ndef main(argv):\n    re
 MAX_NEW = 12
 
 
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path_factory, monkeypatch):
+    """GGUF tokenizers are cached under ~/.cache/gyrfalcon (tokenizer.py): a home of this module's own."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.getbasetemp() / "home"))
+
+
 def _kquant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     """Random k-quant blocks [rows, bytes per row] whose weights have std ~ 1 / sqrt(cols) and mean ~ 0: random
     quants and sub-block scales, then d and dmin solved for from two dequantizations (weights are linear in
@@ -289,6 +295,30 @@ def test_every_type_is_in_the_mixed_file(gguf_case):
 
     used = {gguf.GGMLQuantizationType(t.tensor_type).name for t in open_gguf(path).tensors}
     assert used == set(SUPPORTED_TYPES) == set(MIXED_TYPES)
+
+
+def test_tokenizer_cache(gguf_case):
+    """The tokenizer transformers builds from the file is kept as tokenizer files under ~/.cache/gyrfalcon and read
+    from there next time: the same encodings, special tokens and chat template; a changed file gets a new entry."""
+    import os
+
+    from gyrfalcon.tokenizer import load_tokenizer
+
+    name, _, path = gguf_case
+    if name != "llama-mixed":
+        pytest.skip("one file is enough")
+    first = load_tokenizer(str(path))
+    cache = Path(os.environ["HOME"]) / ".cache" / "gyrfalcon" / "gguf-tokenizers"
+    second = load_tokenizer(str(path))
+    assert Path(second.name_or_path).parent == cache
+    texts = [*PROMPTS, "<|im_start|>user\nhi<|im_end|>\n", "café 東京 😀"]
+    assert [second(t)["input_ids"] for t in texts] == [first(t)["input_ids"] for t in texts]
+    assert (second.chat_template, second.eos_token, second.pad_token) == (
+        first.chat_template, first.eos_token, first.pad_token)
+    entries = set(cache.iterdir())
+    os.utime(path, ns=(0, 0))
+    load_tokenizer(str(path))
+    assert len(set(cache.iterdir()) - entries) == 1
 
 
 def test_tokenizer_override(gguf_case):
