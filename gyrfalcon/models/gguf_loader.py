@@ -103,30 +103,34 @@ def _one(value, what: str, path) -> int:
     return int(value)
 
 
+# Llama 3.x's RoPE scaling besides its factor: every release uses these (HF rope_parameters names).
+_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_ORIGINAL = 1.0, 4.0, 8192
+
+
 def _llama3_rope(freqs, theta: float, head_dim: int, path) -> Dict[str, Any]:
     """Llama 3.1 / 3.2 files carry their RoPE scaling as rope_freqs [head_dim / 2]: the divisor of each
-    frequency (1 for short wavelengths, `factor` for long ones, a smooth ramp between). The converter computes it
-    from (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); every released Llama 3.x
-    uses low 1 and high 4 over an 8192-token original context, so try those with factor = the largest divisor
-    and accept them only if they reproduce the tensor."""
+    frequency (1 for wavelengths under original / high, `factor` over original / low, a smooth ramp between).
+    The converter computes it from (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings);
+    take the released low / high / original with factor = the largest divisor, and accept them only if they
+    reproduce the tensor."""
     import math
 
     import numpy as np
 
     freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
     factor = float(freqs.max())
-    params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv
-    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
-    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
-    divisor = np.where(wavelen < high_wavelen, 1.0,
-                       np.where(wavelen > low_wavelen, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    smooth = (_LLAMA3_ORIGINAL / wavelen - _LLAMA3_LOW) / (_LLAMA3_HIGH - _LLAMA3_LOW)
+    divisor = np.where(wavelen < _LLAMA3_ORIGINAL / _LLAMA3_HIGH, 1.0,
+                       np.where(wavelen > _LLAMA3_ORIGINAL / _LLAMA3_LOW, factor,
+                                1.0 / ((1 - smooth) / factor + smooth)))
     if freqs.shape != divisor.shape or not np.allclose(freqs, divisor, rtol=1e-3):
-        raise ValueError(f"GGUF {path}: rope_freqs does not match Llama 3's RoPE scaling (factor {factor}, low 1, "
-                         "high 4, original context 8192); gyrfalcon cannot reproduce this file's RoPE.")
-    return params
+        raise ValueError(f"GGUF {path}: rope_freqs does not match Llama 3's RoPE scaling (factor {factor}, low "
+                         f"{_LLAMA3_LOW}, high {_LLAMA3_HIGH}, original context {_LLAMA3_ORIGINAL}); gyrfalcon "
+                         "cannot reproduce this file's RoPE.")
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": _LLAMA3_LOW,
+            "high_freq_factor": _LLAMA3_HIGH, "original_max_position_embeddings": _LLAMA3_ORIGINAL}
 
 
 def gguf_config(path):

@@ -329,8 +329,14 @@ def test_tokenizer_override(gguf_case):
     assert llm.get_tokenizer().name_or_path == str(ckpt)
 
 
-def _minimal_gguf(path: Path, arch: str, tensor_type=None) -> Path:
+def _minimal_gguf(path: Path, arch: str, tensor_type=None, rope_scaling=None) -> Path:
+    """A one-layer file with just enough metadata for gguf_config and one 16 x 32 token_embd tensor."""
     w = gguf.GGUFWriter(str(path), arch)
+    if rope_scaling is not None:
+        kind, factor, original = rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(original)
     w.add_block_count(1)
     w.add_context_length(64)
     w.add_embedding_length(32)
@@ -354,6 +360,21 @@ def test_unsupported_architecture_is_named(tmp_path):
     path = _minimal_gguf(tmp_path / "phi.gguf", "phi3")
     with pytest.raises(ValueError, match=r"Unsupported GGUF architecture 'phi3'.*llama, qwen2, qwen3"):
         LLM(str(path))
+
+
+def test_rope_scaling_metadata(tmp_path):
+    """{arch}.rope.scaling.*: linear and YaRN become rope_parameters; a kind gyrfalcon lacks is refused by name."""
+    from gyrfalcon.models.gguf_loader import gguf_config, open_gguf
+
+    cfg = gguf_config(str(_minimal_gguf(tmp_path / "yarn.gguf", "qwen2", rope_scaling=("yarn", 4.0, 32768))))
+    assert cfg.rope_parameters == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 32768}
+    cfg = gguf_config(str(_minimal_gguf(tmp_path / "linear.gguf", "llama", rope_scaling=("linear", 2.0, 0))))
+    assert cfg.rope_parameters == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    path = _minimal_gguf(tmp_path / "longrope.gguf", "llama", rope_scaling=("longrope", 2.0, 4096))
+    assert open_gguf(str(path)).fields["llama.rope.scaling.type"].contents() == "longrope"
+    with pytest.raises(ValueError, match="unsupported RoPE scaling 'longrope'"):
+        gguf_config(str(path))
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
