@@ -16,27 +16,37 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
   gating, norm, update and output).
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
 
-Only the plain-torch references exist so far (naive.py): they loop over sequences on the host, so a step
-through them cannot be captured in a CUDA graph. The Triton kernels go behind these same functions.
+The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
+in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
+triton_decode (the whole decode step in one launch), triton_conv (the conv and its update), triton_norm.
+gated_delta_prefill still runs the reference everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, causal_conv1d_update_ref,
                                                  chunk_gated_delta_rule_ref, gated_delta_decode_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
+from gyrfalcon.kernels.gated_delta.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
+from gyrfalcon.kernels.gated_delta.triton_decode import gated_delta_decode_triton
+from gyrfalcon.kernels.gated_delta.triton_norm import gated_rms_norm_triton
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return causal_conv1d_triton(x, weight, conv_states, state_slots, query_start_loc, has_initial_state)
     return causal_conv1d_ref(x, weight, conv_states, state_slots, query_start_loc, has_initial_state)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                          state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return causal_conv1d_update_triton(x, weight, conv_states, state_slots, has_initial_state)
     return causal_conv1d_update_ref(x, weight, conv_states, state_slots, has_initial_state)
 
 
@@ -47,14 +57,19 @@ def gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, states, state_slots, quer
 
 
 def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state) -> torch.Tensor:
+    if use_triton(v):
+        return gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state)
     return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return gated_rms_norm_triton(x, z, weight, eps)
     return gated_rms_norm_ref(x, z, weight, eps)
 
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref",
-           "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_rms_norm", "gated_rms_norm_ref", "gdn_gating_ref",
-           "recurrent_gated_delta_rule_ref"]
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton", "causal_conv1d_update",
+           "causal_conv1d_update_ref", "causal_conv1d_update_triton", "chunk_gated_delta_rule_ref",
+           "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_prefill",
+           "gated_delta_prefill_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_rms_norm_triton",
+           "gdn_gating_ref", "recurrent_gated_delta_rule_ref"]

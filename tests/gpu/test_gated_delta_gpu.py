@@ -1,0 +1,166 @@
+"""The Gated DeltaNet Triton kernels vs their references on a GPU at Qwen3.5-397B-A17B's linear-attention dims
+(16 key heads x 128, 64 value heads x 128, conv width 4: 12288 conv channels), bf16 activations over fp32 states;
+the decode step and the conv update also inside a captured CUDA graph."""
+
+import pytest
+import torch
+
+# Skip before importing the kernels: on a CPU-only run, importing triton here (before tests/kernels' conftest turns
+# the interpreter on) would leave the interpreted CPU kernel tests unable to run.
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton,  # noqa: E402
+                                           causal_conv1d_update_ref, causal_conv1d_update_triton,
+                                           gated_delta_decode_ref, gated_delta_decode_triton, gated_rms_norm_ref,
+                                           gated_rms_norm_triton)
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+TOL = dict(atol=2e-2, rtol=2e-2)
+STATE_TOL = dict(atol=1e-4, rtol=1e-4)
+H, HV, DK, DV, K = 16, 64, 128, 128, 4
+KEY_DIM, VALUE_DIM = H * DK, HV * DV
+CONV_DIM = 2 * KEY_DIM + VALUE_DIM
+NUM_SLOTS = 80
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _slots_and_init(B):
+    """B distinct slots out of order, every third sequence at position 0 (its slot NaN: it must start from zeros)."""
+    slots = torch.randperm(NUM_SLOTS, device=DEV)[:B].to(torch.int32)
+    init = torch.arange(B, device=DEV) % 3 != 1
+    return slots, init
+
+
+def _poison(pool, slots, init):
+    pool[slots[~init].long()] = float("nan")
+    return pool
+
+
+def _projection(T):
+    """The layer's in_proj_qkvz output [T, conv | z] and in_proj_ba's [T, b | a], bf16: q / k / v / z / a / b are
+    strided slices of them, as the layer passes them."""
+    qkvz = torch.randn(T, CONV_DIM + VALUE_DIM, device=DEV, dtype=BF16)
+    ba = (2 * torch.randn(T, 2 * HV, device=DEV)).to(BF16)
+    return qkvz, ba
+
+
+def _qkv_ab(qkvz, ba):
+    T = qkvz.shape[0]
+    mixed = qkvz[:, :CONV_DIM]
+    q, k, v = mixed.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
+    b, a = ba.split([HV, HV], dim=-1)
+    return q.reshape(T, H, DK), k.reshape(T, H, DK), v.reshape(T, HV, DV), a, b
+
+
+def _gating_params():
+    return torch.rand(HV, device=DEV).clamp_min(0.05).log(), torch.randn(HV, device=DEV)
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_decode_step_real_dims(B):
+    slots, init = _slots_and_init(B)
+    q, k, v, a, b = _qkv_ab(*_projection(B))
+    A_log, dt_bias = _gating_params()
+    pool = _poison(0.05 * torch.randn(NUM_SLOTS, HV, DK, DV, device=DEV), slots, init)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
+    got = gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, init)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    torch.testing.assert_close(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0), **STATE_TOL)
+
+
+def test_decode_step_and_conv_update_in_a_cuda_graph():
+    """The conv update and the decode step captured once and replayed over new tokens in the same static buffers:
+    no host sync inside, and each replay reads the state the previous one wrote."""
+    B = 4
+    slots, init = _slots_and_init(B)
+    init = torch.ones_like(init)
+    A_log, dt_bias = _gating_params()
+    w = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16)
+    conv0 = torch.randn(NUM_SLOTS, K - 1, CONV_DIM, device=DEV, dtype=BF16)
+    pool0 = 0.05 * torch.randn(NUM_SLOTS, HV, DK, DV, device=DEV)
+    qkvz, ba = _projection(B)
+    conv, pool = conv0.clone(), pool0.clone()
+
+    def step():
+        mixed = causal_conv1d_update_triton(qkvz[:, :CONV_DIM], w, conv, slots, init)
+        q, k, v = mixed.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
+        b, a = ba.split([HV, HV], dim=-1)
+        return mixed, gated_delta_decode_triton(q.reshape(B, H, DK), k.reshape(B, H, DK), v.reshape(B, HV, DV), a,
+                                                b, A_log, dt_bias, pool, slots, init)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mixed, out = step()
+    conv.copy_(conv0)
+    pool.copy_(pool0)
+    want_conv, want_pool = conv0.clone(), pool0.clone()
+    for _ in range(3):
+        new_qkvz, new_ba = _projection(B)
+        qkvz.copy_(new_qkvz)
+        ba.copy_(new_ba)
+        graph.replay()
+        want_mixed = causal_conv1d_update_ref(new_qkvz[:, :CONV_DIM], w, want_conv, slots, init)
+        torch.testing.assert_close(mixed, want_mixed, **TOL)
+        # The reference step reads the graph's conv output: bf16 rounding differences of the conv stay out of the
+        # states compared below.
+        q, k, v = mixed.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
+        b, a = new_ba.split([HV, HV], dim=-1)
+        want = gated_delta_decode_ref(q.reshape(B, H, DK), k.reshape(B, H, DK), v.reshape(B, HV, DV), a, b, A_log,
+                                      dt_bias, want_pool, slots, init)
+        torch.testing.assert_close(out, want, **TOL)
+    assert torch.equal(conv, want_conv)  # windows are copies of the inputs
+    torch.testing.assert_close(pool, want_pool, **STATE_TOL)
+
+
+@pytest.mark.parametrize("B", [1, 64])
+def test_conv_update_real_dims(B):
+    slots, init = _slots_and_init(B)
+    x = _projection(B)[0][:, :CONV_DIM]
+    w = torch.randn(CONV_DIM, 1, K, device=DEV, dtype=BF16).squeeze(1)
+    pool = _poison(torch.randn(NUM_SLOTS, K - 1, CONV_DIM, device=DEV, dtype=BF16), slots, init)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = causal_conv1d_update_ref(x, w, want_pool, slots, init)
+    got = causal_conv1d_update_triton(x, w, got_pool, slots, init)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("lens", [[1000, 1, 0, 3, 257], [4096]], ids=["ragged", "one-prompt"])
+def test_conv_prefill_real_dims(lens):
+    B = len(lens)
+    slots, init = _slots_and_init(B)
+    qsl = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+    x = _projection(sum(lens))[0][:, :CONV_DIM]
+    w = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16)
+    pool = _poison(torch.randn(NUM_SLOTS, K - 1, CONV_DIM, device=DEV, dtype=BF16), slots, init)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = causal_conv1d_ref(x, w, want_pool, slots, qsl, init)
+    got = causal_conv1d_triton(x, w, got_pool, slots, qsl, init)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))
+
+
+def test_gated_rms_norm_real_dims():
+    T = 1000
+    qkvz, _ = _projection(T)
+    z = qkvz[:, CONV_DIM:].reshape(T, HV, DV)  # a strided view, as the layer passes it
+    o = torch.randn(T, HV, DV, device=DEV, dtype=BF16)
+    w = (1 + 0.1 * torch.randn(DV, device=DEV)).to(BF16)
+    torch.testing.assert_close(gated_rms_norm_triton(o, z, w, 1e-6), gated_rms_norm_ref(o, z, w, 1e-6), **TOL)

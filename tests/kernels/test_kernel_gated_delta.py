@@ -1,0 +1,157 @@
+"""The Gated DeltaNet Triton kernels against their plain-torch references (kernels/gated_delta/naive.py), under the
+interpreter on a CPU: ragged batches (lengths not multiples of 64, an empty chunk, chunks shorter than the conv
+window), slots out of order ([3, 0, 5, ...]), states carried in and written back, GVA ratios 1 and 2, fp32 and bf16
+inputs over fp32 states, rows sliced out of a wider projection."""
+
+import pytest
+import torch
+
+from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton, causal_conv1d_update_ref,
+                                           causal_conv1d_update_triton, gated_delta_decode_ref,
+                                           gated_delta_decode_triton, gated_rms_norm_ref, gated_rms_norm_triton)
+from kernels_testutil import DEVICE, TOL, requires_triton
+
+DTYPES = [torch.float32, torch.bfloat16]
+NUM_SLOTS = 7
+# fp32 state tolerance: both sides run the same fp32 recurrence, in a different summation order.
+STATE_TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _rows(T, width, dtype, offset=3):
+    """[T, width] rows sliced out of a wider projection output (row stride > width), as the layer's q / k / v /
+    z / conv input are."""
+    return torch.randn(T, width + 2 * offset, device=DEVICE).to(dtype)[:, offset:offset + width]
+
+
+def _qsl(lens):
+    return torch.tensor([0] + list(lens), device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def _slot_pool(shape, dtype, init_mask, slots):
+    """A pool of random slot contents, NaN in the slots of sequences that start from zeros (has_initial_state
+    False): a kernel that reads them poisons its output."""
+    pool = torch.randn(NUM_SLOTS, *shape, device=DEVICE).to(dtype)
+    for s, keep in zip(slots.tolist(), init_mask.tolist()):
+        if not keep:
+            pool[s] = float("nan")
+    return pool
+
+
+def _assert_pools(got, want):
+    """Every slot: written ones close (NaN where the reference leaves NaN: untouched), the rest bit for bit."""
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(0.0), want.nan_to_num(0.0), **STATE_TOL)
+
+
+# ---- the decode step ---------------------------------------------------------------------------------------------
+
+def _decode_inputs(B, H, HV, dk, dv, dtype):
+    q = _rows(B, H * dk, dtype).view(B, H, dk)
+    k = _rows(B, H * dk, dtype).view(B, H, dk)
+    v = _rows(B, HV * dv, dtype).view(B, HV, dv)
+    a = 3 * torch.randn(B, HV, device=DEVICE)
+    a[0, 0], a[-1, -1] = 30.0, -30.0  # softplus past its threshold, and far below 0 (softplus = exp(a))
+    a, b = a.to(dtype), _rows(B, HV, dtype)
+    A_log = torch.rand(HV, device=DEVICE).clamp_min(0.05).log()
+    dt_bias = torch.randn(HV, device=DEVICE)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)], ids=["gva1", "gva2"])
+def test_decode_step_matches_reference(dtype, H, HV):
+    """Three sequences in slots [3, 0, 5], the middle one at position 0 (its slot NaN: it must start from zeros);
+    dv = 24 over 16-column tiles (a partial tile)."""
+    B, dk, dv = 3, 32, 24
+    slots = torch.tensor([3, 0, 5], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, False, True], device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = _decode_inputs(B, H, HV, dk, dv, dtype)
+    pool = _slot_pool((HV, dk, dv), torch.float32, init, slots)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
+    got = gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, init, block_v=16)
+    assert got.shape == (B, HV, dv) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    _assert_pools(got_pool, want_pool)
+    assert not got_pool[0].isnan().any()  # the zero-started sequence wrote its fresh state
+
+
+@requires_triton
+def test_decode_steps_chain_and_default_tiles():
+    """Five steps in a row through the kernel (its launch-shape rule picking the tiles) track five reference steps:
+    the state written back is the one read next."""
+    B, H, HV, dk, dv = 2, 1, 2, 16, 16
+    slots = torch.tensor([4, 1], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, True], device=DEVICE)
+    pool = 0.1 * torch.randn(NUM_SLOTS, HV, dk, dv, device=DEVICE)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    for _ in range(5):
+        q, k, v, a, b, A_log, dt_bias = _decode_inputs(B, H, HV, dk, dv, torch.float32)
+        want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
+        got = gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, init)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    _assert_pools(got_pool, want_pool)
+    assert not torch.equal(got_pool, pool)
+
+
+# ---- the causal conv1d ---------------------------------------------------------------------------------------------
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [4, 2])
+def test_conv_prefill_matches_reference(dtype, K):
+    """Chunks of 70, 1, 0, 2 and 5 tokens (the 1- and 2-token chunks shorter than the window: their new windows
+    keep old rows; the empty one leaves its slot alone), C = 40 channels over 16-token x 128-channel tiles that
+    straddle sequences."""
+    lens, C = [70, 1, 0, 2, 5], 40
+    qsl = _qsl(lens)
+    slots = torch.tensor([3, 0, 5, 2, 1], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, True, False, True, False], device=DEVICE)
+    x = _rows(sum(lens), C, dtype)
+    w = torch.randn(C, 1, K, device=DEVICE).to(dtype).squeeze(1)  # the layer's conv1d.weight [C, 1, K]
+    pool = _slot_pool((K - 1, C), dtype, init, slots)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = causal_conv1d_ref(x, w, want_pool, slots, qsl, init)
+    got = causal_conv1d_triton(x, w, got_pool, slots, qsl, init)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))  # windows are copies of inputs
+    assert torch.isnan(got_pool[5]).all()  # the empty chunk's slot (no initial state) untouched
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_update_matches_reference(dtype):
+    C, K = 300, 4  # two 256-channel tiles, the second partial
+    slots = torch.tensor([3, 0, 5], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, False, True], device=DEVICE)
+    x = _rows(3, C, dtype)
+    w = torch.randn(C, K, device=DEVICE).to(dtype)
+    pool = _slot_pool((K - 1, C), dtype, init, slots)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = causal_conv1d_update_ref(x, w, want_pool, slots, init)
+    got = causal_conv1d_update_triton(x, w, got_pool, slots, init)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))
+    assert torch.equal(got_pool[slots.long(), -1], x)  # the new token is the window's last row
+
+
+# ---- the gated RMSNorm ---------------------------------------------------------------------------------------------
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_matches_reference(dtype):
+    """o [T, HV, dv] with z a strided view of the projection (token stride wider than HV * dv), dv = 24 (a partial
+    block); a 2-D input too."""
+    T, HV, dv = 11, 3, 24
+    x = torch.randn(T, HV, dv, device=DEVICE).to(dtype)
+    z = _rows(T, HV * dv, dtype).view(T, HV, dv)
+    w = (1 + 0.3 * torch.randn(dv, device=DEVICE)).to(dtype)
+    assert not z.is_contiguous()
+    for xx, zz in ((x, z), (x[:, 1], z[:, 1])):
+        got, want = gated_rms_norm_triton(xx, zz, w, 1e-6), gated_rms_norm_ref(xx, zz, w, 1e-6)
+        assert got.shape == xx.shape and got.dtype == dtype
+        torch.testing.assert_close(got, want, **TOL[dtype])
