@@ -163,6 +163,25 @@ class QuantizationConfig:
                    from_checkpoint=True)
 
 
+def language_model_config(hf_config):
+    """The config the engine serves: a multimodal checkpoint's language model (Qwen3.5's *ForConditionalGeneration:
+    config.json nests layers, vocab, max_position_embeddings, rope and eos under text_config, the vision tower under
+    vision_config, whose weights gyrfalcon skips), else hf_config itself. Where the release writes a setting at the
+    top it wins: architectures (the registry's key), quantization_config, and tie_word_embeddings (transformers
+    ties the top-level lm_head to the language model's embedding by the top-level flag); eos from the top when
+    the text config has none."""
+    text = getattr(hf_config, "text_config", None)
+    if text is None or not hasattr(text, "num_hidden_layers"):
+        return hf_config
+    text.architectures = list(getattr(hf_config, "architectures", None) or [])
+    for key in ("quantization_config", "tie_word_embeddings"):
+        if getattr(hf_config, key, None) is not None:
+            setattr(text, key, getattr(hf_config, key))
+    if getattr(text, "eos_token_id", None) is None and getattr(hf_config, "eos_token_id", None) is not None:
+        text.eos_token_id = hf_config.eos_token_id
+    return text
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -234,7 +253,8 @@ class ModelConfig:
             raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
         from transformers import AutoConfig
 
-        self.hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code)
+        self.hf_config = language_model_config(
+            AutoConfig.from_pretrained(str(path), trust_remote_code=self.trust_remote_code))
         self.quant_config = QuantizationConfig.resolve(getattr(self.hf_config, "quantization_config", None),
                                                        self.quantization, str(path / "config.json"))
         gen = path / "generation_config.json"

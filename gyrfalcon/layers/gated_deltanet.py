@@ -9,8 +9,9 @@ attention slot.
 
 Qwen3-Next's checkpoint groups in_proj_qkvz's rows per key head ([H, q dk | k dk | v r*dv | z r*dv], r = HV / H)
 and in_proj_ba's likewise ([H, b r | a r]); the loader reorders them into flat [q | k | v | z] and [b | a] once,
-so the conv reads one contiguous slice of the projection every step and Qwen3.5's flat layout maps onto the same
-weights. The state lives in this layer's entry of the "state" cache group (cache_spec.LinearStateSpec): a conv
+so the conv reads one contiguous slice of the projection every step. Qwen3.5's checkpoint is flat already, in four
+tensors (flat_projections): in_proj_qkv [2 H dk + HV dv, hidden] and in_proj_z [HV dv, hidden] are the two shards
+of in_proj_qkvz, in_proj_b and in_proj_a [HV, hidden] those of in_proj_ba: the same weights, the same forward. The state lives in this layer's entry of the "state" cache group (cache_spec.LinearStateSpec): a conv
 pool [num_slots, K - 1, C] in the model's dtype and a recurrent pool [num_slots, HV, dk, dv] in fp32; the step's
 rows find their slot in ForwardBatch.state_slots. A request whose step starts at position 0 starts from zeros
 (its slot may hold a finished request's state), later prefill chunks and decode steps from the slot.
@@ -27,9 +28,10 @@ from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
                                            gated_delta_prefill, gated_rms_norm)
-from gyrfalcon.layers.linear import Linear
+from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
+from gyrfalcon.layers.quantization import fp8_scope
 
 
 class GroupedHeadsLinear(Linear):
@@ -68,7 +70,7 @@ class GatedDeltaNet(nn.Module):
     decoder layer's (bind_input_norm)."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, layer_idx: int) -> None:
+                 conv_kernel: int, eps: float, layer_idx: int, flat_projections: bool = False) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads "
@@ -80,9 +82,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = conv_kernel
         self.layer_idx = layer_idx
         r = num_v_heads // num_k_heads
-        self.in_proj_qkvz = GroupedHeadsLinear(hidden_size, num_k_heads,
-                                               (head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim))
-        self.in_proj_ba = GroupedHeadsLinear(hidden_size, num_k_heads, (r, r))
+        if flat_projections:
+            self.in_proj_qkvz = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim})
+            # Never FP8: Qwen3.5's FP8 releases leave in_proj_b / in_proj_a unquantized, and [HV, hidden] shards of
+            # HV < 128 rows could not stack 128-row scale blocks anyway.
+            with fp8_scope(None):
+                self.in_proj_ba = MergedLinear(hidden_size, {"b": num_v_heads, "a": num_v_heads})
+        else:
+            self.in_proj_qkvz = GroupedHeadsLinear(hidden_size, num_k_heads,
+                                                   (head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim))
+            self.in_proj_ba = GroupedHeadsLinear(hidden_size, num_k_heads, (r, r))
         # Depthwise, no bias: only its weight [C, 1, K] is used (the checkpoint's conv1d.weight).
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)

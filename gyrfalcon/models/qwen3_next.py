@@ -46,6 +46,8 @@ class Qwen3NextForCausalLM(CausalLM):
     # The linear-attention reference ops loop over sequences on the host: no CUDA graphs yet (the runner steps
     # eagerly).
     supports_cuda_graphs = False
+    # Qwen3.5 (models/qwen3_5.py) ships the GDN input projections flat, in four tensors (layers/gated_deltanet.py).
+    flat_gdn_projections = False
 
     def __init__(self, config, max_position=None) -> None:
         super().__init__(config, max_position)
@@ -59,20 +61,15 @@ class Qwen3NextForCausalLM(CausalLM):
         if kind == LINEAR_ATTENTION:
             attn = GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                                  config.linear_key_head_dim, config.linear_value_head_dim,
-                                 config.linear_conv_kernel_dim, config.rms_norm_eps, layer_idx)
+                                 config.linear_conv_kernel_dim, config.rms_norm_eps, layer_idx,
+                                 flat_projections=self.flat_gdn_projections)
         elif kind == FULL_ATTENTION:
             attn = rotary_attention(config, layer_idx, max_position, qk_norm=True, output_gate=True,
                                     qk_norm_offset=1.0)
         else:
             raise ValueError(f"Unsupported layer type {kind!r} at layer {layer_idx}: expected {LINEAR_ATTENTION!r} "
                              f"or {FULL_ATTENTION!r}.")
-        if is_sparse_layer(config, layer_idx):
-            mlp = SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                            config.moe_intermediate_size,
-                            shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True,
-                            scoring=SOFTMAX, norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)))
-        else:
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        mlp = self.build_mlp(config, layer_idx)
         layer = DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
         # Zero-centred norms; the blocks bind them again, so that each NormLinear plans with the offset (an offset
         # norm is never folded into a weight nor fused into the GEMV).
@@ -81,6 +78,14 @@ class Qwen3NextForCausalLM(CausalLM):
         attn.bind_input_norm(layer.input_layernorm)
         mlp.bind_input_norm(layer.post_attention_layernorm)
         return layer
+
+    def build_mlp(self, config, layer_idx: int):
+        if is_sparse_layer(config, layer_idx):
+            return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                             config.moe_intermediate_size,
+                             shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True,
+                             scoring=SOFTMAX, norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)))
+        return GatedMLP(config.hidden_size, config.intermediate_size)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         return super().load_weights((n, t) for n, t in weights if not n.startswith("mtp."))

@@ -17,6 +17,12 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("gyrfalcon.models.deepseek_v3", "DeepseekV32ForCausalLM"),
     "Qwen3NextForCausalLM": ("gyrfalcon.models.qwen3_next", "Qwen3NextForCausalLM"),
+    # Qwen3.5 ships as vision-language checkpoints; gyrfalcon serves their language model (text-only saves as
+    # *ForCausalLM hold the same tensors without the `language_model.` level).
+    "Qwen3_5MoeForConditionalGeneration": ("gyrfalcon.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3_5MoeForCausalLM": ("gyrfalcon.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("gyrfalcon.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5ForCausalLM": ("gyrfalcon.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
 }
 
 
