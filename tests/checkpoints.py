@@ -252,3 +252,78 @@ def make_qwen3_next_checkpoint(path, seed: int = 0, **overrides) -> Path:
     tok.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
     return path
+
+
+# Qwen3.5's text config: QWEN3_NEXT_TINY's dims, the rope settings inside rope_parameters as the releases write them
+# (M-RoPE sections over the 4 rotary frequencies of head_dim 32 x 0.25, interleaved), no full_attention_interval
+# (layer_types says it), and the MoE fields only for Qwen3.5-MoE (whose router always renormalizes: no
+# norm_topk_prob).
+QWEN3_5_TEXT_TINY = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, max_position_embeddings=1024,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_5_MOE_TINY = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)
+# The smallest vision tower transformers builds (one block); gyrfalcon never reads it.
+QWEN3_5_VISION_TINY = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                           patch_size=2, temporal_patch_size=1, num_position_embeddings=16)
+
+
+def make_qwen3_5_checkpoint(path, moe: bool = True, packed_experts: bool = True, seed: int = 0,
+                            **overrides) -> Path:
+    """Save a tiny random Qwen3.5 checkpoint as the releases ship it plus tokenizer under `path`:
+    Qwen3_5MoeForConditionalGeneration (moe) or Qwen3_5ForConditionalGeneration (dense, intermediate_size 128),
+    config.json with text_config / vision_config, the language model under `model.language_model.*`, a one-block
+    vision tower under `model.visual.*`, lm_head at the top. packed_experts: the routed experts as the bf16 releases
+    store them, `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (transformers' save_pretrained
+    writes them one by one, as the FP8 releases do: packed_experts=False keeps that). Every parameter is randomized
+    as make_qwen3_next_checkpoint does (A_log's decays in [0.02, 1], (1 + w) norms around w = 0, matrices at half
+    scale), the vision tower's too. overrides: text config fields."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    text = {**QWEN3_5_TEXT_TINY, **(QWEN3_5_MOE_TINY if moe else {"intermediate_size": 128}),
+            "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos, "tie_word_embeddings": False,
+            **overrides}
+    if moe:
+        from transformers import Qwen3_5MoeConfig as Config, Qwen3_5MoeForConditionalGeneration as Model
+    else:
+        from transformers import Qwen3_5Config as Config, Qwen3_5ForConditionalGeneration as Model
+    cfg = Config(text_config=text, vision_config=QWEN3_5_VISION_TINY, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Model(cfg)
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 1.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2 and "conv1d" not in name and "embed" not in name:
+                p.mul_(0.5)  # make_qwen3_next_checkpoint's scale: transformers' fp32 rounding stays ~1e-5
+            elif (name.endswith("norm.weight") and ".language_model." in name
+                  and ".linear_attn.norm." not in name):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))  # the (1 + w) norms
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    if moe and packed_experts:
+        (file,) = path.glob("*.safetensors")
+        sd = load_file(str(file))
+        packed = {}
+        for layer in range(text["num_hidden_layers"]):
+            pre = f"model.language_model.layers.{layer}.mlp.experts"
+            E = text["num_experts"]
+            gate_up = [torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"), sd.pop(f"{pre}.{e}.up_proj.weight")])
+                       for e in range(E)]
+            packed[f"{pre}.gate_up_proj"] = torch.stack(gate_up)
+            packed[f"{pre}.down_proj"] = torch.stack([sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(E)])
+        save_file({**sd, **packed}, str(file), metadata={"format": "pt"})
+    return path
