@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gyrfalcon.bench.make_checkpoint import (PRESETS, build_config, checkpoint_entries, fp8_quantization_config,
-                                             fp8_scale_shape, is_fp8_weight, make_checkpoint)
+from gyrfalcon.bench.make_checkpoint import (PRESETS, build_config, checkpoint_entries, disk_entries,
+                                             fp8_quantization_config, fp8_scale_shape, is_fp8_weight, make_checkpoint)
 from gyrfalcon.config import QuantizationConfig
 from gyrfalcon.kernels.fp8_gemm import dequantize_weight
 
@@ -167,11 +167,13 @@ def test_cli_flag_reaches_the_writer(monkeypatch, tmp_path):
 
 def _meta_model(cfg, fp8: bool):
     """gyrfalcon's model of `cfg` on the meta device, built as models/loader.py builds it (FP8 linears under the
-    preset's quantization_config when fp8)."""
+    preset's quantization_config when fp8; a vision-language config's language model, as config.py serves it)."""
+    from gyrfalcon.config import language_model_config
     from gyrfalcon.layers.quantization import fp8_scope, prepare_model
     from gyrfalcon.models.registry import resolve_model_class
 
     qc = fp8_quantization_config(cfg.model_type) if fp8 else None
+    cfg = language_model_config(cfg)
     with torch.device("meta"), fp8_scope(tuple(qc["weight_block_size"]) if fp8 else None):
         model = resolve_model_class(cfg)(cfg, max_position=64)
     if fp8:
@@ -302,3 +304,146 @@ def test_deepseek_writer_fp8_loads_and_generates(tmp_path, monkeypatch):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4
     assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values())
+
+
+def _meta_tensors(entries, model_type, fp8):
+    """The writer's tensors as meta tensors: with fp8 each selected weight e4m3 plus its weight_scale_inv."""
+    out = []
+    for n, shape in entries:
+        if fp8 and is_fp8_weight(n, shape, model_type):
+            out += [(n, torch.empty(shape, device="meta", dtype=torch.float8_e4m3fn)),
+                    (f"{n}_scale_inv", torch.empty(fp8_scale_shape(shape), device="meta"))]
+        else:
+            out.append((n, torch.empty(shape, device="meta")))
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
+def test_hybrid_presets_fill_the_model(preset, fp8):
+    """4 layers of the hybrid presets' real dims (one block: 3 Gated DeltaNet + 1 gated attention), names and shapes
+    as the writer puts them on disk, fill gyrfalcon's model exactly on the meta device: every expected weight and
+    scale, nothing left over. Qwen3.5 in its release layout: `model.language_model.*`, flat GDN projections, experts
+    packed in bf16 and one by one with scales in FP8; Qwen3-Next's grouped GDN projections and experts one by one.
+    FP8: the GDN's b / a (and Qwen3-Next's grouped) projections, the conv and the shared-expert gate stay unquantized."""
+    from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
+    from gyrfalcon.layers.moe import SparseMoE
+    from gyrfalcon.layers.quantization import is_quantized
+    from gyrfalcon.layers.self_attention import RotarySelfAttention
+    from gyrfalcon.models.loader import route_scales
+
+    cfg = build_config(preset, num_layers=4)
+    text = cfg.get_text_config()
+    qwen35 = preset == "qwen3.5-397b-a17b"
+    dims = (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+            text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim, text.num_experts,
+            text.num_experts_per_tok, text.moe_intermediate_size, text.shared_expert_intermediate_size, text.vocab_size)
+    assert dims == ((4096, 32, 2, 256, 16, 64, 128, 512, 10, 1024, 1024, 248320) if qwen35 else
+                    (2048, 16, 2, 256, 16, 32, 128, 512, 10, 512, 512, 151936))
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"] and text.num_hidden_layers == 4
+    assert text.rope_parameters["partial_rotary_factor"] == 0.25 and text.rope_parameters["rope_theta"] == 1e7
+    entries = disk_entries(cfg, fp8)
+    names = {n for n, _ in entries}
+    pre = "model.language_model.layers" if qwen35 else "model.layers"
+    gdn = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if qwen35 else ("in_proj_qkvz", "in_proj_ba")
+    assert {f"{pre}.2.linear_attn.{p}.weight" for p in gdn} <= names and "lm_head.weight" in names
+    assert not any(n.startswith(("model.visual.", "mtp.")) for n in names)
+    assert f"{pre}.3.self_attn.q_proj.weight" in names and f"{pre}.3.mlp.shared_expert_gate.weight" in names
+    per_expert = f"{pre}.3.mlp.experts.511.down_proj.weight" in names
+    assert per_expert == (fp8 or not qwen35)
+    assert (f"{pre}.3.mlp.experts.gate_up_proj" in names) == (qwen35 and not fp8)
+    fp8_names = {n for n, s in entries if is_fp8_weight(n, s, cfg.model_type)}
+    kept = ({f"{pre}.0.linear_attn.in_proj_{p}.weight" for p in "ab"} if qwen35
+            else {f"{pre}.0.linear_attn.in_proj_{p}.weight" for p in ("qkvz", "ba")})
+    assert not kept & fp8_names and f"{pre}.0.mlp.shared_expert_gate.weight" not in fp8_names
+    assert f"{pre}.0.linear_attn.out_proj.weight" in fp8_names and f"{pre}.3.self_attn.o_proj.weight" in fp8_names
+    if qwen35:
+        assert f"{pre}.0.linear_attn.in_proj_qkv.weight" in fp8_names
+    model = _meta_model(cfg, fp8)
+    scales: set = set()
+    loaded = model.load_weights(route_scales(model, _meta_tensors(entries, cfg.model_type, fp8), scales))
+    assert model.expected_weights() == loaded | scales
+    layers = model.model.layers
+    assert [type(layer.self_attn) for layer in layers] == [GatedDeltaNet] * 3 + [RotarySelfAttention]
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in layers)
+    assert layers[0].self_attn.in_proj_qkvz.weight.shape == (2 * 16 * 128 + 2 * text.linear_num_value_heads * 128,
+                                                            text.hidden_size)
+    assert layers[3].self_attn.rotary_emb.rotary_dim == 64
+    g = layers[0].self_attn
+    assert is_quantized(g.in_proj_qkvz) == (fp8 and qwen35) and not is_quantized(g.in_proj_ba)
+    assert is_quantized(g.out_proj) == fp8 and is_quantized(layers[0].mlp.experts) == fp8
+    assert not is_quantized(layers[0].mlp.shared_expert_gate)
+
+
+def test_qwen35_config_only_is_the_bench_slice(tmp_path):
+    """--config-only --fp8 --num-layers 4 for qwen3.5-397b-a17b (what the GPU run loads with --load-format dummy):
+    config.json in the release's nesting (text_config cut to one block, the quantization_config at the top);
+    gyrfalcon serves its text config and builds the model from it."""
+    from gyrfalcon.config import ModelConfig
+    from gyrfalcon.layers.quantization import is_quantized
+
+    path = make_checkpoint("qwen3.5-397b-a17b", str(tmp_path / "q"), num_layers=4, fp8=True, config_only=True,
+                           tokenizer_vocab=300)
+    assert not list(path.glob("*.safetensors*"))
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "num_hidden_layers" not in raw
+    assert raw["text_config"]["num_hidden_layers"] == 4 and raw["text_config"]["hidden_size"] == 4096
+    assert {"in_proj_a", "in_proj_b", "shared_expert_gate"} <= set(raw["quantization_config"]["modules_to_not_convert"])
+    mc = ModelConfig(str(path), load_format="dummy")
+    mc.resolve("cpu")
+    assert mc.max_model_len == 262144 and mc.quant_config.weight_block_size == (128, 128)
+    assert mc.eos_token_ids(None) == [json.loads((path / "generation_config.json").read_text())["eos_token_id"]]
+    from transformers import AutoConfig
+    model = _meta_model(AutoConfig.from_pretrained(str(path)), fp8=True)
+    assert len(model.model.layers) == 4 and is_quantized(model.model.layers[3].self_attn.qkv_proj)
+
+
+# The hybrid presets shrunk to 4 layers of 256 wide (FP8-aligned: every fused shard a multiple of 128 rows).
+_TINY_HYBRID = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+                    linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=128, shared_expert_intermediate_size=128, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
+def test_hybrid_writer_loads_in_transformers_and_gyrfalcon(preset, fp8, tmp_path, monkeypatch):
+    """The writer's hybrid path on the presets shrunk (presets added for this test), fp32: transformers reads the
+    directory with every language-model tensor found (Qwen3.5: only the vision tower, which the writer leaves out,
+    missing) and gyrfalcon generates its greedy tokens; with --fp8 gyrfalcon loads the e4m3 weights and scales."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
+
+    from gyrfalcon import LLM, SamplingParams
+
+    spec = dict(PRESETS[preset])
+    if "text_config" in spec:
+        spec["text_config"] = dict(spec["text_config"], **_TINY_HYBRID)
+        spec["vision_config"] = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=256)
+    else:
+        spec.update(_TINY_HYBRID, intermediate_size=128)
+    monkeypatch.setitem(PRESETS, "tiny-hybrid", spec)
+    path = make_checkpoint("tiny-hybrid", str(tmp_path / "h"), dtype="float32", tokenizer_vocab=300,
+                           lm_head_std=0.1, std=0.05, fp8=fp8)
+    prompt = list(range(3, 90))  # past one 64-token chunk of the delta rule
+    llm = LLM(str(path), block_size=8, max_model_len=256)
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert len(got) == 6
+    if fp8:
+        from gyrfalcon.layers.quantization import is_quantized
+
+        t = _tensors(path)
+        assert any(v.dtype == torch.float8_e4m3fn for v in t.values())
+        gdn = llm.engine.runner.model.model.layers[0].self_attn
+        assert is_quantized(gdn.out_proj) and is_quantized(gdn.in_proj_qkvz) == (preset == "qwen3.5-397b-a17b")
+        return
+    if preset == "qwen3.5-397b-a17b":
+        model, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32,
+                                                                         output_loading_info=True)
+    else:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
+    assert all(k.startswith("model.visual.") for k in info["missing_keys"]), info["missing_keys"]
+    assert not info["unexpected_keys"]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want

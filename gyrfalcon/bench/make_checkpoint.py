@@ -15,6 +15,14 @@ config.json's quantization_config. Embeddings, the LM head, norms, the router an
 --dtype (fp32 for the bias), and so does V3.2's indexer weights_proj (unquantized in the release: its fp32 head
 weights order the top-k).
 
+Qwen3-Next and Qwen3.5 (the hybrid presets): their zero-centred norms ((1 + w): every RMSNorm but the Gated
+DeltaNet's output norm) get w around 0. qwen3.5-397b-a17b is written as the release lays it out,
+Qwen3_5MoeForConditionalGeneration: config.json nests the text settings under text_config (--num-layers cuts
+text_config.num_hidden_layers; layer_types follow full_attention_interval 4), tensors under `model.language_model.*`,
+lm_head at the top, the routed experts packed (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as
+the bf16 release stores them, one by one with their scales under --fp8 as the FP8 release does. The vision tower's
+config is written, its weights are not (gyrfalcon skips `model.visual.*`; a benchmark never reads them).
+
 --config-only writes everything but the weights, for `--load-format dummy` (models/loader.py): the engine builds
 the model from config.json and fills it with random values on the device, so shapes larger than the disk run.
 """
@@ -77,6 +85,35 @@ PRESETS = {
     "deepseek-v3.2": dict(
         arch="DeepseekV32ForCausalLM", model_type="deepseek_v32", **_DEEPSEEK_V3_DIMS, index_n_heads=64,
         index_head_dim=128, index_topk=2048),
+    # Qwen3-Next-80B-A3B's public config: 48 layers = 12 x (3 Gated DeltaNet + 1 gated attention), 512 experts top-10
+    # of 512 plus a gated shared expert of 512 in every layer (~3.2 GB per layer in bf16); ../shared/MODELS.md's
+    # bench slice is 32 layers.
+    "qwen3-next-80b-a3b": dict(
+        arch="Qwen3NextForCausalLM", model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
+    # Qwen3.5-397B-A17B (../shared/MODELS.md): 60 layers = 15 x (3 GDN + 1 gated attention), GDN 16 key / 64 value
+    # heads of 128, attention 32 / 2 heads of 256, 512 experts top-10 of 1024 plus a gated shared expert of 1024,
+    # vocab 248320 (~12.8 GB per layer in bf16); the GPU run cuts it to 4 layers (one block), 8 when memory allows.
+    # Not in MODELS.md, as the Qwen3.5 releases' configs have them: rope_theta 1e7 over 25% of head_dim with M-RoPE
+    # sections [11, 11, 10] interleaved, context 262144 (Qwen3_5MoeTextConfig's default is 32768); conv kernel 4
+    # and rms_norm_eps 1e-6 are Qwen3_5MoeTextConfig's defaults; the vision config is transformers' default with
+    # out_hidden_size = hidden_size.
+    "qwen3.5-397b-a17b": dict(
+        arch="Qwen3_5MoeForConditionalGeneration", model_type="qwen3_5_moe", tie_word_embeddings=False,
+        text_config=dict(
+            vocab_size=248320, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=512,
+            num_experts_per_tok=10, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+            max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True}),
+        vision_config=dict(out_hidden_size=4096)),
 }
 
 # Checkpoints store MoE experts one by one (transformers keeps them stacked in memory): per model type, the
@@ -86,14 +123,27 @@ _QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
 _EXPERT_NAMES = {"qwen3_moe": (_QWEN_EXPERTS, "mlp", False),
                  "minimax_m2": (("w1", "w3", "w2"), "block_sparse_moe", True),
                  "deepseek_v3": (_QWEN_EXPERTS, "mlp", False),
-                 "deepseek_v32": (_QWEN_EXPERTS, "mlp", False)}
+                 "deepseek_v32": (_QWEN_EXPERTS, "mlp", False),
+                 "qwen3_next": (_QWEN_EXPERTS, "mlp", False),
+                 "qwen3_5_moe": (_QWEN_EXPERTS, "mlp", False)}
+# Model types released as vision-language checkpoints: their language model's tensors live under
+# `model.language_model.` on disk (transformers' *ForCausalLM of the text config names them `model.`), and the
+# bf16 release keeps the routed experts packed (FP8: one by one, as _EXPERT_NAMES says).
+_LANGUAGE_MODEL_PREFIX = {"qwen3_5_moe": "model.language_model."}
+_PACKED_EXPERTS_UNLESS_FP8 = {"qwen3_5_moe"}
+# Model types whose RMSNorms scale by (1 + w) (w initialized to 0), all but the Gated DeltaNet's output norm.
+_ZERO_CENTRED_NORMS = {"qwen3_next", "qwen3_5_moe"}
 
 
-def checkpoint_entries(model_type: str, name: str, shape) -> list:
+def checkpoint_entries(model_type: str, name: str, shape, fp8: bool = False) -> list:
     """One tensor of transformers' in-memory state dict -> [(name on disk, shape)]: stacked experts
-    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) become per-expert tensors, and the MoE
-    block takes its on-disk name (MiniMax-M2: block_sparse_moe, the correction bias on the block)."""
-    if model_type not in _EXPERT_NAMES:
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) become per-expert tensors (Qwen3.5: only with
+    fp8, its bf16 release keeps them packed), the MoE block takes its on-disk name (MiniMax-M2: block_sparse_moe,
+    the correction bias on the block), a vision-language release's language model its `model.language_model.`."""
+    prefix = _LANGUAGE_MODEL_PREFIX.get(model_type)
+    if prefix is not None and name.startswith("model."):
+        name = prefix + name[len("model."):]
+    if model_type not in _EXPERT_NAMES or (model_type in _PACKED_EXPERTS_UNLESS_FP8 and not fp8):
         return [(name, tuple(shape))]
     (gate, up, down), block, bias_on_block = _EXPERT_NAMES[model_type]
     name = name.replace(".mlp.", f".{block}.")
@@ -114,8 +164,13 @@ FP8_BLOCK = (128, 128)
 # `gate` matches model.layers.N.mlp.gate / block_sparse_moe.gate but not gate_proj); the embeddings, norms and the
 # correction bias are not 2-D layer weights and stay unquantized regardless.
 FP8_MODULES_TO_NOT_CONVERT = ["gate", "e_score_correction_bias", "lm_head"]
-# Per model type, more modules that its release keeps unquantized (DeepSeek-V3.2's indexer head weights).
-_FP8_ALSO_NOT_CONVERTED = {"deepseek_v32": ["weights_proj"]}
+# Per model type, more modules that its release keeps unquantized (DeepSeek-V3.2's indexer head weights; Qwen3.5's
+# GDN in_proj_b / in_proj_a, and the conv, which is 3-D and never selected; the one-row shared_expert_gate [1, H]
+# of both hybrids). Qwen3-Next's grouped in_proj_qkvz / in_proj_ba stay unquantized too: gyrfalcon does not reorder
+# FP8 blocks of the per-key-head groups (layers/gated_deltanet.py GroupedHeadsLinear) yet.
+_FP8_ALSO_NOT_CONVERTED = {"deepseek_v32": ["weights_proj"],
+                           "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "shared_expert_gate"],
+                           "qwen3_5_moe": ["in_proj_a", "in_proj_b", "shared_expert_gate"]}
 
 
 def fp8_quantization_config(model_type: str) -> dict:
@@ -166,7 +221,10 @@ def build_config(preset: str, num_layers=None):
     spec = dict(PRESETS[preset])
     arch, model_type = spec.pop("arch"), spec.pop("model_type")
     if num_layers is not None:
-        spec["num_hidden_layers"] = num_layers
+        if "text_config" in spec:  # a vision-language release: the language model's layers
+            spec["text_config"] = dict(spec["text_config"], num_hidden_layers=num_layers)
+        else:
+            spec["num_hidden_layers"] = num_layers
     cfg = AutoConfig.for_model(model_type, **spec)
     cfg.architectures = [arch]
     return cfg
@@ -194,12 +252,23 @@ def train_tokenizer(vocab_size: int):
     return fast
 
 
+def disk_entries(cfg, fp8: bool = False) -> list:
+    """[(name on disk, shape)] of every tensor the writer draws for `cfg` (before --fp8 adds the scales), from
+    transformers' causal-LM class of it built on the meta device (a vision-language config: its language model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(cfg).state_dict()
+    return [e for name, meta in state.items() for e in checkpoint_entries(cfg.model_type, name, meta.shape, fp8)]
+
+
 def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat16", seed: int = 0,
                     std: float = 0.02, lm_head_std=None, tokenizer_vocab: int = 4096,
                     shard_bytes: int = 4 << 30, fp8: bool = False, config_only: bool = False) -> Path:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     from gyrfalcon.kernels.fp8_gemm import quantize_weight_blockwise
 
@@ -208,24 +277,24 @@ def make_checkpoint(preset: str, out: str, num_layers=None, dtype: str = "bfloat
     cfg = build_config(preset, num_layers)
     tok = train_tokenizer(tokenizer_vocab)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg.eos_token_id = eos
-    cfg.bos_token_id = None
+    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+        c.eos_token_id = eos
+        c.bos_token_id = None
     cfg.dtype = dtype
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
     tdtype = getattr(torch, dtype)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
     shards, cur, cur_bytes, index = [], {}, 0, {}
-    state = model.state_dict()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    entries = [] if config_only else [e for name, meta in state.items()
-                                      for e in checkpoint_entries(cfg.model_type, name, meta.shape)]
+    entries = [] if config_only else disk_entries(cfg, fp8)
+    zero_centred = cfg.model_type in _ZERO_CENTRED_NORMS
     for name, shape in entries:
         if tied and name == "lm_head.weight":
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
+            t = 0.1 * torch.randn(shape, generator=g, device=dev)
+            if not zero_centred or ".linear_attn.norm." in name:
+                t += 1.0
         elif name.endswith("e_score_correction_bias"):  # fp32 (a selection bias: bf16 would blur near-ties)
             t = (0.01 * torch.randn(shape, generator=g, device=dev)).cpu()
         elif name == "lm_head.weight" and lm_head_std is not None:

@@ -79,7 +79,12 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3NextForCausalLM):
     flat_gdn_projections = True
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        return super().load_weights(text_weights(weights))
+        # The loader routes FP8 linears' weight_scale_inv by their checkpoint names before this sees them, which
+        # `model.language_model.` hides from it: routed again here, under the language model's names.
+        from gyrfalcon.models.loader import route_scales
+
+        scales: Set[str] = set()
+        return super().load_weights(route_scales(self, text_weights(weights), scales)) | scales
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5MoeForConditionalGeneration):
