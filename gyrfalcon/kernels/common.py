@@ -188,7 +188,7 @@ KERNEL_MODULES = (
     "mla_attention.naive", "mla_attention.triton", "mla_attention",
     "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
     "gated_delta.naive", "gated_delta.configs", "gated_delta.triton_decode", "gated_delta.triton_conv",
-    "gated_delta.triton_norm", "gated_delta",
+    "gated_delta.triton_norm", "gated_delta.triton_chunk", "gated_delta",
 )
 
 

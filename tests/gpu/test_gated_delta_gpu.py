@@ -1,6 +1,7 @@
 """The Gated DeltaNet Triton kernels vs their references on a GPU at Qwen3.5-397B-A17B's linear-attention dims
 (16 key heads x 128, 64 value heads x 128, conv width 4: 12288 conv channels), bf16 activations over fp32 states;
-the decode step and the conv update also inside a captured CUDA graph."""
+the decode step and the conv update also inside a captured CUDA graph; the chunked prefill over a ragged batch and
+one long prompt."""
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ if not torch.cuda.is_available():
 
 from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton,  # noqa: E402
                                            causal_conv1d_update_ref, causal_conv1d_update_triton,
-                                           gated_delta_decode_ref, gated_delta_decode_triton, gated_rms_norm_ref,
+                                           gated_delta_decode_ref, gated_delta_decode_triton,
+                                           gated_delta_prefill_ref, gated_delta_prefill_triton, gated_rms_norm_ref,
                                            gated_rms_norm_triton)
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +23,8 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 TOL = dict(atol=2e-2, rtol=2e-2)
 STATE_TOL = dict(atol=1e-4, rtol=1e-4)
+# The chunked prefill's dots run in TF32 (gated_delta.configs.CHUNK_DOT_PRECISION), the reference's in fp32.
+PREFILL_STATE_TOL = dict(atol=1e-2, rtol=1e-2)
 H, HV, DK, DV, K = 16, 64, 128, 128, 4
 KEY_DIM, VALUE_DIM = H * DK, HV * DV
 CONV_DIM = 2 * KEY_DIM + VALUE_DIM
@@ -125,6 +129,24 @@ def test_decode_step_and_conv_update_in_a_cuda_graph():
         torch.testing.assert_close(out, want, **TOL)
     assert torch.equal(conv, want_conv)  # windows are copies of the inputs
     torch.testing.assert_close(pool, want_pool, **STATE_TOL)
+
+
+@pytest.mark.parametrize("lens", [[1000, 1, 0, 64, 257], [4100]], ids=["ragged", "one-prompt"])
+def test_prefill_real_dims(lens):
+    """Chunks of any length (a multiple of 64, one token, none) and one long prompt, slots out of order, every
+    third sequence starting from zeros (its slot NaN), the rest continuing from their slots' states."""
+    B, T = len(lens), sum(lens)
+    slots, init = _slots_and_init(B)
+    qsl = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+    q, k, v, a, b = _qkv_ab(*_projection(T))
+    A_log, dt_bias = _gating_params()
+    pool = _poison(0.05 * torch.randn(NUM_SLOTS, HV, DK, DV, device=DEV), slots, init)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init)
+    got = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    torch.testing.assert_close(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0), **PREFILL_STATE_TOL)
 
 
 @pytest.mark.parametrize("B", [1, 64])

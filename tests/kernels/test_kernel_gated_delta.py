@@ -8,7 +8,8 @@ import torch
 
 from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton, causal_conv1d_update_ref,
                                            causal_conv1d_update_triton, gated_delta_decode_ref,
-                                           gated_delta_decode_triton, gated_rms_norm_ref, gated_rms_norm_triton)
+                                           gated_delta_decode_triton, gated_delta_prefill_ref,
+                                           gated_delta_prefill_triton, gated_rms_norm_ref, gated_rms_norm_triton)
 from kernels_testutil import DEVICE, TOL, requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -45,7 +46,7 @@ def _assert_pools(got, want):
 
 # ---- the decode step ---------------------------------------------------------------------------------------------
 
-def _decode_inputs(B, H, HV, dk, dv, dtype):
+def _token_inputs(B, H, HV, dk, dv, dtype):
     q = _rows(B, H * dk, dtype).view(B, H, dk)
     k = _rows(B, H * dk, dtype).view(B, H, dk)
     v = _rows(B, HV * dv, dtype).view(B, HV, dv)
@@ -66,7 +67,7 @@ def test_decode_step_matches_reference(dtype, H, HV):
     B, dk, dv = 3, 32, 24
     slots = torch.tensor([3, 0, 5], dtype=torch.int32, device=DEVICE)
     init = torch.tensor([True, False, True], device=DEVICE)
-    q, k, v, a, b, A_log, dt_bias = _decode_inputs(B, H, HV, dk, dv, dtype)
+    q, k, v, a, b, A_log, dt_bias = _token_inputs(B, H, HV, dk, dv, dtype)
     pool = _slot_pool((HV, dk, dv), torch.float32, init, slots)
     want_pool, got_pool = pool.clone(), pool.clone()
     want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
@@ -87,12 +88,77 @@ def test_decode_steps_chain_and_default_tiles():
     pool = 0.1 * torch.randn(NUM_SLOTS, HV, dk, dv, device=DEVICE)
     want_pool, got_pool = pool.clone(), pool.clone()
     for _ in range(5):
-        q, k, v, a, b, A_log, dt_bias = _decode_inputs(B, H, HV, dk, dv, torch.float32)
+        q, k, v, a, b, A_log, dt_bias = _token_inputs(B, H, HV, dk, dv, torch.float32)
         want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
         got = gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, init)
         torch.testing.assert_close(got, want, **TOL[torch.float32])
     _assert_pools(got_pool, want_pool)
     assert not torch.equal(got_pool, pool)
+
+
+# ---- the chunked prefill ------------------------------------------------------------------------------------------
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,HV", [(2, 2), (1, 2)], ids=["gva1", "gva2"])
+def test_prefill_matches_reference(dtype, H, HV):
+    """Chunks of 70, 1, 0, 130 and 5 tokens (one, two and three 64-token chunks, all partial at the end; an empty
+    one leaves its slot alone) in slots [3, 0, 5, 2, 1], two of them continuing from their slots' states."""
+    lens, dk, dv = [70, 1, 0, 130, 5], 16, 24
+    qsl = _qsl(lens)
+    T = sum(lens)
+    slots = torch.tensor([3, 0, 5, 2, 1], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, False, False, True, True], device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = _token_inputs(T, H, HV, dk, dv, dtype)
+    pool = _slot_pool((HV, dk, dv), torch.float32, init, slots)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init)
+    # gva1: two 16-column value tiles, the second partial; gva2: one 32-column tile (the launcher's choice).
+    got = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init,
+                                     block_v=16 if H == HV else None)
+    assert got.shape == (T, HV, dv) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    _assert_pools(got_pool, want_pool)
+    assert torch.isnan(got_pool[5]).all()  # the empty chunk's slot
+
+
+@requires_triton
+def test_prefill_near_equal_keys():
+    """Keys within 1% of each other, beta near 1 and no decay: A's entries near 1 below the diagonal, where the
+    Neumann series of (I + A)^-1 would cancel catastrophically (its terms reach ~1e10 here); the kernel's inverse must
+    stay at fp32 accuracy."""
+    T, dk, dv = 100, 16, 16
+    k = torch.randn(1, 1, dk, device=DEVICE) + 0.01 * torch.randn(T, 1, dk, device=DEVICE)
+    q, v = torch.randn(T, 1, dk, device=DEVICE), torch.randn(T, 1, dv, device=DEVICE)
+    a, b = torch.full((T, 1), 5.0, device=DEVICE), torch.full((T, 1), 8.0, device=DEVICE)
+    A_log, dt_bias = torch.full((1,), -12.0, device=DEVICE), torch.zeros(1, device=DEVICE)
+    qsl, slots = _qsl([T]), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    init = torch.zeros(1, dtype=torch.bool, device=DEVICE)
+    want_pool, got_pool = torch.zeros(1, 1, dk, dv, device=DEVICE), torch.zeros(1, 1, dk, dv, device=DEVICE)
+    want = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init)
+    got = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-5, rtol=1e-5)
+
+
+@requires_triton
+def test_prefill_then_decode_continue_the_state():
+    """A 67-token prompt through the chunked kernel, then three decode steps through the decode kernel, track the
+    references step for step: both kernels agree on the state's layout in the slot."""
+    H, HV, dk, dv = 1, 2, 16, 16
+    slots, init = torch.tensor([2], dtype=torch.int32, device=DEVICE), torch.tensor([False], device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = _token_inputs(67, H, HV, dk, dv, torch.float32)
+    want_pool, got_pool = torch.zeros(3, HV, dk, dv, device=DEVICE), torch.zeros(3, HV, dk, dv, device=DEVICE)
+    qsl = _qsl([67])
+    gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init)
+    gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init)
+    init = ~init
+    for _ in range(3):
+        q, k, v, a, b, _, _ = _token_inputs(1, H, HV, dk, dv, torch.float32)
+        want = gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, init)
+        got = gated_delta_decode_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, init)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    _assert_pools(got_pool, want_pool)
 
 
 # ---- the causal conv1d ---------------------------------------------------------------------------------------------

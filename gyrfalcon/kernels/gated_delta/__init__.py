@@ -18,8 +18,8 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
 
 The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
 in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
-triton_decode (the whole decode step in one launch), triton_conv (the conv and its update), triton_norm.
-gated_delta_prefill still runs the reference everywhere.
+triton_decode (the whole decode step in one launch), triton_conv (the conv and its update), triton_norm,
+triton_chunk (the chunked rule over the ragged batch in one launch).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, 
                                                  chunk_gated_delta_rule_ref, gated_delta_decode_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
+from gyrfalcon.kernels.gated_delta.triton_chunk import gated_delta_prefill_triton
 from gyrfalcon.kernels.gated_delta.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
 from gyrfalcon.kernels.gated_delta.triton_decode import gated_delta_decode_triton
 from gyrfalcon.kernels.gated_delta.triton_norm import gated_rms_norm_triton
@@ -52,6 +53,9 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 
 def gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
                         has_initial_state) -> torch.Tensor:
+    if use_triton(v):
+        return gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
+                                          has_initial_state)
     return gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
                                    has_initial_state)
 
@@ -71,5 +75,5 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 __all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton", "causal_conv1d_update",
            "causal_conv1d_update_ref", "causal_conv1d_update_triton", "chunk_gated_delta_rule_ref",
            "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_rms_norm_triton",
-           "gdn_gating_ref", "recurrent_gated_delta_rule_ref"]
+           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
+           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref"]

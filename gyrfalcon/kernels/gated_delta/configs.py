@@ -36,10 +36,14 @@ CONV_NUM_WARPS = 4
 GATED_NORM_ROWS = 8
 GATED_NORM_NUM_WARPS = 4
 
-# Chunked prefill: one program per (sequence, value head, value tile) walks its sequence CHUNK tokens at a time
-# with the state tile [dk, CHUNK_BLOCK_V] in registers (dk = 128, 64 columns: 32 KB at 8 warps).
+# Chunked prefill: one program per (sequence, value head, value tile) walks its sequence 64 tokens at a time with
+# the state tile [dk, CHUNK_BLOCK_V] in registers. Compiled for sm_90 at dk = dv = 128 (scripts/compile_check.py's
+# harness): 8 warps, 64 columns use 255 registers with ~1.9 KB of spills and ~190 KB of shared memory (more than
+# an A100's 163 KB: other cards need a smaller shape); 32 columns double the programs that recompute each chunk's
+# (I + A)^-1, 128 halve the grid of a batch-1 prompt (64 heads: 64 programs for 132 SMs).
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 8
-# fp32 dots in IEEE precision: TF32 would round the keys' Gram matrix and the state products to 10 mantissa bits,
-# and the state carries those errors across every chunk of a long prompt.
-CHUNK_DOT_PRECISION = "ieee"
+# TF32 tensor-core dots (10-bit mantissas: errors around 1e-3 relative expected in o and the final state, below the
+# bf16 rounding of the activations around it). "ieee" fp32 dots compile to FMA loops with 12 KB of stack a thread
+# on sm_90; "tf32x3" (three TF32 passes, ~fp32 accuracy) doubles the chunk loop's instructions.
+CHUNK_DOT_PRECISION = "tf32"
