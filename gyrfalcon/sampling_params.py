@@ -7,10 +7,23 @@ changing the import.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# top_k travels to the sampler as a 64-bit integer and is clamped to the vocabulary there; any value past a
+# 32-bit vocabulary is a mistake, not a setting.
+_MAX_TOP_K = 2 ** 31 - 1
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling value; `param` names the field (the server's 400 body carries it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -51,8 +64,8 @@ class SamplingParams:
             try:  # JSON object keys arrive as strings
                 self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()} or None
             except (TypeError, ValueError):
-                raise ValueError("logit_bias must map token ids to numbers.") from None
-        if self.top_k is None or self.top_k < 0:
+                raise SamplingParamsError("logit_bias must map token ids to numbers.", "logit_bias") from None
+        if self.top_k is None or self.top_k == -1:  # vLLM's "no top-k"
             self.top_k = 0
         if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
             # Greedy: the other sampling knobs cannot change an argmax.
@@ -60,45 +73,70 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(msg, param)
 
+        def finite(param: str) -> None:
+            # JSON parsers accept NaN and Infinity; NaN slips past every range check below, and either one
+            # reaching the sampler would turn a request's logits into NaN.
+            v = getattr(self, param)
+            try:
+                ok = math.isfinite(float(v))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                bad(param, f"{param} must be a finite number, got {v!r}.")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            finite(name)
         if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n}.")
+            bad("n", f"n must be an integer >= 1, got {self.n}.")
         if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}.")
+            bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int):
-            bad(f"top_k must be an integer, got {self.top_k!r}.")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            bad("top_k", f"top_k must be an integer, got {self.top_k!r}.")
+        if self.top_k < -1 or self.top_k > _MAX_TOP_K:
+            bad("top_k", f"top_k must be -1 or 0 (no top-k) or in [1, {_MAX_TOP_K}], got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
-            bad(f"min_tokens must be non-negative, got {self.min_tokens}.")
+            bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be non-negative, got {self.logprobs}.")
+            bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+            bad("prompt_logprobs", f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if self.repetition_penalty <= 0.0:
-            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+            bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "stop must be a string or a list of strings.")
         if any(not s for s in self.stop):
-            bad("stop strings must not be empty.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+            bad("stop", "stop strings must not be empty.")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _INT64_MAX:
+                bad("stop_token_ids", f"stop_token_ids must be token ids (non-negative integers), got {t!r}.")
+        if self.seed is not None:
+            # A 64-bit integer (it crosses to the engine core as one), and so is the last sample's seed + n - 1.
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                bad("seed", f"seed must be an integer, got {self.seed!r}.")
+            if not _INT64_MIN <= self.seed <= _INT64_MAX - (self.n - 1):
+                bad("seed", f"seed must be a 64-bit integer in [-2**63, 2**63 - {self.n}] (sample i of n uses seed "
+                            f"+ i), got {self.seed}.")
         if self.logit_bias:
             for tok, b in self.logit_bias.items():
                 if tok < 0:
-                    bad(f"logit_bias token ids must be non-negative, got {tok}.")
+                    bad("logit_bias", f"logit_bias token ids must be non-negative, got {tok}.")
                 if not -100.0 <= b <= 100.0:
-                    bad(f"logit_bias values must be in [-100, 100], got {b} for token {tok}.")
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}.")
 
     @property
     def greedy(self) -> bool:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
+import gc
 import logging
 import os
 import socket
 import time
-from typing import Any, Dict, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,56 +26,58 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gyrfalcon import __version__, envs
 from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.server.metrics import ServerMetrics
+from gyrfalcon.server.cli import DEFAULT_MAX_REQUEST_BYTES
+from gyrfalcon.server.middleware import APIKeyMiddleware, RequestSizeLimitMiddleware
 from gyrfalcon.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                        TokenizeRequest)
-from gyrfalcon.server.serving import error_from_exception
+from gyrfalcon.server.serving import error_from_exception, prompt_char_limit
 from gyrfalcon.server.serving_chat import OpenAIServingChat
 from gyrfalcon.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("gyrfalcon.server")
 
-# Paths anyone may read, API key or not (probes and scrapers carry no key).
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
-
-
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>`; compares digests in constant time."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in PUBLIC_PATHS:
-            return await self.app(scope, receive, send)
-        got = b""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                got = v
-                break
-        if not hmac.compare_digest(hashlib.sha256(got).digest(), self._expected):
-            err = OpenAIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
-            return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-        return await self.app(scope, receive, send)
+# After the engine core dies the server answers 503 (/health included) this long, so that load balancers and
+# probes see it go, then exits with ENGINE_DEATH_EXIT_CODE for its supervisor to restart it.
+ENGINE_DEATH_GRACE_S = 2.0
+ENGINE_DEATH_EXIT_CODE = 1
 
 
 class ServerState:
     """Everything the routes need, built once per server."""
 
     def __init__(self, client: AsyncEngineClient, config, tokenizer, served_model_name: str,
-                 chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0) -> None:
+                 chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0,
+                 keep_alive_on_engine_death: bool = False) -> None:
         self.config = config
         self.served_model_name = served_model_name
         self.log_stats_interval = log_stats_interval
         self.client = client
         self.metrics = ServerMetrics(served_model_name, lambda: self.client.stats)
         client.set_tokenizer(tokenizer, self.metrics)
+        # Rendering and tokenizing big requests (serving.py); tokenizers' encoder runs in parallel across these.
+        self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                           thread_name_prefix="gyrfalcon-prep")
+        limit = prompt_char_limit(tokenizer, config.model_config.max_model_len)
+        kw = dict(executor=self.executor, max_prompt_chars=limit)
         self.completion = OpenAIServingCompletion(self.client, tokenizer, config, served_model_name, max_logprobs,
-                                                  chat_template)
+                                                  chat_template, **kw)
         self.chat = OpenAIServingChat(self.client, tokenizer, config, served_model_name, max_logprobs,
-                                      chat_template)
+                                      chat_template, **kw)
         self.created = int(time.time())
+        self.keep_alive_on_engine_death = keep_alive_on_engine_death
+        self.exit_code = 0
+        # Set by whoever runs the app (_serve): makes uvicorn shut down as on SIGTERM.
+        self.request_exit: Optional[Callable[[], None]] = None
+        client.on_dead = self._engine_died
+
+    def _engine_died(self, reason: str) -> None:
+        if self.keep_alive_on_engine_death or self.request_exit is None:
+            return
+        logger.error("The server exits in %.0f s (code %d) so that its supervisor can restart it; "
+                     "--keep-alive-on-engine-death keeps it up instead.", ENGINE_DEATH_GRACE_S,
+                     ENGINE_DEATH_EXIT_CODE)
+        self.exit_code = ENGINE_DEATH_EXIT_CODE
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, self.request_exit)
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -85,7 +87,8 @@ def _error_response(e: BaseException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
+def build_app(state: ServerState, api_key: Optional[str] = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
@@ -97,6 +100,11 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
         if state.log_stats_interval > 0:
             log_task = asyncio.create_task(state.metrics.log_loop(state.log_stats_interval))
         logger.info("Engine core ready (pid %s, %d KV blocks).", state.client.core_pid, state.client.num_blocks)
+        # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the
+        # server. Out of the garbage collector's sight, its full collections stop walking all of them: those the
+        # parsing of a body of many small JSON arrays sets off held the event loop 2.5 s for 8 MB, 0.85 s after.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -104,6 +112,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
                 log_task.cancel()
             logger.info("Shutting down the engine core.")
             await state.client.shutdown()
+            state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="gyrfalcon", version=__version__, lifespan=lifespan)
     app.state.gyrfalcon = state
@@ -182,12 +191,14 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        return state.completion.tokenize(req)
+        return await state.completion.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        return state.completion.detokenize(req)
+        return await state.completion.detokenize(req)
 
+    # The last added runs first: the key (a header) before the body's size (which may mean reading it).
+    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -294,8 +305,8 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     api_key = args.api_key or envs.get().api_key
     interval = 0.0 if args.disable_log_stats else envs.get().log_stats_interval
     state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
-                        interval)
-    app = build_app(state, api_key)
+                        interval, args.keep_alive_on_engine_death)
+    app = build_app(state, api_key, args.max_request_bytes)
     host, port = sock.getsockname()[:2]
     logger.info("gyrfalcon %s serving %r as %r on http://%s:%d%s", __version__, mc.model, mc.served_model_name,
                 host, port, " (API key required)" if api_key else "")
@@ -303,5 +314,13 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=grace + 3, timeout_keep_alive=5)
     server = _server_class(client, grace)(uv_config)
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    state.request_exit = request_exit
     server.run(sockets=[sock])
+    if state.exit_code:
+        logger.error("Exiting with code %d: the engine core died.", state.exit_code)
+        return state.exit_code
     return 0 if server.started else 1

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import zmq
 import zmq.asyncio
@@ -80,6 +80,9 @@ class AsyncEngineClient:
         self._in = None
         self._out = None
         self._closing = False
+        # Called once, with the reason, when the core dies while the server runs (the server decides whether to
+        # exit: api_server.ServerState).
+        self.on_dead: Optional[Callable[[str], None]] = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def set_tokenizer(self, tokenizer, metrics=None) -> None:
@@ -179,11 +182,14 @@ class AsyncEngineClient:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             self.dead_reason = reason
             if not self._closing:
-                logger.error("%s Generation requests now get HTTP 503; restart the server.", reason)
+                logger.error("%s Generation requests now get HTTP 503.", reason)
         self._fail_all(EngineDeadError(reason))
+        if first and not self._closing and self.on_dead is not None:
+            self.on_dead(reason)
 
     def fail_all_requests(self, message: str = "The server is shutting down.") -> None:
         """End every request in flight with a 503 (streams: an error event, then [DONE])."""

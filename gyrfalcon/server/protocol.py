@@ -3,6 +3,10 @@
 Field names and defaults follow OpenAI's API, plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) so clients written for vLLM work.
 Unknown fields are accepted and ignored, as OpenAI's SDK sends some we have no use for.
+
+The fields that can be big (prompt, messages, logit_bias, detokenize's tokens) are typed Any and checked by
+the serving code, after the body's size limit and away from the event loop when large: pydantic's own check
+of the prompt union took ~10 s on a 16 MB list of token ids.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_N = 128
+# Every step checks a running request's stop strings (HTTP side) and stop token ids (engine core) one by one, so a
+# request with a million of them would slow every step of every request. OpenAI allows 4 stop strings.
+MAX_STOP = 256
 
 
 class OpenAIError(Exception):
@@ -24,8 +31,8 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or {400: "invalid_request_error", 401: "invalid_request_error",
-                             404: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
         self.param = param
         self.code = code
 
@@ -66,7 +73,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     best_of: Optional[int] = None
-    logit_bias: Optional[Dict[str, float]] = None
+    logit_bias: Optional[Any] = None  # token id strings -> numbers, checked by SamplingParams
     user: Optional[str] = None
 
     def _check_common(self) -> None:
@@ -78,6 +85,15 @@ class _SamplingFields(_Request):
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}.", "n")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (only best_of == n).", "best_of")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise bad_request(f"stop may hold at most {MAX_STOP} strings, got {len(self.stop)}.", "stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP:
+            raise bad_request(f"stop_token_ids may hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}.",
+                              "stop_token_ids")
+
+    def param_name(self, name: str) -> str:
+        """The request field a SamplingParams field came from (they differ for some chat fields)."""
+        return name
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: Dict[str, Any]) -> SamplingParams:
         def pick(name, fallback):
@@ -95,12 +111,14 @@ class _SamplingFields(_Request):
                 repetition_penalty=pick("repetition_penalty", 1.0), logit_bias=self.logit_bias,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output)
-        except (ValueError, TypeError) as e:
+        except SamplingParamsError as e:
+            raise bad_request(str(e), self.param_name(e.param)) from None
+        except (ValueError, TypeError) as e:  # not expected: the model's types and SamplingParams catch all
             raise bad_request(str(e)) from None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
+    prompt: Any  # a string, a list of strings, token ids, or a list of token-id lists (serving_completion)
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
@@ -122,7 +140,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: List[Dict[str, Any]]
+    messages: Any  # a list of {role, content, ...} (OpenAIServing.render_chat checks it)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -151,11 +169,16 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, logprobs, defaults)
 
+    def param_name(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"logprobs": "top_logprobs"}.get(name, name)
+
 
 class TokenizeRequest(_Request):
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[List[Dict[str, Any]]] = None
+    prompt: Optional[Any] = None  # a string
+    messages: Optional[Any] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -163,4 +186,4 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: List[int] = Field(default_factory=list)
+    tokens: Any = Field(default_factory=list)  # token ids

@@ -4,18 +4,28 @@ The model-name check, prompt validation (the engine's own rules, answered as HTT
 anything is submitted), submission of a call's prompts to the engine client, the async iteration
 over their updates (which aborts whatever is unfinished when the caller goes away), usage, SSE
 framing, and the tokenize / detokenize endpoints.
+
+Work that grows with a request's size (building its sampling params, rendering the chat template,
+tokenizing, checking long token-id lists) runs in a thread pool once the request is past a few
+kilobytes, so one heavy request never holds up the event loop that answers every other one (and
+/health). Threads are enough: tokenizers' Rust encoder releases the GIL while it works, and the
+Python parts (Jinja rendering, checks) give it up every few milliseconds. Small requests are
+handled inline, which costs less than a hop to a thread and cannot queue behind heavy ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from gyrfalcon.engine.engine import Engine
 from gyrfalcon.output_processor import RequestState
@@ -25,6 +35,52 @@ from gyrfalcon.server.protocol import DetokenizeRequest, OpenAIError, TokenizeRe
 from gyrfalcon.tokenizer import encode, render_chat
 
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Requests whose text (characters) or token-id lists (items) add up to less than this are handled on the event
+# loop: tokenizing 8k characters takes a few milliseconds even on a slow core.
+INLINE_WORK_LIMIT = 8192
+# Roles OpenAI's chat API accepts; anything else is a client's mistake, answered with a 400.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes any one token of the vocabulary (added tokens included) can stand for, read from its
+    token strings. Byte-level BPE writes each byte as one character of 1-2 bytes, SentencePiece pieces are the
+    text itself (with U+2581, 3 bytes, for a 1-byte space), byte-fallback tokens (<0x41>) are longer than their
+    byte: each string is at least as long as the text it covers, so the result is an upper bound."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in vocab) if vocab else 0
+    except Exception:  # a tokenizer without a readable vocabulary: no character limit
+        return 0
+
+
+def prompt_char_limit(tokenizer, max_model_len: int) -> Optional[int]:
+    """The most characters a text prompt can have and still fit max_model_len tokens, or None when unknown.
+
+    A text of B UTF-8 bytes (B >= its number of characters) needs at least B / max_token_bytes tokens, as long as
+    tokenization keeps every byte of it (byte-level BPE and SentencePiece do). A normalizer may shrink text first
+    (NFKC turns a 3-byte full-width letter into a 1-byte one), so with one the bound takes 4x more room. A longer
+    prompt cannot fit, and is refused without being tokenized: tokenizing 20 MB takes ~40 s of a CPU core."""
+    per_token = max_token_bytes(tokenizer)
+    if per_token <= 0:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = 4 if backend is None or getattr(backend, "normalizer", None) is not None else 1
+    return max_model_len * per_token * shrink
+
+
+def work_size(value: Any, depth: int = 0) -> int:
+    """A cheap estimate of how much work a prompt or messages value is: characters of text plus token ids,
+    looking at no more than a few hundred items (past that, it is big)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(work_size(v, depth + 1) for v in list(value.values())[:64]) if depth < 3 else 1
+    if isinstance(value, list):
+        if len(value) > 256 or depth >= 3:
+            return max(len(value), INLINE_WORK_LIMIT if len(value) > 256 else 0)
+        return len(value) + sum(work_size(v, depth + 1) for v in value)
+    return 1
 
 
 class _PromptChecker:
@@ -73,7 +129,8 @@ def error_from_exception(e: BaseException) -> OpenAIError:
 
 class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, tokenizer, config, served_model_name: str,
-                 max_logprobs: int = 20, chat_template: Optional[str] = None) -> None:
+                 max_logprobs: int = 20, chat_template: Optional[str] = None, executor: Optional[Executor] = None,
+                 max_prompt_chars: Optional[int] = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config
@@ -81,6 +138,8 @@ class OpenAIServing:
         self.max_model_len = config.model_config.max_model_len
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
+        self.executor = executor
+        self.max_prompt_chars = max_prompt_chars
         self._checker = _PromptChecker(config)
         gen = config.model_config.generation_config or {}
         # The checkpoint's recommended sampling settings apply where a request names none (as vLLM).
@@ -101,32 +160,70 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), "logit_bias") from None
 
-    def validate_prompt(self, ids: List[int], max_tokens: Optional[int]) -> None:
+    def validate_prompt(self, ids: List[int], max_tokens: Optional[int], param: str = "prompt",
+                        max_tokens_param: str = "max_tokens") -> None:
         try:
             self._checker.validate_prompt(ids)
         except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
+            raise bad_request(str(e), param) from None
         if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
-                "completion). Please reduce the length of the prompt or the completion.", "max_tokens")
+                "completion). Please reduce the length of the prompt or the completion.", max_tokens_param)
 
-    def render_chat(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
+    def check_token_ids(self, ids: list, param: str = "prompt") -> None:
+        """A token-id prompt: its length first (a list too long to fit is refused without looking at its
+        items), then that every item is an integer (bools are not)."""
+        if 0 < len(ids) < self.max_model_len and not all(type(t) is int for t in ids):
+            raise bad_request(f"{param} token ids must be integers.", param)
+
+    def encode_text(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a text prompt; one too long to fit max_model_len however it tokenizes is refused first."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt is {len(text)} characters long, which cannot fit max_model_len={self.max_model_len} "
+                f"tokens: no token of this model's vocabulary stands for enough text (at most "
+                f"{self.max_prompt_chars} characters can fit).", param)
+        return encode(self.tokenizer, text, add_special_tokens=add_special_tokens)
+
+    async def offload(self, size: int, fn: Callable, *args):
+        """fn(*args) inline for a small request, else in the thread pool (see the module docstring)."""
+        if self.executor is None or size < INLINE_WORK_LIMIT:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
                     kwargs: Optional[Dict[str, Any]] = None) -> str:
+        if not isinstance(messages, list):
+            raise bad_request("messages must be a list of messages.", "messages")
+        if not messages:
+            raise bad_request("messages must not be empty.", "messages")
         msgs = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
-                raise bad_request("Each message needs a 'role'.", "messages")
+                raise bad_request(f"Each message needs a 'role' (messages[{i}] has none).", "messages")
+            role = m["role"]
+            if role not in CHAT_ROLES:
+                raise bad_request(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}.",
+                                  "messages")
             content = m.get("content")
             if isinstance(content, list):
                 parts = []
                 for part in content:
                     if not isinstance(part, dict) or part.get("type") != "text":
                         raise bad_request("Only text content parts are supported.", "messages")
-                    parts.append(str(part.get("text", "")))
+                    text = part.get("text")
+                    if not isinstance(text, str):
+                        raise bad_request(f"messages[{i}]: a text part needs a string 'text'.", "messages")
+                    parts.append(text)
                 content = "\n".join(parts)
-            elif content is not None and not isinstance(content, str):
+            elif content is None:
+                # As OpenAI: only an assistant turn (one that called tools) may come without content.
+                if role not in ("assistant", "function"):
+                    raise bad_request(f"messages[{i}].content must be a string or a list of text parts; only "
+                                      "assistant messages may have none.", "messages")
+            elif not isinstance(content, str):
                 raise bad_request("Message content must be a string or a list of text parts.", "messages")
             msgs.append({**m, "content": content if content is not None else ""})
         try:
@@ -199,27 +296,39 @@ class OpenAIServing:
                 "prompt_tokens_details": {"cached_tokens": sum(st.num_cached_tokens for st in states)}}
 
     # ---- tokenizer endpoints ----------------------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> Dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> JSONResponse:
         self.check_model(req.model)
+        size = work_size(req.prompt) + work_size(req.messages)
+        return await self.offload(size, self._tokenize, req)
+
+    def _tokenize(self, req: TokenizeRequest) -> JSONResponse:
         if (req.prompt is None) == (req.messages is None):
-            raise bad_request("Give exactly one of 'prompt' and 'messages'.")
+            raise bad_request("Give exactly one of 'prompt' and 'messages'.", "prompt")
         if req.messages is not None:
             text = self.render_chat(req.messages, req.add_generation_prompt)
-            ids = encode(self.tokenizer, text, add_special_tokens=False)
+            ids = self.encode_text(text, "messages", add_special_tokens=False)
         else:
-            ids = encode(self.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+            if not isinstance(req.prompt, str):
+                raise bad_request("prompt must be a string.", "prompt")
+            ids = self.encode_text(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         out: Dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return out
+        return JSONResponse(out)  # rendered here, in the worker, not on the event loop
 
-    def detokenize(self, req: DetokenizeRequest) -> Dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> JSONResponse:
         self.check_model(req.model)
+        return await self.offload(work_size(req.tokens), self._detokenize, req)
+
+    def _detokenize(self, req: DetokenizeRequest) -> JSONResponse:
+        tokens = req.tokens
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise bad_request("tokens must be a list of token ids (integers).", "tokens")
         vocab = len(self.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"Token id {bad[0]} is out of range for a vocabulary of {vocab}.", "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
 
 
 async def run_unless_disconnected(raw_request: Request, coro):

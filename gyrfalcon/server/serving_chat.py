@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gyrfalcon.server.protocol import ChatCompletionRequest, bad_request
+from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.server.protocol import ChatCompletionRequest
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
-                                      run_unless_disconnected, sse, stream_chunk)
-from gyrfalcon.tokenizer import encode
+                                      run_unless_disconnected, sse, stream_chunk, work_size)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -29,15 +29,19 @@ class OpenAIServingChat(OpenAIServing):
             content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, e) for t, e in top[:num_top]]})
         return {"content": content}
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(req.model)
+    def _prepare(self, req: ChatCompletionRequest) -> Tuple[SamplingParams, str, List[int]]:
+        """Everything between the parsed request and its submission; raises the 400s."""
         params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
         self.validate_params(params)
-        if not req.messages:
-            raise bad_request("messages must not be empty.", "messages")
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        ids = encode(self.tokenizer, text, add_special_tokens=False)
-        self.validate_prompt(ids, params.max_tokens)
+        ids = self.encode_text(text, "messages", add_special_tokens=False)
+        self.validate_prompt(ids, params.max_tokens, "messages", req.param_name("max_tokens"))
+        return params, text, ids
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        size = work_size(req.messages) + work_size(req.logit_bias)
+        params, text, ids = await self.offload(size, self._prepare, req)
         self.check_engine()
         request_id = self.new_id("chatcmpl")
         created = int(time.time())

@@ -10,25 +10,48 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyrfalcon.server.protocol import CompletionRequest, bad_request
+from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
-                                      run_unless_disconnected, sse, stream_chunk)
-from gyrfalcon.tokenizer import encode
+                                      run_unless_disconnected, sse, stream_chunk, work_size)
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, prompt) -> List[Tuple[Optional[str], List[int]]]:
+    def _prompts(self, prompt: Any, max_tokens: Optional[int]) -> List[Tuple[Optional[str], List[int]]]:
+        """(text, token ids) per prompt, each validated as soon as it is tokenized (a bad one ends the work).
+
+        The field is typed Any in the request model: pydantic's check of the four-way union took ~10 s on a
+        16 MB list of token ids, on the event loop. Here the kind is read from the first item, a list's length
+        is checked before its items, and all of it runs off the loop for a big request."""
+        def text(p: str) -> Tuple[str, List[int]]:
+            ids = self.encode_text(p)
+            self.validate_prompt(ids, max_tokens)
+            return p, ids
+
+        def token_ids(p: list) -> Tuple[None, List[int]]:
+            self.check_token_ids(p)
+            self.validate_prompt(p, max_tokens)
+            return None, p
+
         if isinstance(prompt, str):
-            return [(prompt, encode(self.tokenizer, prompt))]
-        if not prompt:
+            return [text(prompt)]
+        if isinstance(prompt, list) and not prompt:
             raise bad_request("prompt must not be empty.", "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, list(prompt))]
-        if all(isinstance(p, str) for p in prompt):
-            return [(p, encode(self.tokenizer, p)) for p in prompt]
-        if all(isinstance(p, list) for p in prompt):
-            return [(None, list(p)) for p in prompt]
+        if isinstance(prompt, list):
+            first = prompt[0]
+            if type(first) is int:
+                return [token_ids(prompt)]
+            if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+                return [text(p) for p in prompt]
+            if isinstance(first, list) and all(isinstance(p, list) for p in prompt):
+                return [token_ids(p) for p in prompt]
         raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
                           "lists of token ids.", "prompt")
+
+    def _prepare(self, req: CompletionRequest) -> Tuple[SamplingParams, List[Tuple[Optional[str], List[int]]]]:
+        """Everything between the parsed request and its submission; raises the 400s."""
+        params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
+        self.validate_params(params)
+        return params, self._prompts(req.prompt, params.max_tokens)
 
     def _prompt_text(self, st) -> str:
         return st.prompt if st.prompt is not None else self.tokenizer.decode(st.prompt_token_ids)
@@ -68,11 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
-        self.validate_params(params)
-        prompts = self._prompts(req.prompt)
-        for _, ids in prompts:
-            self.validate_prompt(ids, params.max_tokens)
+        params, prompts = await self.offload(work_size(req.prompt) + work_size(req.logit_bias), self._prepare, req)
         self.check_engine()
         request_id = self.new_id("cmpl")
         created = int(time.time())

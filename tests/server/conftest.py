@@ -41,3 +41,4 @@ def server(server_ckpt, tmp_path_factory):
     yield srv
     rc = srv.stop()
     assert rc == 0, srv.log()[-3000:]
+    assert not srv.ipc_dirs_left, "a cleanly stopped server left its IPC directory behind"

@@ -2,16 +2,20 @@
 and the offline LLM as the oracle.
 
 Every server is started on a free port and stopped by its fixture's finalizer (SIGTERM, then SIGKILL,
-and its engine core too if it is somehow still there), so no test leaves a process behind.
+and its engine core too if it is somehow still there), so no test leaves a process behind. Each server gets
+its own TMPDIR, where it makes the directory of its IPC sockets: a server that stopped cleanly has removed
+it (`ipc_dirs_left` says), and one killed on purpose leaves it there for stop() to remove, not in /tmp.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -74,6 +78,10 @@ class ServerProcess:
         e["PYTHONPATH"] = str(REPO) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
         e.setdefault("GYRFALCON_LOG_STATS_INTERVAL", "2")
         e.pop("TRITON_INTERPRET", None)  # the tests' CPU-kernel setting; a server runs as a user's would
+        # Short (an ipc:// path must fit in 107 bytes), private, and removed by stop().
+        self.tmpdir = tempfile.mkdtemp(prefix="gyrt-")
+        self.ipc_dirs_left: List[str] = []
+        e["TMPDIR"] = self.tmpdir
         e.update(env or {})
         cmd = [sys.executable, "-m", "gyrfalcon.cli", "serve", str(ckpt), "--port", str(self.port),
                "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
@@ -124,6 +132,9 @@ class ServerProcess:
             os.kill(self.core_pid, signal.SIGKILL)  # only if shutdown failed; the test then fails
             wait_gone(self.core_pid, 5)
         self._log.close()
+        if os.path.isdir(self.tmpdir):
+            self.ipc_dirs_left = [d for d in os.listdir(self.tmpdir) if d.startswith("gyrfalcon-")]
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
         return self.proc.returncode
 
     def client(self):

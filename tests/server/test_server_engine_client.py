@@ -80,6 +80,9 @@ def test_rejected_request_and_dead_engine(client):
 
 
 def test_unencodable_request_leaves_nothing_behind(client):
+    """SamplingParams refuses a seed past 64 bits; one set afterwards still cannot reach the socket."""
+    params = SamplingParams()
+    params.seed = 2 ** 70
     with pytest.raises(RequestRejected):
-        client.add_request("big", None, [1], SamplingParams(seed=2 ** 70), asyncio.Queue())
+        client.add_request("big", None, [1], params, asyncio.Queue())
     assert client.sent == [] and client.num_in_flight == 0 and "big" not in client.processor.requests

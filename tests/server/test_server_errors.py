@@ -58,7 +58,7 @@ def test_prompt_longer_than_context(server):
     ({"prompt": [99999]}, "99999"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "x", "seed": 2 ** 70}, "encode"),
+    ({"prompt": "x", "seed": 2 ** 70}, "seed"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "[-100, 100]"),
     ({"prompt": "x", "logit_bias": {"99999999": 1}}, "99999999"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),

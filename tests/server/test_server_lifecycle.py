@@ -1,5 +1,6 @@
-"""Process lifecycle: a killed engine core turns the server to 503 without hanging; SIGINT / SIGTERM
-stop the server and its engine core cleanly; a killed server takes its engine core with it."""
+"""Process lifecycle: a killed engine core fails the requests in flight and turns the server to 503 without
+hanging, then the server exits with code 1 (or, with --keep-alive-on-engine-death, stays up answering 503);
+SIGINT / SIGTERM stop the server and its engine core cleanly; a killed server takes its engine core with it."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def fresh_server(server_ckpt, tmp_path):
         srv.stop()
 
 
+def ipc_dirs(srv):
+    return [d for d in os.listdir(srv.tmpdir) if d.startswith("gyrfalcon-")]
+
+
 def _long_stream(srv, headers, lines, started):
     """A stream of 3000 tokens, read line by line into `lines`; a cut connection just ends it."""
     body = {"model": MODEL_NAME, "prompt": "def", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -43,9 +48,10 @@ def _long_stream(srv, headers, lines, started):
         lines.append(f"<{type(e).__name__}>")
 
 
-def test_engine_core_death(fresh_server):
-    """GYRFALCON_API_KEY works like --api-key; then the engine core is SIGKILLed mid-generation."""
-    srv = fresh_server(env={"GYRFALCON_API_KEY": "env-key"})
+def test_engine_core_death_keep_alive(fresh_server):
+    """GYRFALCON_API_KEY works like --api-key; then the engine core is SIGKILLed mid-generation, and with
+    --keep-alive-on-engine-death the server stays up answering 503."""
+    srv = fresh_server("--keep-alive-on-engine-death", env={"GYRFALCON_API_KEY": "env-key"})
     h = {"Authorization": "Bearer env-key"}
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
     assert httpx.post(srv.base_url + "/v1/completions", json=body).status_code == 401
@@ -88,8 +94,31 @@ def test_engine_core_death(fresh_server):
         assert time.monotonic() - t < 3
     assert "exited with code" in srv.log()
     assert "Traceback" not in srv.log(), srv.log()[-3000:]  # expected failures are not crashes
+    time.sleep(3)  # past the grace period after which a server without the flag exits
+    assert srv.proc.poll() is None and httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
     # Still shuts down cleanly.
     assert srv.stop(signal.SIGTERM) == 0
+
+
+def test_engine_core_death_exits(fresh_server):
+    """By default a dead engine core ends the server: the request in flight gets its error, and the server
+    exits with code 1 shortly after (a supervisor then restarts it), taking nothing else down with it."""
+    srv = fresh_server()
+    lines, started = [], threading.Event()
+    streamer = threading.Thread(target=_long_stream, args=(srv, {}, lines, started))
+    streamer.start()
+    assert started.wait(30)
+    t0 = time.monotonic()
+    os.kill(srv.core_pid, signal.SIGKILL)
+    streamer.join(15)
+    assert not streamer.is_alive()
+    assert lines[-1] == "data: [DONE]" and "engine" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+    assert srv.proc.wait(30) == 1, srv.log()[-3000:]
+    assert time.monotonic() - t0 < 20
+    log = srv.log()
+    assert "--keep-alive-on-engine-death" in log and "Exiting with code 1" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert not ipc_dirs(srv), "the server left its IPC directory behind"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -111,6 +140,7 @@ def test_signal_shuts_down_cleanly(fresh_server, sig):
     assert lines[-1] == "data: [DONE]", lines[-3:]
     assert json.loads(lines[-2][len("data: "):]).get("error", {}).get("code") == "server_shutting_down", lines[-3:]
     assert "Shutting down the engine core" in srv.log()
+    assert not ipc_dirs(srv), "the server left its IPC directory behind"
 
 
 def test_killed_server_takes_engine_core_along(fresh_server, tmp_path):
