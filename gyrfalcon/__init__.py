@@ -3,7 +3,18 @@
 from gyrfalcon.outputs import CompletionOutput, Logprob, RequestOutput
 from gyrfalcon.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, through `pip install`); a source tree used without
+    installing it reports the version it was cut at."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gyrfalcon")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+__version__ = _version()
 
 
 def __getattr__(name):

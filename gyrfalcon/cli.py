@@ -25,12 +25,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
     p.add_argument("--download-dir", default=None,
                    help="the folder hub snapshots are downloaded to and looked up in (default: HF_HUB_CACHE)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=384)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto",
+                   help="weights' and activations' dtype: auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence (prompt + output) in tokens (default: the model's context length)")
+    p.add_argument("--max-num-seqs", type=int, default=384, help="the most requests running in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the most tokens one step processes, prefill chunks included (default: 8192; the "
+                        "offline LLM on a GPU: 16384)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the fraction of the GPU's memory for weights, activations and the KV cache")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: K/V stored as float8 e4m3 (half the memory and reads)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
@@ -41,16 +46,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="dummy: build the model from config.json and fill it with random weights on the device "
                         "instead of reading *.safetensors (benchmarks of shapes that do not fit on disk; the "
                         "directory still needs config.json and tokenizer files)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts into chunks that share steps with decoding requests")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step before the current one's tokens are read back "
                         "(default: on for a GPU, off on a CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--seed", type=int, default=0, help="the engine's random seed (unseeded requests' sampling)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model across")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="this many KV-cache blocks instead of what the memory budget gives (default: the budget's)")
+    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cuda or cpu")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) the server answers to; responses carry the first (default: the model path)")
 
@@ -164,26 +172,54 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it, the default is None (the text
+    says what happens then) or the flag is a plain switch (default off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "default" in text.lower() or default is None or default is False
+                or default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """HelpFormatter for a parser and every subcommand's parser below it, wherever they were registered."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_formatter(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from gyrfalcon import __version__
+
     parser = argparse.ArgumentParser(prog="gyrfalcon", description="LLM inference and serving engine.")
+    parser.add_argument("--version", action="version", version=f"gyrfalcon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete prompts offline and print the text")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeatable; default 'def fib(n):')")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate per prompt")
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before eos / stop may end it")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of this mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 or -1: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's "
+                   "probability")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the requests' sampling (default: unseeded)")
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the logits of tokens seen before (1: off)")
     g.add_argument("--echo", action="store_true", help="print the prompt before its completion")
     g.set_defaults(func=_cmd_generate)
 
@@ -195,11 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=None, help="the longest answer (default 512)")
     c.add_argument("--temperature", type=float, default=None,
                    help="default: the model's generation_config, else 0 (greedy)")
-    c.add_argument("--top-p", type=float, default=None)
-    c.add_argument("--top-k", type=int, default=None)
-    c.add_argument("--min-p", type=float, default=None)
-    c.add_argument("--repetition-penalty", type=float, default=None)
-    c.add_argument("--sampling-seed", type=int, default=None)
+    c.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1")
+    c.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
+    c.add_argument("--min-p", type=float, default=None, help="default: the model's generation_config, else 0")
+    c.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: the model's generation_config, else 1 (off)")
+    c.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling (default: unseeded)")
     c.set_defaults(func=_cmd_chat)
 
     # Subcommands that live with their feature; each module's import is argparse-only.
@@ -208,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module, fn in (("gyrfalcon.server.cli", "add_serve_parser"), ("gyrfalcon.bench.cli", "add_bench_parser")):
         if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
             getattr(importlib.import_module(module), fn)(sub)
+    _use_formatter(parser)
     return parser
 
 

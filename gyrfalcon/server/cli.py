@@ -33,7 +33,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /tokenize, /detokenize, /health, /metrics, /version).")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $GYRFALCON_API_KEY, else no key)")

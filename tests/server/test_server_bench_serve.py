@@ -36,3 +36,24 @@ def test_bench_cli_lists_serve():
     p = subprocess.run([sys.executable, "-m", "gyrfalcon.cli", "bench", "--help"], capture_output=True, text=True,
                        timeout=60, env=env)
     assert p.returncode == 0 and "serve" in p.stdout
+
+
+def test_bench_serve_reports_http_errors_in_one_line(server):
+    """A refused key (401), a wrong endpoint (404) and a port nobody listens on: one `error: ...` line on stderr
+    naming the status and the server's message, exit status 1, no traceback."""
+    from server_testutil import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "gyrfalcon.cli", "bench", "serve", "--model", MODEL_NAME, "--num-prompts", "2",
+            "--input-len", "4", "--output-len", "2", "--disable-tqdm"]
+    cases = [(["--base-url", server.base_url], "HTTP 401", "API key"),
+             (["--base-url", server.base_url, "--api-key", API_KEY, "--endpoint", "/v1/nothing"], "HTTP 404",
+              "Not Found"),
+             (["--base-url", f"http://127.0.0.1:{free_port()}"], "cannot connect", "Connection refused")]
+    for args, *needles in cases:
+        p = subprocess.run([*base, *args], capture_output=True, text=True, timeout=120,
+                           env={**env, "OPENAI_API_KEY": ""})
+        assert p.returncode == 1, (args, p.stdout, p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and all(n in errors[0] for n in needles), (args, p.stderr)
+        assert "Traceback" not in p.stdout + p.stderr, p.stderr
