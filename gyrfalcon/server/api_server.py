@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -24,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyrfalcon import __version__, envs
+from gyrfalcon.engine.engine import freeze_gc_after_startup
 from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.server.metrics import ServerMetrics
 from gyrfalcon.server.cli import DEFAULT_MAX_REQUEST_BYTES
@@ -100,11 +100,11 @@ def build_app(state: ServerState, api_key: Optional[str] = None,
         if state.log_stats_interval > 0:
             log_task = asyncio.create_task(state.metrics.log_loop(state.log_stats_interval))
         logger.info("Engine core ready (pid %s, %d KV blocks).", state.client.core_pid, state.client.num_blocks)
-        # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the
-        # server. Out of the garbage collector's sight, its full collections stop walking all of them: those the
-        # parsing of a body of many small JSON arrays sets off held the event loop 2.5 s for 8 MB, 0.85 s after.
-        gc.collect()
-        gc.freeze()
+        # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the server. Out of the
+        # garbage collector's sight (as in the engine core; GYRFALCON_GC_FREEZE=0 turns it off), its full
+        # collections stop walking all of it: those the parsing of a body of many small JSON arrays sets off
+        # held the event loop 2.5 s for 8 MB, 0.85 s after.
+        freeze_gc_after_startup(True)
         try:
             yield
         finally:
