@@ -12,14 +12,15 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
   gating (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), L2 norm of q and k, the chunked gated delta
   rule (chunks of 64) from each slot's state (or zeros) in states [num_slots, HV, dk, dv] fp32, final states
   written back.
-- gated_delta_decode: the same for one token per sequence, the state updated in place (one launch later:
+- gated_delta_decode: the same for one token per sequence, the state updated in place (on the GPU one launch:
   gating, norm, update and output).
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
 
 The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
 in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
-triton_decode (the whole decode step in one launch), triton_conv (the conv and its update), triton_norm,
-triton_chunk (the chunked rule over the ragged batch in one launch).
+triton_decode (the whole decode step in one launch), triton_conv (the conv in two launches: the conv, then the
+windows written back; its update in one), triton_norm (one launch), triton_chunk (the chunked rule over the ragged
+batch in one launch). Launch shapes in configs.py.
 """
 
 from __future__ import annotations
