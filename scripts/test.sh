@@ -3,7 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+# The interpreter setup.sh installed into: $PYTHON, else the active virtual environment's, else .venv's.
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
 # Test files run in parallel over the machine's cores (pytest-xdist; PYTEST_WORKERS=0 runs them in one process):
 # the suite took ~19 min on one core of CI's 2-core machine. --dist loadfile keeps each file's tests (and its
 # module-scoped fixtures: checkpoints, servers) in one worker.
