@@ -67,10 +67,10 @@ class SamplingParams:
                 raise SamplingParamsError("logit_bias must map token ids to numbers.", "logit_bias") from None
         if self.top_k is None or self.top_k == -1:  # vLLM's "no top-k"
             self.top_k = 0
-        if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
+        self._verify()  # the values as given: greedy requests get no pass for invalid ones
+        if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs cannot change an argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self._verify()
 
     def _verify(self) -> None:
         def bad(param: str, msg: str) -> None:

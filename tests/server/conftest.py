@@ -15,6 +15,12 @@ import pytest
 from server_testutil import API_KEY, MAX_MODEL_LEN, Oracle, ServerProcess
 
 
+def pytest_addoption(parser):
+    # Known when this folder's tests are named on the command line (pytest tests/server/test_server_soak.py
+    # --soak-requests 2000); elsewhere the test reads its default.
+    parser.addoption("--soak-requests", type=int, default=300, help="requests test_server_soak.py sends")
+
+
 @pytest.fixture(scope="session")
 def server_ckpt(tmp_path_factory, qwen3_ckpt) -> Path:
     """The session's tiny qwen3 checkpoint with a 4096-token context (the rope does not depend on it),

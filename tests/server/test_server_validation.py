@@ -33,6 +33,8 @@ def post(server, path, body=None, content=None):
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 5000}, "max_completion_tokens", "5000"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 5000}]}, "messages", "4096"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "-2"),
+    ("/v1/completions", {"prompt": "x", "temperature": 0, "top_k": -5}, "top_k", "-5"),  # greedy checks too
+    ("/v1/completions", {"prompt": "x", "temperature": 0, "top_p": 2}, "top_p", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": 2 ** 40}, "top_k", str(2 ** 40)),
     ("/v1/completions", {"prompt": "x", "seed": 2 ** 80}, "seed", "64-bit"),
     ("/v1/completions", {"prompt": "x", "seed": -2 ** 64}, "seed", "64-bit"),
