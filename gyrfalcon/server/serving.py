@@ -70,16 +70,17 @@ def prompt_char_limit(tokenizer, max_model_len: int) -> Optional[int]:
 
 
 def work_size(value: Any, depth: int = 0) -> int:
-    """A cheap estimate of how much work a prompt or messages value is: characters of text plus token ids,
-    looking at no more than a few hundred items (past that, it is big)."""
+    """A cheap estimate of how much work a prompt or messages value is: characters of text plus items, looking
+    at a few hundred items at most (a bigger or deeper container counts as big: off the loop)."""
     if isinstance(value, str):
         return len(value)
-    if isinstance(value, dict):
-        return sum(work_size(v, depth + 1) for v in list(value.values())[:64]) if depth < 3 else 1
-    if isinstance(value, list):
-        if len(value) > 256 or depth >= 3:
-            return max(len(value), INLINE_WORK_LIMIT if len(value) > 256 else 0)
-        return len(value) + sum(work_size(v, depth + 1) for v in value)
+    if isinstance(value, list) and value and type(value[0]) is int:
+        return len(value)  # token ids: checking one is a fraction of a microsecond
+    if isinstance(value, (list, dict)):
+        if len(value) > 256 or depth >= 4:
+            return max(len(value), INLINE_WORK_LIMIT)
+        items = value.values() if isinstance(value, dict) else value
+        return len(value) + sum(work_size(v, depth + 1) for v in items)
     return 1
 
 
