@@ -57,7 +57,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Path:
     """Save a tiny random `arch` ('qwen3' | 'llama' | 'qwen2' | 'mistral') checkpoint plus tokenizer under `path`."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     tok = make_tokenizer()
@@ -86,11 +86,7 @@ def make_checkpoint(path, arch: str = "qwen3", seed: int = 0, **overrides) -> Pa
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    randomize_(model, seed)
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
-    return path
+    return _randomize_and_save(path, model, tok, eos, seed)
 
 
 def step_row(request, num_new_tokens: int, sample: bool, start: int, spec=()):
@@ -100,12 +96,30 @@ def step_row(request, num_new_tokens: int, sample: bool, start: int, spec=()):
     return ScheduledRequest(request.request_id, start, num_new_tokens, sample, spec_token_ids=spec, request=request)
 
 
+def _randomize_and_save(path: Path, model, tok, eos: int, seed: int, extra=None) -> Path:
+    """The tail every tiny-checkpoint maker shares: randomize_ every parameter, then from a second generator (seed
+    + 1) the e_score_correction_bias buffers (they start at zero) and `extra(model, g)` (family-specific ranges),
+    then save the model, the tokenizer and a generation_config."""
+    from transformers import GenerationConfig
+
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        if extra is not None:
+            extra(model, g)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    return path
+
+
 def make_moe_checkpoint(path, arch: str = "qwen3_moe", seed: int = 0, **overrides) -> Path:
     """Save a tiny random mixture-of-experts checkpoint ('qwen3_moe' | 'minimax_m2', ../shared/MODELS.md's
     tiny configs) plus tokenizer under `path`. Every parameter and buffer that the checkpoint holds is
     randomized, e_score_correction_bias included (it starts at zero)."""
-    from transformers import GenerationConfig
-
     path = Path(path)
     tok = make_tokenizer()
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -129,16 +143,7 @@ def make_moe_checkpoint(path, arch: str = "qwen3_moe", seed: int = 0, **override
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
-    return path
+    return _randomize_and_save(path, model, tok, eos, seed)
 
 
 DEEPSEEK_V3_TINY = dict(
@@ -157,7 +162,7 @@ def make_deepseek_checkpoint(path, seed: int = 0, **overrides) -> Path:
     MLA with YaRN and interleaved RoPE, layer 0 dense, layers 1-2 MoE with grouped sigmoid routing and a shared
     expert) plus tokenizer under `path`. Every parameter is randomized, the MLA norms and
     e_score_correction_bias included. overrides: DeepseekV3Config fields (q_lora_rank=None: a plain q_proj)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     path = Path(path)
     tok = make_tokenizer()
@@ -166,16 +171,7 @@ def make_deepseek_checkpoint(path, seed: int = 0, **overrides) -> Path:
                               "tie_word_embeddings": False, **overrides})
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg)
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
-    return path
+    return _randomize_and_save(path, model, tok, eos, seed)
 
 
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_V3_TINY, index_n_heads=4, index_head_dim=16, index_topk=4)
@@ -186,7 +182,7 @@ def make_deepseek_v32_checkpoint(path, seed: int = 0, **overrides) -> Path:
     plus a lightning indexer of 4 heads x 16 dims and index_topk 4 in every layer) plus tokenizer under `path`.
     Every parameter is randomized, the indexer's LayerNorm weight and bias and its fp32 weights_proj included.
     overrides: DeepseekV32Config fields (index_topk >= the sequence length: dense-equivalent; index_n_heads)."""
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GenerationConfig
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     path = Path(path)
     tok = make_tokenizer()
@@ -195,16 +191,7 @@ def make_deepseek_v32_checkpoint(path, seed: int = 0, **overrides) -> Path:
                                "tie_word_embeddings": False, **overrides})
     torch.manual_seed(seed)
     model = DeepseekV32ForCausalLM(cfg)
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
-    return path
+    return _randomize_and_save(path, model, tok, eos, seed)
 
 
 QWEN3_NEXT_TINY = dict(
@@ -222,7 +209,7 @@ def make_qwen3_next_checkpoint(path, seed: int = 0, **overrides) -> Path:
     rates A = exp(A_log) in [0.02, 1], so the recurrent state remembers over tens of tokens (transformers'
     init range [0.01, 16] would forget most of it within a few tokens and hide a state lost between chunks).
     overrides: Qwen3NextConfig fields (layer_types, mlp_only_layers, linear_num_value_heads, ...)."""
-    from transformers import GenerationConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     path = Path(path)
     tok = make_tokenizer()
@@ -231,27 +218,27 @@ def make_qwen3_next_checkpoint(path, seed: int = 0, **overrides) -> Path:
                              "tie_word_embeddings": False, **overrides})
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(cfg)
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.02, 1.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2 and "conv1d" not in name and "embed" not in name:
-                # Matrices at half randomize_'s scale: at full scale the residual stream reaches ~7 and
-                # transformers' own fp32 logits differ from its fp64 ones by up to 9e-5, above the 1e-5 that
-                # parity is held to; at half, ~1e-5 at most.
-                p.mul_(0.5)
-            elif name.endswith("norm.weight") and ".linear_attn.norm." not in name:
-                # Zero-centred norms scale by (1 + w): w around 0, as trained checkpoints have it (randomize_'s
-                # 1 + noise would double every normed activation and the logits' rounding noise with it).
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
-    return path
+    return _randomize_and_save(path, model, tok, eos, seed, _gdn_ranges_)
+
+
+def _gdn_ranges_(model, g, zero_centred=lambda name: True) -> None:
+    """The hybrid families' ranges over randomize_'s: A_log with decays exp(A_log) in [0.02, 1], dt_bias ~ N(0,
+    0.5), matrices (not conv, not embeddings) at half scale, and the (1 + w) norms that zero_centred(name) picks
+    (not the GDN output norm, a plain-weight one) around w = 0."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(0.02, 1.0, generator=g).log())
+        elif name.endswith("dt_bias"):
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        elif p.dim() >= 2 and "conv1d" not in name and "embed" not in name:
+            # Matrices at half randomize_'s scale: at full scale the residual stream reaches ~7 and transformers'
+            # own fp32 logits differ from its fp64 ones by up to 9e-5, above the 1e-5 that parity is held to; at
+            # half, ~1e-5 at most.
+            p.mul_(0.5)
+        elif name.endswith("norm.weight") and ".linear_attn.norm." not in name and zero_centred(name):
+            # Zero-centred norms scale by (1 + w): w around 0, as trained checkpoints have it (randomize_'s
+            # 1 + noise would double every normed activation and the logits' rounding noise with it).
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
 
 
 # Qwen3.5's text config: QWEN3_NEXT_TINY's dims, the rope settings inside rope_parameters as the releases write them
@@ -283,7 +270,6 @@ def make_qwen3_5_checkpoint(path, moe: bool = True, packed_experts: bool = True,
     as make_qwen3_next_checkpoint does (A_log's decays in [0.02, 1], (1 + w) norms around w = 0, matrices at half
     scale), the vision tower's too. overrides: text config fields."""
     from safetensors.torch import load_file, save_file
-    from transformers import GenerationConfig
 
     path = Path(path)
     tok = make_tokenizer()
@@ -298,22 +284,9 @@ def make_qwen3_5_checkpoint(path, moe: bool = True, packed_experts: bool = True,
     cfg = Config(text_config=text, vision_config=QWEN3_5_VISION_TINY, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Model(cfg)
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.02, 1.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2 and "conv1d" not in name and "embed" not in name:
-                p.mul_(0.5)  # make_qwen3_next_checkpoint's scale: transformers' fp32 rounding stays ~1e-5
-            elif (name.endswith("norm.weight") and ".language_model." in name
-                  and ".linear_attn.norm." not in name):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))  # the (1 + w) norms
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(path))
+    # (the vision tower's norms are plain LayerNorms: only the language model's are (1 + w))
+    _randomize_and_save(path, model, tok, eos, seed,
+                        lambda m, g: _gdn_ranges_(m, g, lambda name: ".language_model." in name))
     if moe and packed_experts:
         (file,) = path.glob("*.safetensors")
         sd = load_file(str(file))
