@@ -21,8 +21,9 @@ from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.models.deepseek_v3 import DeepseekV3ForCausalLM
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on this family's checkpoint)
-    PROMPTS, _greedy, hf_refs, test_decode_logits_parity, test_greedy_parity, test_greedy_parity_under_preemption,
-    test_prefill_logits_parity, test_prompts_span_several_blocks)
+    PROMPTS, _greedy, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
+    family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
+    test_prompts_span_several_blocks)
 
 
 @pytest.fixture(scope="module")

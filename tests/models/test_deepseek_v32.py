@@ -29,8 +29,9 @@ from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.models.deepseek_v3 import DeepseekV32ForCausalLM
 from gyrfalcon.runner.forward_batch import build_forward_batch
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on this family's checkpoints)
-    PROMPTS, MAX_NEW, hf_refs, test_decode_logits_parity, test_greedy_parity, test_greedy_parity_under_preemption,
-    test_prefill_logits_parity, test_prompts_span_several_blocks)
+    PROMPTS, MAX_NEW, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
+    family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
+    test_prompts_span_several_blocks)
 
 VARIANTS = {"topk_covers": dict(index_topk=256), "sparse16": dict(index_topk=4, index_n_heads=16)}
 

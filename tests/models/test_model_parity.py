@@ -96,6 +96,21 @@ def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, asyn
     _assert_all_blocks_free(llm)
 
 
+# The families beyond these dense ones import the two below under the shared names: the engine's features (prefix
+# caching, chunked prefill, async scheduling, preemption) do not depend on the model and run in every combination
+# here; each other family runs each of them at least once (its own layers through every kind of step), which keeps
+# the suite's CPU time in bounds as families are added.
+@pytest.mark.parametrize("prefix_caching,budget,async_scheduling", [(True, 7, True), (False, None, False)],
+                         ids=["prefix-chunked-async", "plain-sync"])
+def family_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_scheduling):
+    test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_scheduling)
+
+
+@pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, True)], ids=["prefix-async"])
+def family_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, async_scheduling):
+    test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, async_scheduling)
+
+
 def test_decode_logits_parity(tiny_ckpt, hf_refs):
     """Every step's full distribution (logprobs over the whole vocabulary) matches transformers'
     log_softmax(logits): the first from the prefill, the rest from decode steps."""

@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from checkpoints import make_checkpoint
 from gyrfalcon import LLM
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on these families' checkpoints)
-    hf_refs, test_decode_logits_parity, test_greedy_parity, test_greedy_parity_under_preemption,
-    test_prefill_logits_parity, test_prompts_span_several_blocks)
+    hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
+    family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
+    test_prompts_span_several_blocks)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "mistral"])

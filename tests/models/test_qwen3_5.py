@@ -28,8 +28,8 @@ from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.layers.self_attention import RotarySelfAttention
 from gyrfalcon.runner.forward_batch import build_forward_batch
 from test_model_parity import (  # noqa: F401  (the shared suite where it applies to a state model)
-    MAX_NEW, _assert_all_blocks_free, _greedy, test_decode_logits_parity, test_greedy_parity_under_preemption,
-    test_prompts_span_several_blocks)
+    MAX_NEW, _assert_all_blocks_free, _greedy, test_decode_logits_parity, family_greedy_parity_under_preemption as
+    test_greedy_parity_under_preemption, test_prompts_span_several_blocks)
 from test_qwen3_next import QN_PROMPTS
 
 PREFIX = "model.language_model.layers"
@@ -232,11 +232,12 @@ def test_prefill_logits_parity(tiny_ckpt, hf_refs):
         bm.free(req)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("budget", [None, 7, 50])
+@pytest.mark.parametrize("budget,async_scheduling", [(None, False), (7, True), (50, False)],
+                         ids=["whole-sync", "7-async", "50-sync"])
 def test_greedy_parity(tiny_ckpt, hf_refs, budget, async_scheduling):
     """Chunked prefill at budgets 7 and 50 (chunks ending anywhere inside the rule's 64-token chunks); a second
-    round reuses the freed state slots and gives the same tokens."""
+    round reuses the freed state slots and gives the same tokens. (test_qwen3_next.py runs every budget in both
+    scheduling modes on the same GDN layer.)"""
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=budget, async_scheduling=async_scheduling)
     for _ in range(2):

@@ -26,8 +26,8 @@ from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.layers.self_attention import RotarySelfAttention
 from gyrfalcon.runner.forward_batch import build_forward_batch
 from test_model_parity import (  # noqa: F401  (the shared suite where it applies to a state model)
-    MAX_NEW, PROMPTS, _assert_all_blocks_free, _greedy, test_decode_logits_parity, test_greedy_parity_under_preemption,
-    test_prompts_span_several_blocks)
+    MAX_NEW, PROMPTS, _assert_all_blocks_free, _greedy, test_decode_logits_parity,
+    family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prompts_span_several_blocks)
 
 LONG_PROMPT = (
     "import json\nimport os\n\n\nclass Config:\n    \"\"\"Settings read from a JSON file.\"\"\"\n\n"
