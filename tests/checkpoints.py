@@ -157,41 +157,33 @@ DEEPSEEK_V3_TINY = dict(
                      "mscale_all_dim": 1.0})
 
 
-def make_deepseek_checkpoint(path, seed: int = 0, **overrides) -> Path:
+def make_deepseek_checkpoint(path, seed: int = 0, v32: bool = False, **overrides) -> Path:
     """Save a tiny random DeepSeek-V3 checkpoint (../shared/MODELS.md's tiny config without the V3.2 indexer:
     MLA with YaRN and interleaved RoPE, layer 0 dense, layers 1-2 MoE with grouped sigmoid routing and a shared
-    expert) plus tokenizer under `path`. Every parameter is randomized, the MLA norms and
-    e_score_correction_bias included. overrides: DeepseekV3Config fields (q_lora_rank=None: a plain q_proj)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    expert) plus tokenizer under `path`; v32: DeepSeek-V3.2's (the same plus a lightning indexer of 4 heads x 16
+    dims and index_topk 4 in every layer). Every parameter is randomized, the MLA norms, the indexer's LayerNorm
+    and fp32 weights_proj and e_score_correction_bias included. overrides: the config's fields (q_lora_rank=None:
+    a plain q_proj; index_topk >= the sequence length: dense-equivalent; index_n_heads)."""
+    if v32:
+        from transformers import DeepseekV32Config as Config, DeepseekV32ForCausalLM as Model
+    else:
+        from transformers import DeepseekV3Config as Config, DeepseekV3ForCausalLM as Model
 
     path = Path(path)
     tok = make_tokenizer()
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg = DeepseekV3Config(**{**DEEPSEEK_V3_TINY, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos,
-                              "tie_word_embeddings": False, **overrides})
+    cfg = Config(**{**(DEEPSEEK_V32_TINY if v32 else DEEPSEEK_V3_TINY), "eos_token_id": eos, "bos_token_id": None,
+                    "pad_token_id": eos, "tie_word_embeddings": False, **overrides})
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
-    return _randomize_and_save(path, model, tok, eos, seed)
+    return _randomize_and_save(path, Model(cfg), tok, eos, seed)
 
 
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_V3_TINY, index_n_heads=4, index_head_dim=16, index_topk=4)
 
 
 def make_deepseek_v32_checkpoint(path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random DeepSeek-V3.2 checkpoint (../shared/MODELS.md's tiny DeepseekV32Config: the V3 tiny model
-    plus a lightning indexer of 4 heads x 16 dims and index_topk 4 in every layer) plus tokenizer under `path`.
-    Every parameter is randomized, the indexer's LayerNorm weight and bias and its fp32 weights_proj included.
-    overrides: DeepseekV32Config fields (index_topk >= the sequence length: dense-equivalent; index_n_heads)."""
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
-
-    path = Path(path)
-    tok = make_tokenizer()
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg = DeepseekV32Config(**{**DEEPSEEK_V32_TINY, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": eos,
-                               "tie_word_embeddings": False, **overrides})
-    torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(cfg)
-    return _randomize_and_save(path, model, tok, eos, seed)
+    """make_deepseek_checkpoint's V3.2 checkpoint."""
+    return make_deepseek_checkpoint(path, seed, v32=True, **overrides)
 
 
 QWEN3_NEXT_TINY = dict(

@@ -17,20 +17,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from checkpoints import make_qwen3_5_checkpoint, step_row
-from gyrfalcon import LLM, SamplingParams
+from checkpoints import make_qwen3_5_checkpoint
+from gyrfalcon import LLM
 from gyrfalcon.cache_spec import FullAttentionSpec, LinearStateSpec
-from gyrfalcon.engine.request import Request
-from gyrfalcon.forward_context import forward_context
 from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
 from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.layers.self_attention import RotarySelfAttention
-from gyrfalcon.runner.forward_batch import build_forward_batch
 from test_model_parity import (  # noqa: F401  (the shared suite where it applies to a state model)
     MAX_NEW, _assert_all_blocks_free, _greedy, test_decode_logits_parity, family_greedy_parity_under_preemption as
     test_greedy_parity_under_preemption, test_prompts_span_several_blocks)
-from test_qwen3_next import QN_PROMPTS
+from test_qwen3_next import QN_PROMPTS, test_prefill_logits_parity  # noqa: F401  (on this module's checkpoints)
 
 PREFIX = "model.language_model.layers"
 
@@ -197,39 +194,6 @@ def test_top_level_settings_reach_the_text_config(tiny_ckpt, tmp_path):
     assert mc.hf_config.num_hidden_layers == 4 and mc.hf_config.tie_word_embeddings is True
     assert mc.quant_config.weight_block_size == (128, 128) and mc.quant_config.modules_to_not_convert == ["lm_head"]
     assert mc.eos_token_ids(None) == [7]
-
-
-def test_prefill_logits_parity(tiny_ckpt, hf_refs):
-    """Raw logits at every prompt position, all prompts in one ragged batch, in three steps split at 50 and 120
-    tokens: the second and third start from the state the earlier ones left in each request's slot."""
-    _, model, refs = hf_refs
-    llm = LLM(str(tiny_ckpt), block_size=8)
-    runner = llm.engine.runner
-    bm = llm.engine.block_manager
-    reqs = [Request(str(i), r[0], SamplingParams(max_tokens=1)) for i, r in enumerate(refs)]
-    for i, req in enumerate(reqs):
-        assert bm.allocate_slots(req, req.num_tokens)
-        req.state_slots = {"state": len(reqs) - 1 - i}  # what the runner's RequestState carries
-    got = {i: [] for i in range(len(reqs))}
-    for cut in (50, 120, None):
-        sched = []
-        for req in reqs:
-            n = (req.num_tokens if cut is None else min(cut, req.num_tokens)) - req.num_computed_tokens
-            if n > 0:
-                sched.append(step_row(req, n, cut is None, req.num_computed_tokens))
-        fb = build_forward_batch(sched, runner.block_size, runner.device)
-        with torch.inference_mode(), forward_context(fb, runner.kv_caches):
-            logits = runner.model.compute_logits(runner.model(fb.input_ids, fb.positions))
-        qsl = fb.query_start_loc.tolist()
-        for j, sr in enumerate(sched):
-            got[int(sr.request.request_id)].append(logits[qsl[j]:qsl[j + 1]])
-            sr.request.num_computed_tokens += sr.num_new_tokens
-    for i, (prompt, _, _) in enumerate(refs):
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt])).logits[0].float()
-        torch.testing.assert_close(torch.cat(got[i]), ref, rtol=1e-5, atol=1e-5)
-    for req in reqs:
-        bm.free(req)
 
 
 @pytest.mark.parametrize("budget,async_scheduling", [(None, False), (7, True), (50, False)],
