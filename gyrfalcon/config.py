@@ -203,11 +203,16 @@ class ModelConfig:
     # --download-dir); a local path ignores both.
     revision: Optional[str] = None
     download_dir: Optional[str] = None
-    # Filled by resolve(): the transformers config and derived facts.
-    served_model_names: List[str] = field(default_factory=list)
-    hf_config: Any = field(default=None, repr=False)
-    generation_config: dict = field(default_factory=dict, repr=False)
-    quant_config: Optional[QuantizationConfig] = field(default=None, repr=False)
+    # Where requests' default sampling comes from (vLLM's --generation-config): "auto": the model's
+    # generation_config.json (a GGUF file's general.sampling.* keys); "vllm": nowhere (SamplingParams' defaults);
+    # else a folder holding a generation_config.json. The end-of-sequence ids are the model's either way.
+    generation_config_source: str = "auto"
+    # Filled by resolve(): the transformers config and derived facts. generation_config: the dict sampling
+    # defaults are read from (see generation_config_source) plus the model's own eos_token_id.
+    served_model_names: List[str] = field(default_factory=list, init=False)
+    hf_config: Any = field(default=None, repr=False, init=False)
+    generation_config: dict = field(default_factory=dict, repr=False, init=False)
+    quant_config: Optional[QuantizationConfig] = field(default=None, repr=False, init=False)
 
     def resolve(self, device: str) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -219,6 +224,7 @@ class ModelConfig:
             self._resolve_gguf()
         else:
             self._resolve_checkpoint_dir()
+        self._apply_generation_config_source()
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
             self.max_model_len = int(derived)
@@ -270,6 +276,23 @@ class ModelConfig:
         self.hf_config = gguf_config(self.model)
         self.quant_config = QuantizationConfig.resolve(None, self.quantization, self.model)
         self.generation_config = sampling_defaults(self.model)
+
+    def _apply_generation_config_source(self) -> None:
+        src = self.generation_config_source
+        if src == "auto":
+            return
+        own_eos = self.generation_config.get("eos_token_id")
+        if src == "vllm":
+            gen: dict = {}
+        else:
+            path = Path(src) / "generation_config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"--generation-config {src!r}: expected 'auto', 'vllm' or a folder with a "
+                                        f"generation_config.json, and {path} does not exist.")
+            gen = json.loads(path.read_text())
+        if own_eos is not None:
+            gen["eos_token_id"] = own_eos
+        self.generation_config = gen
 
     @property
     def dummy(self) -> bool:
@@ -399,18 +422,12 @@ class EngineConfig:
     enforce_eager: bool = False
 
     @classmethod
-    def create(cls, model: Optional[str] = None, *, dtype: str = "auto",
-               max_model_len: Optional[int] = None, max_num_seqs: int = 384,
-               max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-               enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
-               enforce_eager: bool = False, tensor_parallel_size: int = 1,
-               num_gpu_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
-               served_model_name: Optional[Union[str, List[str]]] = None, tokenizer: Optional[str] = None,
-               device: str = "auto", cpu_kv_cache_gb: float = 1.0,
-               trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
-               async_scheduling: Optional[bool] = None, offline: bool = False,
-               quantization: Optional[str] = None, load_format: str = "auto", revision: Optional[str] = None,
-               download_dir: Optional[str] = None) -> "EngineConfig":
+    def create(cls, model: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
+        """A resolved EngineConfig from keywords named as engine_args.ENGINE_ARGS declares them (vLLM's engine
+        argument names; num_gpu_blocks_override fills cache_config.num_gpu_blocks); model None: the default
+        model."""
+        from gyrfalcon.engine_args import build_config
+
         if model is None:
             default = default_model()
             if default is None:
@@ -418,24 +435,8 @@ class EngineConfig:
                                  "the bundled demo model is installed.")
             model, name = default
             log_default_model(model)
-            served_model_name = served_model_name or name
-        cfg = cls(
-            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len,
-                                     seed=seed, served_model_name=served_model_name,
-                                     tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                                     quantization=quantization, load_format=load_format, revision=revision,
-                                     download_dir=download_dir),
-            cache_config=CacheConfig(block_size=block_size,
-                                     gpu_memory_utilization=gpu_memory_utilization,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb,
-                                     kv_cache_dtype=kv_cache_dtype),
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=max_num_batched_tokens,
-                                             enable_chunked_prefill=enable_chunked_prefill,
-                                             async_scheduling=async_scheduling, offline=offline),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            device=device, enforce_eager=enforce_eager)
+            kwargs["served_model_name"] = kwargs.get("served_model_name") or name
+        cfg = build_config(str(model), kwargs)
         cfg.resolve()
         return cfg
 

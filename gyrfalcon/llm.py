@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from gyrfalcon.config import EngineConfig
 from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
+from gyrfalcon.engine_args import check_kwargs, llm_signature
 from gyrfalcon.output_processor import OutputProcessor
 from gyrfalcon.outputs import RequestOutput
 from gyrfalcon.runner.model_runner import start_device_init
@@ -22,29 +23,15 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None,
-                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 384,
-                 max_num_batched_tokens: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
-                 enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
-                 device: str = "auto", trust_remote_code: bool = False, async_scheduling: Optional[bool] = None,
-                 kv_cache_dtype: str = "auto", quantization: Optional[str] = None, load_format: str = "auto",
-                 revision: Optional[str] = None, download_dir: Optional[str] = None, **kwargs: Any) -> None:
-        if kwargs:
-            raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
-        start_device_init(device)  # the CUDA context, while the config and tokenizer load
-        self.config = EngineConfig.create(
-            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, block_size=block_size,
-            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
-            tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code,
-            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, offline=True,
-            quantization=quantization, load_format=load_format, revision=revision, download_dir=download_dir)
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        """model: a checkpoint directory, GGUF file or hub id (None: the default model); kwargs: the engine
+        settings declared in engine_args.ENGINE_ARGS, by vLLM's names (max_model_len=, block_size=, ...), which
+        __signature__ lists with their defaults."""
+        check_kwargs(kwargs, public_only=True, who="LLM")
+        start_device_init(kwargs.get("device", "auto"))  # the CUDA context, while the config and tokenizer load
+        self.config = EngineConfig.create(model, **kwargs, offline=True)
         mc = self.config.model_config
-        self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
+        self.tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))
         freeze_gc_after_startup(default=False)  # GYRFALCON_GC_FREEZE=1 (engine.py)
         self._counter = itertools.count()
@@ -172,3 +159,6 @@ class LLM:
             for eid in submitted:
                 self.engine.abort_request(eid)
             raise
+
+
+LLM.__init__.__signature__ = llm_signature()  # type: ignore[attr-defined]

