@@ -198,7 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        from gyrfalcon.server.vllm_flags import unknown_flags_message
+        parser.error(unknown_flags_message(extra) or f"unrecognized arguments: {' '.join(extra)}")
     try:
         if hasattr(args, "model_tag"):
             from gyrfalcon.engine_args import resolve_model_arg

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 import msgpack
 
 from gyrfalcon import envs
+from gyrfalcon.engine.request_stats import RequestStats
 from gyrfalcon.sampling_params import SamplingParams
 
 logger = logging.getLogger("gyrfalcon.engine_core")
@@ -186,6 +187,7 @@ class EngineCoreProc:
         self.poller.register(input_sock, zmq.POLLIN)
         # Requests whose first update (carrying their queue time) has not gone out yet.
         self._unreported: Dict[str, Any] = {}
+        self.request_stats = RequestStats()
         self._stats_dirty = True
         self._last_stats = 0.0
         self._shutdown = False
@@ -197,7 +199,8 @@ class EngineCoreProc:
                 "kv_usage": bm.usage, "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
                 "preemptions": e.scheduler.num_preemptions_total,
                 "prompt_tokens": e.num_prompt_tokens_total,
-                "generation_tokens": e.num_generation_tokens_total, "time": time.time()}
+                "generation_tokens": e.num_generation_tokens_total, "time": time.time(),
+                "histograms": self.request_stats.snapshot()}
 
     def _send(self, msg: Message) -> None:
         try:
@@ -215,16 +218,19 @@ class EngineCoreProc:
                 params = decode_sampling_params(msg.sampling_params)
                 req = e.add_request(msg.request_id, list(msg.prompt_token_ids), params)
                 self._unreported[msg.request_id] = req
+                self.request_stats.on_add(msg.request_id, len(msg.prompt_token_ids))
             except (ValueError, TypeError) as err:
                 self._send(RequestFailed(msg.request_id, str(err)))
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 e.abort_request(rid)
                 self._unreported.pop(rid, None)
+                self.request_stats.on_end(rid)
         elif isinstance(msg, FinishRequests):
             for rid in msg.request_ids:
                 e.finish_request(rid)
                 self._unreported.pop(rid, None)
+                self.request_stats.on_end(rid)
         elif isinstance(msg, Shutdown):
             self._shutdown = True
         else:
@@ -247,16 +253,19 @@ class EngineCoreProc:
 
     def _updates(self, updates) -> List[list]:
         out = []
+        first_scheduled: Dict[str, Optional[float]] = {}
         for u in updates:
             queue_time = None
             req = self._unreported.pop(u.request_id, None)
             if req is not None and req.first_scheduled_time is not None:
                 queue_time = req.first_scheduled_time - req.arrival_time
+                first_scheduled[u.request_id] = req.first_scheduled_time
             if u.finished:
                 self._unreported.pop(u.request_id, None)
             out.append([u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason,
                         u.stop_reason, u.num_prompt_tokens, u.num_cached_tokens, queue_time,
                         u.prompt_logprobs])
+        self.request_stats.on_step(self.engine.last_step_num_tokens, updates, time.monotonic(), first_scheduled)
         return out
 
     def run(self) -> None:

@@ -65,6 +65,7 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.last_step_num_tokens = 0  # tokens the last step() scheduled (the iteration_tokens_total histogram)
 
     @staticmethod
     def read_vocab_size(config) -> Optional[int]:
@@ -131,6 +132,7 @@ class Engine:
             updates += self._complete(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule()
+        self.last_step_num_tokens = 0 if batch.is_empty else batch.total_num_tokens
         handle = self.runner.launch(batch)
         if self._inflight is not None:
             updates += self._complete(self._inflight)

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,12 +47,15 @@ class ServerState:
 
     def __init__(self, client: AsyncEngineClient, config, tokenizer, served_model_name: str,
                  chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0,
-                 keep_alive_on_engine_death: bool = False) -> None:
+                 keep_alive_on_engine_death: bool = False, metrics_prefix: str = "gyrfalcon",
+                 log_requests: bool = False, max_log_len: Optional[int] = None) -> None:
         self.config = config
         self.served_model_name = served_model_name
         self.log_stats_interval = log_stats_interval
         self.client = client
-        self.metrics = ServerMetrics(served_model_name, lambda: self.client.stats)
+        self.metrics = ServerMetrics(served_model_name, lambda: self.client.stats, prefix=metrics_prefix)
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         client.set_tokenizer(tokenizer, self.metrics)
         # Rendering and tokenizing big requests (serving.py); tokenizers' encoder runs in parallel across these.
         self.executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -87,8 +90,27 @@ def _error_response(e: BaseException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def build_app(state: ServerState, api_key: Optional[str] = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def _log_request(state: ServerState, route: str, req) -> None:
+    """--enable-log-requests: one line per request as it arrives, the prompt (or messages) cut to --max-log-len
+    characters and the fields the client set."""
+    if not state.log_requests:
+        return
+    what = "messages" if hasattr(req, "messages") else "prompt"
+    value = getattr(req, what, None)
+    # A text prompt is cut to its first max_log_len characters; token ids and messages, as their repr.
+    text = value if isinstance(value, str) else repr(value)
+    cut = state.max_log_len is not None and len(text) > state.max_log_len
+    text = repr(text[:state.max_log_len]) if isinstance(value, str) else text[:state.max_log_len]
+    text += "..." if cut else ""
+    fields = req.model_dump(exclude={what}, exclude_unset=True)
+    logger.info("Received request %s: %s: %s, params: %s", route, what, text, fields)
+
+
+def build_app(state: ServerState, api_key: Optional[Sequence[str]] = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, root_path: Optional[str] = None,
+              cors: Optional[Dict[str, Any]] = None) -> FastAPI:
+    """api_key: the keys (one of which) a request must carry, or None; root_path: --root-path; cors: CORSMiddleware's
+    keywords (allow_origins, allow_methods, allow_headers, allow_credentials), None: no CORS headers."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
@@ -114,7 +136,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None,
             await state.client.shutdown()
             state.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="gyrfalcon", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="gyrfalcon", version=__version__, lifespan=lifespan, root_path=root_path or "")
     app.state.gyrfalcon = state
 
     @app.exception_handler(OpenAIError)
@@ -183,10 +205,12 @@ def build_app(state: ServerState, api_key: Optional[str] = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: Request):
+        _log_request(state, "/v1/completions", req)
         return await state.completion.create_completion(req, raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
+        _log_request(state, "/v1/chat/completions", req)
         return await state.chat.create_chat_completion(req, raw_request)
 
     @app.post("/tokenize")
@@ -199,8 +223,13 @@ def build_app(state: ServerState, api_key: Optional[str] = None,
 
     # The last added runs first: the key (a header) before the body's size (which may mean reading it).
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
+    if isinstance(api_key, str):
+        api_key = [api_key]
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_key))
+    if cors is not None:  # outermost: a preflight is answered here, and a 401 / 413 carries the CORS headers too
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, **cors)
     return app
 
 
@@ -300,11 +329,16 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     config = EngineConfig.create(model, **kw)
     mc = config.model_config
     tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
-    api_key = args.api_key or envs.get().api_key
+    api_keys: List[str] = list(args.api_key or ([envs.get().api_key] if envs.get().api_key else []))
+    api_key = api_keys or None
     interval = 0.0 if args.disable_log_stats else envs.get().log_stats_interval
     state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
-                        interval, args.keep_alive_on_engine_death)
-    app = build_app(state, api_key, args.max_request_bytes)
+                        interval, args.keep_alive_on_engine_death, metrics_prefix=args.metrics_prefix,
+                        log_requests=args.enable_log_requests and not args.disable_log_requests,
+                        max_log_len=args.max_log_len)
+    cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    app = build_app(state, api_key, args.max_request_bytes, root_path=args.root_path, cors=cors)
     host, port = sock.getsockname()[:2]
     logger.info("gyrfalcon %s serving %r as %r on http://%s:%d%s", __version__, mc.model, mc.served_model_name,
                 host, port, " (API key required)" if api_key else "")

@@ -25,6 +25,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os._exit(rc)
 
 
+def _list_arg(value: str) -> list:
+    """A JSON list (vLLM's form: '["http://a.com"]') or comma-separated words."""
+    import json
+
+    value = value.strip()
+    if value.startswith("["):
+        try:
+            out = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return out
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from gyrfalcon.cli import add_engine_args
 
@@ -35,8 +51,27 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $GYRFALCON_API_KEY, else no key)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None,
+                   help="require 'Authorization: Bearer KEY' with one of these keys (several after one flag, or the "
+                        "flag repeated; default: $GYRFALCON_API_KEY, else no key)")
+    p.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves this server under (FastAPI's root_path): requests may carry "
+                        "it or not, and the OpenAPI schema names it")
+    p.add_argument("--allowed-origins", type=_list_arg, default=["*"],
+                   help="CORS: the origins browsers may call from, a JSON list or comma-separated (default: any)")
+    p.add_argument("--allowed-methods", type=_list_arg, default=["*"], help="CORS: the allowed methods (default: any)")
+    p.add_argument("--allowed-headers", type=_list_arg, default=["*"], help="CORS: the allowed headers (default: any)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it arrives: its id, prompt (see --max-log-len) and sampling fields")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no per-request log line (the default; kept for vLLM launch scripts)")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: the most prompt characters (and token ids) a log line shows "
+                        "(default: all)")
+    p.add_argument("--metrics-prefix", default="gyrfalcon", choices=["gyrfalcon", "vllm"],
+                   help="the prefix of every /metrics name: vllm serves them under vLLM's names (vllm:...) for "
+                        "dashboards and routers built for vLLM (docs/server.md has the table)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) instead of the tokenizer's")
     p.add_argument("--max-logprobs", type=int, default=20,

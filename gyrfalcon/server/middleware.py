@@ -1,4 +1,4 @@
-"""ASGI middlewares that answer before the app does any work: the API key, and the request-body size limit.
+"""ASGI middlewares that answer before the app does any work: the API key(s), and the request-body size limit.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which would put every streamed response through an
 extra task and queue).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -31,18 +32,30 @@ def _header(scope, name: bytes):
     return None
 
 
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>`; compares digests in constant time."""
+def route_path(scope) -> str:
+    """The path the routes see: without the --root-path prefix when the request carries it (a proxy that does not
+    strip it), as Starlette's router matches."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
-    def __init__(self, app, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` with one of `api_keys` (vLLM's --api-key takes several: one per
+    client or a rotation's old and new key); compares digests in constant time, and every key's, so the time taken
+    does not tell which key came close."""
+
+    def __init__(self, app, api_keys: Sequence[str]) -> None:
         self.app = app
-        self._expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+        self._expected = [hashlib.sha256(f"Bearer {k}".encode()).digest() for k in api_keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or route_path(scope) in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
-        got = _header(scope, b"authorization") or b""
-        if not hmac.compare_digest(hashlib.sha256(got).digest(), self._expected):
+        got = hashlib.sha256(_header(scope, b"authorization") or b"").digest()
+        ok = False
+        for want in self._expected:
+            ok |= hmac.compare_digest(got, want)
+        if not ok:
             err = OpenAIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                               code="invalid_api_key")
             return await JSONResponse(err.body(), status_code=401)(scope, receive, send)

@@ -17,7 +17,10 @@ EXPECTED = {
     "gyrfalcon:prompt_tokens": "counter", "gyrfalcon:generation_tokens": "counter",
     "gyrfalcon:request_success": "counter", "gyrfalcon:time_to_first_token_seconds": "histogram",
     "gyrfalcon:time_per_output_token_seconds": "histogram", "gyrfalcon:e2e_request_latency_seconds": "histogram",
-    "gyrfalcon:request_queue_time_seconds": "histogram",
+    "gyrfalcon:request_queue_time_seconds": "histogram", "gyrfalcon:inter_token_latency_seconds": "histogram",
+    "gyrfalcon:request_prefill_time_seconds": "histogram", "gyrfalcon:request_decode_time_seconds": "histogram",
+    "gyrfalcon:request_inference_time_seconds": "histogram", "gyrfalcon:request_prompt_tokens": "histogram",
+    "gyrfalcon:request_generation_tokens": "histogram", "gyrfalcon:iteration_tokens_total": "histogram",
 }
 
 
@@ -68,6 +71,15 @@ def test_counters_match_traffic(server):
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(f"gyrfalcon:{h}_count") == len(jobs), h
         assert delta(f"gyrfalcon:{h}_sum") >= 0
+    for h in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"gyrfalcon:{h}_count") == len(jobs), h
+    assert delta("gyrfalcon:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("gyrfalcon:request_generation_tokens_sum") == completion_tokens
+    assert delta("gyrfalcon:inter_token_latency_seconds_count") == completion_tokens - len(jobs)
+    # Each step's tokens: the prompts less their cached blocks, and every generated token but the last.
+    assert (delta("gyrfalcon:iteration_tokens_total_sum")
+            == prompt_tokens - cached_tokens + completion_tokens - len(jobs))
     # TPOT is per sample with more than one token (the max_tokens=1 job has none).
     assert delta("gyrfalcon:time_per_output_token_seconds_count") == len(jobs) - 1
     assert delta("gyrfalcon:prefix_cache_queries_total") == prompt_tokens
