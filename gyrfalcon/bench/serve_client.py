@@ -5,22 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import aiohttp
 import numpy as np
 
 
-@dataclass
-class BenchRequest:
-    prompt: Any  # token ids (completions) or text (chat)
-    prompt_len: int
-    output_len: int
+from gyrfalcon.bench.serve_datasets import BenchRequest, DatasetError, build_requests
+
+# What --percentile-metrics may name (vLLM's names); the report and the JSON hold the selected ones.
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+# --goodput's SLO keys (milliseconds), as vLLM's.
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -28,6 +28,8 @@ class RequestResult:
     success: bool = False
     prompt_len: int = 0
     output_tokens: int = 0
+    server_prompt_tokens: int = 0  # usage.prompt_tokens of the last chunk (0: none came)
+    first_chunk_text: str = ""
     ttft: float = 0.0
     latency: float = 0.0
     itl: List[float] = field(default_factory=list)
@@ -74,24 +76,6 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                    chat: bool) -> List[BenchRequest]:
-    rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
-
-    def length(n: int) -> int:
-        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
-        return rng.randint(lo, hi)
-
-    out = []
-    for _ in range(num):
-        n_in, n_out = length(input_len), length(output_len)
-        ids = [rng.choice(vocab) for _ in range(n_in)]
-        out.append(BenchRequest(tokenizer.decode(ids) if chat else ids, n_in, n_out))
-    return out
-
-
 async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: Dict[str, Any], chat: bool,
                    prompt_len: int, timeout: float) -> RequestResult:
     res = RequestResult(prompt_len=prompt_len)
@@ -117,6 +101,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: D
                     return res
                 if obj.get("usage"):
                     res.output_tokens = obj["usage"].get("completion_tokens", 0)
+                    res.server_prompt_tokens = obj["usage"].get("prompt_tokens", 0)
                 for c in obj.get("choices") or []:
                     text = (c.get("delta") or {}).get("content") if chat else c.get("text")
                     if not text and not (not chat and c.get("logprobs")):
@@ -124,6 +109,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: D
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - start
+                        res.first_chunk_text = text or ""
                     else:
                         res.itl.append(now - last)
                     res.token_times.append(now)
@@ -148,11 +134,43 @@ def _stats(values: List[float], percentiles: List[float]) -> Dict[str, float]:
     return out
 
 
-def summarize(results: List[RequestResult], duration: float, percentiles: List[float]) -> Dict[str, Any]:
+def parse_goodput(items: Optional[List[str]]) -> Dict[str, float]:
+    """--goodput ttft:500 tpot:50 -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    slos: Dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput {item!r}: expected KEY:MILLISECONDS with KEY one of {list(GOODPUT_KEYS)}.")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds.") from None
+        if slos[key] < 0:
+            raise ValueError(f"--goodput {item!r}: an SLO is not negative.")
+    return slos
+
+
+def parse_percentile_metrics(text: str) -> List[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in PERCENTILE_METRICS]
+    if bad or not names:
+        raise ValueError(f"--percentile-metrics {text!r}: choose from {', '.join(PERCENTILE_METRICS)}.")
+    return names
+
+
+def _tpot(r: RequestResult) -> float:
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def summarize(results: List[RequestResult], duration: float, percentiles: List[float],
+              metrics: Sequence[str] = PERCENTILE_METRICS, goodput: Optional[Dict[str, float]] = None
+              ) -> Dict[str, Any]:
+    """vLLM's result keys: counts, throughputs, and mean / median / std / pN of each of `metrics` in ms;
+    request_goodput: the requests per second that met every --goodput SLO (None without SLOs)."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpots = [_tpot(r) for r in ok if r.output_tokens > 1]
     itls = [x for r in ok for x in r.itl]
     # Peak tokens per second over 1 s windows. A chunk may carry several tokens or (an unfinished
     # character, text held back for a stop string) none: spread each request's tokens over its chunks.
@@ -162,19 +180,31 @@ def summarize(results: List[RequestResult], duration: float, percentiles: List[f
     if times.size:
         buckets = np.floor(times - times.min()).astype(np.int64)
         peak = float(np.bincount(buckets, weights=weights).max())
+    good = None
+    if goodput:
+        def meets(r: RequestResult) -> bool:
+            got = {"ttft": r.ttft * 1000, "tpot": _tpot(r) * 1000, "e2el": r.latency * 1000}
+            return all(got[k] <= v for k, v in goodput.items())
+        good = sum(1 for r in ok if meets(r)) / duration
     m: Dict[str, Any] = {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+        "request_throughput": len(ok) / duration, "request_goodput": good,
+        "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration, "max_output_tokens_per_s": peak}
-    for name, vals in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", itls),
-                       ("e2el", [r.latency for r in ok])):
-        for k, v in _stats(vals, percentiles).items():
+    values = {"ttft": [r.ttft for r in ok], "tpot": tpots, "itl": itls, "e2el": [r.latency for r in ok]}
+    for name in metrics:
+        for k, v in _stats(values[name], percentiles).items():
             m[f"{k}_{name}_ms"] = v
     return m
 
 
-def print_report(m: Dict[str, Any], args, percentiles: List[float]) -> None:
+_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+           "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+
+
+def print_report(m: Dict[str, Any], args, percentiles: List[float], metrics: Sequence[str] = PERCENTILE_METRICS
+                 ) -> None:
     w = 50
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="))
     rows = [("Successful requests:", m["completed"]), ("Failed requests:", m["failed"]),
@@ -182,15 +212,16 @@ def print_report(m: Dict[str, Any], args, percentiles: List[float]) -> None:
             ("Request rate configured (RPS):", args.request_rate),
             ("Benchmark duration (s):", f"{m['duration']:.2f}"),
             ("Total input tokens:", m["total_input_tokens"]), ("Total generated tokens:", m["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
-            ("Peak output token throughput (tok/s):", f"{m['max_output_tokens_per_s']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+            ("Request throughput (req/s):", f"{m['request_throughput']:.2f}")]
+    if m.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s):", f"{m['request_goodput']:.2f}"))
+    rows += [("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+             ("Peak output token throughput (tok/s):", f"{m['max_output_tokens_per_s']:.2f}"),
+             ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
     for k, v in rows:
         print("{:<40} {:<10}".format(k, str(v)))
-    for name, title, label in (("ttft", "Time to First Token", "TTFT"),
-                               ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-                               ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL")):
+    for name in metrics:
+        title, label = _TITLES[name]
         print("{s:{c}^{n}}".format(s=title, n=w, c="-"))
         print("{:<40} {:<10.2f}".format(f"Mean {label} (ms):", m[f"mean_{name}_ms"]))
         print("{:<40} {:<10.2f}".format(f"Median {label} (ms):", m[f"median_{name}_ms"]))
@@ -199,13 +230,65 @@ def print_report(m: Dict[str, Any], args, percentiles: List[float]) -> None:
     print("=" * w)
 
 
-async def run_benchmark(args) -> int:
+class Target:
+    """Where and how requests go: the URL, headers, served model, endpoint kind and the sampling fields."""
+
+    def __init__(self, args, url: str, headers: Dict[str, str], model: str, chat: bool) -> None:
+        self.url, self.headers, self.model, self.chat = url, headers, model, chat
+        self.temperature, self.ignore_eos, self.timeout = args.temperature, args.ignore_eos, args.timeout
+
+    def payload(self, r: BenchRequest) -> Dict[str, Any]:
+        body: Dict[str, Any] = {"model": self.model, "max_tokens": r.output_len, "temperature": self.temperature,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": r.prompt}]
+        else:
+            body["prompt"] = r.prompt
+        return body
+
+    async def send(self, session, r: BenchRequest, **override) -> RequestResult:
+        return await send_one(session, self.url, self.headers, {**self.payload(r), **override}, self.chat,
+                              r.prompt_len, self.timeout)
+
+
+async def run_requests(session, target: Target, reqs: List[BenchRequest], max_concurrency: Optional[int],
+                       request_rate: float = float("inf"), burstiness: float = 1.0, seed: int = 0,
+                       bar=None) -> tuple:
+    """Send `reqs` (at most max_concurrency in flight, arriving at request_rate per second with gamma(burstiness)
+    gaps); (results in the order of reqs, the seconds from the first send to the last answer)."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(r: BenchRequest) -> RequestResult:
+        if sem is None:
+            res = await target.send(session, r)
+        else:
+            async with sem:
+                res = await target.send(session, r)
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    tasks = []
+    for i, r in enumerate(reqs):
+        tasks.append(asyncio.create_task(limited(r)))
+        if request_rate != float("inf") and i + 1 < len(reqs):
+            theta = 1.0 / (request_rate * burstiness)
+            await asyncio.sleep(float(rng.gamma(burstiness, theta)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+async def connect(args):
+    """(target, tokenizer, tokenizer path) for args, or an exit status after an `error:` line."""
     chat = args.backend == "openai-chat"
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     try:
         async with aiohttp.ClientSession() as session:
             models = await _get_json(session, base + "/v1/models", headers)
@@ -226,36 +309,101 @@ async def run_benchmark(args) -> int:
         print(f"error: cannot load the tokenizer from {tok_path}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr, flush=True)
         return 2
-    reqs = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                           args.random_range_ratio, args.seed, chat)
-    # A fresh session after the (slow) setup: a pooled connection idle past the server's
-    # keep-alive timeout would be closed under the first request.
+    return Target(args, base + endpoint, headers, model, chat), tokenizer, tok_path
+
+
+def new_session() -> aiohttp.ClientSession:
+    # A fresh session after the (slow) setup: a pooled connection idle past the server's keep-alive timeout would
+    # be closed under the first request.
     conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=False)
-    async with aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20) as session:
+    return aiohttp.ClientSession(connector=conn, read_bufsize=1 << 20)
 
-        def payload(r: BenchRequest) -> Dict[str, Any]:
-            body: Dict[str, Any] = {"model": model, "max_tokens": r.output_len, "temperature": args.temperature,
-                                    "stream": True, "stream_options": {"include_usage": True}}
-            if args.ignore_eos:
-                body["ignore_eos"] = True
-            if chat:
-                body["messages"] = [{"role": "user", "content": r.prompt}]
-            else:
-                body["prompt"] = r.prompt
-            return body
 
-        url = base + endpoint
+def result_path(args, model: str) -> Optional[str]:
+    """--save-result's file: --result-dir / --result-filename, by default named as vLLM names it
+    (<backend>-<rate>qps[-concurrency<N>]-<model>-<date>.json); a path given to --save-result itself wins."""
+    if args.save_result is None:
+        return None
+    if isinstance(args.save_result, str) and args.save_result:
+        return args.save_result
+    name = args.result_filename
+    if not name:
+        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        name = (f"{args.label or args.backend}-{args.request_rate}qps{conc}-{model.split('/')[-1]}-"
+                f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    return os.path.join(args.result_dir or ".", name)
+
+
+def write_result(path: str, out: Dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"Saved the results to {path}")
+
+
+def parse_metadata(items: Optional[List[str]]) -> Dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item!r}: expected KEY=VALUE.")
+        out[key] = value
+    return out
+
+
+def check_args(args) -> None:
+    """ValueError for flags that cannot work, before anything connects or loads."""
+    parse_percentile_metrics(args.percentile_metrics)
+    parse_goodput(args.goodput)
+    parse_metadata(args.metadata)
+    try:
+        [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers.") from None
+    if args.profile == "aa":
+        from gyrfalcon.bench.serve_aa import parse_profile_args
+        parse_profile_args(args)
+    elif args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT JSON file).")
+
+
+async def run_benchmark(args) -> int:
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    metrics = parse_percentile_metrics(args.percentile_metrics)
+    goodput = parse_goodput(args.goodput)
+    metadata = parse_metadata(args.metadata)
+    got = await connect(args)
+    if isinstance(got, int):
+        return got
+    target, tokenizer, tok_path = got
+    if args.profile == "aa":
+        from gyrfalcon.bench.serve_aa import run_aa_profile
+        return await run_aa_profile(args, target, tokenizer, tok_path, metadata)
+    try:
+        reqs = build_requests(args, tokenizer, target.chat)
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    async with new_session() as session:
         print("Starting initial single prompt test run...", flush=True)
-        test = await send_one(session, url, headers, {**payload(reqs[0]), "max_tokens": min(reqs[0].output_len, 4)},
-                              chat, reqs[0].prompt_len, args.timeout)
+        test = await target.send(session, reqs[0], max_tokens=min(reqs[0].output_len, 4))
         if not test.success:
-            print(f"error: the test request to {url} failed: {test.error}", file=sys.stderr, flush=True)
+            print(f"error: the test request to {target.url} failed: {test.error}", file=sys.stderr, flush=True)
             return 1
-        print("Initial test run completed. Starting main benchmark run...", flush=True)
+        print("Initial test run completed.", flush=True)
+        if args.num_warmups > 0:
+            print(f"Warming up with {args.num_warmups} requests...", flush=True)
+            warm = [reqs[i % len(reqs)] for i in range(args.num_warmups)]
+            await run_requests(session, target, warm, args.max_concurrency)
+            print("Warmup run completed.", flush=True)
+        print("Starting main benchmark run...", flush=True)
         print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness}\n"
               f"Maximum request concurrency: {args.max_concurrency}", flush=True)
-
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = None
         if not args.disable_tqdm:
             try:
@@ -263,48 +411,31 @@ async def run_benchmark(args) -> int:
                 bar = tqdm(total=len(reqs))
             except ImportError:
                 pass
-
-        async def limited(r: BenchRequest) -> RequestResult:
-            if sem is None:
-                res = await send_one(session, url, headers, payload(r), chat, r.prompt_len, args.timeout)
-            else:
-                async with sem:
-                    res = await send_one(session, url, headers, payload(r), chat, r.prompt_len, args.timeout)
-            if bar is not None:
-                bar.update(1)
-            return res
-
-        rng = np.random.default_rng(args.seed)
-        start = time.perf_counter()
-        tasks = []
-        for i, r in enumerate(reqs):
-            tasks.append(asyncio.create_task(limited(r)))
-            if args.request_rate != float("inf") and i + 1 < len(reqs):
-                theta = 1.0 / (args.request_rate * args.burstiness)
-                await asyncio.sleep(float(rng.gamma(args.burstiness, theta)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        results, duration = await run_requests(session, target, reqs, args.max_concurrency, args.request_rate,
+                                               args.burstiness, args.seed, bar)
         if bar is not None:
             bar.close()
 
-    m = summarize(results, duration, percentiles)
-    print_report(m, args, percentiles)
+    m = summarize(results, duration, percentiles, metrics, goodput)
+    print_report(m, args, percentiles, metrics)
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"First error: {errors[0]}")
-    if args.save_result:
-        out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "endpoint": endpoint,
-               "model_id": model, "tokenizer_id": tok_path, "dataset_name": args.dataset_name,
-               "num_prompts": args.num_prompts, "random_input_len": args.input_len,
-               "random_output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
+    path = result_path(args, target.model)
+    if path:
+        out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
+               "endpoint": target.url, "label": args.label, "model_id": target.model, "tokenizer_id": tok_path,
+               "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
                "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
                "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-               "ignore_eos": args.ignore_eos, **m,
-               "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
-               "ttfts": [r.ttft for r in results], "errors": errors}
-        d = os.path.dirname(os.path.abspath(args.save_result))
-        os.makedirs(d, exist_ok=True)
-        with open(args.save_result, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"Saved the results to {args.save_result}")
+               "num_warmups": args.num_warmups, "ignore_eos": args.ignore_eos,
+               "percentile_metrics": ",".join(metrics), "metric_percentiles": args.metric_percentiles,
+               "goodput": goodput or None, **metadata, **m}
+        if args.dataset_name == "random":
+            out.update(random_input_len=args.input_len, random_output_len=args.output_len,
+                       random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len)
+        if args.save_detailed:
+            out.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
+                       ttfts=[r.ttft for r in results], itls=[r.itl for r in results], errors=errors)
+        write_result(path, out)
     return 0 if m["failed"] == 0 else 1
