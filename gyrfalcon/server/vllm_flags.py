@@ -23,7 +23,8 @@ VLLM_SERVE_FLAGS = frozenset("""
 --enable-log-outputs --enable-log-requests --enable-lora --enable-lora-bias --enable-multimodal-encoder-data-parallel
 --enable-prefix-caching --enable-prompt-embeds --enable-prompt-tokens-details --enable-request-id-headers
 --enable-server-load-tracking --enable-sleep-mode --enable-ssl-refresh --enable-tokenizer-info-endpoint
---enforce-eager --eplb-config --eplb-log-balancedness --eplb-step-interval --eplb-window-size --exclude-tools-when-tool-choice-none
+--enforce-eager --eplb-config --eplb-log-balancedness --eplb-step-interval --eplb-window-size
+--exclude-tools-when-tool-choice-none
 --fully-sharded-loras --generation-config --gpu-memory-utilization --guided-decoding-backend
 --guided-decoding-disable-additional-properties --guided-decoding-disable-any-whitespace
 --guided-decoding-disable-fallback --h11-max-header-count --h11-max-incomplete-event-size --headless
@@ -69,4 +70,5 @@ def unknown_flags_message(extra: List[str]) -> Optional[str]:
         return None
     flags = ", ".join(vllm)
     return (f"{flags} {'is a vLLM flag' if len(vllm) == 1 else 'are vLLM flags'} that gyrfalcon does not support; "
-            f"remove {'it' if len(vllm) == 1 else 'them'} from the command line (`gyrfalcon serve --help` lists the flags gyrfalcon has).")
+            f"remove {'it' if len(vllm) == 1 else 'them'} from the command line (`gyrfalcon serve --help` lists the "
+            "flags gyrfalcon has).")
