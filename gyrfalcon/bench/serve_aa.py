@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Set, Tuple
 
 import numpy as np
 
-from gyrfalcon.bench.serve_client import (RequestResult, Target, new_session, result_path, run_requests, summarize,
-                                          write_result)
+from gyrfalcon.bench.serve_client import Target, new_session, run_requests
+from gyrfalcon.bench.serve_report import RequestResult, result_path, summarize, write_result
 from gyrfalcon.bench.serve_datasets import unique_requests
 
 AA_PERCENTILES = (50.0, 90.0)

@@ -95,7 +95,8 @@ def test_result_file_name_and_bad_flags():
     import argparse
 
     from gyrfalcon.bench.serve import add_cli_args
-    from gyrfalcon.bench.serve_client import check_args, result_path
+    from gyrfalcon.bench.serve_client import check_args
+    from gyrfalcon.bench.serve_report import result_path
 
     ap = argparse.ArgumentParser()
     add_cli_args(ap)
