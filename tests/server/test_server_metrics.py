@@ -98,3 +98,51 @@ def test_periodic_stats_log_line(server):
     line = [ln for ln in server.log().splitlines() if "Avg generation throughput" in ln][-1]
     for part in ("Avg prompt throughput", "Running:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
         assert part in line
+
+
+def test_engine_core_histograms_by_hand():
+    """engine/request_stats.py on scripted steps: prefill = first token - first scheduling, decode = last token -
+    first token, one inter-token gap per later step with tokens, tokens per step; a request stopped by the HTTP
+    side (FinishRequests) is recorded when it ends, one aborted before its first token is not; the snapshot's
+    buckets are cumulative with +Inf last, and the collector exposes them under both prefixes."""
+    from types import SimpleNamespace as U
+
+    import pytest
+    from prometheus_client import generate_latest
+
+    from gyrfalcon.engine.request_stats import HISTOGRAMS, RequestStats
+    from gyrfalcon.server.metrics import ServerMetrics
+
+    rs = RequestStats()
+    rs.on_add("a", 7)
+    rs.on_add("b", 3)
+    rs.on_add("c", 5)
+    rs.on_step(10, [U(request_id="a", new_token_ids=[1], finished=False)], 10.0, {"a": 9.5})
+    rs.on_step(2, [U(request_id="a", new_token_ids=[2, 3], finished=False),
+                   U(request_id="b", new_token_ids=[4], finished=False)], 10.25, {"b": 9.8})
+    rs.on_step(2, [U(request_id="a", new_token_ids=[5], finished=True),
+                   U(request_id="b", new_token_ids=[6], finished=False)], 11.0, {})
+    rs.on_end("b")  # a stop string found by the HTTP process
+    rs.on_end("c")  # aborted while waiting
+    rs.on_step(0, [], 12.0, {})  # an idle step schedules nothing
+    snap = rs.snapshot()
+
+    def count_sum(name):
+        cum, total = snap[name]
+        assert cum == sorted(cum) and len(cum) == len(HISTOGRAMS[name][0]) + 1
+        return cum[-1], pytest.approx(total)
+
+    assert count_sum("request_prefill_time_seconds") == (2, 0.5 + 0.45)
+    assert count_sum("request_decode_time_seconds") == (2, 1.0 + 0.75)
+    assert count_sum("request_inference_time_seconds") == (2, 1.5 + 1.2)
+    assert count_sum("inter_token_latency_seconds") == (3, 0.25 + 0.75 + 0.75)
+    assert count_sum("request_prompt_tokens") == (2, 10)
+    assert count_sum("request_generation_tokens") == (2, 4 + 2)
+    assert count_sum("iteration_tokens_total") == (3, 14)
+    cum, _ = snap["iteration_tokens_total"]
+    assert cum[0] == 0 and cum[1] == 2  # le=1: none; le=8: the two 2-token steps
+    assert rs._live == {}
+    for prefix in ("gyrfalcon", "vllm"):
+        text = generate_latest(ServerMetrics("m", lambda: {"histograms": snap}, prefix=prefix).registry).decode()
+        assert f'{prefix}:iteration_tokens_total_bucket{{le="8.0",model_name="m"}} 2.0' in text
+        assert f'{prefix}:request_decode_time_seconds_sum{{model_name="m"}} 1.75' in text
