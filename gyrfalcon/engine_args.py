@@ -58,11 +58,11 @@ class EngineArg:
 
 def _config_classes() -> Dict[str, type]:
     """EngineConfig's sub-config attributes -> their dataclasses ("" -> EngineConfig itself)."""
-    out = {"": _config.EngineConfig}
+    out: Dict[str, type] = {"": _config.EngineConfig, "model_config": _config.ModelConfig}
     for f in dataclasses.fields(_config.EngineConfig):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            out[f.name] = f.default_factory
-    out["model_config"] = _config.ModelConfig
+        factory = f.default_factory  # the sub-configs with defaults: CacheConfig, SchedulerConfig, ...
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            out[f.name] = factory  # type: ignore[assignment]
     return out
 
 
@@ -74,8 +74,6 @@ def _field(path: str) -> dataclasses.Field:
             return f
     raise KeyError(f"{cls.__name__} has no field {name!r} (EngineArg path {path!r}).")
 
-
-_GB = "the CPU's KV cache in GiB when --num-gpu-blocks-override is not given (device cpu)"
 
 ENGINE_ARGS: Tuple[EngineArg, ...] = (
     # ---- the model ------------------------------------------------------------------------------------------
@@ -122,7 +120,8 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               "reuse the KV blocks of a prompt prefix seen before", kind=ON_OFF),
     EngineArg("num_gpu_blocks_override", "cache_config.num_gpu_blocks",
               "this many KV-cache blocks instead of what the memory budget gives (default: the budget's)", type=int),
-    EngineArg("cpu_kv_cache_gb", "cache_config.cpu_kv_cache_gb", _GB, type=float),
+    EngineArg("cpu_kv_cache_gb", "cache_config.cpu_kv_cache_gb",
+              "the KV cache's GiB on a CPU device when --num-gpu-blocks-override is not given", type=float),
     # ---- the scheduler --------------------------------------------------------------------------------------
     EngineArg("max_num_seqs", "scheduler_config.max_num_seqs", "the most requests running in one batch", type=int),
     EngineArg("max_num_batched_tokens", "scheduler_config.max_num_batched_tokens",
