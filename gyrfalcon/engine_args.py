@@ -87,7 +87,7 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               "the folder hub snapshots are downloaded to and looked up in (default: HF_HUB_CACHE)"),
     EngineArg("trust_remote_code", "model_config.trust_remote_code",
               "let transformers run the Python code a checkpoint ships (its config and tokenizer classes)",
-              kind=SWITCH),
+              kind=ON_OFF),
     EngineArg("dtype", "model_config.dtype",
               "weights' and activations' dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16, "
               "float16"),
@@ -138,7 +138,7 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               type=int, aliases=("-tp",)),
     EngineArg("num_speculative_tokens", "speculative_config.num_speculative_tokens",
               "tokens a proposer drafts per step (set with the speculative config)", scope=INTERNAL),
-    EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=SWITCH),
+    EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=ON_OFF),
     EngineArg("device", "device", "auto (cuda when there is a GPU, else cpu), cuda or cpu"),
 )
 

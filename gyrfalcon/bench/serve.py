@@ -78,7 +78,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                                                  "backend")
     p.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
                    help="extra KEY=VALUE pairs stored in the result file")
-    p.add_argument("--profile", default=None, choices=["aa"],
+    p.add_argument("--profile", nargs="?", const="", default=None, metavar="aa",
                    help="aa: Artificial Analysis's workloads (100 in / 300 out, 1k / 1k, 10k / 1.5k tokens, a fresh "
                         "prompt every request) at concurrency 1 and 10, reporting output speed (tokens after the "
                         "first chunk / time after it) and TTFT as P50 / P90; the dataset flags are ignored")

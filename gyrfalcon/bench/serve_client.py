@@ -205,6 +205,11 @@ def check_args(args) -> None:
         [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     except ValueError:
         raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers.") from None
+    if args.profile == "":
+        raise ValueError("--profile without a value is vLLM's torch-profiler switch, which gyrfalcon bench serve does "
+                         "not have; --profile aa runs Artificial Analysis's workloads.")
+    if args.profile not in (None, "aa"):
+        raise ValueError(f"--profile {args.profile!r}: the one profile is aa (Artificial Analysis's workloads).")
     if args.profile == "aa":
         from gyrfalcon.bench.serve_aa import parse_profile_args
         parse_profile_args(args)

@@ -112,7 +112,8 @@ def test_result_file_name_and_bad_flags():
                          (["--metadata", "novalue"], "KEY=VALUE"),
                          (["--dataset-name", "sharegpt"], "--dataset-path"),
                          (["--profile", "aa", "--aa-workloads", "100"], "--aa-workloads"),
-                         (["--profile", "aa", "--aa-concurrency", "0"], "--aa-concurrency")):
+                         (["--profile", "aa", "--aa-concurrency", "0"], "--aa-concurrency"),
+                         (["--profile"], "torch-profiler"), (["--profile", "bb"], "the one profile is aa")):
         with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
             check_args(ap.parse_args(argv))
     check_args(ap.parse_args(["--profile", "aa", "--goodput", "ttft:5", "e2el:9"]))
