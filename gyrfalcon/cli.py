@@ -202,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         from gyrfalcon.server.vllm_flags import unknown_flags_message
-        parser.error(unknown_flags_message(extra) or f"unrecognized arguments: {' '.join(extra)}")
+        command = " ".join(c for c in (args.command, getattr(args, "bench_kind", None)) if c)
+        parser.error(unknown_flags_message(extra, command) or f"unrecognized arguments: {' '.join(extra)}")
     try:
         if hasattr(args, "model_tag"):
             from gyrfalcon.engine_args import resolve_model_arg

@@ -52,23 +52,43 @@ VLLM_SERVE_FLAGS = frozenset("""
 """.split())
 
 
-def unsupported_vllm_flags(extra: List[str]) -> List[str]:
-    """The words of `extra` (what argparse did not recognize) that are vLLM serve flags, in order."""
+# `vllm bench serve`'s flags (vLLM 0.10 - 0.11), for `gyrfalcon bench serve`.
+VLLM_BENCH_SERVE_FLAGS = frozenset("""
+--append-result --backend --base-url --blazedit-max-distance --blazedit-min-distance --burstiness
+--custom-output-len --custom-skip-chat-template --dataset-name --dataset-path --disable-shuffle --disable-tqdm
+--endpoint --endpoint-type --extra-body --goodput --header --hf-name --hf-output-len --hf-split --hf-subset --host
+--ignore-eos --insecure --label --logprobs --lora-modules --max-concurrency --metadata --metric-percentiles --min-p
+--model --no-oversample --no-stream --num-prompts --num-warmups --percentile-metrics --port
+--prefix-repetition-num-prefixes --prefix-repetition-output-len --prefix-repetition-prefix-len
+--prefix-repetition-suffix-len --profile --ramp-up-end-rps --ramp-up-start-rps --ramp-up-strategy --random-batch-size
+--random-input-len --random-mm-base-items-per-request --random-mm-bucket-config --random-mm-limit-mm-per-prompt
+--random-mm-num-mm-items-range-ratio --random-output-len --random-prefix-len --random-range-ratio
+--ready-check-timeout-sec --request-id-prefix --request-rate --result-dir --result-filename --save-detailed
+--save-result --seed --served-model-name --sharegpt-output-len --skip-chat-template --sonnet-input-len
+--sonnet-output-len --sonnet-prefix-len --spec-bench-category --spec-bench-output-len --temperature --tokenizer
+--tokenizer-mode --top-k --top-p --trust-remote-code --use-beam-search
+""".split())
+
+
+def unsupported_vllm_flags(extra: List[str], known: frozenset = VLLM_SERVE_FLAGS) -> List[str]:
+    """The words of `extra` (what argparse did not recognize) that are in `known` (vLLM's flags), in order."""
     out = []
     for word in extra:
         name = word.split("=", 1)[0]
-        if name.startswith("-") and name in VLLM_SERVE_FLAGS and name not in out:
+        if name.startswith("-") and name in known and name not in out:
             out.append(name)
     return out
 
 
-def unknown_flags_message(extra: List[str]) -> Optional[str]:
-    """What to tell the user about unrecognized words; None when none of them is a vLLM flag (argparse's own
-    message then)."""
-    vllm = unsupported_vllm_flags(extra)
+def unknown_flags_message(extra: List[str], command: str = "serve") -> Optional[str]:
+    """What to tell the user about unrecognized words of `gyrfalcon <command>` ("serve", "bench serve", ...); None
+    when none of them is a vLLM flag (argparse's own message then)."""
+    known = VLLM_BENCH_SERVE_FLAGS if command == "bench serve" else VLLM_SERVE_FLAGS
+    vllm = unsupported_vllm_flags(extra, known)
     if not vllm:
         return None
     flags = ", ".join(vllm)
-    return (f"{flags} {'is a vLLM flag' if len(vllm) == 1 else 'are vLLM flags'} that gyrfalcon does not support; "
-            f"remove {'it' if len(vllm) == 1 else 'them'} from the command line (`gyrfalcon serve --help` lists the "
-            "flags gyrfalcon has).")
+    what = "vllm bench serve" if command == "bench serve" else "vLLM"
+    return (f"{flags} {'is a ' + what + ' flag' if len(vllm) == 1 else 'are ' + what + ' flags'} that gyrfalcon "
+            f"does not support; remove {'it' if len(vllm) == 1 else 'them'} from the command line (`gyrfalcon "
+            f"{command} --help` lists the flags gyrfalcon has).")

@@ -188,6 +188,10 @@ def test_unknown_vllm_flag_is_named(server_ckpt):
     assert "vLLM" not in p.stderr
     p = _cli("generate", "--model", str(server_ckpt), "--swap-space", "4")
     assert p.returncode == 2 and "--swap-space is a vLLM flag" in p.stderr
+    p = _cli("bench", "serve", "--sonnet-input-len", "550", "--swap-space", "4")
+    assert p.returncode == 2
+    assert "--sonnet-input-len is a vllm bench serve flag that gyrfalcon does not support" in p.stderr, p.stderr
+    assert "`gyrfalcon bench serve --help`" in p.stderr
 
 
 def test_vllm_style_flags_parse():
