@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -53,8 +53,10 @@ VLLM_NAMES = {
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",  # counter
     "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",  # counter, position label
 }
-# Extra vLLM names served with --metrics-prefix vllm: vLLM name -> the gyrfalcon metric it repeats.
-VLLM_ALIASES = {"time_per_output_token_seconds": "inter_token_latency_seconds"}
+# Extra vLLM names served with --metrics-prefix vllm: vLLM name -> the gyrfalcon metric it repeats (vLLM's older
+# names, which dashboards made for earlier vLLM releases still query).
+VLLM_ALIASES = {"time_per_output_token_seconds": "inter_token_latency_seconds",
+                "gpu_cache_usage_perc": "kv_cache_usage_perc"}
 PREFIXES = ("gyrfalcon", "vllm")
 
 
@@ -88,9 +90,10 @@ class _EngineStatsCollector:
                 ("num_requests_running", "Requests in the running batch.", "running"),
                 ("num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
                 ("kv_cache_usage_perc", "KV-cache usage: 1 means all blocks are held.", "kv_usage")):
-            g = GaugeMetricFamily(metric_name(self.prefix, name), doc, labels=lbl)
-            g.add_metric([self.model_name], float(s.get(key, 0)))
-            yield g
+            for exposed in self._names(name):
+                g = GaugeMetricFamily(exposed, doc, labels=lbl)
+                g.add_metric([self.model_name], float(s.get(key, 0)))
+                yield g
         for name, doc, key in (
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hits"),
@@ -99,15 +102,21 @@ class _EngineStatsCollector:
             c.add_metric([self.model_name], float(s.get(key, 0)))
             yield c
         hists = s.get("histograms") or {}
-        aliases = {v: k for k, v in VLLM_ALIASES.items()} if self.prefix == "vllm" else {}
         for name, (bounds, doc) in HISTOGRAMS.items():
             cum, total = hists.get(name) or ([0] * (len(bounds) + 1), 0.0)
             buckets = [(_bound(b), float(c)) for b, c in zip(bounds, cum)] + [("+Inf", float(cum[-1]))]
-            names = [metric_name(self.prefix, name)] + (["vllm:" + aliases[name]] if name in aliases else [])
-            for exposed in names:
+            for exposed in self._names(name):
                 h = HistogramMetricFamily(exposed, doc, labels=lbl)
                 h.add_metric([self.model_name], buckets, sum_value=float(total))
                 yield h
+
+
+    def _names(self, name: str) -> List[str]:
+        """The names gyrfalcon's metric `name` is exposed under: its own, and with the vllm prefix its aliases."""
+        out = [metric_name(self.prefix, name)]
+        if self.prefix == "vllm":
+            out += ["vllm:" + alias for alias, of in VLLM_ALIASES.items() if of == name]
+        return out
 
 
 def _bound(b) -> str:
