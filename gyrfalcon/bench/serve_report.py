@@ -138,7 +138,8 @@ def print_report(m: Dict[str, Any], args, percentiles: List[float], metrics: Seq
 
 def result_path(args, model: str) -> Optional[str]:
     """--save-result's file: --result-dir / --result-filename, by default named as vLLM names it
-    (<backend>-<rate>qps[-concurrency<N>]-<model>-<date>.json); a path given to --save-result itself wins."""
+    (<backend>-<rate>qps[-concurrency<N>]-<model>-<date>.json; --profile aa: <backend>-aa-<model>-<date>.json); a
+    path given to --save-result itself wins."""
     if args.save_result is None:
         return None
     if isinstance(args.save_result, str) and args.save_result:
@@ -146,8 +147,9 @@ def result_path(args, model: str) -> Optional[str]:
     name = args.result_filename
     if not name:
         conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-        name = (f"{args.label or args.backend}-{args.request_rate}qps{conc}-{model.split('/')[-1]}-"
-                f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        run = "aa" if getattr(args, "profile", None) == "aa" else f"{args.request_rate}qps{conc}"
+        date = datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"{args.label or args.backend}-{run}-{model.split('/')[-1]}-{date}.json"
     return os.path.join(args.result_dir or ".", name)
 
 

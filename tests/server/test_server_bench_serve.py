@@ -107,6 +107,8 @@ def test_result_file_name_and_bad_flags():
     assert result_path(args, "m") == os.path.join(".", "x.json")
     assert result_path(ap.parse_args(["--save-result", "f.json"]), "m") == "f.json"
     assert result_path(ap.parse_args([]), "m") is None
+    aa = result_path(ap.parse_args(["--profile", "aa", "--save-result"]), "m")
+    assert os.path.basename(aa).startswith("openai-aa-m-")
     for argv, needle in ((["--goodput", "ttfb:5"], "--goodput 'ttfb:5'"),
                          (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
                          (["--metadata", "novalue"], "KEY=VALUE"),
