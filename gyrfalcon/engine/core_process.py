@@ -39,6 +39,9 @@ logger = logging.getLogger("gyrfalcon.engine_core")
 
 # How often an idle core reports its stats (a heartbeat) and re-checks its parent.
 IDLE_POLL_MS = 500
+# While busy, the engine-core histograms go to the front end at most this often (each copy costs tens of
+# microseconds per step to build and encode; a scrape every few seconds needs no more).
+HISTOGRAM_INTERVAL_S = 0.25
 
 
 # ---- messages --------------------------------------------------------------------------------------
@@ -188,19 +191,27 @@ class EngineCoreProc:
         # Requests whose first update (carrying their queue time) has not gone out yet.
         self._unreported: Dict[str, Any] = {}
         self.request_stats = RequestStats()
+        self._histograms_sent, self._histograms_time = 0, 0.0  # the version and time of the last sent
         self._stats_dirty = True
         self._last_stats = 0.0
         self._shutdown = False
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self, fresh: bool = False) -> Dict[str, Any]:
+        """The snapshot the front end's /metrics reads. The histograms (bucket counts, the bulk of it) ride along
+        when they changed, at most every HISTOGRAM_INTERVAL_S while busy (the front end keeps the last ones it got),
+        and always when `fresh`: the idle loop sends a fresh snapshot once the last step's went out stale."""
         e = self.engine
         bm = e.block_manager
-        return {"running": e.scheduler.num_running, "waiting": e.scheduler.num_waiting,
-                "kv_usage": bm.usage, "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
-                "preemptions": e.scheduler.num_preemptions_total,
-                "prompt_tokens": e.num_prompt_tokens_total,
-                "generation_tokens": e.num_generation_tokens_total, "time": time.time(),
-                "histograms": self.request_stats.snapshot()}
+        out = {"running": e.scheduler.num_running, "waiting": e.scheduler.num_waiting,
+               "kv_usage": bm.usage, "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
+               "preemptions": e.scheduler.num_preemptions_total,
+               "prompt_tokens": e.num_prompt_tokens_total,
+               "generation_tokens": e.num_generation_tokens_total, "time": time.time()}
+        rs, now = self.request_stats, time.monotonic()
+        if rs.version != self._histograms_sent and (fresh or now - self._histograms_time >= HISTOGRAM_INTERVAL_S):
+            out["histograms"] = rs.snapshot()
+            self._histograms_sent, self._histograms_time = rs.version, now
+        return out
 
     def _send(self, msg: Message) -> None:
         try:
@@ -271,17 +282,19 @@ class EngineCoreProc:
     def run(self) -> None:
         while not self._shutdown:
             busy = self.engine.has_unfinished_requests()
-            self._drain_input(0 if busy else IDLE_POLL_MS)
+            self._drain_input(0 if busy or self._stats_dirty else IDLE_POLL_MS)
             if self._shutdown or not self._parent_alive():
                 break
             if self.engine.has_unfinished_requests():
                 updates = self.engine.step()
-                self._send(Outputs(self._updates(updates), self.stats()))
-                self._stats_dirty = False
+                out = self._updates(updates)
+                # The step that leaves the engine idle carries fresh histograms with its running = 0.
+                self._send(Outputs(out, self.stats(fresh=not self.engine.has_unfinished_requests())))
+                self._stats_dirty = self.request_stats.version != self._histograms_sent
                 self._last_stats = time.monotonic()
             elif self._stats_dirty or time.monotonic() - self._last_stats > IDLE_POLL_MS / 1000:
                 # Idle: say so (aborts changed the counts) and serve as a heartbeat.
-                self._send(Stats(self.stats()))
+                self._send(Stats(self.stats(fresh=True)))
                 self._stats_dirty = False
                 self._last_stats = time.monotonic()
 

@@ -14,6 +14,7 @@ found, or an abort); an abort before its first token records nothing.
 from __future__ import annotations
 
 import bisect
+from itertools import accumulate
 from typing import Dict, List, Optional, Sequence
 
 # Bucket upper bounds (vLLM's, so dashboards' quantile queries read the same); +Inf is implied.
@@ -62,6 +63,7 @@ class RequestStats:
     def __init__(self) -> None:
         self.hist: Dict[str, _Histogram] = {name: _Histogram(b) for name, (b, _) in HISTOGRAMS.items()}
         self._live: Dict[str, _Timing] = {}
+        self.version = 0  # bumped by every observation: a snapshot of an older version is stale
 
     def on_add(self, request_id: str, num_prompt_tokens: int) -> None:
         self._live[request_id] = _Timing(num_prompt_tokens)
@@ -71,6 +73,7 @@ class RequestStats:
         first_scheduled: request id -> its first scheduling time, for the requests whose first update this is."""
         if num_tokens:
             self.hist["iteration_tokens_total"].observe(num_tokens)
+            self.version += 1
         for u in updates:
             t = self._live.get(u.request_id)
             if t is None:
@@ -84,6 +87,7 @@ class RequestStats:
                     self.hist["inter_token_latency_seconds"].observe(now - t.last_token)
                 t.last_token = now
                 t.num_output += len(u.new_token_ids)
+                self.version += 1
             if u.finished:
                 self.on_end(u.request_id)
 
@@ -92,6 +96,7 @@ class RequestStats:
         if t is None or t.first_token is None:
             return
         h = self.hist
+        self.version += 1
         h["request_prompt_tokens"].observe(t.num_prompt)
         h["request_generation_tokens"].observe(t.num_output)
         decode = t.last_token - t.first_token
@@ -103,11 +108,4 @@ class RequestStats:
 
     def snapshot(self) -> Dict[str, List]:
         """name -> [cumulative counts per bucket with +Inf last, sum] (msgpack-friendly)."""
-        out = {}
-        for name, h in self.hist.items():
-            acc, cum = 0, []
-            for c in h.counts:
-                acc += c
-                cum.append(acc)
-            out[name] = [cum, h.sum]
-        return out
+        return {name: [list(accumulate(h.counts)), h.sum] for name, h in self.hist.items()}

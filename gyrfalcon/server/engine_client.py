@@ -286,10 +286,10 @@ class AsyncEngineClient:
                 continue
             try:
                 if isinstance(msg, Outputs):
-                    self.stats = msg.stats
+                    self.stats = {**self.stats, **msg.stats}  # the histograms come only when they changed
                     self._handle_outputs(msg.updates)
                 elif isinstance(msg, Stats):
-                    self.stats = msg.stats
+                    self.stats = {**self.stats, **msg.stats}
                 elif isinstance(msg, RequestFailed):
                     self._handle_failed(msg)
                 elif isinstance(msg, EngineDead):
