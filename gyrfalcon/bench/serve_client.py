@@ -15,7 +15,8 @@ import numpy as np
 
 from gyrfalcon.bench.serve_datasets import BenchRequest, DatasetError, build_requests
 from gyrfalcon.bench.serve_report import (RequestResult, parse_goodput, parse_metadata, parse_percentile_metrics,
-                                          print_report, result_path, summarize, write_result)
+                                          print_report, result_path, spec_decode_counts, spec_decode_summary,
+                                          summarize, write_result)
 
 
 class ServerError(Exception):
@@ -110,8 +111,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: D
 class Target:
     """Where and how requests go: the URL, headers, served model, endpoint kind and the sampling fields."""
 
-    def __init__(self, args, url: str, headers: Dict[str, str], model: str, chat: bool) -> None:
-        self.url, self.headers, self.model, self.chat = url, headers, model, chat
+    def __init__(self, args, base: str, endpoint: str, headers: Dict[str, str], model: str, chat: bool) -> None:
+        self.base, self.url, self.headers, self.model, self.chat = base, base + endpoint, headers, model, chat
         self.temperature, self.ignore_eos, self.timeout = args.temperature, args.ignore_eos, args.timeout
 
     def payload(self, r: BenchRequest) -> Dict[str, Any]:
@@ -186,7 +187,18 @@ async def connect(args):
         print(f"error: cannot load the tokenizer from {tok_path}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr, flush=True)
         return 2
-    return Target(args, base + endpoint, headers, model, chat), tokenizer, tok_path
+    return Target(args, base, endpoint, headers, model, chat), tokenizer, tok_path
+
+
+async def scrape_spec_decode(session: aiohttp.ClientSession, target: Target) -> Dict[str, Any]:
+    """The server's speculative-decoding counters now (serve_report.spec_decode_counts); {} from a server without
+    them or without /metrics: the report then has no acceptance section."""
+    try:
+        async with session.get(target.base + "/metrics", headers=target.headers,
+                               timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return spec_decode_counts(await r.text()) if r.status == 200 else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return {}
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -261,12 +273,15 @@ async def run_benchmark(args) -> int:
                 bar = tqdm(total=len(reqs))
             except ImportError:
                 pass
+        spec_before = await scrape_spec_decode(session, target)
         results, duration = await run_requests(session, target, reqs, args.max_concurrency, args.request_rate,
                                                args.burstiness, args.seed, bar)
         if bar is not None:
             bar.close()
+        spec_after = await scrape_spec_decode(session, target)
 
     m = summarize(results, duration, percentiles, metrics, goodput)
+    m.update(spec_decode_summary(spec_before, spec_after))
     print_report(m, args, percentiles, metrics)
     errors = [r.error for r in results if not r.success]
     if errors:

@@ -126,6 +126,14 @@ def print_report(m: Dict[str, Any], args, percentiles: List[float], metrics: Seq
              ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
     for k, v in rows:
         print("{:<40} {:<10}".format(k, str(v)))
+    if m.get("spec_decode_num_drafts"):
+        print("{s:{c}^{n}}".format(s="Speculative Decoding", n=w, c="-"))
+        rate = m["spec_decode_acceptance_rate"]
+        for k, v in (("Acceptance rate (%):", "n/a" if rate is None else f"{rate:.2f}"),
+                     ("Acceptance length:", f"{m['spec_decode_acceptance_length']:.2f}"),
+                     ("Drafts:", m["spec_decode_num_drafts"]), ("Draft tokens:", m["spec_decode_draft_tokens"]),
+                     ("Accepted tokens:", m["spec_decode_accepted_tokens"])):
+            print("{:<40} {:<10}".format(k, str(v)))
     for name in metrics:
         title, label = _TITLES[name]
         print("{s:{c}^{n}}".format(s=title, n=w, c="-"))
@@ -168,3 +176,45 @@ def parse_metadata(items: Optional[List[str]]) -> Dict[str, str]:
             raise ValueError(f"--metadata {item!r}: expected KEY=VALUE.")
         out[key] = value
     return out
+
+
+# The speculative-decoding counters a server exposes at /metrics (gyrfalcon's or vLLM's prefix), by their name
+# after the prefix.
+_SPEC_COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+                  "spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+_SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def spec_decode_counts(metrics_text: str) -> Dict[str, Any]:
+    """The speculative-decoding counters of a /metrics page: {"drafts", "draft_tokens", "accepted_tokens",
+    "per_pos": {position: accepted}}, summed over models; {} when the server counts none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Dict[str, Any] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            name = s.name.split(":", 1)[-1]
+            if name in _SPEC_COUNTERS:
+                key = _SPEC_COUNTERS[name]
+                out[key] = out.get(key, 0.0) + s.value
+            elif name == _SPEC_PER_POS and "position" in s.labels:
+                pos = out.setdefault("per_pos", {})
+                pos[int(s.labels["position"])] = pos.get(int(s.labels["position"]), 0.0) + s.value
+    return out
+
+
+def spec_decode_summary(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's acceptance from two /metrics readings (../SPEC_DECODE.md: acceptance length = 1 + accepted /
+    drafts), under vLLM's bench serve keys; {} when no draft was made in between."""
+    drafts = after.get("drafts", 0.0) - before.get("drafts", 0.0)
+    if drafts <= 0:
+        return {}
+    draft_tokens = after.get("draft_tokens", 0.0) - before.get("draft_tokens", 0.0)
+    accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
+    per_pos = after.get("per_pos", {})
+    return {"spec_decode_num_drafts": int(drafts), "spec_decode_draft_tokens": int(draft_tokens),
+            "spec_decode_accepted_tokens": int(accepted),
+            "spec_decode_acceptance_length": 1.0 + accepted / drafts,
+            "spec_decode_acceptance_rate": 100.0 * accepted / draft_tokens if draft_tokens else None,
+            "spec_decode_per_position_acceptance_rates": [
+                (per_pos[p] - before.get("per_pos", {}).get(p, 0.0)) / drafts for p in sorted(per_pos)]}

@@ -179,3 +179,42 @@ def test_bench_serve_aa_profile(server, tmp_path):
     after = server.wait_idle()
     # Fresh prompts: nothing of the 200-token ones (12 full blocks each) came from the prefix cache.
     assert after["gyrfalcon:prefix_cache_hits_total"] - before["gyrfalcon:prefix_cache_hits_total"] < 16 * 4
+
+
+def test_spec_decode_acceptance_from_metrics_deltas(capsys):
+    """Acceptance length = 1 + accepted / drafts over the run, from two /metrics readings of the spec-decode
+    counters (either prefix); a server that counts none gives no section."""
+    import argparse
+
+    from gyrfalcon.bench.serve import add_cli_args
+    from gyrfalcon.bench.serve_report import print_report, spec_decode_counts, spec_decode_summary, summarize
+
+    def page(prefix, drafts, tokens, accepted, per_pos):
+        lines = []
+        for name, v in (("spec_decode_num_drafts", drafts), ("spec_decode_num_draft_tokens", tokens),
+                        ("spec_decode_num_accepted_tokens", accepted)):
+            lines += [f"# TYPE {prefix}:{name} counter", f'{prefix}:{name}_total{{model_name="m"}} {v}']
+        lines.append(f"# TYPE {prefix}:spec_decode_num_accepted_tokens_per_pos counter")
+        lines += [f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {v}'
+                  for i, v in enumerate(per_pos)]
+        return "\n".join(lines) + "\n"
+
+    for prefix in ("gyrfalcon", "vllm"):
+        before = spec_decode_counts(page(prefix, 10, 30, 12, [8, 3, 1]))
+        after = spec_decode_counts(page(prefix, 110, 330, 212, [98, 73, 41]))
+        s = spec_decode_summary(before, after)
+        assert s["spec_decode_num_drafts"] == 100 and s["spec_decode_draft_tokens"] == 300
+        assert s["spec_decode_accepted_tokens"] == 200 and s["spec_decode_acceptance_length"] == 3.0
+        assert abs(s["spec_decode_acceptance_rate"] - 200 / 3) < 1e-9
+        assert s["spec_decode_per_position_acceptance_rates"] == [0.9, 0.7, 0.4]
+    assert spec_decode_summary(before, before) == {}
+    assert spec_decode_counts('# TYPE gyrfalcon:prompt_tokens counter\ngyrfalcon:prompt_tokens_total 5\n') == {}
+
+    ap = argparse.ArgumentParser()
+    add_cli_args(ap)
+    m = {**summarize([], 1.0, [99.0]), **s}
+    print_report(m, ap.parse_args([]), [99.0])
+    out = capsys.readouterr().out
+    assert "Speculative Decoding" in out and "Acceptance length:" in out and "3.00" in out
+    print_report(summarize([], 1.0, [99.0]), ap.parse_args([]), [99.0])
+    assert "Speculative Decoding" not in capsys.readouterr().out
