@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from gyrfalcon.server.cli import expand_config_file
+        try:
+            argv = expand_config_file(argv)
+        except ValueError as e:
+            parser.error(str(e))
     args, extra = parser.parse_known_args(argv)
     if extra:
         from gyrfalcon.server.vllm_flags import unknown_flags_message

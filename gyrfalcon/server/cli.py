@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import List
 
 # A request body past this gets HTTP 413 unread (vLLM sets no limit). 16 MiB holds a text prompt of millions of
 # tokens, and bounds what one request can make the server parse: a body near it takes ~0.5 s of JSON parsing
@@ -23,6 +24,54 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def expand_config_file(argv: List[str]) -> List[str]:
+    """`serve --config FILE` (vLLM's): the YAML file's keys become flags placed before the command line's, so that
+    the command line wins (argparse keeps the last value). Keys are flag names with '-' or '_' (`max-num-seqs: 8`,
+    `model: org/name`); true is a switch, false `--no-KEY` (a switch's default is off anyway), a list the values
+    of one flag, a mapping its JSON. A key gyrfalcon lacks is reported as the flag would be."""
+    import json
+
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    out, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            out.append(argv[i])
+            i += 1
+    if path is None:
+        raise ValueError("--config needs a YAML file.")
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values.")
+    flags: List[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    at = out.index("serve") + 1 if "serve" in out else 0
+    return out[:at] + flags + out[at:]
 
 
 def _list_arg(value: str) -> list:
@@ -54,6 +103,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", nargs="+", action="extend", default=None,
                    help="require 'Authorization: Bearer KEY' with one of these keys (several after one flag, or the "
                         "flag repeated; default: $GYRFALCON_API_KEY, else no key)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of flags (vLLM's serve --config: `max-num-seqs: 64`, `api-key: [k1, k2]`, "
+                        "`enable-prefix-caching: false`, ...); flags on the command line win")
     p.add_argument("--root-path", default=None,
                    help="the path prefix a proxy serves this server under (FastAPI's root_path): requests may carry "
                         "it or not, and the OpenAPI schema names it")

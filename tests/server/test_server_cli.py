@@ -204,3 +204,28 @@ def test_vllm_style_flags_parse():
     assert args.disable_log_requests and args.max_log_len == 10 and args.api_key == ["a"]
     assert args.allowed_origins == ["http://a.com", "http://b.com"] and args.allowed_methods == ["GET", "POST"]
     assert args.allowed_headers == ["*"] and not args.allow_credentials and args.metrics_prefix == "gyrfalcon"
+
+
+def test_config_file(tmp_path, server_ckpt):
+    """`serve --config FILE` (vLLM's YAML of flags): its keys with '-' or '_', switches, off-switches and lists;
+    the command line wins; a vLLM key gyrfalcon lacks is named like the flag."""
+    from gyrfalcon.cli import build_parser
+    from gyrfalcon.engine_args import resolve_model_arg
+    from gyrfalcon.server.cli import expand_config_file
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {server_ckpt}\nmax-num-seqs: 7\nmax_model_len: 512\nenable-prefix-caching: false\n"
+                   "api-key: [k1, k2]\nallow-credentials: true\nport: 9001\nroot_path: /x\n")
+    argv = expand_config_file(["serve", "--config", str(cfg), "--port", "9002"])
+    args = build_parser().parse_args(argv)
+    resolve_model_arg(args)
+    assert args.model == str(server_ckpt) and args.max_num_seqs == 7 and args.max_model_len == 512
+    assert args.enable_prefix_caching is False and args.api_key == ["k1", "k2"] and args.allow_credentials
+    assert args.port == 9002 and args.root_path == "/x"
+    assert expand_config_file(["serve", "m"]) == ["serve", "m"]
+    (tmp_path / "bad.yaml").write_text("swap_space: 4\n")
+    p = _cli("serve", "--config", str(tmp_path / "bad.yaml"))
+    assert p.returncode == 2 and "--swap-space is a vLLM flag that gyrfalcon does not support" in p.stderr, p.stderr
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    p = _cli("serve", "--config=" + str(tmp_path / "list.yaml"))
+    assert p.returncode == 2 and "expected a mapping" in p.stderr, p.stderr
