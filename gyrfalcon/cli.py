@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "directory still needs config.json and tokenizer files)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--linear-state-snapshot-stride", type=int, default=None,
+                   help="hybrid models (Qwen3-Next, Qwen3.5) with prefix caching: blocks between the linear-attention "
+                        "state snapshots kept inside a prompt (its last block boundary always gets one); default: "
+                        "the blocks whose KV bytes equal one snapshot's (docs/prefix_caching.md)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts into chunks that share steps with decoding requests")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
@@ -73,7 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
                 async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
                 quantization=args.quantization, load_format=args.load_format, revision=args.revision,
-                download_dir=args.download_dir)
+                download_dir=args.download_dir, linear_state_snapshot_stride=args.linear_state_snapshot_stride)
 
 
 def _default_model(args: argparse.Namespace) -> None:

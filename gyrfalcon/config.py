@@ -316,6 +316,10 @@ class CacheConfig:
     # 3 mantissa bits. Decode attention over it runs faster than over bf16, and twice the sequences fit
     # (measured on the H200; docs/performance.md).
     kv_cache_dtype: str = "auto"
+    # Hybrid models (linear-attention layers) with prefix caching: blocks between the state snapshots taken inside
+    # a prompt (a prompt's last block boundary is always snapshotted, so a chat's next turn hits). None: the blocks
+    # whose KV bytes equal one snapshot's (Qwen3.5-397B-A17B: 391 blocks; runner/kv_cache.py snapshot_stride).
+    linear_state_snapshot_stride: Optional[int] = None
 
     def kv_torch_dtype(self, model_dtype):
         """The cache's torch dtype for a model of `model_dtype`."""
@@ -332,6 +336,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}.")
+        if self.linear_state_snapshot_stride is not None and self.linear_state_snapshot_stride < 1:
+            raise ValueError(f"linear_state_snapshot_stride must be at least 1 block, got "
+                             f"{self.linear_state_snapshot_stride}.")
 
 
 @dataclass
@@ -410,7 +417,8 @@ class EngineConfig:
                trust_remote_code: bool = False, kv_cache_dtype: str = "auto",
                async_scheduling: Optional[bool] = None, offline: bool = False,
                quantization: Optional[str] = None, load_format: str = "auto", revision: Optional[str] = None,
-               download_dir: Optional[str] = None) -> "EngineConfig":
+               download_dir: Optional[str] = None,
+               linear_state_snapshot_stride: Optional[int] = None) -> "EngineConfig":
         if model is None:
             default = default_model()
             if default is None:
@@ -429,7 +437,8 @@ class EngineConfig:
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      enable_prefix_caching=enable_prefix_caching,
                                      num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb,
-                                     kv_cache_dtype=kv_cache_dtype),
+                                     kv_cache_dtype=kv_cache_dtype,
+                                     linear_state_snapshot_stride=linear_state_snapshot_stride),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              enable_chunked_prefill=enable_chunked_prefill,

@@ -30,7 +30,8 @@ class LLM:
                  num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
                  device: str = "auto", trust_remote_code: bool = False, async_scheduling: Optional[bool] = None,
                  kv_cache_dtype: str = "auto", quantization: Optional[str] = None, load_format: str = "auto",
-                 revision: Optional[str] = None, download_dir: Optional[str] = None, **kwargs: Any) -> None:
+                 revision: Optional[str] = None, download_dir: Optional[str] = None,
+                 linear_state_snapshot_stride: Optional[int] = None, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
         start_device_init(device)  # the CUDA context, while the config and tokenizer load
@@ -42,7 +43,8 @@ class LLM:
             num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
             tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, offline=True,
-            quantization=quantization, load_format=load_format, revision=revision, download_dir=download_dir)
+            quantization=quantization, load_format=load_format, revision=revision, download_dir=download_dir,
+            linear_state_snapshot_stride=linear_state_snapshot_stride)
         mc = self.config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))
