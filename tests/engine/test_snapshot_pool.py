@@ -194,3 +194,37 @@ def test_abort_and_preemption_free_slots_and_keep_snapshots():
     assert sr.start == 16 and sr.new_request is not None and len(b.state_restores) == 1
     run_all(s)
     assert sm.num_free_slots == 2 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_stride_flag_and_default_from_memory():
+    """--linear-state-snapshot-stride reaches the cache config (at least 1 block); unset, the stride is the blocks
+    whose KV bytes equal one snapshot's (CachePlan.snapshot_stride), and the snapshots get their share of the
+    memory, never more of them than blocks."""
+    import argparse
+
+    from gyrfalcon.cache_spec import FullAttentionSpec, LinearStateSpec
+    from gyrfalcon.cli import add_engine_args, engine_kwargs
+    from gyrfalcon.config import CacheConfig
+    from gyrfalcon.runner.kv_cache import SNAPSHOT_MEMORY_SHARE, CachePlan
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--linear-state-snapshot-stride", "3"]))["linear_state_snapshot_stride"] == 3
+    assert engine_kwargs(p.parse_args([]))["linear_state_snapshot_stride"] is None
+    with pytest.raises(ValueError, match="linear_state_snapshot_stride"):
+        CacheConfig(linear_state_snapshot_stride=0).verify()
+    # Qwen3.5-397B-A17B's shapes: 45 GDN layers of 64 value / 16 key heads of 128, 15 attention layers of 2 KV heads
+    # of 256, bf16 KV and conv, fp32 recurrent state: a 183 MiB snapshot, 480 KiB a 16-token block.
+    gdn = LinearStateSpec((3, 2 * 16 * 128 + 64 * 128), (64, 128, 128), "bfloat16", "float32")
+    specs = {i: (FullAttentionSpec(2, 256, "bfloat16") if i % 4 == 3 else gdn) for i in range(60)}
+    plan = CachePlan.from_specs(specs, 60, 16)
+    assert plan.bytes_per_block == 480 * 1024 and round(plan.bytes_per_slot / 2**20) == 183
+    assert plan.snapshot_stride(None) == 391 and plan.snapshot_stride(4) == 4
+    blocks, snaps = plan.split_budget(70 << 30, True)
+    assert snaps == int((70 << 30) * SNAPSHOT_MEMORY_SHARE) // plan.bytes_per_slot == 39
+    assert blocks * plan.bytes_per_block + snaps * plan.bytes_per_slot <= 70 << 30
+    assert plan.split_budget(70 << 30, False) == ((70 << 30) // plan.bytes_per_block, 0)
+    # A state far smaller than a block: the share would buy thousands of snapshots, but only as many as blocks.
+    small = CachePlan.from_specs({0: LinearStateSpec((1, 4), (1, 2, 2), "float32"),
+                                  1: FullAttentionSpec(64, 128, "float32")}, 2, 16)
+    assert small.bytes_per_block == 1 << 20 and small.split_budget(3 << 20, True) == (2, 2)
