@@ -136,7 +136,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
             save = None
-            if self.snapshots is not None:
+            if self.snapshots is not None and req.num_computed_tokens < req.num_prompt_tokens:  # (not decoding)
                 num_new, save = self._snapshot_boundary(req, req.num_computed_tokens, num_new)
             preempted_self = False
             while not bm.allocate_slots(req, num_new):

@@ -108,10 +108,17 @@ class CachePlan:
         return snaps
 
     def allocate(self, num_blocks: int, num_slots: int, device) -> List[Optional[Any]]:
+        """State pools get num_slots + 1 rows: slot num_slots (padding_slot) is written by the padding rows of
+        captured decode graphs and held by no request."""
         caches: List[Optional[Any]] = [None] * self.num_layers
         for layer, spec in self.specs.items():
-            caches[layer] = allocate_layer_cache(spec, num_blocks, self.block_size, num_slots, device)
+            caches[layer] = allocate_layer_cache(spec, num_blocks, self.block_size, num_slots + 1, device)
         return caches
+
+    @staticmethod
+    def padding_slot(num_slots: int) -> int:
+        """The state pools' spare row (allocate): where a graph's padding rows write their state."""
+        return num_slots
 
     def describe(self, num_blocks: int, num_slots: int, max_model_len: int, num_snapshots: int = 0,
                  snapshot_stride: int = 0) -> str:
@@ -138,7 +145,9 @@ def copy_states(src: Sequence[Optional[Any]], dst: Sequence[Optional[Any]], pair
     """For every state layer (non-None in both per-layer lists): dst's row j <- src's row i for each (i, j) in
     `pairs` (distinct j), conv window and recurrent state alike. Slot pools and snapshot pools both index rows on
     dim 0, so a restore is copy_states(snapshots, caches, ...) and a save copy_states(caches, snapshots, ...)."""
-    idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous().to(device)
+    idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
+    if torch.device(device).type == "cuda":  # pinned and non-blocking: a pageable copy would wait for the device
+        idx = idx.pin_memory().to(device, non_blocking=True)
     for s, d in zip(src, dst):
         if s is None or d is None:
             continue

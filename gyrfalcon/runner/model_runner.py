@@ -141,11 +141,13 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
-                query_lens=(1, 1 + k) if k else (1,))
+                query_lens=(1, 1 + k) if k else (1,),
+                state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
+                else None)
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if graphs:
+        if graphs and getattr(self.model, "supports_mixed_graphs", True):
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
@@ -196,7 +198,7 @@ class ModelRunner:
         cc = self.config.cache_config
         if cc.num_gpu_blocks is not None:
             return cc.num_gpu_blocks, self.cache_plan.snapshots_beside(cc.num_gpu_blocks) if snapshots else 0
-        state_bytes = self.num_state_slots * self.cache_plan.bytes_per_slot
+        state_bytes = (self.num_state_slots + 1) * self.cache_plan.bytes_per_slot if self.num_state_slots else 0
         if self.device.type == "cpu":
             return self.cache_plan.split_budget(int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
         torch.cuda.synchronize()
