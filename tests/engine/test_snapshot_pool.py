@@ -4,6 +4,8 @@ plain-data batch, hits only where both the KV blocks and a snapshot exist, slots
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gyrfalcon.engine.block_manager import BlockManager
@@ -228,3 +230,92 @@ def test_stride_flag_and_default_from_memory():
     small = CachePlan.from_specs({0: LinearStateSpec((1, 4), (1, 2, 2), "float32"),
                                   1: FullAttentionSpec(64, 128, "float32")}, 2, 16)
     assert small.bytes_per_block == 1 << 20 and small.split_budget(3 << 20, True) == (2, 2)
+
+
+class StateTrackingRunner:
+    """A runner without a model that tracks what each state slot and snapshot holds: the token prefix a Gated
+    DeltaNet state would summarize. A step starting at position p > 0 must find exactly tokens[:p] in its slot (a
+    snapshot restored into it, or its own earlier chunks); a save must copy a block-aligned prefix. Tokens are a
+    function of (request, position), sampled at launch (so async scheduling sees them in flight)."""
+
+    def __init__(self, num_blocks, num_slots, num_snapshots, stride, block_size):
+        self.num_blocks, self.num_state_slots = num_blocks, num_slots
+        self.num_state_snapshots, self.state_snapshot_stride = num_snapshots, stride
+        self.block_size = block_size
+        self.slot_of, self.tokens, self.slots, self.snaps = {}, {}, {}, {}
+        self.num_restored_steps = 0
+
+    def launch(self, batch):
+        from types import SimpleNamespace
+
+        from gyrfalcon.step_io import RunnerOutput
+
+        for rid in batch.finished_request_ids:
+            self.tokens.pop(rid, None)
+        for sid, slot in batch.state_restores:
+            self.slots[slot] = self.snaps[sid]
+        sampled = []
+        for sr in batch.reqs:
+            if sr.new_request is not None:
+                self.tokens[sr.request_id] = list(sr.new_request.prompt_token_ids) + list(
+                    sr.new_request.output_token_ids)
+                self.slot_of[sr.request_id] = sr.new_request.state_slots["state"]
+            toks, slot = self.tokens[sr.request_id], self.slot_of[sr.request_id]
+            held = self.slots.get(slot) if sr.start else ()
+            assert held == tuple(toks[:sr.start]), (sr.request_id, sr.start)
+            self.num_restored_steps += bool(sr.start and sr.new_request is not None)
+            end = sr.start + sr.num_new_tokens
+            assert end <= len(toks)
+            self.slots[slot] = tuple(toks[:end])
+            if sr.sample:
+                toks.append((hash(sr.request_id) + end) % 97 + 1)
+                sampled.append([toks[-1]])
+            else:
+                sampled.append([])
+        for slot, sid in batch.state_saves:
+            assert len(self.slots[slot]) % self.block_size == 0
+            self.snaps[sid] = self.slots[slot]
+        return SimpleNamespace(batch=batch, out=RunnerOutput(sampled, [()] * len(sampled)))
+
+    def complete(self, handle):
+        return handle.out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traffic_restores_exact_states(seed, async_scheduling):
+    """Random prompts over a few shared prefixes, random budgets and strides, a cache small enough to preempt, a
+    snapshot pool small enough to evict, random aborts: every step finds its slot holding exactly the prefix it
+    starts after, snapshots are hit, and every block and slot is back at the end."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.engine.engine import Engine
+
+    rng = random.Random(seed)
+    bs = 4
+    runner = StateTrackingRunner(num_blocks=28, num_slots=4, num_snapshots=rng.choice([2, 5]),
+                                 stride=rng.choice([1, 2, 3]), block_size=bs)
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=bs, enable_prefix_caching=True),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=rng.choice([7, 16, 40]),
+                                         enable_chunked_prefill=True, async_scheduling=async_scheduling),
+        model_config=SimpleNamespace(max_model_len=100, hf_config=SimpleNamespace(vocab_size=100)))
+    eng = Engine(cfg, [], runner=runner)
+    stems = [[rng.randint(1, 99) for _ in range(60)] for _ in range(3)]
+    n = 0
+    for _ in range(25):
+        for _ in range(rng.randint(1, 4)):
+            stem = rng.choice(stems)
+            prompt = stem[:rng.randint(1, 60)] + [rng.randint(1, 99) for _ in range(rng.randint(0, 6))]
+            eng.add_request(f"r{n}", prompt or [1], SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True))
+            n += 1
+        for _ in range(rng.randint(1, 6)):
+            eng.step()
+            if rng.random() < 0.1 and eng.scheduler.running:
+                eng.abort_request(rng.choice(eng.scheduler.running).request_id)
+    while eng.has_unfinished_requests():
+        eng.step()
+    sched, bm = eng.scheduler, eng.block_manager
+    assert runner.num_restored_steps > 0 and sched.snapshots.num_restores == runner.num_restored_steps
+    assert sched.num_preemptions_total > 0 and sched.snapshots.num_evictions > 0
+    assert sched.state_manager.num_free_slots == 4 and bm.num_free_blocks == bm.num_blocks
