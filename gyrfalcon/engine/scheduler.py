@@ -180,9 +180,7 @@ class Scheduler:
                     break
                 save = None
                 if self.snapshots is not None:
-                    req.num_computed_tokens = num_cached  # (where the boundaries are counted from)
-                    num_new, save = self._snapshot_boundary(req, req.num_computed_tokens, num_new)
-                    req.num_computed_tokens = 0
+                    num_new, save = self._snapshot_boundary(req, num_cached, num_new)
                 if not bm.allocate_slots(req, num_new, hits):
                     break
                 if sm is not None:
