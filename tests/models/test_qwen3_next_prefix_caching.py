@@ -165,3 +165,16 @@ def test_preemption_and_abort_with_snapshots(tiny_ckpt, oracle, monkeypatch):
     _assert_all_slots_free(llm)
     out = generate_checked(llm, oracle, [prompt], eng.vocab_size)[0]
     assert saves > 0 and out.num_cached_tokens > 0
+
+
+def test_snapshot_copies_cross_the_runner_boundary(tiny_ckpt, oracle):
+    """The restores and saves travel in the plain-data batch: through msgpack (a runner in another process), the
+    shared-prefix hits still restore exact states."""
+    from engine.test_runner_boundary import _ThroughMsgpack
+
+    llm = LLM(str(tiny_ckpt), block_size=BS, linear_state_snapshot_stride=2, max_num_batched_tokens=32)
+    wrapped = llm.engine.runner = _ThroughMsgpack(llm.engine.runner)
+    base = tokens(70, 5)
+    generate_checked(llm, oracle, [base], llm.engine.vocab_size)
+    outs = generate_checked(llm, oracle, [base[:40] + tokens(3, 51), base[:20] + tokens(5, 52)], llm.engine.vocab_size)
+    assert [o.num_cached_tokens for o in outs] == [32, 16] and wrapped.num_steps > 5
