@@ -339,6 +339,10 @@ class CacheConfig:
     # 3 mantissa bits. Decode attention over it runs faster than over bf16, and twice the sequences fit
     # (measured on the H200; docs/performance.md).
     kv_cache_dtype: str = "auto"
+    # Hybrid models (linear-attention layers) with prefix caching: blocks between the state snapshots taken inside
+    # a prompt (a prompt's last block boundary is always snapshotted, so a chat's next turn hits). None: the blocks
+    # whose KV bytes equal one snapshot's (Qwen3.5-397B-A17B: 391 blocks; runner/kv_cache.py snapshot_stride).
+    linear_state_snapshot_stride: Optional[int] = None
 
     def kv_torch_dtype(self, model_dtype):
         """The cache's torch dtype for a model of `model_dtype`."""
@@ -355,6 +359,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}.")
+        if self.linear_state_snapshot_stride is not None and self.linear_state_snapshot_stride < 1:
+            raise ValueError(f"linear_state_snapshot_stride must be at least 1 block, got "
+                             f"{self.linear_state_snapshot_stride}.")
 
 
 @dataclass

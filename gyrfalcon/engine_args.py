@@ -118,6 +118,10 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               choices=_config.KV_CACHE_DTYPES),
     EngineArg("enable_prefix_caching", "cache_config.enable_prefix_caching",
               "reuse the KV blocks of a prompt prefix seen before", kind=ON_OFF),
+    EngineArg("linear_state_snapshot_stride", "cache_config.linear_state_snapshot_stride",
+              "hybrid models (Qwen3-Next, Qwen3.5) with prefix caching: blocks between the linear-attention state "
+              "snapshots kept inside a prompt (its last block boundary always gets one); default: the blocks whose "
+              "KV bytes equal one snapshot's (docs/prefix_caching.md)", type=int),
     EngineArg("num_gpu_blocks_override", "cache_config.num_gpu_blocks",
               "this many KV-cache blocks instead of what the memory budget gives (default: the budget's)", type=int),
     EngineArg("cpu_kv_cache_gb", "cache_config.cpu_kv_cache_gb",

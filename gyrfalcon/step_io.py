@@ -8,7 +8,7 @@ the engine's Request objects, only what is here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -101,6 +101,11 @@ class ScheduledBatch:
     # Requests that ended since the last step: the runner drops its per-request state.
     finished_request_ids: Set[str] = field(default_factory=set)
     num_preempted: int = 0
+    # Linear-attention state snapshots (hybrid models' prefix caching, engine/snapshot_pool.py): (snapshot id,
+    # state slot) pairs copied into the slots before the step's forward, (state slot, snapshot id) pairs copied
+    # out of the slots after it (the slot then holds the state at the block boundary the request's chunk ends on).
+    state_restores: List[Tuple[int, int]] = field(default_factory=list)
+    state_saves: List[Tuple[int, int]] = field(default_factory=list)
     # The engine's own Request of each entry of reqs (engine-side bookkeeping; never encoded for a runner).
     requests: List[Any] = field(default_factory=list, repr=False, compare=False)
 
@@ -148,13 +153,14 @@ def encode_batch(batch: ScheduledBatch) -> bytes:
                    n.output_token_ids, n.state_slots]
         reqs.append([r.request_id, r.start, r.num_new_tokens, r.sample, list(r.new_block_ids), list(r.spec_token_ids),
                      new])
-    return msgpack.packb([reqs, sorted(batch.finished_request_ids), batch.num_preempted], use_bin_type=True)
+    return msgpack.packb([reqs, sorted(batch.finished_request_ids), batch.num_preempted, batch.state_restores,
+                          batch.state_saves], use_bin_type=True)
 
 
 def decode_batch(data: bytes) -> ScheduledBatch:
     import msgpack
 
-    reqs, finished, num_preempted = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    reqs, finished, num_preempted, restores, saves = msgpack.unpackb(data, raw=False, strict_map_key=False)
     out = []
     for rid, start, n, sample, blocks, spec, new in reqs:
         nr = None
@@ -162,7 +168,8 @@ def decode_batch(data: bytes) -> ScheduledBatch:
             prompt, params, eos, outputs, slots = new
             nr = NewRequestData(prompt, SamplingParams(**params), eos, outputs, slots)
         out.append(ScheduledRequest(rid, start, n, sample, blocks or (), spec or (), nr))
-    return ScheduledBatch(out, set(finished), num_preempted)
+    return ScheduledBatch(out, set(finished), num_preempted, state_restores=[tuple(p) for p in restores],
+                          state_saves=[tuple(p) for p in saves])
 
 
 def encode_output(out: RunnerOutput) -> bytes:

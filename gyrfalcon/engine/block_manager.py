@@ -77,6 +77,12 @@ class BlockManager:
             parent = h.digest()
             hashes.append(parent)
 
+    def prefix_hash(self, request: Request, num_blocks: int) -> bytes:
+        """The chained hash that names `request`'s first num_blocks (>= 1) full blocks (the key of a hybrid
+        model's state snapshot at that boundary: engine/snapshot_pool.py)."""
+        self._ensure_hashes(request, num_blocks)
+        return request.block_hashes[num_blocks - 1]
+
     def get_computed_blocks(self, request: Request) -> List[int]:
         """The cached blocks that hold a prefix of `request`'s tokens (not yet referenced).
 

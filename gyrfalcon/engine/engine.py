@@ -13,6 +13,7 @@ from gyrfalcon import envs
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
 from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
+from gyrfalcon.engine.snapshot_pool import SnapshotPool
 from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -59,8 +60,13 @@ class Engine:
                 f"max_model_len={self.max_model_len} needs; lower max_model_len or give the cache more memory.")
         # Linear-attention layers: one state slot per running request, out of the pool the runner allocated.
         num_slots = getattr(runner, "num_state_slots", 0)
+        # Their prefix caching: snapshots of that state at block boundaries, out of the runner's snapshot pool.
+        num_snapshots = getattr(runner, "num_state_snapshots", 0)
+        snapshots = (SnapshotPool(num_snapshots, runner.state_snapshot_stride)
+                     if num_slots and num_snapshots and cc.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None)
+                                   sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None,
+                                   snapshots)
         self.async_scheduling = bool(getattr(sc, "async_scheduling", False))
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0

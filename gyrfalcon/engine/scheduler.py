@@ -7,6 +7,11 @@ arrival order, then waiting ones, so new requests join a running batch and prefi
 step with decode tokens. When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed from
 its prompt and the outputs it already has (prefix caching usually makes that cheap).
+
+Models with linear-attention layers (a state slot per request) reuse a cached prefix only where a snapshot of
+their state at that block boundary exists too (engine/snapshot_pool.py): a prefill chunk is cut to end at the
+boundaries where a snapshot is wanted (every `stride` blocks and the prompt's last block boundary), so the state
+in the request's slot after the step IS the boundary's state, and the runner copies it out after the step.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Set
 
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
+from gyrfalcon.engine.snapshot_pool import SnapshotPool
 from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: F401 (re-exported)
 
@@ -45,10 +51,13 @@ def _history_dependent(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None) -> None:
+                 enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None,
+                 snapshots: Optional[SnapshotPool] = None) -> None:
         self.block_manager = block_manager
         # Per-request state slots, for models with linear-attention layers (None: the model has none).
         self.state_manager = state_manager
+        # Their state snapshots at block boundaries (None: no prefix caching for such a model).
+        self.snapshots = snapshots if state_manager is not None and block_manager.enable_prefix_caching else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -103,6 +112,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(finished_request_ids=self._finished_since_step)
         self._finished_since_step = set()
+        if self.snapshots is not None:
+            self.snapshots.begin_step()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
@@ -124,6 +135,9 @@ class Scheduler:
             num_new = min(remaining + len(spec), budget)
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
+            save = None
+            if self.snapshots is not None and req.num_computed_tokens < req.num_prompt_tokens:  # (not decoding)
+                num_new, save = self._snapshot_boundary(req, req.num_computed_tokens, num_new)
             preempted_self = False
             while not bm.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -134,6 +148,8 @@ class Scheduler:
                     break
             if preempted_self:
                 break
+            if save is not None:
+                self._save_snapshot(batch, req, save)
             self._commit(batch, req, num_new, num_new >= remaining, spec)
             budget -= num_new
             i += 1
@@ -145,9 +161,15 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_inflight:
                     break  # preempted with a token in flight: it resumes once that token is known
-                # A prefix hit would skip the linear-attention state of the cached tokens: none for such models
-                # until states are kept at block boundaries.
-                hits = bm.get_computed_blocks(req) if self.state_manager is None else []
+                # A prefix hit skips the cached tokens: with linear-attention layers only up to a block boundary
+                # whose state snapshot exists too (restored into the request's slot before the step).
+                restore = None
+                if self.state_manager is None:
+                    hits = bm.get_computed_blocks(req)
+                elif self.snapshots is not None:
+                    hits, restore = self._snapshot_hits(req)
+                else:
+                    hits = []
                 num_cached = len(hits) * bm.block_size
                 remaining = req.num_tokens - num_cached
                 num_new = min(remaining, budget)
@@ -156,10 +178,16 @@ class Scheduler:
                 sm = self.state_manager
                 if sm is not None and not sm.num_free_slots:
                     break
+                save = None
+                if self.snapshots is not None:
+                    num_new, save = self._snapshot_boundary(req, num_cached, num_new)
                 if not bm.allocate_slots(req, num_new, hits):
                     break
                 if sm is not None:
                     sm.allocate(req)
+                if restore is not None:
+                    self.snapshots.touch(restore)
+                    batch.state_restores.append((self.snapshots.lookup(restore), req.state_slot))
                 if bm.enable_prefix_caching:
                     bm.record_prefix_query(req.num_tokens, num_cached)
                 self.waiting.popleft()
@@ -169,10 +197,51 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                if save is not None:
+                    self._save_snapshot(batch, req, save)
                 self._commit(batch, req, num_new, num_new == remaining, ())
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
+
+    # ---- linear-attention state snapshots (hybrid models' prefix caching) -----------------------------
+    def _snapshot_hits(self, req: Request):
+        """(cached blocks, prefix hash of the snapshot to restore): the longest run of cached prefix blocks that
+        ends on a restorable snapshot; ([], None) without one."""
+        bm, pool = self.block_manager, self.snapshots
+        hits = bm.get_computed_blocks(req)
+        for j in range(len(hits), 0, -1):
+            h = req.block_hashes[j - 1]
+            if pool.lookup(h) is not None:
+                return hits[:j], h
+        return [], None
+
+    def _snapshot_boundary(self, req: Request, start: int, num_new: int):
+        """(num_new, prefix hash to snapshot after the step, or None): `num_new` tokens from position `start` on,
+        cut to end at the first block boundary among them where a snapshot is wanted and missing: every stride-th
+        boundary and the prompt's last one that a later prompt's hit can use, i.e. block
+        (num_prompt_tokens - 1) // block_size (a hit always leaves one token to run). Outputs get none."""
+        bm, pool = self.block_manager, self.snapshots
+        if not pool.can_save():
+            return num_new, None
+        bs, stride = bm.block_size, pool.stride
+        last = (req.num_prompt_tokens - 1) // bs  # the prompt's last boundary a hit can use (in blocks)
+        hi = min((start + num_new) // bs, last)  # the last boundary this step reaches
+        j = start // bs + 1  # the first boundary past start
+        while j <= hi:
+            j = min(-(-j // stride) * stride, last)  # the first wanted boundary from j on
+            if j > hi:
+                break
+            h = bm.prefix_hash(req, j)
+            if not pool.contains(h):
+                return j * bs - start, h
+            j += 1
+        return num_new, None
+
+    def _save_snapshot(self, batch: ScheduledBatch, req: Request, prefix_hash: bytes) -> None:
+        sid = self.snapshots.reserve(prefix_hash)
+        if sid is not None:
+            batch.state_saves.append((req.state_slot, sid))
 
     @staticmethod
     def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: Sequence[int]) -> None:

@@ -43,9 +43,12 @@ class Qwen3NextForCausalLM(CausalLM):
     # The GDN block of the checkpoint's `linear_attn` lives in the attention slot (first: a rename, no shard).
     stacked_params = ((".linear_attn.", ".self_attn.", None),) + STACKED_PARAMS
     expert_params = QWEN_EXPERT_PARAMS
-    # The linear-attention reference ops loop over sequences on the host: no CUDA graphs yet (the runner steps
-    # eagerly).
-    supports_cuda_graphs = False
+    # Decode steps replay CUDA graphs: the GDN decode kernels find each row's state slot in the graph's static
+    # state_slots input (runner/cuda_graph.py; padding rows write a spare slot). Prefill and mixed steps run eagerly:
+    # the padded prefill graphs' empty sequences (query length 0) would run the conv and the chunked rule on zero
+    # tokens and write their state back (on the CPU the reference ops loop over sequences on the host anyway).
+    supports_cuda_graphs = True
+    supports_mixed_graphs = False
     # Qwen3.5 (models/qwen3_5.py) ships the GDN input projections flat, in four tensors (layers/gated_deltanet.py).
     flat_gdn_projections = False
 

@@ -17,6 +17,11 @@ which a batch replays it; capture_metadata gives the batch such a graph captures
 
 Verify steps of speculative decoding (b sequences of 1 + k tokens, every row sampled) replay graphs of their
 own, keyed like the others by (number of tokens, query length), for each k the config asks for.
+
+Models with linear-attention layers (Gated DeltaNet) find each row's state slot in a static state_slots input too
+(ForwardBatch.state_slots): the kernels gather and update the state pools through it inside the graph. Padding rows
+point at the pools' spare padding slot (runner/kv_cache.py allocates one past the slots requests hold): their
+decode step writes a state like any row's, and must not write it into a request's slot.
 """
 
 from __future__ import annotations
@@ -148,7 +153,8 @@ class DecodeInputs:
 
     int64 part: [input_ids T | positions T | slot_mapping T | src T]
     (src[t] >= 0: token t is still on the device, at last_sampled[src[t]]; only where q = 1)
-    int32 part: [seq_lens B | query_start_loc B+1 | block_tables W*B]   (W = max blocks per seq)
+    int32 part: [seq_lens B | query_start_loc B+1 | state_slots S | block_tables W*B]   (W = max blocks per seq;
+    S = B with linear-attention layers, whose padding rows hold state_padding_slot, else 0)
     Both parts are views of one buffer, so a step's inputs go to the device in one copy.
 
     The block table is row-major ([b, W], strides (W, 1)); W follows max_model_len (8,192 blocks for
@@ -160,10 +166,14 @@ class DecodeInputs:
     the LM head and argmax.
     """
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device, query_len: int = 1) -> None:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device, query_len: int = 1,
+                 state_padding_slot: Optional[int] = None) -> None:
         B, W, q = max_batch, max_blocks_per_seq, query_len
         self.B, self.W, self.q, self.T = B, W, q, B * q
-        n32 = B + (B + 1) + B * W
+        self.pad_slot = state_padding_slot
+        self.S = B if state_padding_slot is not None else 0
+        self.bt = 2 * B + 1 + self.S  # the block table's offset in the int32 part
+        n32 = B + (B + 1) + self.S + B * W
         self._words = 4 * self.T + -(-n32 // 2)  # int64 words: the int32 part packed two per word
         self.raw = torch.zeros(self._words, dtype=torch.int64, device=device)
         self.i64, self.i32 = self._split(self.raw, n32)
@@ -171,6 +181,8 @@ class DecodeInputs:
         # compile's, whose Triton outputs are never written) then embed input_ids (zeros) instead of
         # last_sampled[0], which holds whatever the last step left there.
         self.src(B).fill_(-1)
+        if self.S:  # (so are the warm-up and capture steps' rows: every row is a padding row then)
+            self.i32[2 * B + 1:self.bt].fill_(state_padding_slot)
         pin = device.type == "cuda"
         # Two staging copies, alternated: with async scheduling the host fills step N+1 while step N's
         # non-blocking copy out of the other one may not have run yet.
@@ -179,6 +191,7 @@ class DecodeInputs:
             hraw = torch.zeros(self._words, dtype=torch.int64, pin_memory=pin)
             h64, h32 = self._split(hraw, n32)
             h32.numpy()[B:2 * B + 1] = np.arange(B + 1) * q  # q queries per sequence, forever
+            h32.numpy()[2 * B + 1:self.bt] = -1 if state_padding_slot is None else state_padding_slot
             self._staging.append((hraw, h64.numpy(), h32.numpy()))
         self._turn = 0
         # The copy runs on its own stream once the last replay is done reading the buffers (replayed() marks
@@ -194,14 +207,14 @@ class DecodeInputs:
     def views(self, b: int) -> ForwardBatch:
         """A ForwardBatch over the first b sequences of the device buffers (what a graph captures)."""
         B, W, q, T = self.B, self.W, self.q, self.T
-        table = self.i32[2 * B + 1:].view(B, W)
+        table = self.i32[self.bt:].view(B, W)
         return ForwardBatch(
             input_ids=self.i64[:b * q], positions=self.i64[T:T + b * q],
             slot_mapping=self.i64[2 * T:2 * T + b * q], seq_lens=self.i32[:b],
             query_start_loc=self.i32[B:B + b + 1], block_tables=table[:b],
             logits_indices=torch.arange(b * q, device=self.i64.device), is_decode=q == 1,
             max_query_len=q, max_seq_len=W, num_seqs=b,
-            uniform_query_len=q)
+            uniform_query_len=q, state_slots=self.i32[2 * B + 1:2 * B + 1 + b] if self.S else None)
 
     def src(self, b: int) -> torch.Tensor:
         return self.i64[3 * self.T:3 * self.T + b * self.q]
@@ -238,7 +251,11 @@ class DecodeInputs:
         self._turn ^= 1
         hraw, n64, n32 = self._staging[self._turn]
         # Row-major: block j of row i at i * W + j (bt is the transposed view: bt[j, i]).
-        bt = n32[2 * B + 1:].reshape(B, W).T
+        bt = n32[self.bt:].reshape(B, W).T
+        if self.S:  # each request's slot in the state pools; padding rows update the padding slot
+            ss = n32[2 * B + 1:2 * B + 1 + b]
+            ss[:n] = [sr.request.state_slots["state"] for sr in sched_reqs]
+            ss[n:] = self.pad_slot
         if q == 1:
             for i, sr in enumerate(sched_reqs):
                 req = sr.request
@@ -279,7 +296,7 @@ class DecodeInputs:
         n32[n:b] = 0
         # One copy, up to the last row of the padded batch: entries past a row's own blocks, or in rows past n,
         # are never read (seq_lens bounds every read; padding rows have seq_len 0).
-        words = 4 * T + -(-(2 * B + 1 + b * W) // 2)
+        words = 4 * T + -(-(self.bt + b * W) // 2)
         if self._copy_stream is None:
             self.raw[:words].copy_(hraw[:words], non_blocking=True)
             return n
@@ -306,7 +323,10 @@ class CudaGraphRunner:
     a second, one-split graph and up to which context (graph_variants)."""
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, last_sampled: torch.Tensor, query_lens=(1,)) -> None:
+                 device: torch.device, last_sampled: torch.Tensor, query_lens=(1,),
+                 state_padding_slot: Optional[int] = None) -> None:
+        """state_padding_slot: for models with linear-attention layers, the state pools' spare slot that padding
+        rows write to (None: no such layers)."""
         self.model = model
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
@@ -317,7 +337,7 @@ class CudaGraphRunner:
         self.sizes_by_q = {q: capture_sizes(max_num_seqs if q == 1 else min(max_num_seqs, MAX_VERIFY_TOKENS // q))
                            for q in self.query_lens}
         self.sizes = self.sizes_by_q[1]
-        self.inputs_by_q = {q: DecodeInputs(sizes[-1], self.max_blocks_per_seq, device, q)
+        self.inputs_by_q = {q: DecodeInputs(sizes[-1], self.max_blocks_per_seq, device, q, state_padding_slot)
                             for q, sizes in self.sizes_by_q.items()}
         self.inputs = self.inputs_by_q[1]
         # {(tokens, q): graph} and its output, the hidden states [tokens, hidden].

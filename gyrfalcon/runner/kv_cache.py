@@ -7,16 +7,27 @@ two; a linear-attention layer's (conv [num_slots, *conv_shape], recurrent [num_s
 None for a layer that keeps nothing. Layers read their entry through the forward context
 (`kv_caches[layer_idx]`). Every paged layer is indexed by the same block ids (one block table per request),
 so a block id costs `bytes_per_block` over all of them.
+
+A model with linear-attention layers and prefix caching also gets state snapshots (engine/snapshot_pool.py):
+per state layer a (conv [num_snapshots, *conv_shape], recurrent [num_snapshots, *recurrent_shape]) pair beside
+the slot pools, copied to and from slots by copy_states. They take SNAPSHOT_MEMORY_SHARE of the cache memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from gyrfalcon.cache_spec import CacheGroup, CacheSpec, group_specs
+
+
+# The share of the cache memory (after the state slots) that hybrid models' state snapshots get: the rest is KV
+# blocks. A snapshot is one slot's bytes (Qwen3.5-397B-A17B: 45 GDN layers x (64 x 128 x 128 fp32 recurrent
+# = 4 MiB + 72 KiB conv) = 183 MiB), so a tenth of an H200's ~70 GiB cache holds ~40 of them. Never more
+# snapshots than blocks: each one needs a distinct cached block boundary to be of use.
+SNAPSHOT_MEMORY_SHARE = 0.1
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -65,13 +76,52 @@ class CachePlan:
     def has_state(self) -> bool:
         return "state" in self.groups
 
+    def split_budget(self, budget: int, snapshots: bool) -> Tuple[int, int]:
+        """(num_blocks, num_snapshots) for `budget` bytes of cache memory (the state slots already paid for):
+        SNAPSHOT_MEMORY_SHARE of it to state snapshots when `snapshots`, the rest to at least one block."""
+        num_snapshots = int(budget * SNAPSHOT_MEMORY_SHARE) // self.bytes_per_slot if snapshots else 0
+        num_blocks = max(1, (budget - num_snapshots * self.bytes_per_slot) // self.bytes_per_block)
+        return num_blocks, min(num_snapshots, num_blocks)
+
+    def snapshots_beside(self, num_blocks: int) -> int:
+        """State snapshots for a cache of a given number of blocks (num_gpu_blocks_override): what the same share
+        of memory would give."""
+        share = SNAPSHOT_MEMORY_SHARE / (1 - SNAPSHOT_MEMORY_SHARE)
+        return min(num_blocks, int(num_blocks * self.bytes_per_block * share) // self.bytes_per_slot)
+
+    def snapshot_stride(self, stride: Optional[int]) -> int:
+        """Blocks between the snapshots taken inside a prompt: `stride` when given, else the blocks whose KV bytes
+        equal one snapshot's, so a cached prefix's snapshots cost about as much memory as its KV blocks
+        (Qwen3.5-397B-A17B: 183 MiB / (16 tokens x 15 attention layers x 2 KV heads x 256 x 2 (K, V) x 2 bytes =
+        480 KiB) = 391 blocks, a snapshot every 6256 tokens; Qwen3-Next-80B-A3B: 74 MiB / 384 KiB = 197)."""
+        if stride is not None:
+            return stride
+        return max(1, -(-self.bytes_per_slot // max(self.bytes_per_block, 1)))
+
+    def allocate_snapshots(self, num_snapshots: int, device) -> List[Optional[Any]]:
+        """Per layer: a state layer's (conv, recurrent) snapshot pair of [num_snapshots, ...] tensors, else None."""
+        snaps: List[Optional[Any]] = [None] * self.num_layers
+        if num_snapshots:
+            for layer, spec in self.specs.items():
+                if spec.kind == "linear_state":
+                    snaps[layer] = allocate_layer_cache(spec, 0, self.block_size, num_snapshots, device)
+        return snaps
+
     def allocate(self, num_blocks: int, num_slots: int, device) -> List[Optional[Any]]:
+        """State pools get num_slots + 1 rows: slot num_slots (padding_slot) is written by the padding rows of
+        captured decode graphs and held by no request."""
         caches: List[Optional[Any]] = [None] * self.num_layers
         for layer, spec in self.specs.items():
-            caches[layer] = allocate_layer_cache(spec, num_blocks, self.block_size, num_slots, device)
+            caches[layer] = allocate_layer_cache(spec, num_blocks, self.block_size, num_slots + 1, device)
         return caches
 
-    def describe(self, num_blocks: int, num_slots: int, max_model_len: int) -> str:
+    @staticmethod
+    def padding_slot(num_slots: int) -> int:
+        """The state pools' spare row (allocate): where a graph's padding rows write their state."""
+        return num_slots
+
+    def describe(self, num_blocks: int, num_slots: int, max_model_len: int, num_snapshots: int = 0,
+                 snapshot_stride: int = 0) -> str:
         """One log line: blocks (and slots) per group and the maximum concurrency they allow."""
         parts = []
         g = self.groups.get("paged")
@@ -84,8 +134,25 @@ class CachePlan:
         g = self.groups.get("state")
         if g is not None:
             parts.append(f"state group ({len(g.layers)} layers): {num_slots} slots, "
-                         f"{num_slots * self.bytes_per_slot / 2**30:.2f} GiB")
+                         f"{num_slots * self.bytes_per_slot / 2**30:.2f} GiB"
+                         + (f", {num_snapshots} snapshots ({num_snapshots * self.bytes_per_slot / 2**30:.2f} GiB, "
+                            f"every {snapshot_stride} blocks of a prompt and at its end)" if num_snapshots else ""))
         return "; ".join(parts) or "no caches"
+
+
+def copy_states(src: Sequence[Optional[Any]], dst: Sequence[Optional[Any]], pairs: Sequence[Tuple[int, int]],
+                device) -> None:
+    """For every state layer (non-None in both per-layer lists): dst's row j <- src's row i for each (i, j) in
+    `pairs` (distinct j), conv window and recurrent state alike. Slot pools and snapshot pools both index rows on
+    dim 0, so a restore is copy_states(snapshots, caches, ...) and a save copy_states(caches, snapshots, ...)."""
+    idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
+    if torch.device(device).type == "cuda":  # pinned and non-blocking: a pageable copy would wait for the device
+        idx = idx.pin_memory().to(device, non_blocking=True)
+    for s, d in zip(src, dst):
+        if s is None or d is None:
+            continue
+        for a, b in zip(s, d):
+            b.index_copy_(0, idx[1], a.index_select(0, idx[0]))
 
 
 def first_attention_cache(kv_caches) -> Optional[torch.Tensor]:

@@ -18,7 +18,7 @@ from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
-from gyrfalcon.runner.kv_cache import CachePlan, model_cache_specs
+from gyrfalcon.runner.kv_cache import CachePlan, copy_states, model_cache_specs
 from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
@@ -100,9 +100,14 @@ class ModelRunner:
         if self.cache_plan.has_state and config.speculative_config.num_speculative_tokens:
             # A verify step would advance the linear-attention state past drafts that get rejected.
             raise ValueError("Speculative decoding is not supported yet for models with linear-attention layers.")
-        self.num_blocks = self._determine_num_blocks()
+        # Prefix caching for such layers restores their state from snapshots at block boundaries (a share of the cache
+        # memory; engine/snapshot_pool.py decides what they hold).
+        snapshots = self.cache_plan.has_state and config.cache_config.enable_prefix_caching
+        self.num_blocks, self.num_state_snapshots = self._determine_num_blocks(snapshots)
+        self.state_snapshot_stride = self.cache_plan.snapshot_stride(config.cache_config.linear_state_snapshot_stride)
         clock("kv_sizing")  # on a GPU: the activation profile, an eager prefill of max_num_batched_tokens
         self.kv_caches = self.cache_plan.allocate(self.num_blocks, self.num_state_slots, self.device)
+        self.state_snapshots = self.cache_plan.allocate_snapshots(self.num_state_snapshots, self.device)
         clock("kv_alloc")
         # Per-request state kept across steps from the scheduler's plain-data batches.
         self.states = RequestStates()
@@ -136,17 +141,20 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
-                query_lens=(1, 1 + k) if k else (1,))
+                query_lens=(1, 1 + k) if k else (1,),
+                state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
+                else None)
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if graphs:
+        if graphs and getattr(self.model, "supports_mixed_graphs", True):
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
         logger.info("model loaded in %.1f s; caches: %s; CUDA graphs: %s", self.load_seconds,
                     self.cache_plan.describe(self.num_blocks, self.num_state_slots,
-                                             config.model_config.max_model_len),
+                                             config.model_config.max_model_len, self.num_state_snapshots,
+                                             self.state_snapshot_stride),
                     f"{len(self.graph_runner.sizes)} sizes captured in {self.graph_runner.capture_seconds:.1f} s"
                     if self.graph_runner else "off")
 
@@ -185,13 +193,14 @@ class ModelRunner:
         """Whether each step's output carries draft tokens for the next (the engine then waits for it)."""
         return self.proposer is not None
 
-    def _determine_num_blocks(self) -> int:
+    def _determine_num_blocks(self, snapshots: bool = False) -> tuple:
+        """(KV blocks, state snapshots: SNAPSHOT_MEMORY_SHARE of the cache memory when `snapshots`, else 0)."""
         cc = self.config.cache_config
         if cc.num_gpu_blocks is not None:
-            return cc.num_gpu_blocks
-        state_bytes = self.num_state_slots * self.cache_plan.bytes_per_slot
+            return cc.num_gpu_blocks, self.cache_plan.snapshots_beside(cc.num_gpu_blocks) if snapshots else 0
+        state_bytes = (self.num_state_slots + 1) * self.cache_plan.bytes_per_slot if self.num_state_slots else 0
         if self.device.type == "cpu":
-            return max(1, int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes) // self.bytes_per_block)
+            return self.cache_plan.split_budget(int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak()
@@ -201,7 +210,7 @@ class ModelRunner:
                 f"No memory left for the KV cache: {total / 2**30:.1f} GiB on the GPU, "
                 f"{(total - free) / 2**30:.1f} GiB in use, {peak / 2**30:.1f} GiB of activations; "
                 "raise gpu_memory_utilization or lower max_num_batched_tokens.")
-        return int(budget // self.bytes_per_block)
+        return self.cache_plan.split_budget(int(budget), snapshots)
 
     def _profile_activation_peak(self) -> int:
         """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens."""
@@ -234,6 +243,8 @@ class ModelRunner:
         handle = StepHandle(batch, rows)
         if not rows:
             return handle
+        if batch.state_restores:  # prefix hits of hybrid models: the cached prefix's state into the request's slot
+            copy_states(self.state_snapshots, self.kv_caches, batch.state_restores, self.device)
         # One sampled row per sampling request, 1 + k on a verify step; j: the row's index among them.
         sample_reqs, sample_j = [], []
         for r in rows:
@@ -262,6 +273,8 @@ class ModelRunner:
             if plp_rows:
                 handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
+        if batch.state_saves:  # the slots now hold the state at the block boundary their chunk ended on
+            copy_states(self.kv_caches, self.state_snapshots, batch.state_saves, self.device)
         if not sample_reqs:
             if handle.prompt_lp is not None and self.device.type == "cuda":
                 handle.event = torch.cuda.Event()

@@ -1,7 +1,7 @@
 """The Gated DeltaNet Triton kernels vs their references on a GPU at Qwen3.5-397B-A17B's linear-attention dims
 (16 key heads x 128, 64 value heads x 128, conv width 4: 12288 conv channels), bf16 activations over fp32 states;
 the decode step and the conv update also inside a captured CUDA graph; the chunked prefill over a ragged batch and
-one long prompt."""
+one long prompt; and a tiny Qwen3-Next served with decode graphs (state slots as static inputs) against eager."""
 
 import pytest
 import torch
@@ -186,3 +186,37 @@ def test_gated_rms_norm_real_dims():
     o = torch.randn(T, HV, DV, device=DEV, dtype=BF16)
     w = (1 + 0.1 * torch.randn(DV, device=DEV)).to(BF16)
     torch.testing.assert_close(gated_rms_norm_triton(o, z, w, 1e-6), gated_rms_norm_ref(o, z, w, 1e-6), **TOL)
+
+
+def test_qwen3_next_decode_graphs_match_eager(tmp_path):
+    """A tiny Qwen3-Next (fp32) with its decode steps replayed as CUDA graphs (each row's state slot a static input,
+    padding rows on the spare slot; prefills eager) and with every step eager: the same greedy tokens, batches padded
+    up the ladder, a second round restoring prefix-cache snapshots before its graph-replayed decode steps."""
+    from checkpoints import make_qwen3_next_checkpoint
+
+    from gyrfalcon import LLM, SamplingParams
+
+    path = make_qwen3_next_checkpoint(tmp_path / "qwen3_next")
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((1, 9, 70, 33, 140))]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(str(path), dtype="float32", block_size=16, max_num_seqs=8, enforce_eager=eager)
+        runner = llm.engine.runner
+        assert (runner.graph_runner is None) == eager and runner.mixed_graph_runner is None
+        replays = []
+        if not eager:
+            run = runner.graph_runner.run
+            runner.graph_runner.run = lambda reqs, rows=None: replays.append(len(reqs)) or run(reqs, rows)
+        rounds = []
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            rounds.append(([o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]))
+        if not eager:
+            assert 5 in replays  # decode steps of the whole batch, padded to 8 rows
+        results[eager] = rounds
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]
+    (tokens1, cached1), (tokens2, cached2) = results[False]
+    assert tokens1 == tokens2 and cached1 == [0] * 5 and cached2 == [(len(p) - 1) // 16 * 16 for p in prompts]

@@ -4,7 +4,8 @@
 attention layer under M-RoPE, a one-block vision tower that gyrfalcon skips, every parameter random. The oracle is
 transformers' ConditionalGeneration model itself (its 3-D text positions, its multimodal rotary embedding). Prompts run
 up to ~200 tokens, so prefill chunks cross the delta rule's 64-token chunks: logits at every prefill and decode
-position, greedy tokens through chunked prefill (budgets 7 and 50), async scheduling, preemption; the other layouts of
+position, greedy tokens through chunked prefill (budgets 7 and 50), async scheduling, preemption, prefix caching
+(state snapshots at block boundaries); the other layouts of
 the same weights (experts one by one, a text-only *ForCausalLM save) load to the same model."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from test_model_parity import (  # noqa: F401  (the shared suite where it applie
     MAX_NEW, _assert_all_blocks_free, _greedy, test_decode_logits_parity, family_greedy_parity_under_preemption as
     test_greedy_parity_under_preemption, test_prompts_span_several_blocks)
 from test_qwen3_next import QN_PROMPTS, test_prefill_logits_parity  # noqa: F401  (on this module's checkpoints)
+from test_qwen3_next_prefix_caching import Oracle, shared_prefix_parity
 
 PREFIX = "model.language_model.layers"
 
@@ -200,14 +202,16 @@ def test_top_level_settings_reach_the_text_config(tiny_ckpt, tmp_path):
                          ids=["whole-sync", "7-async", "50-sync"])
 def test_greedy_parity(tiny_ckpt, hf_refs, budget, async_scheduling):
     """Chunked prefill at budgets 7 and 50 (chunks ending anywhere inside the rule's 64-token chunks); a second
-    round reuses the freed state slots and gives the same tokens. (test_qwen3_next.py runs every budget in both
-    scheduling modes on the same GDN layer.)"""
+    round reuses the freed state slots, resumes each prompt at its last block boundary from the prefix cache (a
+    state snapshot) and gives the same tokens. (test_qwen3_next.py runs every budget in both scheduling modes on
+    the same GDN layer.)"""
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=budget, async_scheduling=async_scheduling)
-    for _ in range(2):
+    for round_ in range(2):
         outs = _greedy(llm, [r[0] for r in refs])
-        for (_, ref_tokens, _), out in zip(refs, outs):
+        for (prompt, ref_tokens, _), out in zip(refs, outs):
             assert out.outputs[0].token_ids == ref_tokens
+            assert out.num_cached_tokens == (0 if round_ == 0 else (len(prompt) - 1) // 8 * 8)
         _assert_all_blocks_free(llm)
         _assert_all_slots_free(llm)
 
@@ -224,3 +228,10 @@ def test_preemption_frees_state_slots(tiny_ckpt, hf_refs):
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs * 2]
     _assert_all_blocks_free(llm)
     _assert_all_slots_free(llm)
+
+
+def test_shared_prefix_caching(tiny_ckpt):
+    """Hybrid prefix caching (test_qwen3_next_prefix_caching.py) on this family's layouts: prompts sharing 1 to 17
+    blocks with a cached 150-token one resume from the state snapshotted at exactly that boundary and give
+    transformers' tokens and distributions."""
+    shared_prefix_parity(tiny_ckpt, Oracle(_hf_model(tiny_ckpt)))

@@ -3,8 +3,9 @@ attention layer, MoE with a gated shared expert, every parameter random (A_log, 
 norms). Prompts run up to ~200 tokens, so prefill chunks cross the rule's 64-token chunks and the state passes
 between steps at arbitrary positions. Logits at every prefill and decode position, greedy tokens through chunked
 prefill (budgets 7 and 50), async scheduling, preemption (the state slot freed, the request recomputed), slots
-reused by later requests, prefix caching asked for but never hit (a state model restores no prefix yet); the
-Gated DeltaNet reference ops against transformers' torch fallbacks on ragged batches with initial states."""
+reused by later requests, a second round served from the prefix cache (state snapshots; their own tests are in
+test_qwen3_next_prefix_caching.py); the Gated DeltaNet reference ops against transformers' torch fallbacks on ragged
+batches with initial states."""
 
 from __future__ import annotations
 
@@ -108,13 +109,14 @@ def test_layers_weights_and_caches(tiny_ckpt):
     ba = sd["model.layers.1.linear_attn.in_proj_ba.weight"].view(H, 2 * r, -1)
     torch.testing.assert_close(gdn.in_proj_ba.weight, torch.cat([ba[:, :r].reshape(-1, ba.shape[-1]),
                                                                  ba[:, r:].reshape(-1, ba.shape[-1])]), rtol=0, atol=0)
-    # Cache specs: a state slot for each GDN layer, paged K/V for the attention layer; pools of max_num_seqs slots.
+    # Cache specs: a state slot for each GDN layer, paged K/V for the attention layer; pools of max_num_seqs slots and
+    # the padding slot of the decode graphs.
     specs = model.kv_cache_specs("float32")
     assert specs[3] == FullAttentionSpec(2, 32, "float32")
     assert all(specs[i] == LinearStateSpec((3, 128), (4, 16, 16), "float32", "float32") for i in range(3))
     assert runner.num_state_slots == 5 and llm.engine.scheduler.state_manager.num_slots == 5
     conv, rec = runner.kv_caches[0]
-    assert conv.shape == (5, 3, 128) and rec.shape == (5, 4, 16, 16) and rec.dtype == torch.float32
+    assert conv.shape == (6, 3, 128) and rec.shape == (6, 4, 16, 16) and rec.dtype == torch.float32
 
 
 # ---- the reference ops against transformers' torch fallbacks -----------------------------------------------------
@@ -218,19 +220,19 @@ def test_prefill_logits_parity(tiny_ckpt, hf_refs):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("budget", [None, 7, 50])
 def test_greedy_parity(tiny_ckpt, hf_refs, budget, async_scheduling):
-    """Prefix caching on: a state model's scheduler looks up no prefix (the GDN state of a cached prefix is not
-    kept yet), so the second round recomputes everything, reusing the freed slots, with the same tokens."""
+    """Prefix caching on (the default snapshot stride): the second round resumes every prompt longer than a block at
+    its last block boundary from the state snapshotted there, reusing the freed slots, with the same tokens."""
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, enable_prefix_caching=True, max_num_batched_tokens=budget,
               async_scheduling=async_scheduling)
-    for _ in range(2):
+    for round_ in range(2):
         outs = _greedy(llm, [r[0] for r in refs])
-        for (_, ref_tokens, _), out in zip(refs, outs):
+        for (prompt, ref_tokens, _), out in zip(refs, outs):
             assert out.outputs[0].token_ids == ref_tokens
-            assert out.num_cached_tokens == 0
+            assert out.num_cached_tokens == (0 if round_ == 0 else (len(prompt) - 1) // 8 * 8)
         _assert_all_blocks_free(llm)
         _assert_all_slots_free(llm)
-    assert llm.engine.block_manager.prefix_hits == 0
+    assert llm.engine.block_manager.prefix_hits > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -311,4 +313,37 @@ def test_bfloat16_state_dtypes(tiny_ckpt, hf_refs):
     prompt, ref_tokens, _ = max(refs, key=lambda r: len(r[0]))
     out = _greedy(llm, [prompt])[0]
     assert len(out.outputs[0].token_ids) == MAX_NEW and out.outputs[0].token_ids[0] == ref_tokens[0]
+    _assert_all_slots_free(llm)
+
+
+def test_decode_through_graph_static_inputs(tiny_ckpt, hf_refs):
+    """Decode steps through the CUDA-graph runner's static inputs (run eagerly on a CPU, padded to the ladder like
+    a graph): each row's state slot comes from the static state_slots buffer, padding rows point at the pools'
+    spare slot, whose state they overwrite (poisoned with NaN first: they start from zeros) without touching a
+    request's; transformers' tokens, with a prefix-cache round whose restored states are decoded the same way."""
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    _, _, refs = hf_refs
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_seqs=5)
+    r = llm.engine.runner
+    pad = r.cache_plan.padding_slot(r.num_state_slots)
+    assert pad == 5 and all(c[0].shape[0] == 6 and c[1].shape[0] == 6 for c in r.kv_caches[:3])
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 5, 1024, r.block_size, r.device, r.last_sampled,
+                                     state_padding_slot=pad)
+    for conv, rec in r.kv_caches[:3]:
+        conv[pad].fill_(float("nan"))
+        rec[pad].fill_(float("nan"))
+    seen = []
+    forward = r.graph_runner._forward
+    r.graph_runner._forward = lambda fb, src: seen.append(fb.state_slots.tolist()) or forward(fb, src)
+    for round_ in range(2):
+        outs = _greedy(llm, [r_[0] for r_ in refs])
+        assert [o.outputs[0].token_ids for o in outs] == [r_[1] for r_ in refs]
+        assert all(o.num_cached_tokens == (0 if round_ == 0 else (len(r_[0]) - 1) // 8 * 8)
+                   for o, r_ in zip(outs, refs))
+    # Batches of 5 and fewer were padded to 8, 4 or 2 rows: the padding rows named the spare slot.
+    assert any(len(s) > 1 and s[-1] == pad for s in seen)
+    for s in seen:  # the requests' own slots (distinct), then the padding rows'
+        n = sum(x != pad for x in s)
+        assert len(set(s[:n])) == n and max(s[:n]) < pad and s[n:] == [pad] * (len(s) - n)
     _assert_all_slots_free(llm)
