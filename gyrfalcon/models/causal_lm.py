@@ -65,6 +65,9 @@ class CausalLM(nn.Module):
 
     stacked_params: Tuple[Tuple[str, str, object], ...] = ()
     expert_params: Tuple[Tuple[str, str, Optional[int]], ...] = ()
+    # Whether the family builds its layers sharded for tensor parallelism (column / row-parallel projections,
+    # split heads and experts; docs/parallelism.md). The loader refuses tensor_parallel_size > 1 otherwise.
+    supports_tensor_parallel = False
 
     def __init__(self, config, max_position: Optional[int] = None) -> None:
         super().__init__()
@@ -134,6 +137,8 @@ class CausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
             elif isinstance(owner, Linear) and name.endswith(("weight", "bias")):
                 owner.weight_loader(param, tensor, shard)
+            elif isinstance(owner, (VocabEmbedding, LMHead)):  # this rank's vocabulary rows
+                owner.weight_loader(param, tensor)
             else:
                 if param.shape != tensor.shape:
                     raise ValueError(f"Shape mismatch for {name}: {tuple(param.shape)} vs "

@@ -21,6 +21,7 @@ from typing import Dict, Iterable, Iterator, Set, Tuple
 import torch
 from safetensors import safe_open
 
+from gyrfalcon.distributed import tp_size
 from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm_linear import fold_norms
@@ -168,12 +169,28 @@ def _load_dummy(model: torch.nn.Module, seed: int, device: str) -> None:
     logger.info("dummy weights: %d parameters (%.2f GB) filled in %.2f s", n, nbytes / 1e9, time.perf_counter() - t0)
 
 
+def check_tensor_parallel(cls, quant) -> None:
+    """Under tensor parallelism (gyrfalcon/distributed: the worker set the group up before loading) every layer
+    builds this rank's shard and each weight_loader narrows the checkpoint tensor it gets to that shard. Refuse
+    what does not shard yet, before building anything."""
+    tp = tp_size()
+    if tp == 1:
+        return
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size={tp}); "
+                         "docs/parallelism.md lists the families that do.")
+    if quant is not None:
+        raise ValueError("FP8 weights with tensor parallelism are not supported yet: their block scales would "
+                         "need the same narrowing as the weights.")
+
+
 def load_model(model_config, device: str) -> torch.nn.Module:
     """The model of `model_config` on `device` in its dtype, every parameter filled from disk (or, with
     load_format "dummy", with random values: fill_dummy_weights)."""
     cls = resolve_model_class(model_config.hf_config)
     quant = getattr(model_config, "quant_config", None)
     block = quant.weight_block_size if quant is not None and quant.from_checkpoint else None
+    check_tensor_parallel(cls, quant)
     with _default_dtype(model_config.torch_dtype), torch.device(device), fp8_scope(block):
         model = cls(model_config.hf_config, max_position=model_config.max_model_len)
     if block is not None:

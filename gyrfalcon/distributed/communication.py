@@ -1,0 +1,41 @@
+"""The collectives a layer calls, over the tensor-parallel group; the identity at world size 1."""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.distributed.parallel_state import tp_size
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the ranks, in place (x: each rank's partial result, e.g. a row-parallel GEMM's)."""
+    if tp_size() == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, C] on every rank -> [N, tp * C], rank r's columns at r * C (a vocab-parallel LM head's logits)."""
+    tp = tp_size()
+    if tp == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = torch.empty((tp,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x)
+    return out.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
+
+
+def all_reduce_min(value: int, device: str = "cpu") -> int:
+    """The smallest of an int over the ranks (the KV blocks every rank can hold)."""
+    if tp_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
