@@ -55,7 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="schedule the next step before the current one's tokens are read back "
                         "(default: on for a GPU, off on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="the engine's random seed (unseeded requests' sampling)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model across")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs to split the model across (one worker process each; on a CPU, processes over gloo)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE layers: each rank holds whole experts instead of a slice of every expert")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp"],
+                   help="how the tensor-parallel ranks run: mp (processes on this machine; the default when "
+                        "--tensor-parallel-size > 1)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="this many KV-cache blocks instead of what the memory budget gives (default: the budget's)")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cuda or cpu")
@@ -70,6 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager,
                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel,
+                distributed_executor_backend=args.distributed_executor_backend,
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
                 async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
                 quantization=args.quantization, load_format=args.load_format, revision=args.revision,

@@ -18,16 +18,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
-    """x: [N, C] on every rank -> [N, tp * C], rank r's columns at r * C (a vocab-parallel LM head's logits)."""
+    """x: [N, C] (2-D) on every rank -> [N, tp * C], rank r's columns at r * C (a vocab-parallel LM head's logits)."""
     tp = tp_size()
     if tp == 1:
         return x
     import torch.distributed as dist
 
     x = x.contiguous()
-    out = torch.empty((tp,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x)
-    return out.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
+    n, c = x.shape
+    out = torch.empty(tp * n, c, dtype=x.dtype, device=x.device)  # rank r's rows at r * n (gloo wants it flat)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (renamed in newer torch)
+    gather(out, x)
+    return out.view(tp, n, c).transpose(0, 1).reshape(n, tp * c)
 
 
 def all_reduce_min(value: int, device: str = "cpu") -> int:

@@ -265,6 +265,10 @@ class EngineCoreProc:
             self._drain_input(0 if busy else IDLE_POLL_MS)
             if self._shutdown or not self._parent_alive():
                 break
+            if not busy:
+                # A tensor-parallel worker that died while nothing ran ends the engine now, not at the next
+                # request (engine/executor_mp.py); raises into run_engine_core's EngineDead.
+                self.engine.check_health()
             if self.engine.has_unfinished_requests():
                 updates = self.engine.step()
                 self._send(Outputs(self._updates(updates), self.stats()))
@@ -370,6 +374,8 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             logger.error("engine core died:\n%s", traceback.format_exc())
             core._send(EngineDead(f"{type(err).__name__}: {err}"))
             return 1
+        finally:
+            engine.shutdown()  # tensor-parallel workers, if any
         return 0
     finally:
         inp.close(linger=0)
