@@ -34,7 +34,8 @@ class LLM:
                  revision: Optional[str] = None, download_dir: Optional[str] = None, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
-        start_device_init(device)  # the CUDA context, while the config and tokenizer load
+        if tensor_parallel_size == 1:  # (with workers, each makes its own on its GPU: none needed here)
+            start_device_init(device)  # the CUDA context, while the config and tokenizer load
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,

@@ -343,7 +343,8 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
             from gyrfalcon.runner.model_runner import start_device_init
 
-            start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
+            if spec["engine_args"].get("tensor_parallel_size", 1) == 1:  # (workers make their own)
+                start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
             config = EngineConfig.create(spec["model"], **spec["engine_args"])
             _set_cpu_threads(config.device)
             eos = spec.get("eos_token_ids")

@@ -87,3 +87,32 @@ def test_parallel_config_errors():
     pc = ParallelConfig(tensor_parallel_size=2)
     pc.verify()
     assert pc.distributed_executor_backend == "mp"
+
+
+def test_dead_worker_raises_instead_of_hanging(qwen3_ckpt):
+    """A worker killed while the engine waits for a step's output, or before the next step: WorkerDied at once,
+    the other rank stopped, and every later call says the same."""
+    import os
+    import signal
+    import time
+
+    from gyrfalcon.engine.executor_mp import WorkerDied, _Handle
+    from gyrfalcon.step_io import ScheduledBatch
+
+    llm = LLM(str(qwen3_ckpt), tensor_parallel_size=2, **KW)
+    ex = llm.engine.runner
+    try:
+        procs = list(ex._procs)
+        t0 = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        with pytest.raises(WorkerDied, match=r"rank 0 .*exited with code -9"):
+            ex.complete(_Handle(ScheduledBatch()))  # waiting for an output rank 0 will never send
+        procs[1].join(10)
+        assert not procs[1].is_alive()
+        with pytest.raises(WorkerDied, match="rank 0"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(WorkerDied):
+            llm.engine.check_health()
+    finally:
+        llm.engine.shutdown()
