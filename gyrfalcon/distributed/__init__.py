@@ -6,9 +6,10 @@ group up) and imports nothing of gyrfalcon's. Every collective is the identity a
 engine never touches torch.distributed and pays nothing.
 """
 
+from gyrfalcon.distributed.checkpoint_slice import CheckpointSlice, as_tensor
 from gyrfalcon.distributed.communication import all_reduce_min, tp_all_gather, tp_all_reduce
 from gyrfalcon.distributed.parallel_state import (ParallelState, destroy_distributed, expert_parallel, get_state,
                                                   init_distributed, shard_size, tp_rank, tp_size)
 
-__all__ = ["ParallelState", "all_reduce_min", "destroy_distributed", "expert_parallel", "get_state",
+__all__ = ["CheckpointSlice", "ParallelState", "as_tensor", "all_reduce_min", "destroy_distributed", "expert_parallel", "get_state",
            "init_distributed", "shard_size", "tp_all_gather", "tp_all_reduce", "tp_rank", "tp_size"]

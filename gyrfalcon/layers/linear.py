@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.distributed import shard_size, tp_all_reduce, tp_rank, tp_size
+from gyrfalcon.distributed import as_tensor, shard_size, tp_all_reduce, tp_rank, tp_size
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.fp8_gemm import fp8_block_gemm
 from gyrfalcon.kernels.gemv import linear_gemv_rows, norm_gemv_triton
@@ -68,6 +68,7 @@ class Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _fp8.check_weight_dtype(self, param, loaded)
+        loaded = as_tensor(loaded)  # (a CheckpointSlice under tensor parallelism: read whole, replicated)
         if param.shape != loaded.shape:
             raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
                              f"{tuple(loaded.shape)}.")
@@ -111,7 +112,8 @@ class MergedLinear(Linear):
         if loaded.shape[0] != full:
             raise ValueError(f"Shape mismatch for shard {shard_id!r}: {full} rows expected, checkpoint has "
                              f"{tuple(loaded.shape)}.")
-        return loaded.narrow(0, index * rows, rows) if rows != full else loaded
+        # (narrowing a CheckpointSlice reads only these rows from the file)
+        return loaded.narrow(0, index * rows, rows) if rows != full else as_tensor(loaded)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:

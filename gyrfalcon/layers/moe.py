@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyrfalcon.distributed import expert_parallel, shard_size, tp_all_reduce, tp_rank
+from gyrfalcon.distributed import as_tensor, expert_parallel, shard_size, tp_all_reduce, tp_rank
 from gyrfalcon.kernels.fused_moe import fused_moe
 from gyrfalcon.kernels.moe_router import SIGMOID, SOFTMAX, route
 from gyrfalcon.layers.activation import SiluAndMul
@@ -124,7 +124,7 @@ class FusedExperts(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} out of range: this layer has {self.num_experts} experts.")
         if self.quant_block is not None and param is not self.w13 and param is not self.w2:
-            return _fp8.load_expert_scale(self, param, loaded, expert, half)
+            return _fp8.load_expert_scale(self, param, as_tensor(loaded), expert, half)
         expert -= self.expert_start
         if not 0 <= expert < self.num_local_experts:
             return None  # another rank's expert (expert parallelism)
@@ -138,6 +138,7 @@ class FusedExperts(nn.Module):
                 raise ValueError(f"Shape mismatch for expert {expert + self.expert_start} shard {half}: "
                                  f"{full} intermediate rows expected, checkpoint {tuple(loaded.shape)}.")
             loaded = loaded.narrow(dim, tp_rank() * i, i)
+        loaded = as_tensor(loaded)
         if dst.shape != loaded.shape:
             raise ValueError(f"Shape mismatch for expert {expert} shard {half}: {tuple(dst.shape)} vs checkpoint "
                              f"{tuple(loaded.shape)}.")

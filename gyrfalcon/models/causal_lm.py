@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.cache_spec import CacheSpec
+from gyrfalcon.distributed import as_tensor
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -100,7 +101,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled (a fused
-        weight's shards as name#shard)."""
+        weight's shards as name#shard). Under tensor parallelism the tensors are CheckpointSlices
+        (gyrfalcon/distributed): the sharded layers' weight_loaders read their rank's part, the rest whole."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: Set[str] = set()
         for name, tensor in weights:
@@ -140,6 +142,7 @@ class CausalLM(nn.Module):
             elif isinstance(owner, (VocabEmbedding, LMHead)):  # this rank's vocabulary rows
                 owner.weight_loader(param, tensor)
             else:
+                tensor = as_tensor(tensor)  # replicated on every rank: read whole
                 if param.shape != tensor.shape:
                     raise ValueError(f"Shape mismatch for {name}: {tuple(param.shape)} vs "
                                      f"checkpoint {tuple(tensor.shape)}.")

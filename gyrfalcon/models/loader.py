@@ -21,7 +21,7 @@ from typing import Dict, Iterable, Iterator, Set, Tuple
 import torch
 from safetensors import safe_open
 
-from gyrfalcon.distributed import tp_size
+from gyrfalcon.distributed import CheckpointSlice, tp_size
 from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm_linear import fold_norms
@@ -42,15 +42,16 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file, one tensor in memory at a time."""
+def iterate_safetensors(model_dir: str, lazy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file, one tensor in memory at a time. lazy (tensor
+    parallelism): (name, CheckpointSlice), read by the consumer, only its rank's part where it narrows it."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"No *.safetensors weight files in {model_dir}.")
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                yield name, (CheckpointSlice(sf.get_slice(name)) if lazy else sf.get_tensor(name))
 
 
 def route_scales(model: torch.nn.Module, weights: Iterable[Tuple[str, torch.Tensor]],
@@ -201,7 +202,7 @@ def load_model(model_config, device: str) -> torch.nn.Module:
         gguf, t0 = is_gguf(model_config.model), time.perf_counter()
         # A GGUF file: every tensor dequantized as it is read (models/gguf_loader.py), under the HF names.
         weights = (iterate_gguf(model_config.model, model_config.hf_config) if gguf
-                   else iterate_safetensors(model_config.model))
+                   else iterate_safetensors(model_config.model, lazy=tp_size() > 1))
         loaded = model.load_weights(route_scales(model, weights, scales))
         if gguf:
             logger.info("GGUF %s dequantized in %.2f s", gguf_file_description(model_config.model),

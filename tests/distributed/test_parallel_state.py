@@ -68,3 +68,20 @@ def test_rank_loads_its_rows(as_rank):
     table = torch.randn(7, 3)
     emb.weight_loader(emb.weight, table)
     assert torch.equal(emb.weight[:3], table[4:]) and not emb.weight[3].any()
+
+
+def test_checkpoint_slice_reads_the_part_asked_for(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from gyrfalcon.distributed import CheckpointSlice, as_tensor
+
+    t = torch.randn(6, 4, dtype=torch.bfloat16)
+    save_file({"w": t}, str(tmp_path / "a.safetensors"))
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as sf:
+        s = CheckpointSlice(sf.get_slice("w"))
+        assert s.shape == t.shape and s.dtype == torch.bfloat16 and s.dim() == 2
+        assert torch.equal(s.narrow(0, 2, 3), t[2:5]) and torch.equal(s.narrow(1, 1, 2), t[:, 1:3])
+        assert torch.equal(as_tensor(s), t) and as_tensor(t) is t
+        with pytest.raises(ValueError, match="outside"):
+            s.narrow(0, 4, 3)

@@ -19,13 +19,27 @@ KW = dict(block_size=8, max_model_len=128, device="cpu", num_gpu_blocks_override
 PROMPTS = [list(range(3, 43)), list(range(3, 27)) + [200, 201], [7], [90, 91, 92, 93, 94, 95]]
 MAX_NEW = 8
 
-CONFIGS = {
-    "llama-1kv": dict(make=lambda p: make_checkpoint(p, "llama", num_key_value_heads=1, vocab_size=515,
-                                                     tie_word_embeddings=True), kw={}),
-    "qwen3moe-tp": dict(make=lambda p: make_moe_checkpoint(p, "qwen3_moe"), kw={}),
-    "qwen3moe-ep": dict(make=lambda p: make_moe_checkpoint(p, "qwen3_moe"),
-                        kw=dict(enable_expert_parallel=True, async_scheduling=True)),
+CHECKPOINTS = {
+    "llama-1kv": lambda p: make_checkpoint(p, "llama", num_key_value_heads=1, vocab_size=515, tie_word_embeddings=True),
+    "qwen3moe": lambda p: make_moe_checkpoint(p, "qwen3_moe"),
 }
+# config -> (checkpoint, extra engine arguments)
+CONFIGS = {
+    "llama-1kv": ("llama-1kv", {}),
+    "qwen3moe-tp": ("qwen3moe", {}),
+    "qwen3moe-ep": ("qwen3moe", dict(enable_expert_parallel=True, async_scheduling=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = CHECKPOINTS[name](tmp_path_factory.mktemp(name))
+        return made[name]
+    return get
 
 
 def _generate(llm, vocab):
@@ -37,14 +51,14 @@ def _generate(llm, vocab):
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def runs(request, tmp_path_factory):
+def runs(request, checkpoints):
     """(one process's outputs, tensor_parallel_size=2's outputs, vocabulary size) of one config."""
-    cfg = CONFIGS[request.param]
-    ckpt = cfg["make"](tmp_path_factory.mktemp(request.param))
     import json
+    name, kw = CONFIGS[request.param]
+    ckpt = checkpoints(name)
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-    want = _generate(LLM(str(ckpt), **KW, **cfg["kw"]), vocab)
-    llm = LLM(str(ckpt), tensor_parallel_size=2, **KW, **cfg["kw"])
+    want = _generate(LLM(str(ckpt), **KW, **kw), vocab)
+    llm = LLM(str(ckpt), tensor_parallel_size=2, **KW, **kw)
     try:
         assert llm.engine.runner.world_size == 2
         got = _generate(llm, vocab)
