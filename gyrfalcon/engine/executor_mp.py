@@ -132,6 +132,8 @@ class MultiprocExecutor:
         # uses the blocks every rank has.
         self.num_blocks = min(r[0] for r in ready.values())
         self.num_state_slots = ready[0][1]
+        # Rank 0's startup phases (ModelRunner.startup_phases: load, kv sizing, ...), for the benchmarks' report.
+        self.startup_phases = dict(ready[0][2])
         logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,
                     [p.pid for p in self._procs])
 

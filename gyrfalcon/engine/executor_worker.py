@@ -17,7 +17,7 @@ import sys
 import traceback
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
-# [num_blocks, num_state_slots]] | [OUTPUT, rank, output bytes] (rank 0 only) | [ERROR, rank, text].
+# [num_blocks, num_state_slots, {startup phase: seconds}]] | [OUTPUT, rank, output bytes] (rank 0 only) | [ERROR, rank, text].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
 
 # How often an idle worker checks that the engine core (its parent) still runs.
@@ -65,7 +65,8 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         _cpu_threads(config.device, pc.tensor_parallel_size)
         init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel)
         runner = ModelRunner(config)
-        results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots]]))
+        results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
+                                                  runner.startup_phases]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
                 if os.getppid() != parent_pid:

@@ -85,3 +85,17 @@ def test_checkpoint_slice_reads_the_part_asked_for(tmp_path):
         assert torch.equal(as_tensor(s), t) and as_tensor(t) is t
         with pytest.raises(ValueError, match="outside"):
             s.narrow(0, 4, 3)
+
+
+def test_cli_flags_reach_the_engine_arguments():
+    import argparse
+
+    from gyrfalcon.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    keys = ("tensor_parallel_size", "enable_expert_parallel", "distributed_executor_backend")
+    kw = engine_kwargs(p.parse_args(["-tp", "4", "--enable-expert-parallel", "--distributed-executor-backend", "mp"]))
+    assert tuple(kw[k] for k in keys) == (4, True, "mp")
+    kw = engine_kwargs(p.parse_args([]))
+    assert tuple(kw[k] for k in keys) == (1, False, None)
