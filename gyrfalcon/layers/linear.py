@@ -151,7 +151,7 @@ class QKVLinear(MergedLinear):
     Tensor parallel: rank r holds query heads r * H / tp ...; K/V heads split the same way when tp divides
     them, and when there are fewer K/V heads than ranks each rank holds one, K/V head r // (tp / num_kv_heads),
     replicated on the tp / num_kv_heads ranks whose query heads attend to it (the GQA grouping is kept).
-    local_heads(): (query heads, K/V heads) on this rank."""
+    local_num_heads / local_num_kv_heads: this rank's query / K/V heads (all of them at world size 1)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
