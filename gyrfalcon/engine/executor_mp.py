@@ -39,7 +39,20 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class WorkerDied(RuntimeError):
-    """A tensor-parallel worker exited or failed: the engine cannot step any more."""
+    """A tensor-parallel worker exited or failed: the engine cannot step any more. kind: the name of the exception
+    the worker reported (None when its process just exited)."""
+
+    def __init__(self, message: str, kind: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def startup_error(err: WorkerDied) -> Exception:
+    """What the engine raises when a worker fails to start: a ValueError for a worker's ValueError (bad settings: a
+    dimension the tensor-parallel size does not divide, ...; the server reports those without a traceback), else
+    a RuntimeError."""
+    cls = ValueError if err.kind == "ValueError" else RuntimeError
+    return cls(f"Tensor-parallel startup failed: {err}")
 
 
 class _Handle:
@@ -116,7 +129,8 @@ class MultiprocExecutor:
                        for r in range(self.world_size)]
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps, self._results, self._ctx,
                                            self._tmpdir, True)
-        self._dead: Optional[str] = None
+        self._dead: Optional[str] = None  # why the workers were stopped, once they were
+        self._dead_kind: Optional[str] = None
         self._pending: list = []  # messages read while checking health, not yet consumed by _recv
         for p in self._procs:
             p.start()
@@ -127,7 +141,7 @@ class MultiprocExecutor:
                 if tag == READY:
                     ready[rank] = payload
         except WorkerDied as err:
-            raise RuntimeError(f"Tensor-parallel startup failed: {err}") from None
+            raise startup_error(err) from None
         # Every rank sized its cache alike (the same shard shapes); on a GPU free memory may differ: the engine
         # uses the blocks every rank has.
         self.num_blocks = min(r[0] for r in ready.values())
@@ -157,7 +171,7 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         """Raise WorkerDied if a worker exited or reported a failure (non-blocking)."""
         if self._dead is not None:
-            raise WorkerDied(self._dead)
+            raise WorkerDied(self._dead, self._dead_kind)
         zmq = self._zmq
         while True:  # an ERROR may be queued behind nothing: look without waiting
             try:
@@ -168,7 +182,7 @@ class MultiprocExecutor:
         for data in self._pending:
             msg = self._msgpack.unpackb(data, raw=False)
             if msg[0] == ERROR:
-                self._fail(f"tensor-parallel worker rank {msg[1]} failed: {msg[2]}")
+                self._fail(f"tensor-parallel worker rank {msg[1]} failed: {msg[2][1]}", msg[2][0])
         self._check_processes()
 
     def shutdown(self) -> None:
@@ -179,7 +193,7 @@ class MultiprocExecutor:
         """The next message from any rank; ERROR or a dead worker raises WorkerDied."""
         while True:
             if self._dead is not None:
-                raise WorkerDied(self._dead)
+                raise WorkerDied(self._dead, self._dead_kind)
             if self._pending:
                 data = self._pending.pop(0)
             elif self._results.poll(LIVENESS_POLL_MS):
@@ -189,7 +203,7 @@ class MultiprocExecutor:
                 continue
             tag, rank, payload = self._msgpack.unpackb(data, raw=False)
             if tag == ERROR:
-                self._fail(f"tensor-parallel worker rank {rank} failed: {payload}")
+                self._fail(f"tensor-parallel worker rank {rank} failed: {payload[1]}", payload[0])
             return tag, rank, payload
 
     def _check_processes(self) -> None:
@@ -197,10 +211,10 @@ class MultiprocExecutor:
             if not p.is_alive():
                 self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}")
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, kind: Optional[str] = None) -> None:
         """Stop every worker (the others would wait in a collective for the dead one) and raise."""
-        self._dead = why
+        self._dead, self._dead_kind = why, kind
         logger.error("%s; stopping the other workers", why)
         self._finalizer.detach()
         _stop(self._procs, self._steps, self._results, self._ctx, self._tmpdir, graceful=False)
-        raise WorkerDied(why)
+        raise WorkerDied(why, kind)

@@ -17,7 +17,8 @@ import sys
 import traceback
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
-# [num_blocks, num_state_slots, {startup phase: seconds}]] | [OUTPUT, rank, output bytes] (rank 0 only) | [ERROR, rank, text].
+# [num_blocks, num_state_slots, {startup phase: seconds}]] | [OUTPUT, rank, output bytes] (rank 0 only) |
+# [ERROR, rank, [exception type name, text]].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
 
 # How often an idle worker checks that the engine core (its parent) still runs.
@@ -86,7 +87,7 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
             text += "\n" + traceback.format_exc()
         logging.getLogger("gyrfalcon").error("tensor-parallel rank %d failed: %s", rank, text)
         try:
-            results.send(msgpack.packb([ERROR, rank, text]))
+            results.send(msgpack.packb([ERROR, rank, [type(err).__name__, text]]))
         except Exception:  # noqa: BLE001: the core is gone; nobody to tell
             pass
     finally:

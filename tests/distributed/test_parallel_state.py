@@ -99,3 +99,13 @@ def test_cli_flags_reach_the_engine_arguments():
     assert tuple(kw[k] for k in keys) == (4, True, "mp")
     kw = engine_kwargs(p.parse_args([]))
     assert tuple(kw[k] for k in keys) == (1, False, None)
+
+
+def test_a_worker_startup_error_keeps_its_kind():
+    """Bad settings a worker meets (a dimension the tensor-parallel size does not divide) stay ValueErrors, which
+    the server reports as such; anything else is a RuntimeError. (The text is the worker's own message.)"""
+    from gyrfalcon.engine.executor_mp import WorkerDied, startup_error
+
+    bad = startup_error(WorkerDied("rank 1 failed: ValueError: tensor_parallel_size 4 does not divide", "ValueError"))
+    assert type(bad) is ValueError and "does not divide" in str(bad)
+    assert type(startup_error(WorkerDied("rank 0 exited with code -9"))) is RuntimeError
