@@ -1,5 +1,6 @@
 """tensor_parallel_size=2 over gloo (two worker processes on the CPU) against one process on tiny random
-checkpoints: the same greedy and seeded tokens, and every step's full distribution within fp32 tolerance.
+checkpoints: the same tokens (greedy, seeded n = 2, penalized), every greedy step's full distribution and the
+prompt logprobs within fp32 tolerance.
 
 Configs: Llama with one KV head (replicated on both ranks), an odd vocabulary (the last rank's padding rows) and a
 tied LM head; Qwen3-MoE (Qwen3 attention split over its two KV heads, a dense layer, sparse layers) with the
@@ -43,11 +44,19 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(llm, vocab):
+    """The greedy runs' outputs (full logprobs) per prompt, then the other requests' outputs, then the prompt
+    logprobs of the last request: sampling paths whose state every rank keeps alike (seeded draws, penalties
+    over the output history, n > 1) and the prompt-logprob path."""
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=vocab)
-    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1]],
-                        [greedy] * len(PROMPTS) + [seeded], use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+    others = [SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_NEW, ignore_eos=True, n=2),
+              SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)]
+    # (prompt logprobs over the longest prompt: its prefill takes two chunked steps)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + [PROMPTS[2], PROMPTS[3], PROMPTS[0]]],
+                        [greedy] * len(PROMPTS) + others, use_tqdm=False)
+    return [o.outputs[0] for o in outs[:len(PROMPTS)]] + [c for o in outs[len(PROMPTS):] for c in o.outputs] + \
+        [outs[-1].prompt_logprobs]
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -71,8 +80,17 @@ def runs(request, checkpoints):
 
 def test_same_tokens(runs):
     want, got, _ = runs
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert all(len(o.token_ids) == MAX_NEW for o in got)
+    assert [o.token_ids for o in got[:-1]] == [o.token_ids for o in want[:-1]]
+    assert all(len(o.token_ids) == MAX_NEW for o in got[:-2])
+
+
+def test_same_prompt_logprobs(runs):
+    want, got, _ = runs
+    assert len(got[-1]) == len(PROMPTS[0]) == len(want[-1])
+    for w, g in zip(want[-1][1:], got[-1][1:]):
+        assert list(g) == list(w)
+        torch.testing.assert_close([e.logprob for e in g.values()], [e.logprob for e in w.values()], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_same_distributions(runs):
