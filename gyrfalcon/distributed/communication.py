@@ -31,13 +31,3 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     gather(out, x)
     return out.view(tp, n, c).transpose(0, 1).reshape(n, tp * c)
 
-
-def all_reduce_min(value: int, device: str = "cpu") -> int:
-    """The smallest of an int over the ranks (the KV blocks every rank can hold)."""
-    if tp_size() == 1:
-        return value
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
