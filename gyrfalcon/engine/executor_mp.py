@@ -207,9 +207,19 @@ class MultiprocExecutor:
             return tag, rank, payload
 
     def _check_processes(self) -> None:
-        for r, p in enumerate(self._procs):
-            if not p.is_alive():
-                self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        dead = [(r, p) for r, p in enumerate(self._procs) if not p.is_alive()]
+        if not dead:
+            return
+        # A worker that failed sent its reason before exiting (its socket lingers until sent): report that rather
+        # than the bare exit code when it is on its way.
+        while self._results.poll(LIVENESS_POLL_MS):
+            data = self._results.recv()
+            msg = self._msgpack.unpackb(data, raw=False)
+            if msg[0] == ERROR:
+                self._fail(f"tensor-parallel worker rank {msg[1]} failed: {msg[2][1]}", msg[2][0])
+            self._pending.append(data)
+        r, p = dead[0]
+        self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}")
 
     def _fail(self, why: str, kind: Optional[str] = None) -> None:
         """Stop every worker (the others would wait in a collective for the dead one) and raise."""
