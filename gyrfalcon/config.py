@@ -398,11 +398,37 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """Tensor / expert parallelism (docs/parallelism.md): tensor_parallel_size ranks, one worker process each
+    (engine/executor_mp.py), every layer split across them; enable_expert_parallel: MoE layers give each rank
+    whole experts instead of a slice of every expert. distributed_executor_backend: how the ranks run ("mp":
+    processes on this machine; None: "mp" when tensor_parallel_size > 1)."""
+
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: Optional[str] = None
 
     def verify(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet.")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' (processes on one "
+                             "machine).")
+        if backend not in (None, "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'mp', got {backend!r}.")
+        if backend is None and tp > 1:
+            self.distributed_executor_backend = "mp"
+
+    def check_devices(self, device: str) -> None:
+        """One GPU per rank on this machine."""
+        if device != "cuda" or self.tensor_parallel_size == 1:
+            return
+        import torch
+        n = torch.cuda.device_count()
+        if n < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs on this machine; "
+                             f"{n} visible.")
 
 
 @dataclass
@@ -456,6 +482,13 @@ class EngineConfig:
         self.model_config.resolve(self.device)
         self.cache_config.verify()
         self.parallel_config.verify()
+        self.parallel_config.check_devices(self.device)
+        if self.parallel_config.tensor_parallel_size > 1 and self.device == "cuda" and not self.enforce_eager:
+            # Decode graphs do not capture the all-reduces yet (docs/parallelism.md): tensor-parallel steps run
+            # eagerly.
+            import logging
+            logging.getLogger("gyrfalcon").info("tensor_parallel_size > 1: CUDA graphs off (enforce_eager).")
+            self.enforce_eager = True
         self.speculative_config.verify()
         self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:

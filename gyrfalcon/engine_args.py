@@ -138,8 +138,14 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               "on a CPU)", kind=ON_OFF),
     EngineArg("offline", "scheduler_config.offline", "the offline LLM's engine (set by LLM())", scope=INTERNAL),
     # ---- parallelism, speculation, the device ---------------------------------------------------------------
-    EngineArg("tensor_parallel_size", "parallel_config.tensor_parallel_size", "GPUs to split the model across",
+    EngineArg("tensor_parallel_size", "parallel_config.tensor_parallel_size",
+              "GPUs to split the model across (one worker process each; on a CPU, processes over gloo)",
               type=int, aliases=("-tp",)),
+    EngineArg("enable_expert_parallel", "parallel_config.enable_expert_parallel",
+              "MoE layers: each rank holds whole experts instead of a slice of every expert", kind=SWITCH),
+    EngineArg("distributed_executor_backend", "parallel_config.distributed_executor_backend",
+              "how the tensor-parallel ranks run: mp (processes on this machine; the default when "
+              "--tensor-parallel-size > 1)", choices=("mp",)),
     EngineArg("num_speculative_tokens", "speculative_config.num_speculative_tokens",
               "tokens a proposer drafts per step (set with the speculative config)", scope=INTERNAL),
     EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=ON_OFF),

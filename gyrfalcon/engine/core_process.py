@@ -285,6 +285,10 @@ class EngineCoreProc:
             self._drain_input(0 if busy or self._stats_dirty else IDLE_POLL_MS)
             if self._shutdown or not self._parent_alive():
                 break
+            if not busy:
+                # A tensor-parallel worker that died while nothing ran ends the engine now, not at the next
+                # request (engine/executor_mp.py); raises into run_engine_core's EngineDead.
+                self.engine.check_health()
             if self.engine.has_unfinished_requests():
                 updates = self.engine.step()
                 out = self._updates(updates)
@@ -361,7 +365,8 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
             from gyrfalcon.runner.model_runner import start_device_init
 
-            start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
+            if spec["engine_args"].get("tensor_parallel_size", 1) == 1:  # (workers make their own)
+                start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
             config = EngineConfig.create(spec["model"], **spec["engine_args"])
             _set_cpu_threads(config.device)
             eos = spec.get("eos_token_ids")
@@ -392,6 +397,8 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             logger.error("engine core died:\n%s", traceback.format_exc())
             core._send(EngineDead(f"{type(err).__name__}: {err}"))
             return 1
+        finally:
+            engine.shutdown()  # tensor-parallel workers, if any
         return 0
     finally:
         inp.close(linger=0)

@@ -40,12 +40,13 @@ def freeze_gc_after_startup(default: bool) -> bool:
 
 class Engine:
     def __init__(self, config, eos_token_ids: List[int], runner=None) -> None:
-        """`runner` defaults to a ModelRunner on config.device (imported here, so engine/ itself
-        stays free of CUDA code and its tests can pass a fake runner)."""
+        """`runner` defaults to the executor of config (engine/executor.py: the ModelRunner itself on one device,
+        worker processes under tensor parallelism; imported there, so engine/ itself stays free of CUDA code and
+        its tests can pass a fake runner)."""
         self.config = config
         if runner is None:
-            from gyrfalcon.runner.model_runner import ModelRunner
-            runner = ModelRunner(config)
+            from gyrfalcon.engine.executor import create_executor
+            runner = create_executor(config)
         self.runner = runner
         self.eos_token_ids = list(eos_token_ids)
         cc, sc = config.cache_config, config.scheduler_config
@@ -120,6 +121,18 @@ class Engine:
     def finish_request(self, request_id: str) -> bool:
         """End a request that the front end saw stop (a stop string)."""
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED) is not None
+
+    def check_health(self) -> None:
+        """Raise if the runner cannot step any more (a tensor-parallel worker died: engine/executor_mp.py)."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Stop the runner's worker processes, if it has any (an in-process runner has nothing to stop)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.layers.activation import SiluAndMul
-from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.layers.linear import MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 
@@ -22,7 +22,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        # Tensor parallel: each rank holds a slice of the intermediate dim (gate_up column-, down row-parallel).
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.gate_up_in: Optional[NormLinear] = None
 
     def bind_input_norm(self, norm: RMSNorm) -> None:

@@ -9,6 +9,11 @@ Router variants (`scoring`):
   routed_scaling_factor (MiniMax-M2: normalized, factor 1). With n_group > 1 the selection is DeepSeek's
   grouped noaux_tc: each group of experts scores the sum of its top-2 biased scores, the topk_group best
   groups stay, the top-k experts are picked among theirs (DeepSeek-V3: factor 2.5).
+
+Tensor parallelism (gyrfalcon/distributed; docs/parallelism.md): the router is replicated, so every rank routes
+every token the same way. FusedExperts then holds either a slice of every expert's intermediate dim (the default)
+or, with expert parallelism, tp-th of the experts whole; either way each rank's output is a partial sum over
+its share of the work, added to the shared expert's partial, and SparseMoE all-reduces that once.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.distributed import as_tensor, expert_parallel, shard_size, tp_all_reduce, tp_rank
 from gyrfalcon.kernels.fused_moe import fused_moe
 from gyrfalcon.kernels.moe_router import SIGMOID, SOFTMAX, route
 from gyrfalcon.layers.activation import SiluAndMul
-from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.layers.linear import Linear, MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear
 from gyrfalcon.layers.quantization import fp8 as _fp8
@@ -79,13 +85,29 @@ class FusedExperts(nn.Module):
     ceil(I / bk)] (quant_block (bn, bk)), named so that a checkpoint's `experts.<e>.<proj>.weight_scale_inv` lands
     in `experts.<stacked>_weight_scale_inv` at the same shard (expert, half) as its weight: the gate / up scale
     rows stack like the weight rows (I % bn == 0, checked by prepare_model). `--quantization fp8` gives the same
-    layout, quantized at load. Either runs kernels/fused_moe's FP8 mode."""
+    layout, quantized at load. Either runs kernels/fused_moe's FP8 mode.
+
+    Tensor parallel: each rank holds I / tp of every expert's intermediate rows (w13's gate and up rows, w2's
+    columns); with expert parallelism it holds experts [r * E / tp, (r + 1) * E / tp) whole and tokens routed
+    elsewhere weigh 0 here. Either way forward returns this rank's partial sum (SparseMoE reduces it). Expert
+    indices in shards and topk_ids stay global."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.num_experts = num_experts
+        self.expert_parallel = expert_parallel()
+        if self.expert_parallel:
+            self.num_local_experts = shard_size(num_experts, "the number of experts (expert parallelism)")
+            self.intermediate_size = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_size = shard_size(intermediate_size, "moe_intermediate_size")
+        self.expert_start = tp_rank() * self.num_local_experts if self.expert_parallel else 0
+        self.full_intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size),
+                               requires_grad=False)
         self.quant_block: Optional[Tuple[int, int]] = None  # (bn, bk) when the experts are FP8
         block = _fp8.current_weight_block()
         if block is not None:
@@ -102,17 +124,37 @@ class FusedExperts(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} out of range: this layer has {self.num_experts} experts.")
         if self.quant_block is not None and param is not self.w13 and param is not self.w2:
-            return _fp8.load_expert_scale(self, param, loaded, expert, half)
+            return _fp8.load_expert_scale(self, param, as_tensor(loaded), expert, half)
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local_experts:
+            return None  # another rank's expert (expert parallelism)
         dst = param.data[expert]
         if half is not None:
             dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
+        if self.intermediate_size != self.full_intermediate_size:  # this rank's slice of the expert
+            full, i = self.full_intermediate_size, self.intermediate_size
+            dim = 0 if half is not None else 1
+            if loaded.dim() != 2 or loaded.shape[dim] != full:
+                raise ValueError(f"Shape mismatch for expert {expert + self.expert_start} shard {half}: "
+                                 f"{full} intermediate rows expected, checkpoint {tuple(loaded.shape)}.")
+            loaded = loaded.narrow(dim, tp_rank() * i, i)
+        loaded = as_tensor(loaded)
         if dst.shape != loaded.shape:
             raise ValueError(f"Shape mismatch for expert {expert} shard {half}: {tuple(dst.shape)} vs checkpoint "
                              f"{tuple(loaded.shape)}.")
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] -> [T, hidden]."""
+        """x: [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] (global) -> [T, hidden] (this rank's partial
+        sum under tensor parallelism)."""
+        if self.expert_parallel:
+            # Local indices; another rank's experts weigh 0 and point at local expert 0 (computed, then dropped:
+            # the first correct expert parallelism, docs/parallelism.md; skipping them needs an expert map in
+            # kernels/fused_moe's token sort).
+            local = topk_ids - self.expert_start
+            remote = (local < 0) | (local >= self.num_local_experts)
+            topk_ids = local.masked_fill(remote, 0)
+            topk_weights = topk_weights.masked_fill(remote, 0.0)
         if self.quant_block is not None:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_weight_scale_inv,
                              self.w2_weight_scale_inv, self.quant_block)
@@ -126,7 +168,8 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size})
         self.act = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        # (tensor parallel: a partial sum, reduced by SparseMoE together with the routed experts')
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -167,4 +210,4 @@ class SparseMoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared
-        return out, n.residual
+        return tp_all_reduce(out), n.residual

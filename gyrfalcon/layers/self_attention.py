@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from gyrfalcon import envs
+from gyrfalcon.distributed import tp_size
 from gyrfalcon.kernels.rms_norm import qk_norm_whole
 from gyrfalcon.layers.attention import Attention
-from gyrfalcon.layers.linear import Linear, QKVLinear
+from gyrfalcon.layers.linear import QKVLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -35,12 +36,19 @@ class RotarySelfAttention(nn.Module):
         is multiplied by sigmoid(gate) before o_proj (Qwen3-Next's gated attention). qk_norm_offset: the q/k
         norms' weight offset (1: Qwen3-Next's zero-centred `* (1 + w)`)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if qk_norm_whole and tp_size() > 1:
+            raise ValueError("A whole-projection q/k norm (MiniMax-M2) spans every head: not supported with "
+                             "tensor parallelism yet.")
         self.output_gate = output_gate
-        # (the q shard holds the gate rows too: the checkpoint's q_proj [num_heads * 2 * head_dim, hidden])
+        # (the q shard holds the gate rows too: the checkpoint's q_proj [num_heads * 2 * head_dim, hidden]; per
+        # head [query | gate], so splitting its 2 * num_heads head_dim-row blocks keeps each head's pair whole)
         self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads * (2 if output_gate else 1), num_kv_heads,
                                   qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, o_proj_bias)
+        # This rank's heads (all of them at world size 1): tensor parallelism splits them (QKVLinear).
+        num_heads = self.qkv_proj.local_num_heads // (2 if output_gate else 1)
+        num_kv_heads = self.qkv_proj.local_num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.o_proj = RowParallelLinear(self.num_heads * tp_size() * head_dim, hidden_size, o_proj_bias)
         self.rotary_emb = rotary
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, layer_idx)
         self.use_qk_norm = qk_norm_eps is not None

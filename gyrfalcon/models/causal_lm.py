@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.cache_spec import CacheSpec
+from gyrfalcon.distributed import as_tensor
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -65,6 +66,9 @@ class CausalLM(nn.Module):
 
     stacked_params: Tuple[Tuple[str, str, object], ...] = ()
     expert_params: Tuple[Tuple[str, str, Optional[int]], ...] = ()
+    # Whether the family builds its layers sharded for tensor parallelism (column / row-parallel projections,
+    # split heads and experts; docs/parallelism.md). The loader refuses tensor_parallel_size > 1 otherwise.
+    supports_tensor_parallel = False
 
     def __init__(self, config, max_position: Optional[int] = None) -> None:
         super().__init__()
@@ -97,7 +101,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled (a fused
-        weight's shards as name#shard)."""
+        weight's shards as name#shard). Under tensor parallelism the tensors are CheckpointSlices
+        (gyrfalcon/distributed): the sharded layers' weight_loaders read their rank's part, the rest whole."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: Set[str] = set()
         for name, tensor in weights:
@@ -134,7 +139,10 @@ class CausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
             elif isinstance(owner, Linear) and name.endswith(("weight", "bias")):
                 owner.weight_loader(param, tensor, shard)
+            elif isinstance(owner, (VocabEmbedding, LMHead)):  # this rank's vocabulary rows
+                owner.weight_loader(param, tensor)
             else:
+                tensor = as_tensor(tensor)  # replicated on every rank: read whole
                 if param.shape != tensor.shape:
                     raise ValueError(f"Shape mismatch for {name}: {tuple(param.shape)} vs "
                                      f"checkpoint {tuple(tensor.shape)}.")

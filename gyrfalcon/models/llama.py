@@ -44,6 +44,7 @@ def rotary_attention(config, layer_idx: int, max_position: int, qk_norm: bool,
 
 class LlamaForCausalLM(CausalLM):
     stacked_params = STACKED_PARAMS
+    supports_tensor_parallel = True
     qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:

@@ -21,6 +21,7 @@ from typing import Dict, Iterable, Iterator, Set, Tuple
 import torch
 from safetensors import safe_open
 
+from gyrfalcon.distributed import CheckpointSlice, tp_size
 from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm_linear import fold_norms
@@ -41,15 +42,16 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file, one tensor in memory at a time."""
+def iterate_safetensors(model_dir: str, lazy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file, one tensor in memory at a time. lazy (tensor
+    parallelism): (name, CheckpointSlice), read by the consumer, only its rank's part where it narrows it."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"No *.safetensors weight files in {model_dir}.")
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                yield name, (CheckpointSlice(sf.get_slice(name)) if lazy else sf.get_tensor(name))
 
 
 def route_scales(model: torch.nn.Module, weights: Iterable[Tuple[str, torch.Tensor]],
@@ -168,12 +170,27 @@ def _load_dummy(model: torch.nn.Module, seed: int, device: str) -> None:
     logger.info("dummy weights: %d parameters (%.2f GB) filled in %.2f s", n, nbytes / 1e9, time.perf_counter() - t0)
 
 
+def check_tensor_parallel(cls, quant, tp: int) -> None:
+    """Under tensor parallelism (gyrfalcon/distributed: the worker set the group up before loading) every layer
+    builds this rank's shard and each weight_loader narrows the checkpoint tensor it gets to that shard. Refuse
+    what does not shard yet, before building anything (the engine asks before it starts workers: executor.py)."""
+    if tp == 1:
+        return
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size={tp}); "
+                         "docs/parallelism.md lists the families that do.")
+    if quant is not None:
+        raise ValueError("FP8 weights with tensor parallelism are not supported yet: their block scales would "
+                         "need the same narrowing as the weights.")
+
+
 def load_model(model_config, device: str) -> torch.nn.Module:
     """The model of `model_config` on `device` in its dtype, every parameter filled from disk (or, with
     load_format "dummy", with random values: fill_dummy_weights)."""
     cls = resolve_model_class(model_config.hf_config)
     quant = getattr(model_config, "quant_config", None)
     block = quant.weight_block_size if quant is not None and quant.from_checkpoint else None
+    check_tensor_parallel(cls, quant, tp_size())
     with _default_dtype(model_config.torch_dtype), torch.device(device), fp8_scope(block):
         model = cls(model_config.hf_config, max_position=model_config.max_model_len)
     if block is not None:
@@ -185,7 +202,7 @@ def load_model(model_config, device: str) -> torch.nn.Module:
         gguf, t0 = is_gguf(model_config.model), time.perf_counter()
         # A GGUF file: every tensor dequantized as it is read (models/gguf_loader.py), under the HF names.
         weights = (iterate_gguf(model_config.model, model_config.hf_config) if gguf
-                   else iterate_safetensors(model_config.model))
+                   else iterate_safetensors(model_config.model, lazy=tp_size() > 1))
         loaded = model.load_weights(route_scales(model, weights, scales))
         if gguf:
             logger.info("GGUF %s dequantized in %.2f s", gguf_file_description(model_config.model),

@@ -23,6 +23,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 class Qwen3MoeForCausalLM(CausalLM):
     stacked_params = STACKED_PARAMS
+    supports_tensor_parallel = True
     expert_params = QWEN_EXPERT_PARAMS
 
     def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:

@@ -1,0 +1,33 @@
+"""The collectives a layer calls, over the tensor-parallel group; the identity at world size 1."""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.distributed.parallel_state import tp_size
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the ranks, in place (x: each rank's partial result, e.g. a row-parallel GEMM's)."""
+    if tp_size() == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, C] (2-D) on every rank -> [N, tp * C], rank r's columns at r * C (a vocab-parallel LM head's logits)."""
+    tp = tp_size()
+    if tp == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    n, c = x.shape
+    out = torch.empty(tp * n, c, dtype=x.dtype, device=x.device)  # rank r's rows at r * n (gloo wants it flat)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (renamed in newer torch)
+    gather(out, x)
+    return out.view(tp, n, c).transpose(0, 1).reshape(n, tp * c)
+

@@ -1,0 +1,84 @@
+"""ParallelState: this process's rank in the tensor-parallel group, the group's size, and whether MoE layers
+split their experts across the ranks (expert parallelism) instead of splitting each expert.
+
+One state per process, set once by init_distributed (a worker of engine/executor_mp.py, before it builds its
+ModelRunner) and read by the layers while the model is built: a layer sizes its weights to its rank's shard then,
+so the same model code builds the whole model at world size 1. Without init_distributed the state is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int = 0
+    world_size: int = 1
+    # MoE layers: each rank owns world_size-th of the experts, whole (True), or a slice of every expert's
+    # intermediate dim (False: tensor parallel inside each expert, vLLM's default).
+    expert_parallel: bool = False
+    backend: Optional[str] = None  # "nccl" / "gloo" once a process group exists
+
+
+_STATE = ParallelState()
+
+
+def get_state() -> ParallelState:
+    return _STATE
+
+
+def tp_rank() -> int:
+    return _STATE.rank
+
+
+def tp_size() -> int:
+    return _STATE.world_size
+
+
+def expert_parallel() -> bool:
+    return _STATE.expert_parallel and _STATE.world_size > 1
+
+
+def shard_size(n: int, what: str) -> int:
+    """n // tp_size(), refusing a dimension that does not split evenly (what: its name, for the message)."""
+    tp = _STATE.world_size
+    if n % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide {what} ({n}): every rank must hold an equal "
+                         "shard; choose a tensor_parallel_size that divides it.")
+    return n // tp
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: str = "cpu",
+                     expert_parallel: bool = False, timeout_s: float = 600.0) -> ParallelState:
+    """Join the process group of `world_size` ranks at `init_method` (tcp://host:port): NCCL when `device` is
+    "cuda" (this rank on cuda:rank: one process per GPU of one host), else gloo. timeout_s bounds a collective
+    that a dead peer never joins (the engine notices a dead worker sooner, by its process: executor_mp.py)."""
+    global _STATE
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    _STATE = ParallelState(rank, world_size, expert_parallel, backend if world_size > 1 else None)
+    logger.debug("rank %d of %d joined (%s)", rank, world_size, _STATE.backend)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = ParallelState()

@@ -1,0 +1,111 @@
+"""The shard arithmetic the layers do at build time, for ranks of a larger group (the state is set by hand: no
+process group is needed to size a shard), and the collectives' identity at world size 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.distributed import parallel_state
+from gyrfalcon.distributed import shard_size, tp_all_gather, tp_all_reduce
+from gyrfalcon.layers.embedding import VocabEmbedding
+from gyrfalcon.layers.linear import QKVLinear, RowParallelLinear, qkv_head_split
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    def set_rank(rank, world, ep=False):
+        monkeypatch.setattr(parallel_state, "_STATE", parallel_state.ParallelState(rank, world, ep))
+    return set_rank
+
+
+def test_world_size_one_is_the_identity():
+    x = torch.randn(3, 5)
+    assert tp_all_reduce(x) is x and tp_all_gather(x) is x
+    assert shard_size(12, "x") == 12
+
+
+@pytest.mark.parametrize("world,kv,want", [
+    (4, 8, [(8, 2, 0), (8, 2, 1), (8, 2, 2), (8, 2, 3)]),  # K/V heads split
+    (4, 2, [(8, 1, 0), (8, 1, 0), (8, 1, 1), (8, 1, 1)]),  # each K/V head on two ranks
+    (4, 1, [(8, 1, 0)] * 4),  # one K/V head everywhere
+])
+def test_qkv_head_split(as_rank, world, kv, want):
+    got = []
+    for r in range(world):
+        as_rank(r, world)
+        got.append(qkv_head_split(32, kv))
+    assert got == want
+
+
+def test_uneven_splits_are_refused(as_rank):
+    as_rank(0, 4)
+    with pytest.raises(ValueError, match="does not divide num_attention_heads"):
+        qkv_head_split(6, 2)
+    with pytest.raises(ValueError, match="multiple of it"):
+        as_rank(0, 4)
+        qkv_head_split(12, 3)
+    with pytest.raises(ValueError, match="row-parallel"):
+        RowParallelLinear(6, 4)
+
+
+def test_rank_loads_its_rows(as_rank):
+    """Rank 1 of 2 with one K/V head: its two query heads' rows, the whole K/V head; o_proj's input columns of
+    those heads; the vocabulary's second half (padded past the vocabulary with zeros)."""
+    head_dim, hidden = 2, 4
+    q, k, v = (torch.arange(n * head_dim * hidden, dtype=torch.float32).view(n * head_dim, hidden) + off
+               for n, off in ((4, 0.0), (1, 1000.0), (1, 2000.0)))
+    as_rank(1, 2)
+    qkv = QKVLinear(hidden, head_dim, 4, 1)
+    for sid, t in (("q", q), ("k", k), ("v", v)):
+        qkv.weight_loader(qkv.weight, t, sid)
+    assert torch.equal(qkv.weight, torch.cat([q[4:8], k, v]))
+    o = RowParallelLinear(8, hidden)
+    full = torch.randn(hidden, 8)
+    o.weight_loader(o.weight, full)
+    assert torch.equal(o.weight, full[:, 4:])
+    emb = VocabEmbedding(7, 3)
+    table = torch.randn(7, 3)
+    emb.weight_loader(emb.weight, table)
+    assert torch.equal(emb.weight[:3], table[4:]) and not emb.weight[3].any()
+
+
+def test_checkpoint_slice_reads_the_part_asked_for(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from gyrfalcon.distributed import CheckpointSlice, as_tensor
+
+    t = torch.randn(6, 4, dtype=torch.bfloat16)
+    save_file({"w": t}, str(tmp_path / "a.safetensors"))
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as sf:
+        s = CheckpointSlice(sf.get_slice("w"))
+        assert s.shape == t.shape and s.dtype == torch.bfloat16 and s.dim() == 2
+        assert torch.equal(s.narrow(0, 2, 3), t[2:5]) and torch.equal(s.narrow(1, 1, 2), t[:, 1:3])
+        assert torch.equal(as_tensor(s), t) and as_tensor(t) is t
+        with pytest.raises(ValueError, match="outside"):
+            s.narrow(0, 4, 3)
+
+
+def test_cli_flags_reach_the_engine_arguments():
+    import argparse
+
+    from gyrfalcon.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    keys = ("tensor_parallel_size", "enable_expert_parallel", "distributed_executor_backend")
+    kw = engine_kwargs(p.parse_args(["-tp", "4", "--enable-expert-parallel", "--distributed-executor-backend", "mp"]))
+    assert tuple(kw[k] for k in keys) == (4, True, "mp")
+    kw = engine_kwargs(p.parse_args([]))
+    assert tuple(kw[k] for k in keys) == (1, False, None)
+
+
+def test_a_worker_startup_error_keeps_its_kind():
+    """Bad settings a worker meets (a dimension the tensor-parallel size does not divide) stay ValueErrors, which
+    the server reports as such; anything else is a RuntimeError. (The text is the worker's own message.)"""
+    from gyrfalcon.engine.executor_mp import WorkerDied, startup_error
+
+    bad = startup_error(WorkerDied("rank 1 failed: ValueError: tensor_parallel_size 4 does not divide", "ValueError"))
+    assert type(bad) is ValueError and "does not divide" in str(bad)
+    assert type(startup_error(WorkerDied("rank 0 exited with code -9"))) is RuntimeError
