@@ -7,7 +7,7 @@ the engine's Request objects, only what is here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 from gyrfalcon.sampling_params import SamplingParams
@@ -132,7 +132,7 @@ class RunnerOutput:
 
 
 def _sampling_params_dict(p: SamplingParams) -> Dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in fields(p) if not f.name.startswith("_")}
+    return p.to_dict()  # (structured_outputs as a plain map)
 
 
 def encode_batch(batch: ScheduledBatch) -> bytes:

@@ -1,0 +1,208 @@
+"""StructuredOutputs: the runner's grammar bookkeeping for requests with `structured_outputs` (xgrammar).
+
+Per request: the grammar compiled against the model's vocabulary (once per distinct constraint: compiled
+grammars are cached by StructuredOutputsParams.key()) and a GrammarMatcher advanced with every token the request
+keeps. Per step: a token bitmask [rows, ceil(V / 32)] int32 (bit t of a row: token t is allowed) filled on the
+host for the constrained rows, then applied to those rows' logits on the device before sampling
+(apply_token_bitmask: -inf where a bit is 0).
+
+Where it sits in a step (ModelRunner.launch): the forward and the LM head are queued on the device first, then
+the host fills the bitmask while the device runs them, then the mask goes over in one copy and is applied inside
+the Sampler. A matcher must have accepted every token before the step that samples with its mask, so the engine
+waits for the step in flight before scheduling a constrained request (Engine._needs_exact_state), as it does for
+penalties; unconstrained requests keep async scheduling.
+
+Compilation runs on a worker thread from the moment a request reaches the runner, so it overlaps the request's
+prefill (on a GPU); the first step that samples from it waits for the result. The vocabulary (xgrammar's
+TokenizerInfo: each token's bytes) comes from the model's Hugging Face tokenizer, sized to the model's
+vocab_size: the embedding's padding rows have no token and are never allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (a JSON schema's compiled form is kilobytes to a few megabytes).
+_CACHE_SIZE = 256
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0.
+
+    logits: [S, V] (fp32); rows: [R] int64 row indices; bitmask: [R, W] int32, W = ceil(V' / 32) for the
+    grammar's vocabulary V' (tokens at or past W * 32 are not allowed). Plain torch ops, no host sync: the same
+    code on the CPU and the GPU (xgrammar's apply_token_bitmask_inplace is the reference in the tests)."""
+    S, V = logits.shape
+    R, W = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(R, W * 32)
+    if W * 32 >= V:
+        allowed = allowed[:, :V]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(R, V - W * 32)], dim=1)
+    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)
+
+
+class _Grammar:
+    """One request's matcher (made once its grammar has compiled)."""
+
+    __slots__ = ("future", "matcher", "stop_ids")
+
+    def __init__(self, future: Future, stop_ids: List[int]) -> None:
+        self.future = future
+        self.matcher = None
+        self.stop_ids = stop_ids
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer_path: str, trust_remote_code: bool, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
+        self.vocab_size = vocab_size
+        self._compiler = None  # xgrammar.GrammarCompiler, built on the worker thread at first use
+        self._compiler_lock = threading.Lock()
+        self._cache: "OrderedDict[str, Future]" = OrderedDict()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self.grammars: Dict[str, _Grammar] = {}  # request id -> its grammar state
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def update(self, batch) -> None:
+        """Follow the batch: drop finished requests, start compiling for new ones (a preempted request that
+        comes back gets a fresh matcher, which first replays its outputs)."""
+        for rid in batch.finished_request_ids:
+            self.grammars.pop(rid, None)
+        for sr in batch.reqs:
+            new = sr.new_request
+            if new is None:
+                continue
+            spec = new.sampling_params.structured_outputs
+            if spec is None:
+                self.grammars.pop(sr.request_id, None)
+                continue
+            self.grammars[sr.request_id] = _Grammar(self._compiled(spec),
+                                                    list(new.eos_token_ids) + list(new.sampling_params.stop_token_ids))
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.grammars
+
+    def _compiled(self, spec) -> Future:
+        key = spec.key()
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(key)
+            return fut
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gyrfalcon-grammar")
+        fut = self._executor.submit(self._compile, spec)
+        self._cache[key] = fut
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, spec):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from gyrfalcon.tokenizer import load_tokenizer
+                tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler.compile_grammar(spec.build_grammar())
+
+    def _matcher(self, st):
+        g = self.grammars[st.request_id]
+        if g.matcher is None:
+            import xgrammar as xgr
+
+            g.matcher = xgr.GrammarMatcher(g.future.result(), override_stop_tokens=g.stop_ids)
+            for t in st.output_token_ids:  # a resumed (preempted) request's outputs so far
+                self._accept(g.matcher, st.request_id, t)
+        return g.matcher
+
+    @staticmethod
+    def _accept(matcher, request_id: str, token: int) -> bool:
+        if matcher.is_terminated():
+            return False
+        ok = matcher.accept_token(token)
+        if not ok:
+            logger.warning("request %s: token %d does not fit its grammar", request_id, token)
+        return ok
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def bitmask(self, rows) -> Optional[Tuple[List[int], torch.Tensor]]:
+        """rows: the step's ScheduledRequests (each with its RequestState attached). Returns the sampled-row
+        indices that have a constraint and their bitmask [R, W] int32 on the host (None when no row has one).
+
+        A verify step's rows of one request (1 + k: one per draft position) get the masks of the grammar
+        advanced through the drafts before them, then the matcher is rolled back: the tokens kept are only
+        known when the step completes."""
+        if not self.grammars:
+            return None
+        import xgrammar as xgr
+
+        idx: List[int] = []
+        masks: List[Tuple[object, List[int], Sequence[int]]] = []
+        row = 0
+        for r in rows:
+            if not r.sample:
+                continue
+            st = r.request
+            if st.request_id in self.grammars:
+                if st.num_inflight > 1:
+                    raise RuntimeError("a request with structured outputs was launched before its last step's tokens "
+                                       "were read back; the engine must wait for it")
+                masks.append((self._matcher(st), self.grammars[st.request_id].stop_ids, r.spec_token_ids))
+                idx.extend(range(row, row + r.num_sampled_rows))
+            row += r.num_sampled_rows
+        if not masks:
+            return None
+        bm = xgr.allocate_token_bitmask(len(idx), self.vocab_size)
+        out = 0
+        for matcher, stop_ids, drafts in masks:
+            accepted = 0
+            for j in range(1 + len(drafts)):
+                if matcher.is_terminated():
+                    # Past the end (a request with ignore_eos): only stop tokens, as at the grammar's end.
+                    bm[out].zero_()
+                    for t in stop_ids:
+                        if t < self.vocab_size:
+                            bm[out, t // 32] |= _bit(t % 32)
+                else:
+                    matcher.fill_next_token_bitmask(bm, out)
+                out += 1
+                if j < len(drafts) and accepted == j and not matcher.is_terminated() \
+                        and matcher.accept_token(drafts[j]):
+                    accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
+        return idx, bm
+
+    def accept(self, st, tokens: Sequence[int]) -> None:
+        """The tokens request `st` kept this step (already appended to st.output_token_ids) join its matcher."""
+        g = self.grammars.get(st.request_id)
+        if g is None:
+            return
+        if g.matcher is None:
+            self._matcher(st)  # replays every output, these included
+            return
+        for t in tokens:
+            self._accept(g.matcher, st.request_id, t)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32) if i == 31 else (1 << i)
