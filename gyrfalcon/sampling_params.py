@@ -14,6 +14,10 @@ from typing import Any, Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# JSON whitespace between two tokens is capped at this many characters (a newline and the indentation of
+# pretty-printing 15 levels deep fit): without a cap, a weak model can fill max_tokens with blanks, which JSON
+# allows without bound. disable_any_whitespace allows none.
+JSON_MAX_WHITESPACE = 32
 # top_k travels to the sampler as a 64-bit integer and is clamped to the vocabulary there; any value past a
 # 32-bit vocabulary is a mistake, not a setting.
 _MAX_TOP_K = 2 ** 31 - 1
@@ -81,17 +85,18 @@ class StructuredOutputsParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def build_grammar(self):
-        """The xgrammar Grammar (parsed, not yet compiled against a vocabulary); a ValueError that names the
-        problem when the schema, regex or grammar is invalid. The server calls it while validating a request,
+        """The xgrammar Grammar (parsed, not yet compiled against a vocabulary); a SamplingParamsError (a
+        ValueError) that names the problem when the schema, regex or grammar is invalid. The server calls it while validating a request,
         so a bad one is a 400, never an error inside the engine."""
         import xgrammar as xgr
 
         try:
-            if self.json is not None:
-                return xgr.Grammar.from_json_schema(self.json, any_whitespace=not self.disable_any_whitespace)
-            if self.json_object:
-                # A JSON object (OpenAI's json_object), not any JSON value as xgrammar's builtin grammar allows.
-                return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=not self.disable_any_whitespace)
+            if self.json is not None or self.json_object:
+                # json_object: a JSON object (OpenAI's meaning), not any JSON value as xgrammar's builtin grammar.
+                schema = self.json if self.json is not None else {"type": "object"}
+                if self.disable_any_whitespace:
+                    return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+                return xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if self.regex is not None:
                 return xgr.Grammar.from_regex(self.regex)
             if self.choice is not None:
@@ -106,7 +111,7 @@ class StructuredOutputsParams:
             # xgrammar prefixes its C++ messages with "[time] file:line: "; the reason is what follows.
             if msg.startswith("[") and ": " in msg:
                 msg = msg.split(": ", 1)[1].strip()
-            raise ValueError(f"Invalid {what} for structured outputs: {msg}") from None
+            raise SamplingParamsError(f"Invalid {what} for structured outputs: {msg}", "structured_outputs") from None
 
 
 @dataclass

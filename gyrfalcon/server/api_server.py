@@ -47,7 +47,9 @@ class ServerState:
 
     def __init__(self, client: AsyncEngineClient, config, tokenizer, served_model_name: str,
                  chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0,
-                 keep_alive_on_engine_death: bool = False) -> None:
+                 keep_alive_on_engine_death: bool = False, chat_options: Optional[Dict[str, Any]] = None) -> None:
+        """chat_options: OpenAIServingChat's tool-call and reasoning settings (tool_call_parser,
+        enable_auto_tool_choice, reasoning_parser)."""
         self.config = config
         self.served_model_name = served_model_name
         self.log_stats_interval = log_stats_interval
@@ -62,7 +64,7 @@ class ServerState:
         self.completion = OpenAIServingCompletion(self.client, tokenizer, config, served_model_name, max_logprobs,
                                                   chat_template, **kw)
         self.chat = OpenAIServingChat(self.client, tokenizer, config, served_model_name, max_logprobs,
-                                      chat_template, **kw)
+                                      chat_template, **kw, **(chat_options or {}))
         self.created = int(time.time())
         self.keep_alive_on_engine_death = keep_alive_on_engine_death
         self.exit_code = 0
@@ -304,8 +306,11 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
     api_key = args.api_key or envs.get().api_key
     interval = 0.0 if args.disable_log_stats else envs.get().log_stats_interval
+    chat_options = dict(tool_call_parser=getattr(args, "tool_call_parser", None),
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        reasoning_parser=getattr(args, "reasoning_parser", None))
     state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
-                        interval, args.keep_alive_on_engine_death)
+                        interval, args.keep_alive_on_engine_death, chat_options)
     app = build_app(state, api_key, args.max_request_bytes)
     host, port = sock.getsockname()[:2]
     logger.info("gyrfalcon %s serving %r as %r on http://%s:%d%s", __version__, mc.model, mc.served_model_name,
