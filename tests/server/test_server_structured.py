@@ -102,6 +102,9 @@ def test_vllm_fields_hold(server):
     ("/v1/chat/completions", {"echo": True}, "echo", "not supported"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "not supported"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+    # This server runs without --enable-auto-tool-choice: tools default to "auto", which it cannot serve.
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     "--enable-auto-tool-choice"),
 ])
 def test_bad_constraints_and_unsupported_fields_are_400s(server, path, body, param, needle):
     base = {"messages": MSGS} if "chat" in path else {"prompt": "x"}
