@@ -168,3 +168,19 @@ def test_verify_rows_and_resumed_requests(qwen3_ckpt):
     assert b in mask and not {a, c} & mask
     so.update(ScheduledBatch([], finished_request_ids={"r"}))
     assert "r" not in so
+
+
+def test_async_scheduling_waits_for_constrained_requests(qwen3_ckpt, llm):
+    """With async scheduling a step is launched before the last one's tokens are read; a constrained request's
+    mask needs them, so the engine waits: the outputs are the synchronous engine's."""
+    from gyrfalcon import LLM
+
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(max_tokens=96, temperature=1.0, seed=3, structured_outputs=so),
+              SamplingParams(max_tokens=20, temperature=0)]
+    prompts = PROMPTS[:2]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alt = LLM(str(qwen3_ckpt), max_model_len=1024, async_scheduling=True)
+    assert alt.engine.async_scheduling
+    got = [o.outputs[0].token_ids for o in alt.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -66,7 +66,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        size = work_size(req.messages) + work_size(req.logit_bias) + work_size(req.tools)
+        size = (work_size(req.messages) + work_size(req.logit_bias) + work_size(req.tools)
+                + work_size(req.response_format) + work_size(req.structured_outputs) + work_size(req.guided_json))
         params, text, ids, plan = await self.offload(size, self._prepare, req)
         self.check_engine()
         request_id = self.new_id("chatcmpl")

@@ -92,7 +92,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        params, prompts = await self.offload(work_size(req.prompt) + work_size(req.logit_bias), self._prepare, req)
+        size = (work_size(req.prompt) + work_size(req.logit_bias) + work_size(req.response_format)
+                + work_size(req.structured_outputs) + work_size(req.guided_json))  # (a big schema parses off the loop)
+        params, prompts = await self.offload(size, self._prepare, req)
         self.check_engine()
         request_id = self.new_id("cmpl")
         created = int(time.time())
