@@ -11,12 +11,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyrfalcon.sampling_params import SamplingParams
-from gyrfalcon.server.chat_choice import ChatChoice, ToolPlan
+from gyrfalcon.server.chat_choice import ChatChoice
 from gyrfalcon.server.protocol import ChatCompletionRequest
 from gyrfalcon.server.reasoning import REASONING_PARSERS
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
                                       prompt_logprobs_json, run_unless_disconnected, sse, stream_chunk, work_size)
 from gyrfalcon.server.tool_parsers import TOOL_PARSERS
+from gyrfalcon.server.tool_parsers.tool_plan import ToolPlan
 
 
 class OpenAIServingChat(OpenAIServing):

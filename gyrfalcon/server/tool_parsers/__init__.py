@@ -1,4 +1,5 @@
-"""Tool-call parsers by --tool-call-parser name (vLLM's names)."""
+"""Tool-call parsers by --tool-call-parser name (vLLM's names). Light to import (the CLI reads the names);
+tool_plan.py, which needs the server's protocol, is imported from its module."""
 
 from __future__ import annotations
 
