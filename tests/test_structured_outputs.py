@@ -184,3 +184,32 @@ def test_async_scheduling_waits_for_constrained_requests(qwen3_ckpt, llm):
     assert alt.engine.async_scheduling
     got = [o.outputs[0].token_ids for o in alt.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_batched_fill_is_each_matchers_own(qwen3_ckpt):
+    """Several plain rows are filled together on xgrammar's threads: each row must be its own matcher's mask."""
+    import xgrammar as xgr
+
+    from gyrfalcon.runner.structured_output import StructuredOutputs
+    from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest
+
+    so = StructuredOutputs(str(qwen3_ckpt), False, 512)
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex="[0-9]+x"),
+             StructuredOutputsParams(choice=["alpha", "beta"]), StructuredOutputsParams(json_object=True)]
+    rows = []
+    for i, spec in enumerate(specs):
+        sr = ScheduledRequest(f"r{i}", 0, 1, True, [i], (), NewRequestData([1], SamplingParams(structured_outputs=spec),
+                                                                            [0]))
+        sr.request = _State(f"r{i}")
+        rows.append(sr)
+    so.update(ScheduledBatch(rows))
+    so.bitmask(rows)  # makes the matchers
+    for sr, text in zip(rows, ['{"na', "12", "al", "{"]):
+        so.grammars[sr.request_id].matcher.accept_string(text)
+    idx, bm = so.bitmask(rows)
+    assert idx == [0, 1, 2, 3]
+    for i, sr in enumerate(rows):
+        one = xgr.allocate_token_bitmask(1, 512)
+        so.grammars[sr.request_id].matcher.fill_next_token_bitmask(one, 0)
+        assert torch.equal(bm[i], one[0]), i
+    assert len({tuple(r.tolist()) for r in bm}) == 4  # four different masks

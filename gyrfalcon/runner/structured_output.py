@@ -21,6 +21,7 @@ vocab_size: the embedding's padding rows have no token and are never allowed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,6 +73,7 @@ class StructuredOutputs:
         self._compiler_lock = threading.Lock()
         self._cache: "OrderedDict[str, Future]" = OrderedDict()
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._batch_matcher = None  # xgrammar.BatchGrammarMatcher: fills many requests' rows on its threads
         self.grammars: Dict[str, _Grammar] = {}  # request id -> its grammar state
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -167,8 +169,15 @@ class StructuredOutputs:
         if not masks:
             return None
         bm = xgr.allocate_token_bitmask(len(idx), self.vocab_size)
+        batch: List[object] = []  # plain one-row requests: filled together, on xgrammar's threads
+        batch_rows: List[int] = []
         out = 0
         for matcher, stop_ids, drafts in masks:
+            if not drafts and not matcher.is_terminated():
+                batch.append(matcher)
+                batch_rows.append(out)
+                out += 1
+                continue
             accepted = 0
             for j in range(1 + len(drafts)):
                 if matcher.is_terminated():
@@ -185,6 +194,12 @@ class StructuredOutputs:
                     accepted += 1
             if accepted:
                 matcher.rollback(accepted)
+        if len(batch) == 1:
+            batch[0].fill_next_token_bitmask(bm, batch_rows[0])
+        elif batch:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+            self._batch_matcher.batch_fill_next_token_bitmask(batch, bm, indices=batch_rows)
         return idx, bm
 
     def accept(self, st, tokens: Sequence[int]) -> None:
