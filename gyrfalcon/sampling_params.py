@@ -48,6 +48,10 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False
+    # Token ids that end a thinking model's reasoning (its "</think>"): the constraint applies to the output after
+    # them, and the reasoning before is free. The server sets it for chat requests when it runs a
+    # --reasoning-parser and the prompt has not already closed the reasoning (thinking off).
+    reasoning_end: Optional[List[int]] = None
 
     _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -64,6 +68,10 @@ class StructuredOutputsParams:
             raise SamplingParamsError("structured_outputs.regex must be a string.", "structured_outputs")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise SamplingParamsError("structured_outputs.grammar must be a string.", "structured_outputs")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, (list, tuple)) or not self.reasoning_end
+                                                or not all(isinstance(t, int) for t in self.reasoning_end)):
+            raise SamplingParamsError("structured_outputs.reasoning_end must be a non-empty list of token ids.",
+                                      "structured_outputs")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
@@ -76,7 +84,7 @@ class StructuredOutputsParams:
         return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> str:
-        """One string per distinct constraint: what compiled grammars are cached by."""
+        """One string per distinct grammar: what compiled grammars are cached by (reasoning_end is not part of it)."""
         value = getattr(self, self.kind)
         return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
 

@@ -213,3 +213,36 @@ def test_batched_fill_is_each_matchers_own(qwen3_ckpt):
         so.grammars[sr.request_id].matcher.fill_next_token_bitmask(one, 0)
         assert torch.equal(bm[i], one[0]), i
     assert len({tuple(r.tolist()) for r in bm}) == 4  # four different masks
+
+
+def test_constraint_waits_for_the_end_of_reasoning(qwen3_ckpt):
+    """With reasoning_end, rows are free until the outputs hold those ids; then the grammar reads what follows
+    (also for a request resumed with the end already among its outputs)."""
+    from gyrfalcon.runner.structured_output import StructuredOutputs
+    from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest
+    from gyrfalcon.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(qwen3_ckpt))
+    end = tok.encode("</think>", add_special_tokens=False)
+    x, y = (tok.convert_tokens_to_ids(t) for t in "xy")
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(regex="xy", reasoning_end=end))
+    so = StructuredOutputs(str(qwen3_ckpt), False, 512)
+
+    def step(sr, tokens):
+        sr.request.output_token_ids += tokens
+        so.accept(sr.request, tokens)
+
+    sr = ScheduledRequest("r", 0, 1, True, [0], (), NewRequestData([1], p, [0]))
+    sr.request = _State("r")
+    so.update(ScheduledBatch([sr]))
+    assert so.bitmask([sr]) is None  # reasoning: free
+    step(sr, [y, y] + end[:1])
+    assert so.bitmask([sr]) is None
+    step(sr, end[1:] + [x])  # the end and the first constrained token in one step (a verify step's kept tokens)
+    idx, bm = so.bitmask([sr])
+    assert idx == [0] and [t for t in range(512) if (int(bm[0, t // 32]) >> (t % 32)) & 1] == [y]
+    resumed = ScheduledRequest("r", 0, 1, True, [0], (), NewRequestData([1], p, [0], [y] + end + [x]))
+    resumed.request = _State("r", [y] + end + [x])
+    so.update(ScheduledBatch([resumed]))
+    idx, bm = so.bitmask([resumed])
+    assert [t for t in range(512) if (int(bm[0, t // 32]) >> (t % 32)) & 1] == [y]

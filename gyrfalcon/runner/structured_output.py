@@ -12,6 +12,10 @@ the Sampler. A matcher must have accepted every token before the step that sampl
 waits for the step in flight before scheduling a constrained request (Engine._needs_exact_state), as it does for
 penalties; unconstrained requests keep async scheduling.
 
+A thinking model's constraint can wait for the end of its reasoning (StructuredOutputsParams.reasoning_end, set
+by the server's --reasoning-parser): until the outputs hold those token ids the request's rows are not masked, and
+the matcher reads only what follows them.
+
 Compilation runs on a worker thread from the moment a request reaches the runner, so it overlaps the request's
 prefill (on a GPU); the first step that samples from it waits for the result. The vocabulary (xgrammar's
 TokenizerInfo: each token's bytes) comes from the model's Hugging Face tokenizer, sized to the model's
@@ -54,14 +58,26 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 class _Grammar:
-    """One request's matcher (made once its grammar has compiled)."""
+    """One request's grammar state. With `end` (its reasoning's closing token ids) the matcher stays inactive, and
+    the request's rows unmasked, until the outputs contain `end`; it then reads the tokens after it."""
 
-    __slots__ = ("future", "matcher", "stop_ids")
+    __slots__ = ("future", "matcher", "stop_ids", "end", "active")
 
-    def __init__(self, future: Future, stop_ids: List[int]) -> None:
+    def __init__(self, future: Future, stop_ids: List[int], end: Optional[List[int]]) -> None:
         self.future = future
         self.matcher = None
         self.stop_ids = stop_ids
+        self.end = list(end) if end else None
+        self.active = end is None
+
+
+def _find(seq: Sequence[int], sub: List[int], start: int = 0) -> int:
+    """The index just past the first occurrence of `sub` in seq[start:], or -1."""
+    n = len(sub)
+    for i in range(max(0, start), len(seq) - n + 1):
+        if seq[i] == sub[0] and list(seq[i:i + n]) == sub:
+            return i + n
+    return -1
 
 
 class StructuredOutputs:
@@ -91,7 +107,8 @@ class StructuredOutputs:
                 self.grammars.pop(sr.request_id, None)
                 continue
             self.grammars[sr.request_id] = _Grammar(self._compiled(spec),
-                                                    list(new.eos_token_ids) + list(new.sampling_params.stop_token_ids))
+                                                    list(new.eos_token_ids) + list(new.sampling_params.stop_token_ids),
+                                                    spec.reasoning_end)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.grammars
@@ -127,8 +144,14 @@ class StructuredOutputs:
             import xgrammar as xgr
 
             g.matcher = xgr.GrammarMatcher(g.future.result(), override_stop_tokens=g.stop_ids)
-            for t in st.output_token_ids:  # a resumed (preempted) request's outputs so far
-                self._accept(g.matcher, st.request_id, t)
+            # A resumed (preempted) request's outputs so far (after its reasoning, if that must end first).
+            start = 0
+            if g.end is not None:
+                start = _find(st.output_token_ids, g.end)
+                g.active = start >= 0
+            if g.active:
+                for t in st.output_token_ids[start:]:
+                    self._accept(g.matcher, st.request_id, t)
         return g.matcher
 
     @staticmethod
@@ -160,10 +183,14 @@ class StructuredOutputs:
                 continue
             st = r.request
             if st.request_id in self.grammars:
+                matcher = self._matcher(st)
+                if not self.grammars[st.request_id].active:  # still reasoning: free
+                    row += r.num_sampled_rows
+                    continue
                 if st.num_inflight > 1:
                     raise RuntimeError("a request with structured outputs was launched before its last step's tokens "
                                        "were read back; the engine must wait for it")
-                masks.append((self._matcher(st), self.grammars[st.request_id].stop_ids, r.spec_token_ids))
+                masks.append((matcher, self.grammars[st.request_id].stop_ids, r.spec_token_ids))
                 idx.extend(range(row, row + r.num_sampled_rows))
             row += r.num_sampled_rows
         if not masks:
@@ -210,6 +237,13 @@ class StructuredOutputs:
         if g.matcher is None:
             self._matcher(st)  # replays every output, these included
             return
+        if not g.active:
+            outs = st.output_token_ids
+            after = _find(outs, g.end, len(outs) - len(tokens) - len(g.end) + 1)
+            if after < 0:
+                return
+            g.active = True
+            tokens = outs[after:]
         for t in tokens:
             self._accept(g.matcher, st.request_id, t)
 

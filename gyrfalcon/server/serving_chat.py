@@ -14,6 +14,7 @@ from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.server.chat_choice import ChatChoice
 from gyrfalcon.server.protocol import ChatCompletionRequest
 from gyrfalcon.server.reasoning import REASONING_PARSERS
+from gyrfalcon.server.reasoning.parser import THINK_END
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
                                       prompt_logprobs_json, run_unless_disconnected, sse, stream_chunk, work_size)
 from gyrfalcon.server.tool_parsers import TOOL_PARSERS
@@ -31,6 +32,8 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_cls = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+        self.reasoning_end_ids = (self.tokenizer.encode(THINK_END, add_special_tokens=False)
+                                  if reasoning_parser else None)
 
     def _logprobs(self, token_ids, logprobs, num_top: int) -> Dict[str, Any]:
         """OpenAI's chat logprobs: {content: [{token, logprob, bytes, top_logprobs: [...]}]}."""
@@ -60,6 +63,10 @@ class OpenAIServingChat(OpenAIServing):
         text = self.render_chat(req.messages, req.add_generation_prompt, kwargs, plan.tools or None)
         ids = self.encode_text(text, "messages", add_special_tokens=False)
         self.validate_prompt(ids, params.max_tokens, "messages", req.param_name("max_tokens"))
+        if params.structured_outputs is not None and self.reasoning_parser is not None \
+                and self.reasoning_parser.constraint_waits(text):
+            # A thinking model reasons freely first; the constraint holds for what follows </think> (as vLLM).
+            params.structured_outputs.reasoning_end = self.reasoning_end_ids
         return params, text, ids, plan
 
     def _choice(self, plan: ToolPlan, prompt: str, req: ChatCompletionRequest) -> ChatChoice:

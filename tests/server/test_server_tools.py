@@ -24,6 +24,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}}]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
+# Thinking off: the template closes the reasoning in the prompt, so output constraints hold from the first token
+# (with thinking on they wait for </think>, which a random-weight model never writes).
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 # The test tokenizer's template plus the tool names and Qwen3's enable_thinking switch.
 TEMPLATE = ("{% if tools %}{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}\n{% endif %}"
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -71,7 +74,7 @@ def test_named_tool_call_always_parses(tserver, stream):
     choice = {"type": "function", "function": {"name": "set_alarm"}}
     for seed in range(3):
         kw = dict(model=MODEL_NAME, messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=200,
-                  temperature=1.0, seed=seed)
+                  temperature=1.0, seed=seed, extra_body=NO_THINK)
         if stream:
             _, _, calls, finish = _collect_stream(client.chat.completions.create(stream=True, **kw))
             assert list(calls) == [0] and calls[0][2]
@@ -91,7 +94,7 @@ def test_required_tool_calls_always_parse(tserver, stream):
     client = tserver.client()
     for seed in range(3):
         kw = dict(model=MODEL_NAME, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=600,
-                  temperature=1.0, seed=seed)
+                  temperature=1.0, seed=seed, extra_body=NO_THINK)
         if stream:
             content, _, calls, finish = _collect_stream(client.chat.completions.create(stream=True, **kw))
             got = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
@@ -105,7 +108,8 @@ def test_required_tool_calls_always_parse(tserver, stream):
         for name, args in got:
             jsonschema.validate(json.loads(args), SCHEMAS[name])
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=5)
+                                       parallel_tool_calls=False, max_tokens=600, temperature=1.0, seed=5,
+                                       extra_body=NO_THINK)
     assert len(r.choices[0].message.tool_calls) == 1
     tserver.wait_idle()
 
@@ -119,7 +123,7 @@ def test_auto_tool_choice_reads_the_models_calls(tserver, stream):
     """The output is scripted with a regex (the model's weights are random); the hermes parser reads it."""
     client = tserver.client()
     kw = dict(model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=200, temperature=1.0, seed=1,
-              extra_body={"guided_regex": SCRIPTED_CALL})
+              extra_body={"guided_regex": SCRIPTED_CALL, **NO_THINK})
     if stream:
         content, _, calls, finish = _collect_stream(client.chat.completions.create(stream=True, **kw))
         got = [(calls[i][0], json.loads(calls[i][1])) for i in sorted(calls)]
@@ -132,7 +136,7 @@ def test_auto_tool_choice_reads_the_models_calls(tserver, stream):
     assert len(got) == 1 and got[0][0] == "get_weather" and got[0][1]["days"] == 3
     # Plain text under auto: content, no calls.
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, tools=TOOLS, max_tokens=20, temperature=0,
-                                       extra_body={"guided_regex": "[a-z ]{3,12}"})
+                                       extra_body={"guided_regex": "[a-z ]{3,12}", **NO_THINK})
     assert r.choices[0].message.tool_calls == [] and r.choices[0].finish_reason == "stop"
     tserver.wait_idle()
 
@@ -141,7 +145,8 @@ def test_auto_tool_choice_reads_the_models_calls(tserver, stream):
 def test_reasoning_is_split_from_content(tserver, stream):
     client = tserver.client()
     kw = dict(model=MODEL_NAME, messages=MSGS, max_tokens=100, temperature=1.0, seed=2,
-              extra_body={"guided_regex": r"<think>\n[a-z]{2,6} [a-z]{2,6}\n</think>\n\nAnswer: [a-z]{2,6}"})
+              extra_body={"guided_regex": r"<think>\n[a-z]{2,6} [a-z]{2,6}\n</think>\n\nAnswer: [a-z]{2,6}",
+                          **NO_THINK})
     if stream:
         content, reasoning, _, finish = _collect_stream(client.chat.completions.create(stream=True, **kw))
     else:
@@ -150,6 +155,18 @@ def test_reasoning_is_split_from_content(tserver, stream):
     whole = f"<think>{reasoning}</think>\n\n{content}"
     assert reasoning.startswith("\n") and reasoning.endswith("\n") and " " in reasoning, whole
     assert content.startswith("Answer: ") and "<" not in content, whole
+
+
+def test_constraint_waits_for_the_reasoning_to_end(tserver):
+    """Thinking on: the reasoning is free and the constraint would start after </think>, which this random model
+    never writes; so the output is not held to the choices (with thinking off it is)."""
+    client = tserver.client()
+    choices = ["yes", "no"]
+    kw = dict(model=MODEL_NAME, messages=MSGS, max_tokens=12, temperature=1.0, seed=4)
+    off = client.chat.completions.create(**kw, extra_body={"guided_choice": choices, **NO_THINK})
+    assert off.choices[0].message.content in choices
+    on = client.chat.completions.create(**kw, extra_body={"guided_choice": choices})
+    assert on.choices[0].message.content not in choices and on.usage.completion_tokens > 1
 
 
 def test_tools_and_template_kwargs_reach_the_template(tserver, llm):

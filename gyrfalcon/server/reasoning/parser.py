@@ -19,6 +19,11 @@ class ReasoningParser:
     # Whether an output whose reasoning never closes is reasoning (deepseek_r1) or content (qwen3).
     unclosed_is_reasoning = True
 
+    def constraint_waits(self, prompt: str) -> bool:
+        """Whether an output constraint (structured outputs, tool_choice required / named) should wait for the
+        reasoning to end: unless the prompt has already closed it (thinking turned off in the template)."""
+        return not prompt.rstrip().endswith(THINK_END)
+
     def starts_in_reasoning(self, prompt: str, output_start: str) -> Optional[bool]:
         """Whether the output begins inside the reasoning; None while output_start is too short to say."""
         if prompt.rstrip().endswith(THINK_START):
