@@ -246,3 +246,18 @@ def test_constraint_waits_for_the_end_of_reasoning(qwen3_ckpt):
     so.update(ScheduledBatch([resumed]))
     idx, bm = so.bitmask([resumed])
     assert [t for t in range(512) if (int(bm[0, t // 32]) >> (t % 32)) & 1] == [y]
+
+
+def test_a_grammar_that_fails_to_compile_leaves_the_engine_running(qwen3_ckpt, caplog):
+    from gyrfalcon.runner.structured_output import StructuredOutputs
+    from gyrfalcon.step_io import NewRequestData, ScheduledBatch, ScheduledRequest
+
+    so = StructuredOutputs(str(qwen3_ckpt), False, 512)
+    so._compile = lambda spec: (_ for _ in ()).throw(RuntimeError("boom"))
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
+    sr = ScheduledRequest("r", 0, 1, True, [0], (), NewRequestData([1], p, [0]))
+    sr.request = _State("r")
+    so.update(ScheduledBatch([sr]))
+    assert so.bitmask([sr]) is None and "r" not in so
+    assert "did not compile" in caplog.text
+    so.accept(sr.request, [5])  # nothing to advance: no error

@@ -135,15 +135,25 @@ class StructuredOutputs:
                 from gyrfalcon.tokenizer import load_tokenizer
                 tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
+                self.vocab_size = info.vocab_size  # (the tokenizer's own when the model's config has none)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(spec.build_grammar())
 
     def _matcher(self, st):
+        """The request's matcher, made at its first use (waiting for its grammar to compile); None if the
+        compilation failed: the front end parsed the grammar already, so that is a bug, logged, and the request
+        goes on unconstrained rather than the engine stopping for every request."""
         g = self.grammars[st.request_id]
         if g.matcher is None:
             import xgrammar as xgr
 
-            g.matcher = xgr.GrammarMatcher(g.future.result(), override_stop_tokens=g.stop_ids)
+            try:
+                compiled = g.future.result()
+            except Exception:
+                logger.exception("request %s: its structured-output grammar did not compile", st.request_id)
+                del self.grammars[st.request_id]
+                return None
+            g.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=g.stop_ids)
             # A resumed (preempted) request's outputs so far (after its reasoning, if that must end first).
             start = 0
             if g.end is not None:
@@ -184,7 +194,7 @@ class StructuredOutputs:
             st = r.request
             if st.request_id in self.grammars:
                 matcher = self._matcher(st)
-                if not self.grammars[st.request_id].active:  # still reasoning: free
+                if matcher is None or not self.grammars[st.request_id].active:  # (still reasoning: free)
                     row += r.num_sampled_rows
                     continue
                 if st.num_inflight > 1:
