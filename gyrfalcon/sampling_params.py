@@ -68,8 +68,9 @@ class StructuredOutputsParams:
             raise SamplingParamsError("structured_outputs.regex must be a string.", "structured_outputs")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise SamplingParamsError("structured_outputs.grammar must be a string.", "structured_outputs")
-        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, (list, tuple)) or not self.reasoning_end
-                                                or not all(isinstance(t, int) for t in self.reasoning_end)):
+        end = self.reasoning_end
+        if end is not None and (not isinstance(end, (list, tuple)) or not end
+                                or not all(isinstance(t, int) for t in end)):
             raise SamplingParamsError("structured_outputs.reasoning_end must be a non-empty list of token ids.",
                                       "structured_outputs")
         if self.choice is not None:
@@ -94,8 +95,8 @@ class StructuredOutputsParams:
 
     def build_grammar(self):
         """The xgrammar Grammar (parsed, not yet compiled against a vocabulary); a SamplingParamsError (a
-        ValueError) that names the problem when the schema, regex or grammar is invalid. The server calls it while validating a request,
-        so a bad one is a 400, never an error inside the engine."""
+        ValueError) that names the problem when the schema, regex or grammar is invalid. The server calls it while
+        validating a request, so a bad one is a 400, never an error inside the engine."""
         import xgrammar as xgr
 
         try:

@@ -125,7 +125,8 @@ class Sampler:
         # 1.0 without filters) reads them as they come: the argmax and Gumbel kernels widen each value to
         # fp32 exactly, so the tokens are those of an fp32 copy, without the copy's launch.
         bare = (md.max_num_logprobs is None and md.min_tokens_mask is None and md.logit_bias is None
-                and md.output_token_ids is None and md.token_bitmask is None and not (md.need_top_k or md.need_top_p or md.need_min_p)
+                and md.output_token_ids is None and md.token_bitmask is None
+                and not (md.need_top_k or md.need_top_p or md.need_min_p)
                 and (md.all_greedy or (md.all_random and md.unit_temperature)))
         if not bare:
             logits = logits.float()

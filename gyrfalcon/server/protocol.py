@@ -51,7 +51,8 @@ def bad_request(message: str, param: Optional[str] = None) -> OpenAIError:
 # would change the result are refused (400 naming the field); the rest are ignored with a warning (logged once per
 # field per process), so a client ported from vLLM never gets a different result silently.
 _REFUSED: Dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
+    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False, "truncate_prompt_tokens": None,
+    "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
     "prompt_embeds": None, "guided_whitespace_pattern": None, "return_tokens_as_token_ids": False,
     "return_token_ids": False, "detokenize": True, "spaces_between_special_tokens": True, "documents": None,
     "functions": None, "function_call": None, "prediction": None, "audio": None, "web_search_options": None,

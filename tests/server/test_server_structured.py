@@ -58,7 +58,8 @@ def test_vllm_fields_hold(server):
                                        extra_body={"guided_json": SCHEMA})
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=400, temperature=0,
-                                       extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+                                       extra_body={"structured_outputs": {"json": SCHEMA,
+                                                                          "disable_any_whitespace": True}})
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=30, temperature=0,
                                        extra_body={"guided_grammar": 'root ::= "ok" | "no"'})
@@ -75,7 +76,8 @@ def test_vllm_fields_hold(server):
 
 
 @pytest.mark.parametrize("path, body, param, needle", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wizard"}}}},
+    ("/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wizard"}}}},
      "response_format", "wizard"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "schema"),
@@ -135,7 +137,8 @@ def test_prompt_logprobs_and_continuous_usage(server, llm):
         assert {int(t): v["logprob"] for t, v in g.items()} == pytest.approx({t: e.logprob for t, e in w.items()},
                                                                               abs=1e-4)
     r = post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "prompt_logprobs": 0})
-    assert r.json()["prompt_logprobs"][0] is None and len(r.json()["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r.json()["usage"]["prompt_tokens"]
     client = server.client()
     usages = [ch.usage for ch in client.completions.create(
         model=MODEL_NAME, prompt="x", max_tokens=5, temperature=0, stream=True, extra_body={"min_tokens": 5},
