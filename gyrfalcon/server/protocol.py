@@ -207,6 +207,8 @@ class _SamplingFields(_Request):
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int], defaults: Dict[str, Any],
                 max_logprobs: int = 20, structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true.", "prompt_logprobs")
         if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
                                                      and 0 <= self.prompt_logprobs <= max_logprobs):
             raise bad_request(f"prompt_logprobs must be between 0 and {max_logprobs}, got {self.prompt_logprobs}.",

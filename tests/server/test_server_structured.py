@@ -101,6 +101,7 @@ def test_vllm_fields_hold(server):
     ("/v1/completions", {"detokenize": False}, "detokenize", "not supported"),
     ("/v1/completions", {"best_of": 3}, "best_of", "best_of"),
     ("/v1/completions", {"prompt_logprobs": 99}, "prompt_logprobs", "20"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
     ("/v1/chat/completions", {"echo": True}, "echo", "not supported"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "not supported"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
