@@ -134,8 +134,10 @@ class StructuredOutputs:
 
                 from gyrfalcon.tokenizer import load_tokenizer
                 tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
-                self.vocab_size = info.vocab_size  # (the tokenizer's own when the model's config has none)
+                # The model's vocab_size (its logits' width), or the tokenizer's if that is larger (added tokens past
+                # the embedding: masked out of the logits anyway) or the config has none.
+                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=max(self.vocab_size or 0, len(tok)))
+                self.vocab_size = info.vocab_size
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(spec.build_grammar())
 
