@@ -167,6 +167,9 @@ class OpenAIServing:
         self.executor = executor
         self.max_prompt_chars = max_prompt_chars
         self._checker = _PromptChecker(config)
+        # Structured outputs parse their grammars here (SamplingParams.structured_outputs.build_grammar): xgrammar's
+        # import (~0.3 s) happens now, while the engine core loads the model, not in a request's turn on the loop.
+        import xgrammar  # noqa: F401
         gen = config.model_config.generation_config or {}
         # The checkpoint's recommended sampling settings apply where a request names none (as vLLM).
         self.sampling_defaults = {k: gen[k] for k in _SAMPLING_DEFAULT_KEYS if gen.get(k) is not None}
