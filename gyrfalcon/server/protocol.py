@@ -81,7 +81,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # every chunk carries the usage so far (vLLM)
 
 
-# The request fields that constrain the output, by precedence of vLLM's names.
+# vLLM's older guided_* fields -> the StructuredOutputsParams kind each stands for.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
 _SO_IGNORED = ("disable_fallback", "disable_additional_properties", "backend", "whitespace_pattern",
@@ -170,8 +170,8 @@ class _SamplingFields(_Request):
             if unknown:
                 raise bad_request(f"structured_outputs.{unknown[0]} is not supported (one of json, regex, choice, "
                                   "grammar, json_object).", "structured_outputs")
-            for k in ("whitespace_pattern", "structural_tag"):
-                if so.get(k) is not None:
+            for k in ("whitespace_pattern", "structural_tag", "disable_additional_properties"):
+                if so.get(k) not in (None, False):
                     raise bad_request(f"structured_outputs.{k} is not supported.", "structured_outputs")
             found.append(("structured_outputs",
                           make("structured_outputs", **{k: v for k, v in so.items() if k in _SO_KEYS})))
