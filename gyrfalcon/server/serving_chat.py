@@ -57,6 +57,9 @@ class OpenAIServingChat(OpenAIServing):
         params = req.sampling_params(self.max_logprobs, self.sampling_defaults, constraint)
         source = req.structured_outputs_params(constraint)
         self.validate_params(params, source[0] if source else "structured_outputs")
+        if plan.mode == "auto" and "skip_special_tokens" not in req.model_fields_set:
+            # Some families' call markers are special tokens, which the text would otherwise drop (as vLLM does).
+            params.skip_special_tokens = False
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
