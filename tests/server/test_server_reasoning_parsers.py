@@ -18,6 +18,9 @@ CASES = [
     ("deepseek_r1", "<｜Assistant｜><think>\n", "2+2 is 4.\n</think>\n\nFour.", "2+2 is 4.\n", "Four."),
     ("deepseek_r1", "<｜Assistant｜>", "<think>x</think>y", "x", "y"),
     ("deepseek_r1", "<｜Assistant｜>", "still thinking", "still thinking", None),
+    ("deepseek_v3", "<｜Assistant｜><think>", "plan</think>done", "plan", "done"),  # V3.1, thinking on
+    ("deepseek_v3", "<｜Assistant｜></think>", "done", None, "done"),  # thinking off
+    ("minimax_m2", "]~b]ai\n", "<think>\nplan\n</think>\n\nOK", "\nplan\n", "OK"),
 ]
 
 
