@@ -261,3 +261,16 @@ def test_a_grammar_that_fails_to_compile_leaves_the_engine_running(qwen3_ckpt, c
     assert so.bitmask([sr]) is None and "r" not in so
     assert "did not compile" in caplog.text
     so.accept(sr.request, [5])  # nothing to advance: no error
+
+
+def test_compiled_grammars_are_cached_by_constraint_within_bounds(qwen3_ckpt, monkeypatch):
+    from gyrfalcon.runner import structured_output as mod
+
+    so = mod.StructuredOutputs(str(qwen3_ckpt), False, 512)
+    a, b = StructuredOutputsParams(regex="ab+"), StructuredOutputsParams(json={"type": "object"})
+    fa = so._compiled(a)
+    assert so._compiled(StructuredOutputsParams(regex="ab+")) is fa  # the same constraint: compiled once
+    assert fa.result().memory_size_bytes > 0
+    monkeypatch.setattr(mod, "_CACHE_BYTES", 1)  # over the bound: only the newest stays
+    so._compiled(b).result()
+    assert list(so._cache) == [b.key()]

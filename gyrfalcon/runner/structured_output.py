@@ -35,8 +35,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept for reuse (a JSON schema's compiled form is kilobytes to a few megabytes).
+# Compiled grammars kept for reuse, least recently used out first: at most this many, and this many bytes (a JSON
+# schema's compiled form is kilobytes to a few megabytes).
 _CACHE_SIZE = 256
+_CACHE_BYTES = 256 << 20
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -123,9 +125,22 @@ class StructuredOutputs:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="gyrfalcon-grammar")
         fut = self._executor.submit(self._compile, spec)
         self._cache[key] = fut
+        self._evict()
+        return fut
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars past the count or byte bound (requests that hold one
+        keep it alive; it is only no longer shared)."""
         while len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
-        return fut
+        sizes = [f.result().memory_size_bytes if f.done() and f.exception() is None else 0
+                 for f in self._cache.values()]
+        total = sum(sizes)
+        for key, size in zip(list(self._cache), sizes):
+            if total <= _CACHE_BYTES or len(self._cache) == 1:
+                break
+            del self._cache[key]
+            total -= size
 
     def _compile(self, spec):
         with self._compiler_lock:
