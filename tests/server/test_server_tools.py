@@ -29,7 +29,9 @@ MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 # The test tokenizer's template plus the tool names and Qwen3's enable_thinking switch.
 TEMPLATE = ("{% if tools %}{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}\n{% endif %}"
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "{% for tc in m.tool_calls or [] %}<call>{{ tc.function.arguments | tojson }}{% endfor %}<|im_end|>\n"
+            "{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
             "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
@@ -184,6 +186,18 @@ def test_tools_and_template_kwargs_reach_the_template(tserver, llm):
         return len(encode(llm.tokenizer, text, add_special_tokens=False))
 
     assert prompt_tokens(tools=TOOLS, tool_choice="none") == rendered(tools=TOOLS)
+    # An earlier call's arguments (JSON text on the wire) reach the template as an object, as `tojson` expects.
+    turn = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    as_object = [{**turn[0], "content": "", "tool_calls": [{**turn[0]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "paris"}}}]}, turn[1]]
+    r = httpx.post(tserver.base_url + "/v1/chat/completions", headers=tserver.headers(), timeout=60,
+                   json={"model": MODEL_NAME, "messages": MSGS + turn, "max_tokens": 1})
+    text = llm.tokenizer.apply_chat_template(MSGS + as_object, tokenize=False, chat_template=TEMPLATE,
+                                             add_generation_prompt=True)
+    assert r.json()["usage"]["prompt_tokens"] == len(encode(llm.tokenizer, text, add_special_tokens=False))
+    assert '"{\\"city' not in text and '{"city": "paris"}' in text
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == rendered(enable_thinking=False)
     assert rendered(tools=TOOLS) > rendered() and rendered(enable_thinking=False) > rendered()
 
