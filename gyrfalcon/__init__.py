@@ -1,7 +1,7 @@
 """gyrfalcon: an LLM inference and serving engine."""
 
 from gyrfalcon.outputs import CompletionOutput, Logprob, RequestOutput
-from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _version() -> str:
@@ -25,4 +25,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "__version__"]

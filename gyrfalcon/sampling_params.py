@@ -7,12 +7,17 @@ changing the import.
 from __future__ import annotations
 
 import copy
+import json
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# JSON whitespace between two tokens is capped at this many characters (a newline and the indentation of
+# pretty-printing 15 levels deep fit): without a cap, a weak model can fill max_tokens with blanks, which JSON
+# allows without bound. disable_any_whitespace allows none.
+JSON_MAX_WHITESPACE = 32
 # top_k travels to the sampler as a 64-bit integer and is clamped to the vocabulary there; any value past a
 # 32-bit vocabulary is a mistake, not a setting.
 _MAX_TOP_K = 2 ** 31 - 1
@@ -24,6 +29,98 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, compiled by xgrammar into a token mask applied before sampling (vLLM's
+    `StructuredOutputsParams`): exactly one of `json` (a JSON schema, as a dict or its text), `regex`, `choice`
+    (the output is one of these strings), `grammar` (EBNF, xgrammar's dialect: GBNF-like) or `json_object`
+    (any JSON object). The output ends (finish_reason "stop") when the constraint is complete: from there only
+    the end-of-sequence token is allowed.
+
+    disable_any_whitespace: JSON without whitespace between tokens (a small model can otherwise loop on
+    newlines and spaces, which JSON allows without bound)."""
+
+    json: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+    # Token ids that end a thinking model's reasoning (its "</think>"): the constraint applies to the output after
+    # them, and the reasoning before is free. The server sets it for chat requests when it runs a
+    # --reasoning-parser and the prompt has not already closed the reasoning (thinking off).
+    reasoning_end: Optional[List[int]] = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar and json_object"
+                + (f"; got {', '.join(given)}." if given else "; got none."), "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise SamplingParamsError("structured_outputs.json must be a JSON schema (an object or its text).",
+                                      "structured_outputs")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise SamplingParamsError("structured_outputs.regex must be a string.", "structured_outputs")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise SamplingParamsError("structured_outputs.grammar must be a string.", "structured_outputs")
+        end = self.reasoning_end
+        if end is not None and (not isinstance(end, (list, tuple)) or not end
+                                or not all(isinstance(t, int) for t in end)):
+            raise SamplingParamsError("structured_outputs.reasoning_end must be a non-empty list of token ids.",
+                                      "structured_outputs")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise SamplingParamsError("structured_outputs.choice must be a non-empty list of strings.",
+                                          "structured_outputs")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """One string per distinct grammar: what compiled grammars are cached by (reasoning_end is not part of it)."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data for msgpack (the engine core and a runner in another process rebuild it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def build_grammar(self):
+        """The xgrammar Grammar (parsed, not yet compiled against a vocabulary); a SamplingParamsError (a
+        ValueError) that names the problem when the schema, regex or grammar is invalid. The server calls it while
+        validating a request, so a bad one is a 400, never an error inside the engine."""
+        import xgrammar as xgr
+
+        try:
+            if self.json is not None or self.json_object:
+                # json_object: a JSON object (OpenAI's meaning), not any JSON value as xgrammar's builtin grammar.
+                schema = self.json if self.json is not None else {"type": "object"}
+                if self.disable_any_whitespace:
+                    return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+                return xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if self.regex is not None:
+                return xgr.Grammar.from_regex(self.regex)
+            if self.choice is not None:
+                # EBNF string literals take JSON's escapes (quotes, backslashes, control characters).
+                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+                return xgr.Grammar.from_ebnf(f"root ::= {alts}")
+            return xgr.Grammar.from_ebnf(self.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
+            what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}[self.kind]
+            msg = str(e).strip()
+            # xgrammar prefixes its C++ messages with "[time] file:line: "; the reason is what follows.
+            if msg.startswith("[") and ": " in msg:
+                msg = msg.split(": ", 1)[1].strip()
+            raise SamplingParamsError(f"Invalid {what} for structured outputs: {msg}", "structured_outputs") from None
 
 
 @dataclass
@@ -48,6 +145,8 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A constraint on the output (JSON schema, regex, choice, grammar): a token mask before sampling.
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled in by the engine from the tokenizer / generation config, not by users.
     _eos_token_id: Optional[int] = field(default=None, repr=False)
     _all_stop_token_ids: frozenset = field(default_factory=frozenset, repr=False)
@@ -65,6 +164,11 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()} or None
             except (TypeError, ValueError):
                 raise SamplingParamsError("logit_bias must map token ids to numbers.", "logit_bias") from None
+        if isinstance(self.structured_outputs, dict):  # as it crosses a process boundary (msgpack)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams.", "structured_outputs")
         if self.top_k is None or self.top_k == -1:  # vLLM's "no top-k"
             self.top_k = 0
         self._verify()  # the values as given: greedy requests get no pass for invalid ones
@@ -137,6 +241,13 @@ class SamplingParams:
                     bad("logit_bias", f"logit_bias token ids must be non-negative, got {tok}.")
                 if not -100.0 <= b <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}.")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The public fields as plain data (msgpack across processes); the engine fills the private ones."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d
 
     @property
     def greedy(self) -> bool:

@@ -137,7 +137,7 @@ class RunnerOutput:
 
 
 def _sampling_params_dict(p: SamplingParams) -> Dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in fields(p) if not f.name.startswith("_")}
+    return p.to_dict()  # (structured_outputs as a plain map)
 
 
 def encode_batch(batch: ScheduledBatch) -> bytes:

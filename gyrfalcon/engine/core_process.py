@@ -87,7 +87,7 @@ def decode_message(data: bytes) -> Message:
 
 def encode_sampling_params(p: SamplingParams) -> Dict[str, Any]:
     """The public fields only; the engine fills the private ones itself."""
-    return {f.name: getattr(p, f.name) for f in fields(p) if not f.name.startswith("_")}
+    return p.to_dict()
 
 
 def decode_sampling_params(d: Dict[str, Any]) -> SamplingParams:

@@ -97,7 +97,10 @@ class Engine:
             raise ValueError(f"Token id {bad} is out of range for a vocabulary of {vocab}.")
 
     def validate_params(self, sampling_params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids against the model's vocabulary, and that a
+        structured-outputs schema / regex / grammar parses (a ValueError naming the problem)."""
+        if sampling_params.structured_outputs is not None:
+            sampling_params.structured_outputs.build_grammar()
         vocab = self.vocab_size
         if vocab is None:
             return
@@ -144,7 +147,7 @@ class Engine:
         tokens are read back, so the host's bookkeeping overlaps the device's work; the updates
         returned are then those of the previous step. A request that finished (eos) in the step
         before may run one surplus step, whose token is dropped. Requests whose sampling depends on
-        their exact output history (penalties, min_tokens) make the engine wait first.
+        their exact output history (penalties, min_tokens, a grammar's mask) make the engine wait first.
         """
         updates: List[RequestUpdate] = []
         if self._inflight is not None and self._needs_exact_state():
@@ -178,6 +181,6 @@ class Engine:
         for req in self.scheduler.running:
             p = req.sampling_params
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \
-                    or req.num_output_tokens < p.min_tokens:
+                    or req.num_output_tokens < p.min_tokens or p.structured_outputs is not None:
                 return True
         return False

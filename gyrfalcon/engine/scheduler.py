@@ -46,7 +46,8 @@ class RequestUpdate:
 
 def _history_dependent(req: Request) -> int:
     p = req.sampling_params
-    return int(bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens))
+    return int(bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
+                    or p.structured_outputs is not None))
 
 
 class Scheduler:
@@ -66,7 +67,7 @@ class Scheduler:
         self.requests: Dict[str, Request] = {}
         self._finished_since_step: Set[str] = set()
         self.num_preemptions_total = 0
-        # Unfinished requests whose sampling reads their own output history (penalties, min_tokens):
+        # Unfinished requests whose sampling reads their own output history (penalties, min_tokens, grammars):
         # while there are none, async scheduling never has to wait (Engine._needs_exact_state).
         self.num_history_dependent = 0
 

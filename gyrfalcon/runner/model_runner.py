@@ -22,6 +22,7 @@ from gyrfalcon.runner.kv_cache import CachePlan, copy_states, model_cache_specs
 from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
+from gyrfalcon.runner.structured_output import StructuredOutputs
 from gyrfalcon.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class ModelRunner:
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()
+        mc = config.model_config
+        # Grammars of requests with structured_outputs (nothing is loaded until the first such request).
+        self.structured = StructuredOutputs(mc.tokenizer_path, mc.trust_remote_code,
+                                            getattr(mc.hf_config, "vocab_size", None))
         # The last launched step's sampled tokens, on the device, and each request's row in them:
         # the next step reads a token from here when the host has not received it yet.
         # (a verify step samples 1 + k rows per request: up to a step's whole token budget)
@@ -240,6 +245,7 @@ class ModelRunner:
         asynchronous copy of the sampled tokens to the host. A token the previous step sampled
         that the host has not seen yet is read on the device from `last_sampled`."""
         rows = self.states.apply(batch)
+        self.structured.update(batch)
         handle = StepHandle(batch, rows)
         if not rows:
             return handle
@@ -288,7 +294,13 @@ class ModelRunner:
             handle.sampled = greedy_argmax(logits)  # the common case: no metadata
             self.last_sampled[:n].copy_(handle.sampled)
         else:
-            out = self.sampler(logits, self._sampling_metadata(sample_reqs, sample_j))
+            md = self._sampling_metadata(sample_reqs, sample_j)
+            # The host fills the grammar masks while the device runs the queued forward and LM head.
+            mask = self.structured.bitmask(rows)
+            if mask is not None:
+                md.token_bitmask = (torch.tensor(mask[0], device=self.device),
+                                    mask[1].to(self.device, non_blocking=True))
+            out = self.sampler(logits, md)
             handle.sampled, handle.sampler_out = out.sampled, out
             self.last_sampled[:n].copy_(handle.sampled)
         # Each request's last sampled row (a verify step's next token is only known after verification, on
@@ -346,6 +358,7 @@ class ModelRunner:
             kept = tokens[row:row + n_keep + 1]
             sampled[i] = kept
             st.output_token_ids.extend(kept)
+            self.structured.accept(st, kept)
             n = st.sampling_params.logprobs
             if n is not None and lp is not None:
                 logprobs[i] = [(lp[x], rank[x], list(zip(top_ids[x][:n], top_lps[x][:n])) if n > 0 else [])
@@ -414,7 +427,8 @@ class ModelRunner:
     def _plain_greedy(reqs) -> bool:
         for r in reqs:
             p = r.sampling_params
-            if not p.greedy or p.logprobs is not None or p.logit_bias or p.presence_penalty \
+            if not p.greedy or p.logprobs is not None or p.logit_bias or p.structured_outputs is not None \
+                    or p.presence_penalty \
                     or p.frequency_penalty or p.repetition_penalty != 1.0 or r.num_output_tokens < p.min_tokens:
                 return False
         return True

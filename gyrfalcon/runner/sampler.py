@@ -5,7 +5,8 @@ Order of operations, as vLLM defines it:
 2. min_tokens: eos and stop ids are masked until a request has min_tokens outputs; logit_bias is added;
 3. penalties: repetition over prompt + output tokens (divide positive logits, multiply negative
    ones), frequency (minus count x penalty) and presence (minus penalty if seen) over output tokens;
-4. greedy rows take the argmax here;
+4. structured outputs: tokens the row's grammar does not allow go to -inf (runner/structured_output.py);
+   greedy rows take the argmax here;
 5. the rest: temperature, min_p (drop tokens below min_p x the top probability), top-k, top-p,
    then one Gumbel-max draw (kernels/sampling.py: one launch for the batch, no host sync) from
    uniforms hashed from each row's (seed, offset): a seeded request passes its own seed and the
@@ -21,6 +22,7 @@ import torch
 
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.kernels.sampling import gumbel_argmax
+from gyrfalcon.runner.structured_output import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -53,6 +55,8 @@ class SamplingMetadata:
     max_num_logprobs: Optional[int] = None  # top-N logprobs to return (None: none asked)
     # Every row samples at temperature exactly 1.0 (vLLM's benchmarks do): the division is skipped.
     unit_temperature: bool = False
+    # Structured outputs: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) on the device, or None.
+    token_bitmask: Optional[tuple] = None
 
 
 @dataclass
@@ -121,7 +125,8 @@ class Sampler:
         # 1.0 without filters) reads them as they come: the argmax and Gumbel kernels widen each value to
         # fp32 exactly, so the tokens are those of an fp32 copy, without the copy's launch.
         bare = (md.max_num_logprobs is None and md.min_tokens_mask is None and md.logit_bias is None
-                and md.output_token_ids is None and not (md.need_top_k or md.need_top_p or md.need_min_p)
+                and md.output_token_ids is None and md.token_bitmask is None
+                and not (md.need_top_k or md.need_top_p or md.need_min_p)
                 and (md.all_greedy or (md.all_random and md.unit_temperature)))
         if not bare:
             logits = logits.float()
@@ -135,6 +140,8 @@ class Sampler:
             logits.index_put_((rows, ids), values, accumulate=True)
         if md.output_token_ids is not None:
             logits = apply_penalties(logits, md)
+        if md.token_bitmask is not None:
+            apply_token_bitmask(logits, *md.token_bitmask)
         # (Each shortcut below skips launches whose result is not used or would not change anything.)
         greedy = None if md.all_random else greedy_argmax(logits)
         if md.all_greedy:

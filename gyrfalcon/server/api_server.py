@@ -48,7 +48,10 @@ class ServerState:
     def __init__(self, client: AsyncEngineClient, config, tokenizer, served_model_name: str,
                  chat_template: Optional[str], max_logprobs: int, log_stats_interval: float = 10.0,
                  keep_alive_on_engine_death: bool = False, metrics_prefix: str = "gyrfalcon",
-                 log_requests: bool = False, max_log_len: Optional[int] = None) -> None:
+                 log_requests: bool = False, max_log_len: Optional[int] = None,
+                 chat_options: Optional[Dict[str, Any]] = None) -> None:
+        """chat_options: OpenAIServingChat's tool-call and reasoning settings (tool_call_parser,
+        enable_auto_tool_choice, reasoning_parser)."""
         self.config = config
         self.served_model_name = served_model_name
         self.log_stats_interval = log_stats_interval
@@ -65,7 +68,7 @@ class ServerState:
         self.completion = OpenAIServingCompletion(self.client, tokenizer, config, served_model_name, max_logprobs,
                                                   chat_template, **kw)
         self.chat = OpenAIServingChat(self.client, tokenizer, config, served_model_name, max_logprobs,
-                                      chat_template, **kw)
+                                      chat_template, **kw, **(chat_options or {}))
         self.created = int(time.time())
         self.keep_alive_on_engine_death = keep_alive_on_engine_death
         self.exit_code = 0
@@ -332,10 +335,13 @@ def _serve(args, client: AsyncEngineClient, sock, model: str, kw: Dict[str, Any]
     api_keys: List[str] = list(args.api_key or ([envs.get().api_key] if envs.get().api_key else []))
     api_key = api_keys or None
     interval = 0.0 if args.disable_log_stats else envs.get().log_stats_interval
+    chat_options = dict(tool_call_parser=getattr(args, "tool_call_parser", None),
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        reasoning_parser=getattr(args, "reasoning_parser", None))
     state = ServerState(client, config, tokenizer, mc.served_model_name, chat_template, args.max_logprobs,
                         interval, args.keep_alive_on_engine_death, metrics_prefix=args.metrics_prefix,
                         log_requests=args.enable_log_requests and not args.disable_log_requests,
-                        max_log_len=args.max_log_len)
+                        max_log_len=args.max_log_len, chat_options=chat_options)
     cors = dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                 allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = build_app(state, api_key, args.max_request_bytes, root_path=args.root_path, cors=cors)

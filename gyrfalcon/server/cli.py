@@ -136,6 +136,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="when the engine core dies, keep answering 503 instead of exiting with code 1 (the "
                         "default lets a supervisor such as systemd or Kubernetes restart the server)")
+    # Tool calling and reasoning (docs/server.md); vLLM's flags and parser names.
+    from gyrfalcon.server.reasoning import REASONING_PARSERS
+    from gyrfalcon.server.tool_parsers import TOOL_PARSERS
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests use tool_choice "auto" (the model decides; --tool-call-parser reads its calls)')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call syntax: hermes / qwen3 (<tool_call> JSON), llama3_json, "
+                        "deepseek_v3 / deepseek_v31, minimax_m2")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return the model's <think> reasoning as reasoning_content, apart from content")
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / KV-usage log line")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 
 from gyrfalcon.engine.engine import Engine
 from gyrfalcon.output_processor import RequestState
-from gyrfalcon.sampling_params import SamplingParams
+from gyrfalcon.sampling_params import SamplingParams, SamplingParamsError
 from gyrfalcon.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
 from gyrfalcon.server.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest, bad_request
 from gyrfalcon.tokenizer import encode, render_chat
@@ -96,6 +96,31 @@ class _PromptChecker:
         self.vocab_size = Engine.read_vocab_size(config)
 
 
+def _tool_call_for_template(tc: Any) -> Any:
+    """An earlier assistant turn's tool call with its arguments as an object: OpenAI sends them as JSON text, and
+    templates that write them with `tojson` (Llama 3's, DeepSeek's) would otherwise quote the text again."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return tc
+    args = tc["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return tc
+        if isinstance(parsed, dict):
+            return {**tc, "function": {**tc["function"], "arguments": parsed}}
+    return tc
+
+
+def prompt_logprobs_json(entries: Optional[list]) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
+
 def clamp_logprob(x: float) -> float:
     """JSON has no -inf; OpenAI-compatible servers report -9999.0 instead."""
     return -9999.0 if (x is None or math.isnan(x) or x < -9999.0) else float(x)
@@ -142,6 +167,9 @@ class OpenAIServing:
         self.executor = executor
         self.max_prompt_chars = max_prompt_chars
         self._checker = _PromptChecker(config)
+        # Structured outputs parse their grammars here (SamplingParams.structured_outputs.build_grammar): xgrammar's
+        # import (~0.3 s) happens now, while the engine core loads the model, not in a request's turn on the loop.
+        import xgrammar  # noqa: F401
         gen = config.model_config.generation_config or {}
         # The checkpoint's recommended sampling settings apply where a request names none (as vLLM).
         self.sampling_defaults = {k: gen[k] for k in _SAMPLING_DEFAULT_KEYS if gen.get(k) is not None}
@@ -155,9 +183,13 @@ class OpenAIServing:
         if self.client.is_dead:
             raise OpenAIError(503, f"The engine is not running: {self.client.dead_reason}", code="engine_dead")
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams, structured_param: str = "structured_outputs") -> None:
+        """structured_param: the request field the output constraint came from (response_format, guided_json, ...):
+        its schema / regex / grammar is parsed here, so a bad one is a 400 naming that field."""
         try:
             self._checker.validate_params(params)
+        except SamplingParamsError as e:
+            raise bad_request(str(e), structured_param if e.param == "structured_outputs" else e.param) from None
         except ValueError as e:
             raise bad_request(str(e), "logit_bias") from None
 
@@ -195,7 +227,9 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True,
-                    kwargs: Optional[Dict[str, Any]] = None) -> str:
+                    kwargs: Optional[Dict[str, Any]] = None, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+        """The prompt text; `kwargs` (chat_template_kwargs: enable_thinking, ...) and `tools` (OpenAI's tool
+        definitions) go to the template as transformers' apply_chat_template passes them."""
         if not isinstance(messages, list):
             raise bad_request("messages must be a list of messages.", "messages")
         if not messages:
@@ -226,8 +260,13 @@ class OpenAIServing:
                                       "assistant messages may have none.", "messages")
             elif not isinstance(content, str):
                 raise bad_request("Message content must be a string or a list of text parts.", "messages")
-            msgs.append({**m, "content": content if content is not None else ""})
+            msg = {**m, "content": content if content is not None else ""}
+            if role == "assistant" and isinstance(m.get("tool_calls"), list):
+                msg["tool_calls"] = [_tool_call_for_template(tc) for tc in m["tool_calls"]]
+            msgs.append(msg)
         try:
+            if tools:
+                kwargs = {**(kwargs or {}), "tools": tools}
             if kwargs:
                 if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
                     raise ValueError("This model's tokenizer has no chat template; start the server with "

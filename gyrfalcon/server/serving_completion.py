@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gyrfalcon.server.protocol import CompletionRequest, bad_request
 from gyrfalcon.sampling_params import SamplingParams
 from gyrfalcon.server.serving import (SSE_DONE, OpenAIServing, clamp_logprob, error_from_exception,
-                                      run_unless_disconnected, sse, stream_chunk, work_size)
+                                      prompt_logprobs_json, run_unless_disconnected, sse, stream_chunk, work_size)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -50,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prepare(self, req: CompletionRequest) -> Tuple[SamplingParams, List[Tuple[Optional[str], List[int]]]]:
         """Everything between the parsed request and its submission; raises the 400s."""
         params = req.sampling_params(self.max_logprobs, self.sampling_defaults)
-        self.validate_params(params)
+        source = req.structured_outputs_params()
+        self.validate_params(params, source[0] if source else "structured_outputs")
         return params, self._prompts(req.prompt, params.max_tokens)
 
     def _prompt_text(self, st) -> str:
@@ -91,7 +92,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        params, prompts = await self.offload(work_size(req.prompt) + work_size(req.logit_bias), self._prepare, req)
+        size = (work_size(req.prompt) + work_size(req.logit_bias) + work_size(req.response_format)
+                + work_size(req.structured_outputs) + work_size(req.guided_json))  # (a big schema parses off the loop)
+        params, prompts = await self.offload(size, self._prepare, req)
         self.check_engine()
         request_id = self.new_id("cmpl")
         created = int(time.time())
@@ -120,8 +123,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 if params.logprobs is not None:
                     lp, _ = self._logprobs(c.token_ids, c.logprobs, params.logprobs, 0,
                                            st.prompt_token_ids if req.echo else None, out.prompt_logprobs)
-                choices.append({"index": i * params.n + c.index, "text": prompt_text + c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * params.n + c.index, "text": prompt_text + c.text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": self.usage(states), "system_fingerprint": None})
 
@@ -129,8 +135,11 @@ class OpenAIServingCompletion(OpenAIServing):
                       params) -> AsyncIterator[str]:
         states = []
         queue: asyncio.Queue = asyncio.Queue()
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
         def chunk(choices, usage=None) -> str:
+            if usage is None and continuous:
+                usage = self.usage(states)  # the counts so far, on every chunk (vLLM's continuous_usage_stats)
             return stream_chunk("text_completion", request_id, created, model, choices, usage)
 
         try:
