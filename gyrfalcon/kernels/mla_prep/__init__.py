@@ -1,0 +1,59 @@
+"""MLA's fused input preparation (DeepSeek-V3 / V3.2): everything between the attention block's projections and
+the attention kernels, in two launches.
+
+kv prep, after q_a_proj / kv_a_proj_with_mqa (/ the indexer's wk), one program per (token, part):
+    kv [T, L + R] -> cache row [RMSNorm(latent) * kv_a_layernorm.weight | RoPE(k_rope)] at slot_mapping
+    q_a [T, Q]    -> RMSNorm(q_a) * q_a_layernorm.weight [T, Q]      (returned: q_b_proj's and wq_b's input)
+    index.k [T, D] -> LayerNorm(k) (weight, bias) + rotate_half RoPE on its first R dims -> index.cache (V3.2)
+q prep, after q_b_proj (/ the indexer's wq_b and weights_proj):
+    q [T, H, nope + R] -> q_abs [T, H, L + R] = [q_nope @ W_UK[h] | RoPE(q_rope)]   (mla_attention's query)
+    index.q [T, H_i, D] -> rotate_half RoPE on the first R dims; index.w [T, H_i] -> index.w * w_scale (fp32)
+L = kv_lora_rank, R = qk_rope_head_dim (MLA's RoPE: interleaved pairs unless rope_interleave is off; the indexer's
+always rotate_half), Q = q_lora_rank, D = index_head_dim; positions int [T]; cos_sin_cache fp32 [max_pos, R];
+caches [num_blocks, block_size, 1, width]; slot_mapping int [T] (-1: not written). The norms' eps: kv_a / q_a
+share one (transformers builds both with 1e-6), the indexer's LayerNorm carries its own.
+
+Launches per MLA layer in a decode step (GYRFALCON_DISABLE_FUSION=1 in brackets; counted from layers/mla.py and
+layers/dsa_indexer.py, GEMMs as one launch each, the MoE / MLP half of the layer not counted):
+    input RMSNorm (+ residual add) 1 [1]; q_a_proj, kv_a_proj_with_mqa 2 [2]; kv prep 1 [q_a_layernorm,
+    kv_a_layernorm (+ the strided latent's copy), RoPE (+ copies of the strided q_rope / k_rope views), latent
+    store: >= 4]; q_b_proj 1 [1]; q prep 1 [bmm + its transposed copy, cat: >= 3]; MLA decode 1-2 (split-K +
+    reduce) [same]; W_UV bmm + its transposed copy 2 [2]; o_proj 1 [1]
+    V3: ~10-11 fused vs ~15+ unfused. V3.2 adds wk, wq_b, weights_proj (+ its fp32 cast) 3-4 GEMM-side launches
+    either way, the indexer's scores + top-k when a sequence outgrows index_topk, and unfused its LayerNorm (fp32
+    casts), RoPE, weight scale and key store (>= 5), which the two prep launches absorb.
+The MoE half (router, sort, gate_up, down, sum, shared expert) is unchanged by this fusion.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from gyrfalcon.kernels.common import use_triton
+from gyrfalcon.kernels.mla_prep.naive import IndexKeyPrep, IndexQueryPrep, mla_kv_prep_ref, mla_q_prep_ref
+from gyrfalcon.kernels.mla_prep.triton import mla_kv_prep_triton, mla_q_prep_triton
+
+
+def mla_kv_prep(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
+                is_neox: bool, kv_norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                slot_mapping: torch.Tensor, q_a: Optional[torch.Tensor] = None,
+                q_norm_weight: Optional[torch.Tensor] = None,
+                index: Optional[IndexKeyPrep] = None) -> Optional[torch.Tensor]:
+    """The kv prep (module docstring): writes the caches in place, returns RMSNorm(q_a) (None without q_a)."""
+    fn = mla_kv_prep_triton if use_triton(kv) else mla_kv_prep_ref
+    return fn(kv, positions, cos_sin_cache, rope_dim, is_neox, kv_norm_weight, eps, cache, slot_mapping, q_a,
+              q_norm_weight, index)
+
+
+def mla_q_prep(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int, is_neox: bool,
+               w_uk: torch.Tensor, index: Optional[IndexQueryPrep] = None
+               ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The q prep (module docstring) -> (q_abs, None or (index q, index w))."""
+    fn = mla_q_prep_triton if use_triton(q) else mla_q_prep_ref
+    return fn(q, positions, cos_sin_cache, rope_dim, is_neox, w_uk, index)
+
+
+__all__ = ["IndexKeyPrep", "IndexQueryPrep", "mla_kv_prep", "mla_kv_prep_ref", "mla_kv_prep_triton", "mla_q_prep",
+           "mla_q_prep_ref", "mla_q_prep_triton"]
