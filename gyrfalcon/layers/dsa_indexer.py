@@ -25,6 +25,7 @@ from torch import nn
 
 from gyrfalcon.cache_spec import IndexerKeySpec
 from gyrfalcon.kernels.dsa_indexer import indexer_topk, store_index_keys
+from gyrfalcon.kernels.mla_prep import IndexKeyPrep, IndexQueryPrep
 from gyrfalcon.kernels.rotary import apply_rotary
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -94,11 +95,26 @@ class LightningIndexer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, key_cache: torch.Tensor,
                 fb) -> Optional[torch.Tensor]:
-        """Writes this step's keys into key_cache [num_blocks, block_size, 1, D] -> the selected key positions per
-        query token, int32 [T, index_topk] (-1: none), or None when every causal key is selected (module
-        docstring). fb: the step's ForwardBatch."""
+        """The unfused path (GYRFALCON_DISABLE_FUSION=1): writes this step's keys into key_cache [num_blocks,
+        block_size, 1, D] -> the selected key positions per query token, int32 [T, index_topk] (-1: none), or None
+        when every causal key is selected (module docstring). fb: the step's ForwardBatch."""
         q, k, w = self.project(positions, x, q_resid)
         store_index_keys(k, key_cache, fb.slot_mapping)
+        return self.select(q, w, key_cache, fb)
+
+    def key_prep(self, x: torch.Tensor, key_cache: torch.Tensor) -> IndexKeyPrep:
+        """The fused path's key inputs: wk(x) [T, D] and the LayerNorm, for MLA's kv prep launch (which norms, ropes
+        and writes them into key_cache)."""
+        return IndexKeyPrep(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, key_cache)
+
+    def query_prep(self, x: torch.Tensor, q_resid: torch.Tensor) -> IndexQueryPrep:
+        """The fused path's query inputs: wq_b(q_resid) [T, H_i, D] and weights_proj(x) [T, H_i] fp32 with their
+        scale, for MLA's q prep launch (which ropes the queries and scales the weights)."""
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
+        return IndexQueryPrep(q, self.weights_proj(x), self.weight_scale)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, fb) -> Optional[torch.Tensor]:
+        """Roped q [T, H_i, D], scaled w [T, H_i] over the written keys -> forward's selection (or None)."""
         if self.every_key_selected(fb, key_cache):
             return None
         return indexer_topk(q, w, key_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.index_topk)

@@ -13,6 +13,11 @@ W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R
 gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
 writes its rows into the cache first and attends from the cache, causally by position.
 
+Between the projections and attention, the default path runs two launches (kernels/mla_prep): the kv prep (both
+latent RMSNorms, k_rope's RoPE, the latent row into the cache; V3.2: the indexer key's LayerNorm + RoPE + cache
+write) and the q prep (the absorbed query [q_nope W_UK | RoPE(q_rope)]; V3.2: the index query's RoPE and weight
+scale). GYRFALCON_DISABLE_FUSION=1 runs each of those as its own op instead (the baseline `bench latency` compares).
+
 DeepSeek-V3.2 adds a lightning indexer (layers/dsa_indexer.py, child `indexer`, reading q_a_layernorm's output):
 the layer's cache is then the pair (latent, indexer keys) (SparseMLASpec), and each query attends only over the
 indexer's top-k keys (the attention kernels' `indices`).
@@ -25,10 +30,12 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from gyrfalcon import envs
 from gyrfalcon.cache_spec import MLALatentSpec, SparseMLASpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
+from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm import RMSNorm
@@ -65,6 +72,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
         self.rotary_emb = rotary
+        # The fused prep (kernels/mla_prep, two launches) unless GYRFALCON_DISABLE_FUSION=1 (separate ops).
+        self.fused = not envs.get().disable_fusion
         self.norm_in: Optional[NormLinear] = None
         self.indexer: Optional[LightningIndexer] = None
         if index is not None:
@@ -88,11 +97,19 @@ class MultiHeadLatentAttention(nn.Module):
         return SparseMLASpec(latent, self.indexer.key_cache_spec(cache_dtype))
 
     def absorbed_weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]); an FP8
-        weight is dequantized to dtype (absorption multiplies it into activations, not through the FP8 GEMM)."""
+        """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]). An FP8
+        weight (block scales) is dequantized to dtype once and kept (absorption multiplies it into activations, not
+        through the FP8 GEMM): [H * (nope + v), L] in dtype beside the FP8 one, 32 MiB a layer in bf16 at the real
+        dims; done again only when the weight changes (a reload) or dtype does."""
         w = self.kv_b_proj.weight
         if self.kv_b_proj.quant_block is not None:
-            w = dequantize_weight(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.quant_block).to(dtype)
+            key = (dtype, w.data_ptr(), w._version, self.kv_b_proj.weight_scale_inv._version)
+            held = self.__dict__.get("_kv_b_dequantized")
+            if held is None or held[0] != key:
+                plain = dequantize_weight(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.quant_block).to(dtype)
+                held = (key, plain)
+                self.__dict__["_kv_b_dequantized"] = held  # not registered: no checkpoint name, no state_dict entry
+            w = held[1]
         w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
@@ -102,6 +119,47 @@ class MultiHeadLatentAttention(nn.Module):
         this block."""
         n = self.norm_in(hidden, residual)
         x = n.y
+        T, H = x.shape[0], self.num_heads
+        ctx = get_forward_context()
+        fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
+        key_cache = None
+        if self.indexer is not None:
+            cache, key_cache = cache
+        w_uk, w_uv = self.absorbed_weights(x.dtype)
+        prep = self._prep_fused if self.fused else self._prep_unfused
+        q_abs, indices = prep(positions, x, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
+                                 self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
+        # [H, T, L] @ [H, L, v] -> [T, H, v]
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return project_out(self.o_proj, o.reshape(T, H * self.v_head_dim), n)
+
+    def _prep_fused(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                    key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+        """The projections, then kernels/mla_prep's two launches: the kv prep (both latent norms, k_rope's RoPE, the
+        latent cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed
+        query and q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the
+        indexer's selection or None). x: the normed input [T, hidden]."""
+        T = x.shape[0]
+        rot = self.rotary_emb
+        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
+        q_a = self.q_a_proj(x) if self.q_lora_rank is not None else None
+        index_k = self.indexer.key_prep(x, key_cache) if self.indexer is not None else None
+        q_resid = mla_kv_prep(kv, positions, rot.cos_sin_cache, self.rope_dim, rot.is_neox, self.kv_a_layernorm.weight,
+                              self.kv_a_layernorm.eps, cache, fb.slot_mapping, q_a,
+                              self.q_a_layernorm.weight if q_a is not None else None, index_k)
+        q = self.q_b_proj(q_resid) if q_a is not None else self.q_proj(x)
+        index_q = None
+        if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
+            index_q = self.indexer.query_prep(x, q_resid)
+        q_abs, iq = mla_q_prep(q.view(T, self.num_heads, self.qk_head_dim), positions, rot.cos_sin_cache,
+                               self.rope_dim, rot.is_neox, w_uk, index_q)
+        return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None)
+
+    def _prep_unfused(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                      key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+        """GYRFALCON_DISABLE_FUSION=1: the same as _prep_fused with every norm, RoPE, bmm and cache write its own
+        op (the fused path's baseline)."""
         T, H, L = x.shape[0], self.num_heads, self.kv_lora_rank
         q_resid = None
         if self.q_lora_rank is None:
@@ -113,26 +171,11 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         latent = self.kv_a_layernorm(kv[:, :L])
         q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
-        w_uk, w_uv = self.absorbed_weights(q.dtype)
         # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
         q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
         q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
-        o_latent = self._attend(q_abs, latent, k_rope[:, 0], positions, x, q_resid)  # [T, H, L]
-        # [H, T, L] @ [H, L, v] -> [T, H, v]
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return project_out(self.o_proj, o.reshape(T, H * self.v_head_dim), n)
-
-    def _attend(self, q_abs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor,
-                x: torch.Tensor, q_resid: Optional[torch.Tensor]) -> torch.Tensor:
-        """q_abs [T, H, L + R]; this step's latent [T, L] and roped k_rope [T, R] go into this layer's cache
-        first -> o [T, H, L] over each sequence's cached rows (with an indexer: over each query's selected rows;
-        positions [T], the normed input x [T, hidden] and q_resid [T, q_lora_rank] feed the indexer)."""
-        ctx = get_forward_context()
-        fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
         indices = None
         if self.indexer is not None:
-            cache, key_cache = cache
             indices = self.indexer(positions, x, q_resid, key_cache, fb)
-        store_latent(latent, k_rope, cache, fb.slot_mapping)
-        return mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
-                             self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)
+        store_latent(latent, k_rope[:, 0], cache, fb.slot_mapping)
+        return q_abs, indices
