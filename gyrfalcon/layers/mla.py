@@ -98,20 +98,23 @@ class MultiHeadLatentAttention(nn.Module):
 
     def absorbed_weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight [H * (nope + v), L] as per-head views: (W_UK [H, nope, L], W_UV [H, v, L]). An FP8
-        weight (block scales) is dequantized to dtype once and kept (absorption multiplies it into activations, not
-        through the FP8 GEMM): [H * (nope + v), L] in dtype beside the FP8 one, 32 MiB a layer in bf16 at the real
-        dims; done again only when the weight changes (a reload) or dtype does."""
+        weight (block scales) is dequantized to dtype on first use and kept (absorption multiplies it into
+        activations, not through the FP8 GEMM): [H * (nope + v), L] in dtype beside the FP8 one, 32 MiB a layer in
+        bf16 at the real dims, allocated by the first (memory-profiling) forward. Loading weights drops it
+        (forget_absorbed)."""
         w = self.kv_b_proj.weight
         if self.kv_b_proj.quant_block is not None:
-            key = (dtype, w.data_ptr(), w._version, self.kv_b_proj.weight_scale_inv._version)
             held = self.__dict__.get("_kv_b_dequantized")
-            if held is None or held[0] != key:
-                plain = dequantize_weight(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.quant_block).to(dtype)
-                held = (key, plain)
+            if held is None or held.dtype != dtype:
+                held = dequantize_weight(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.quant_block).to(dtype)
                 self.__dict__["_kv_b_dequantized"] = held  # not registered: no checkpoint name, no state_dict entry
-            w = held[1]
+            w = held
         w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def forget_absorbed(self) -> None:
+        """Drop the kept dequantized kv_b_proj (the model calls it after loading weights into it)."""
+        self.__dict__.pop("_kv_b_dequantized", None)
 
     def forward(self, positions: torch.Tensor, hidden: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:

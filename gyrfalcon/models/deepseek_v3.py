@@ -104,7 +104,11 @@ class DeepseekV3ForCausalLM(CausalLM):
             yield name, tensor
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        return super().load_weights(self._checkpoint_names(weights))
+        loaded = super().load_weights(self._checkpoint_names(weights))
+        for m in self.modules():  # an FP8 kv_b_proj's dequantized copy is stale now (layers/mla.py)
+            if isinstance(m, MultiHeadLatentAttention):
+                m.forget_absorbed()
+        return loaded
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
