@@ -16,7 +16,8 @@ writes its rows into the cache first and attends from the cache, causally by pos
 Between the projections and attention, the default path runs two launches (kernels/mla_prep): the kv prep (both
 latent RMSNorms, k_rope's RoPE, the latent row into the cache; V3.2: the indexer key's LayerNorm + RoPE + cache
 write) and the q prep (the absorbed query [q_nope W_UK | RoPE(q_rope)]; V3.2: the index query's RoPE and weight
-scale). GYRFALCON_DISABLE_FUSION=1 runs each of those as its own op instead (the baseline `bench latency` compares).
+scale); after attention one more applies W_UV straight into o_proj's [T, H * v] input. GYRFALCON_DISABLE_FUSION=1
+runs each of those as its own op instead (the baseline `bench latency` compares).
 
 DeepSeek-V3.2 adds a lightning indexer (layers/dsa_indexer.py, child `indexer`, reading q_a_layernorm's output):
 the layer's cache is then the pair (latent, indexer keys) (SparseMLASpec), and each query attends only over the
@@ -35,7 +36,7 @@ from gyrfalcon.cache_spec import MLALatentSpec, SparseMLASpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
-from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep
+from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep, mla_v_proj
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
 from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.norm import RMSNorm
@@ -133,9 +134,11 @@ class MultiHeadLatentAttention(nn.Module):
         q_abs, indices = prep(positions, x, cache, key_cache, fb, w_uk)  # [T, H, L + R]
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
-        # [H, T, L] @ [H, L, v] -> [T, H, v]
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return project_out(self.o_proj, o.reshape(T, H * self.v_head_dim), n)
+        if self.fused:  # one launch into o_proj's layout
+            o = mla_v_proj(o_latent, w_uv)
+        else:  # [H, T, L] @ [H, L, v] -> [T, H, v], then its copy to [T, H * v]
+            o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        return project_out(self.o_proj, o, n)
 
     def _prep_fused(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                     key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):

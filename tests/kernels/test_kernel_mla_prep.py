@@ -2,7 +2,7 @@
 composition of RMSNorm / LayerNorm / RoPE / cache-write / bmm references): the kv prep's cache rows (latent and, for
 V3.2, indexer keys) written through a ragged step's slot mapping into shuffled, partly filled blocks with skipped
 slots, its q_a norm; the q prep's absorbed query (decode-sized and prefill-sized token blocks, dims that are no
-power of two) and V3.2's index query and weights. Plus the references against plain formulas."""
+power of two) and V3.2's index query and weights; the V projection into o_proj's layout. Plus the references against plain formulas."""
 
 import math
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gyrfalcon.kernels.mla_prep import (IndexKeyPrep, IndexQueryPrep, mla_kv_prep_ref, mla_kv_prep_triton,
-                                        mla_q_prep_ref, mla_q_prep_triton)
+                                        mla_q_prep_ref, mla_q_prep_triton, mla_v_proj_ref, mla_v_proj_triton)
 from gyrfalcon.layers.rotary import RotaryEmbedding
 from kernels_testutil import DEVICE, TOL, requires_triton
 
@@ -162,3 +162,22 @@ def test_q_prep_ref_is_the_absorbed_query():
     _close(w, iq.w * iq.w_scale)
     _close(iq_out[2, :, R:], iq.q[2, :, R:])
     _close(iq_out[2, :, :R // 2], iq.q[2, :, :R // 2] * cos - iq.q[2, :, R // 2:R] * sin)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 70, 0])
+def test_v_proj_matches_reference(dtype, T):
+    """o_proj's input [T, H * v] = per head o_latent @ W_UV^T, W_UV as kv_b_proj's strided per-head view."""
+    H, nope, V = 3, 16, 12
+    o = torch.randn(T, H, L, device=DEVICE).to(dtype)
+    w_kvb = (torch.randn(H, nope + V, L, device=DEVICE) / math.sqrt(L)).to(dtype)
+    w_uv = w_kvb[:, nope:]
+    want = mla_v_proj_ref(o, w_uv)
+    got = mla_v_proj_triton(o, w_uv)
+    assert got.shape == want.shape == (T, H * V)
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    if T:
+        torch.testing.assert_close(want[-1, V:2 * V].float(), (o[-1, 1].float() @ w_uv[1].float().T),
+                                   **TOL[dtype])

@@ -148,8 +148,12 @@ def test_variants_match_transformers(tmp_path, variant):
 
 def _triton_prep(monkeypatch, mla_layer, calls):
     """Routes the MLA layer's fused prep through the Triton kernels (on CPU tensors, under the interpreter),
-    counting launches into calls["kv_prep"] / calls["q_prep"]."""
-    from gyrfalcon.kernels.mla_prep import mla_kv_prep_triton, mla_q_prep_triton
+    counting launches into calls["kv_prep"] / calls["q_prep"] / calls["v_proj"]."""
+    from gyrfalcon.kernels.mla_prep import mla_kv_prep_triton, mla_q_prep_triton, mla_v_proj_triton
+
+    def v_proj(*args):
+        calls["v_proj"] += 1
+        return mla_v_proj_triton(*args)
 
     def kv_prep(*args):
         calls["kv_prep"] += 1
@@ -161,10 +165,11 @@ def _triton_prep(monkeypatch, mla_layer, calls):
 
     monkeypatch.setattr(mla_layer, "mla_kv_prep", kv_prep)
     monkeypatch.setattr(mla_layer, "mla_q_prep", q_prep)
+    monkeypatch.setattr(mla_layer, "mla_v_proj", v_proj)
 
 
 def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
-    """The GPU path's MLA kernels (the fused kv / q prep launches and the Triton split-K kernel for decode rows and
+    """The GPU path's MLA kernels (the fused kv / q prep and V projection launches and the Triton split-K kernel for decode rows and
     per-token prefill rows, under the interpreter here) in place of the references inside the model: the same
     tokens and logprobs as transformers at every decode step, the first from a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
@@ -174,7 +179,7 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     import gyrfalcon.layers.mla as mla_layer
     from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
 
-    calls = {"decode": 0, "prefill": 0, "kv_prep": 0, "q_prep": 0}
+    calls = {"decode": 0, "prefill": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
 
     def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):
         assert indices is None  # V3: dense MLA

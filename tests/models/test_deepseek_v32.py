@@ -283,7 +283,7 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     from gyrfalcon.kernels.dsa_indexer import indexer_topk_triton
     from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
 
-    calls = {"decode": 0, "prefill": 0, "indexer": 0, "kv_prep": 0, "q_prep": 0}
+    calls = {"decode": 0, "prefill": 0, "indexer": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
     dense = mla_layer.mla_attention  # steps whose sequences all fit in index_topk keys (V3's test covers them)
 
     def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):

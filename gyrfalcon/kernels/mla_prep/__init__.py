@@ -32,8 +32,9 @@ from typing import Optional, Tuple
 import torch
 
 from gyrfalcon.kernels.common import use_triton
-from gyrfalcon.kernels.mla_prep.naive import IndexKeyPrep, IndexQueryPrep, mla_kv_prep_ref, mla_q_prep_ref
-from gyrfalcon.kernels.mla_prep.triton import mla_kv_prep_triton, mla_q_prep_triton
+from gyrfalcon.kernels.mla_prep.naive import (IndexKeyPrep, IndexQueryPrep, mla_kv_prep_ref, mla_q_prep_ref,
+                                              mla_v_proj_ref)
+from gyrfalcon.kernels.mla_prep.triton import mla_kv_prep_triton, mla_q_prep_triton, mla_v_proj_triton
 
 
 def mla_kv_prep(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
@@ -55,5 +56,11 @@ def mla_q_prep(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     return fn(q, positions, cos_sin_cache, rope_dim, is_neox, w_uk, index)
 
 
+def mla_v_proj(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The V projection (module docstring): o_latent [T, H, L], w_uv [H, v, L] -> o_proj's input [T, H * v]."""
+    fn = mla_v_proj_triton if use_triton(o_latent) else mla_v_proj_ref
+    return fn(o_latent, w_uv)
+
+
 __all__ = ["IndexKeyPrep", "IndexQueryPrep", "mla_kv_prep", "mla_kv_prep_ref", "mla_kv_prep_triton", "mla_q_prep",
-           "mla_q_prep_ref", "mla_q_prep_triton"]
+           "mla_q_prep_ref", "mla_q_prep_triton", "mla_v_proj", "mla_v_proj_ref", "mla_v_proj_triton"]

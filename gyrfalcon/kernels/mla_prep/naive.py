@@ -68,3 +68,12 @@ def mla_q_prep_ref(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
         return q_abs, None
     iq, _ = apply_rotary_ref(index.q, None, positions, cos_sin_cache, rope_dim, True)
     return q_abs, (iq, index.w.float() * index.w_scale)
+
+
+def mla_v_proj_ref(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_latent [T, H, L] (attention's latent-space output), w_uv [H, v, L] -> [T, H * v] in o_latent.dtype, per
+    head o_h @ W_UV[h]^T: o_proj's input."""
+    T, H, _ = o_latent.shape
+    # [H, T, L] @ [H, L, v] -> [T, H, v]
+    o = torch.bmm(o_latent.transpose(0, 1), w_uv.to(o_latent.dtype).transpose(1, 2)).transpose(0, 1)
+    return o.reshape(T, H * w_uv.shape[1])

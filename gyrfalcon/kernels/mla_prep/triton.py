@@ -1,7 +1,8 @@
 """The Triton MLA prep kernels: the kv prep (one launch: latent RMSNorm + k_rope RoPE + the latent cache write, the
-q_a RMSNorm, the V3.2 indexer key's LayerNorm + RoPE + its cache write) and the q prep (one launch: the absorbed
-query q_nope @ W_UK per head as a tiled dot, q_rope's RoPE beside it, the V3.2 index query's RoPE and weight scale).
-Contracts: naive.py's mla_kv_prep_ref / mla_q_prep_ref."""
+q_a RMSNorm, the V3.2 indexer key's LayerNorm + RoPE + its cache write), the q prep (one launch: the absorbed
+query q_nope @ W_UK per head as a tiled dot, q_rope's RoPE beside it, the V3.2 index query's RoPE and weight scale)
+and the V projection (one launch: o_latent @ W_UV^T per head, written as o_proj's [T, H * v] input).
+Contracts: naive.py's mla_kv_prep_ref / mla_q_prep_ref / mla_v_proj_ref."""
 
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ if HAS_TRITON:
                 tl.store(dst + d, y.to(ic_ptr.dtype.element_ty), mask=md)
 
     @triton.jit
+    def _head_dot(a_rows, tm, w_head, s_wk, s_wn, n, nm, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """One head's [BLOCK_T, BLOCK_N] tile of a[t, :K] @ W[:K, n] in fp32: a_rows [BLOCK_T, 1] pointers to the
+        tokens' rows (tm: the valid ones), W at w_head with strides s_wk (K) and s_wn (N), columns n (nm valid)."""
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            a = tl.load(a_rows + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            b = tl.load(w_head + k[:, None] * s_wk + n[None, :] * s_wn, mask=km[:, None] & nm[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PREC)
+        return acc
+
+    @triton.jit
     def _mla_q_prep_kernel(
         q_ptr, wuk_ptr, pos_ptr, cs_ptr, o_ptr, iq_ptr, iw_ptr, iqo_ptr, iwo_ptr, w_scale, T, n_tb, n_main,
         s_qt, s_qh, s_wh, s_wk, s_ot, s_oh, s_cs, s_iqt, s_iqh, s_iwt, s_iqot, s_iqoh, s_iwot,
@@ -102,17 +120,8 @@ if HAS_TRITON:
             l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
             lm = l < L
             q_rows = q_ptr + t64[:, None] * s_qt + h * s_qh
-            acc = tl.zeros([BLOCK_T, BLOCK_L], tl.float32)
-            for k0 in range(0, NOPE, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                km = k < NOPE
-                a = tl.load(q_rows + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-                b = tl.load(wuk_ptr + h * s_wh + k[:, None] * s_wk + l[None, :], mask=km[:, None] & lm[None, :],
-                            other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PREC)
+            acc = _head_dot(q_rows, tm, wuk_ptr + h * s_wh, s_wk, 1, l, lm, NOPE, BLOCK_T, BLOCK_L, BLOCK_K,
+                            DOT_PREC, UPCAST)
             o_rows = o_ptr + t64[:, None] * s_ot + h * s_oh
             tl.store(o_rows + l[None, :], acc.to(o_ptr.dtype.element_ty), mask=tm[:, None] & lm[None, :])
             if lb == 0:
@@ -144,6 +153,29 @@ if HAS_TRITON:
                      mask=m2)
             w = tl.load(iw_ptr + tok * s_iwt + hi, mask=mh, other=0.0).to(tl.float32)
             tl.store(iwo_ptr + tok * s_iwot + hi, w * w_scale, mask=mh)
+
+
+    @triton.jit
+    def _mla_v_proj_kernel(o_ptr, w_ptr, out_ptr, T, n_tb, s_ot, s_oh, s_wh, s_wv, s_yt,
+                           L: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """Program: tile (head h, token block, v block) of out[t, h * V + v] = o[t, h, :] @ W_UV[h, v, :]^T (the head
+        slowest, so W_UV[h]'s tiles share L2)."""
+        pid = tl.program_id(0)
+        n_vb: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
+        vb = pid % n_vb
+        rest = pid // n_vb
+        tb = rest % n_tb
+        h = rest // n_tb
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        vm = v < V
+        acc = _head_dot(o_ptr + t64[:, None] * s_ot + h * s_oh, tm, w_ptr + h * s_wh, 1, s_wv, v, vm, L, BLOCK_T,
+                        BLOCK_V, BLOCK_K, DOT_PREC, UPCAST)
+        tl.store(out_ptr + t64[:, None] * s_yt + h * V + v[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None] & vm[None, :])
 
 
 def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
@@ -184,11 +216,12 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     return q_out
 
 
-def _q_tiles(T: int, L: int, nope: int) -> Tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_L, BLOCK_K) of the absorbed query's dot (untuned): decode-sized steps take the smallest token
-    block tl.dot allows; W_UK[h] is read once per token block, so prefill takes larger ones."""
+def _q_tiles(T: int, N: int, K: int) -> Tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K) of a per-head dot [T, K] @ [K, N] (the absorbed query, the V projection;
+    untuned): decode-sized steps take the smallest token block tl.dot allows; the head's weight is read once per
+    token block, so prefill takes larger ones."""
     block_t = 16 if T <= 16 else 64
-    return block_t, min(128, max(16, next_pow2(L))), min(64, max(16, next_pow2(nope)))
+    return block_t, min(128, max(16, next_pow2(N))), min(64, max(16, next_pow2(K)))
 
 
 def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
@@ -226,3 +259,22 @@ def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
         UPCAST=interpreting(), num_warps=4,
     )
     return q_abs, iout
+
+
+def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Same contract as mla_v_proj_ref; one launch straight into o_proj's input layout, no host sync."""
+    assert o_latent.stride(-1) == 1 and w_uv.stride(-1) == 1 and w_uv.dtype == o_latent.dtype
+    T, H, L = o_latent.shape
+    V = w_uv.shape[1]
+    assert w_uv.shape == (H, V, L)
+    out = torch.empty(T, H * V, dtype=o_latent.dtype, device=o_latent.device)
+    if T == 0:
+        return out
+    block_t, block_v, block_k = _q_tiles(T, V, L)
+    n_tb = cdiv(T, block_t)
+    _mla_v_proj_kernel[(H * n_tb * cdiv(V, block_v),)](
+        o_latent, w_uv, out, T, n_tb, o_latent.stride(0), o_latent.stride(1), w_uv.stride(0), w_uv.stride(1),
+        out.stride(0), L=L, V=V, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
+        DOT_PREC="ieee" if o_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=4,
+    )
+    return out
