@@ -2,6 +2,7 @@
 
     q      = q_b_proj(RMSNorm(q_a_proj(x)))   (q_proj(x) when q_lora_rank is None)   per head [nope | rope]
     kv     = kv_a_proj_with_mqa(x)            [latent L | k_rope R]; k_rope one head shared by all heads
+    (q_a_proj / q_proj and kv_a_proj_with_mqa are one GEMM, fused_qkv_a_proj)
     latent = kv_a_layernorm(latent)
     kv_b_proj(latent) per head [k_nope | v]   (never materialized here: absorbed, below)
 
@@ -38,7 +39,7 @@ from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
 from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep, mla_v_proj
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
-from gyrfalcon.layers.linear import Linear
+from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -55,20 +56,24 @@ class MultiHeadLatentAttention(nn.Module):
                  rotary: RotaryEmbedding, scale: float, bias: bool = False,
                  index: Optional[Tuple[int, int, int]] = None) -> None:
         """rotary: RoPE over qk_rope_head_dim dims; scale: the softmax scale (YaRN's mscale included);
-        bias: q_a_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias); index: (index_n_heads,
+        bias: q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias); index: (index_n_heads,
         index_head_dim, index_topk) of a DeepSeek-V3.2 lightning indexer (needs q_lora_rank), None: dense MLA."""
         super().__init__()
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.layer_idx, self.scale = layer_idx, scale
-        if q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, num_heads * self.qk_head_dim)
-        else:
-            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias)
+        # q_a_proj (q_proj without a q LoRA) and kv_a_proj_with_mqa read the same input: one GEMM, rows [q | kv_a]
+        # (the checkpoint's two tensors land in its shards; FP8 block scales stack: q_lora_rank is 1536 = 12 x 128).
+        self.q_width = num_heads * self.qk_head_dim if q_lora_rank is None else q_lora_rank
+        if bias and q_lora_rank is None:  # transformers' q_proj has no bias there: the shared one would be half-filled
+            raise ValueError("DeepSeek MLA with attention_bias and q_lora_rank None (an unbiased q_proj beside a biased "
+                             "kv_a_proj_with_mqa) is not supported.")
+        self.fused_qkv_a_proj = MergedLinear(hidden_size, {"q": self.q_width, "kv_a": kv_lora_rank + qk_rope_head_dim},
+                                             bias)
+        if q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
-        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
@@ -86,8 +91,9 @@ class MultiHeadLatentAttention(nn.Module):
                                             rotary)
 
     def bind_input_norm(self, norm: RMSNorm) -> None:
-        # Two projections read the normed input (q_a / q and kv_a): the norm runs as its own kernel.
-        self.norm_in = NormLinear(norm)
+        # Without an indexer only fused_qkv_a_proj reads the normed input: single rows take the norm inside its GEMV.
+        # The indexer's wk and weights_proj read it too, so there the norm runs as its own kernel.
+        self.norm_in = _UnfoldedNormLinear(norm, self.fused_qkv_a_proj if self.indexer is None else None)
 
     def kv_cache_spec(self, cache_dtype: str):
         """One shared row of kv_lora_rank + qk_rope_head_dim per token, in cache_dtype (a torch dtype's name); with an
@@ -122,16 +128,19 @@ class MultiHeadLatentAttention(nn.Module):
         """positions: [T]; (hidden, residual): the residual stream (layers/norm_linear.py) -> the stream after
         this block."""
         n = self.norm_in(hidden, residual)
-        x = n.y
-        T, H = x.shape[0], self.num_heads
+        assert n.row_scale is None  # never folded (_UnfoldedNormLinear)
+        # x: the normed input [T, hidden] where something besides fused_qkv_a_proj reads it (the indexer), else None
+        x, qkv_a = (n.y, self.fused_qkv_a_proj(n.y)) if self.norm_in.linear is None else (None, n.y)
+        q_or_a, kv = qkv_a.split([self.q_width, self.kv_lora_rank + self.rope_dim], dim=-1)  # strided row views
+        T, H = qkv_a.shape[0], self.num_heads
         ctx = get_forward_context()
         fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
         key_cache = None
         if self.indexer is not None:
             cache, key_cache = cache
-        w_uk, w_uv = self.absorbed_weights(x.dtype)
+        w_uk, w_uv = self.absorbed_weights(qkv_a.dtype)
         prep = self._prep_fused if self.fused else self._prep_unfused
-        q_abs, indices = prep(positions, x, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        q_abs, indices = prep(positions, x, q_or_a, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
         if self.fused:  # one launch into o_proj's layout
@@ -140,21 +149,21 @@ class MultiHeadLatentAttention(nn.Module):
             o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         return project_out(self.o_proj, o, n)
 
-    def _prep_fused(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
-                    key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
-        """The projections, then kernels/mla_prep's two launches: the kv prep (both latent norms, k_rope's RoPE, the
-        latent cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed
-        query and q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the
-        indexer's selection or None). x: the normed input [T, hidden]."""
-        T = x.shape[0]
+    def _prep_fused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor, kv: torch.Tensor,
+                    cache: torch.Tensor, key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+        """kernels/mla_prep's two launches around q_b_proj: the kv prep (both latent norms, k_rope's RoPE, the latent
+        cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed query and
+        q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
+        selection or None). q_or_a: q_a_proj's output [T, q_lora_rank] (q_proj's [T, H * qk] without a q LoRA),
+        kv: [T, L + R], both views of fused_qkv_a_proj's output; x: the normed input (with an indexer)."""
+        T = kv.shape[0]
         rot = self.rotary_emb
-        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
-        q_a = self.q_a_proj(x) if self.q_lora_rank is not None else None
+        q_a = q_or_a if self.q_lora_rank is not None else None
         index_k = self.indexer.key_prep(x, key_cache) if self.indexer is not None else None
         q_resid = mla_kv_prep(kv, positions, rot.cos_sin_cache, self.rope_dim, rot.is_neox, self.kv_a_layernorm.weight,
                               self.kv_a_layernorm.eps, cache, fb.slot_mapping, q_a,
                               self.q_a_layernorm.weight if q_a is not None else None, index_k)
-        q = self.q_b_proj(q_resid) if q_a is not None else self.q_proj(x)
+        q = self.q_b_proj(q_resid) if q_a is not None else q_or_a
         index_q = None
         if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
             index_q = self.indexer.query_prep(x, q_resid)
@@ -162,19 +171,18 @@ class MultiHeadLatentAttention(nn.Module):
                                self.rope_dim, rot.is_neox, w_uk, index_q)
         return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None)
 
-    def _prep_unfused(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
-                      key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+    def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
+                      kv: torch.Tensor, cache: torch.Tensor, key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
         """GYRFALCON_DISABLE_FUSION=1: the same as _prep_fused with every norm, RoPE, bmm and cache write its own
         op (the fused path's baseline)."""
-        T, H, L = x.shape[0], self.num_heads, self.kv_lora_rank
+        T, H, L = kv.shape[0], self.num_heads, self.kv_lora_rank
         q_resid = None
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = q_or_a
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q_resid = self.q_a_layernorm(q_or_a)
             q = self.q_b_proj(q_resid)
         q = q.view(T, H, self.qk_head_dim)
-        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         latent = self.kv_a_layernorm(kv[:, :L])
         q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
         # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
@@ -185,3 +193,12 @@ class MultiHeadLatentAttention(nn.Module):
             indices = self.indexer(positions, x, q_resid, key_cache, fb)
         store_latent(latent, k_rope[:, 0], cache, fb.slot_mapping)
         return q_abs, indices
+
+
+class _UnfoldedNormLinear(NormLinear):
+    """MLA's input norm: separate or inside the single-row GEMV, never folded into fused_qkv_a_proj's weight (the
+    folded form leaves each row's rstd to the consumers, and the kv prep does not scale its rows by it)."""
+
+    @property
+    def foldable(self) -> bool:
+        return False

@@ -32,6 +32,10 @@ from gyrfalcon.models.qwen3_moe import QWEN_EXPERT_PARAMS
 DEEPSEEK_STACKED_PARAMS = (
     (".gate_proj", ".gate_up_proj", 0),
     (".up_proj", ".gate_up_proj", 1),
+    # MLA's two projections of the normed input, one GEMM (layers/mla.py)
+    (".q_a_proj", ".fused_qkv_a_proj", "q"),
+    (".q_proj", ".fused_qkv_a_proj", "q"),
+    (".kv_a_proj_with_mqa", ".fused_qkv_a_proj", "kv_a"),
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -21,8 +21,9 @@ from gyrfalcon.kernels.fp8_gemm import dequantize_weight, quantize_weight_blockw
 from test_fp8_moe import (PROMPTS, STEPS, _copy_side_files, _greedy, _hf_logits, _prefill_logits, _tensors,
                           _weight_only)
 
-# hidden 256 = two K blocks; the stacked gate / up shards (dense MLP, shared and routed experts) whole 128-row blocks.
-SHAPES = dict(hidden_size=256, intermediate_size=128, moe_intermediate_size=128)
+# hidden 256 = two K blocks; whole 128-row blocks wherever separately quantized projections stack: gate / up (dense
+# MLP, shared and routed experts), q_a_proj before kv_a_proj_with_mqa (MLA's fused_qkv_a_proj; 1536 in the release).
+SHAPES = dict(hidden_size=256, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128)
 # DeepSeek-V3's config.json quantization_config, as released.
 DEEPSEEK_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [128, 128]}
@@ -77,9 +78,10 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
     llm = LLM(str(fp8_dir), block_size=8)
     layers = llm.engine.runner.model.model.layers
     attn = layers[1].self_attn
-    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+    for name in ("fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"):
         lin = getattr(attn, name)
         assert lin.weight.dtype == torch.float8_e4m3fn and lin.quant_block == (128, 128), name
+    assert attn.fused_qkv_a_proj.weight_scale_inv.shape == (2, 2)  # q_a's 128 rows, then kv_a's 24 in a block of its own
     assert layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
     if attn.indexer is not None:
         assert attn.indexer.wk.quant_block == (128, 128) and attn.indexer.weights_proj.weight.dtype == torch.float32
@@ -96,8 +98,8 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
 # flip within the first few positions, so test_fp8_moe.py's split at the first reroute leaves too few positions to
 # judge. What remains is the e4m3 activations' error: each FP8 GEMM quantizes its input per token and 128 columns
 # (~2.4% RMS), ~6 chained GEMMs a layer here (q_a -> q_b -> attention -> o_proj, the MLPs) against test_fp8_moe's
-# ~4, and MLA's softmax (YaRN's mscale^2 = 1.87 on the scores) sharpens it. Measured: V3 mean 0.10-0.12 sigma, max
-# 0.77-1.15; V3.2 0.08-0.10, 0.47-0.68 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32). Bounds 0.2 and 2.0: a wrong scale block or a misplaced
+# ~4, and MLA's softmax (YaRN's mscale^2 = 1.87 on the scores) sharpens it. Measured: V3 mean 0.09-0.13 sigma, max
+# 0.55-0.99; V3.2 0.08-0.14, 0.59-1.15 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32). Bounds 0.2 and 2.0: a wrong scale block or a misplaced
 # shard moves logits by ~sigma everywhere (the weight-only test pins the loading at 1e-5).
 FORCED_MEAN, FORCED_MAX = 0.2, 2.0
 
