@@ -63,17 +63,28 @@ class MultiHeadLatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.layer_idx, self.scale = layer_idx, scale
-        # q_a_proj (q_proj without a q LoRA) and kv_a_proj_with_mqa read the same input: one GEMM, rows [q | kv_a]
-        # (the checkpoint's two tensors land in its shards; FP8 block scales stack: q_lora_rank is 1536 = 12 x 128).
         self.q_width = num_heads * self.qk_head_dim if q_lora_rank is None else q_lora_rank
-        if bias and q_lora_rank is None:  # transformers' q_proj has no bias there: the shared one would be half-filled
-            raise ValueError("DeepSeek MLA with attention_bias and q_lora_rank None (an unbiased q_proj beside a biased "
-                             "kv_a_proj_with_mqa) is not supported.")
-        self.fused_qkv_a_proj = MergedLinear(hidden_size, {"q": self.q_width, "kv_a": kv_lora_rank + qk_rope_head_dim},
-                                             bias)
+        if bias and (q_lora_rank is None or index is not None):  # transformers' q_proj / wk have no bias there
+            raise ValueError("DeepSeek MLA with attention_bias beside an unbiased projection in the same GEMM (q_proj "
+                             "without a q LoRA, or the indexer's wk) is not supported.")
+        if index is not None and q_lora_rank is None:
+            raise ValueError("DeepSeek sparse attention's indexer reads the q_lora residual: q_lora_rank is required.")
+        n_idx, d_idx = (index[0], index[1]) if index is not None else (0, 0)
+        # The projections of one input are one GEMM each (the checkpoint's tensors land in their shards; FP8 block
+        # scales stack while every shard but the last is whole 128-row blocks: 1536 | 128 | 576 in the release):
+        # x -> [q_a (q without a q LoRA) | the indexer's wk | kv_a], q_resid -> [the indexer's wq_b | q_b].
+        shards = {"q": self.q_width}
+        if index is not None:
+            shards["wk"] = d_idx
+        shards["kv_a"] = kv_lora_rank + qk_rope_head_dim
+        self.fused_qkv_a_proj = MergedLinear(hidden_size, shards, bias)
         if q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+            if index is None:
+                self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+            else:
+                self.fused_q_b_proj = MergedLinear(q_lora_rank, {"wq_b": n_idx * d_idx,
+                                                                 "q_b": num_heads * self.qk_head_dim})
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
@@ -83,12 +94,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.norm_in: Optional[NormLinear] = None
         self.indexer: Optional[LightningIndexer] = None
         if index is not None:
-            if q_lora_rank is None:
-                raise ValueError("DeepSeek sparse attention's indexer reads the q_lora residual: q_lora_rank is "
-                                 "required.")
             n_heads, head_dim, topk = index
-            self.indexer = LightningIndexer(hidden_size, q_lora_rank, n_heads, head_dim, qk_rope_head_dim, topk,
-                                            rotary)
+            self.indexer = LightningIndexer(hidden_size, n_heads, head_dim, qk_rope_head_dim, topk, rotary)
 
     def bind_input_norm(self, norm: RMSNorm) -> None:
         # Without an indexer only fused_qkv_a_proj reads the normed input: single rows take the norm inside its GEMV.
@@ -131,7 +138,7 @@ class MultiHeadLatentAttention(nn.Module):
         assert n.row_scale is None  # never folded (_UnfoldedNormLinear)
         # x: the normed input [T, hidden] where something besides fused_qkv_a_proj reads it (the indexer), else None
         x, qkv_a = (n.y, self.fused_qkv_a_proj(n.y)) if self.norm_in.linear is None else (None, n.y)
-        q_or_a, kv = qkv_a.split([self.q_width, self.kv_lora_rank + self.rope_dim], dim=-1)  # strided row views
+        q_or_a, k_idx, kv = self._split_qkv_a(qkv_a)
         T, H = qkv_a.shape[0], self.num_heads
         ctx = get_forward_context()
         fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
@@ -140,7 +147,7 @@ class MultiHeadLatentAttention(nn.Module):
             cache, key_cache = cache
         w_uk, w_uv = self.absorbed_weights(qkv_a.dtype)
         prep = self._prep_fused if self.fused else self._prep_unfused
-        q_abs, indices = prep(positions, x, q_or_a, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        q_abs, indices = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
         if self.fused:  # one launch into o_proj's layout
@@ -149,39 +156,62 @@ class MultiHeadLatentAttention(nn.Module):
             o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         return project_out(self.o_proj, o, n)
 
-    def _prep_fused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor, kv: torch.Tensor,
-                    cache: torch.Tensor, key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+    def _split_qkv_a(self, qkv_a: torch.Tensor):
+        """fused_qkv_a_proj's output [T, sum of shards] -> (q_a or q, the indexer's k_idx or None, kv), row views."""
+        if self.indexer is None:
+            q_or_a, kv = qkv_a.split([self.q_width, self.kv_lora_rank + self.rope_dim], dim=-1)
+            return q_or_a, None, kv
+        return qkv_a.split([self.q_width, self.indexer.head_dim, self.kv_lora_rank + self.rope_dim], dim=-1)
+
+    def _project_q_b(self, q_resid: torch.Tensor):
+        """q_resid [T, q_lora_rank] -> (q [T, H * qk], the indexer's wq_b output [T, H_i * D] or None)."""
+        if self.indexer is None:
+            return self.q_b_proj(q_resid), None
+        q_idx, q = self.fused_q_b_proj(q_resid).split(
+            [self.indexer.n_heads * self.indexer.head_dim, self.num_heads * self.qk_head_dim], dim=-1)
+        return q, q_idx
+
+    def indexer_projections(self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor):
+        """The indexer's (q, k, w) (LightningIndexer.project) from the normed input x [T, hidden] and q_resid [T,
+        q_lora_rank], through this layer's GEMMs: what tests hold against transformers' indexer."""
+        _, k_idx, _ = self._split_qkv_a(self.fused_qkv_a_proj(x))
+        return self.indexer.project(positions, x, self._project_q_b(q_resid)[1], k_idx)
+
+    def _prep_fused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
+                    k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
+                    key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
         """kernels/mla_prep's two launches around q_b_proj: the kv prep (both latent norms, k_rope's RoPE, the latent
         cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed query and
         q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
         selection or None). q_or_a: q_a_proj's output [T, q_lora_rank] (q_proj's [T, H * qk] without a q LoRA),
-        kv: [T, L + R], both views of fused_qkv_a_proj's output; x: the normed input (with an indexer)."""
+        kv: [T, L + R] and the indexer's k_idx [T, D]: views of fused_qkv_a_proj's output; x: the normed input (with an
+        indexer)."""
         T = kv.shape[0]
         rot = self.rotary_emb
         q_a = q_or_a if self.q_lora_rank is not None else None
-        index_k = self.indexer.key_prep(x, key_cache) if self.indexer is not None else None
+        index_k = self.indexer.key_prep(k_idx, key_cache) if self.indexer is not None else None
         q_resid = mla_kv_prep(kv, positions, rot.cos_sin_cache, self.rope_dim, rot.is_neox, self.kv_a_layernorm.weight,
                               self.kv_a_layernorm.eps, cache, fb.slot_mapping, q_a,
                               self.q_a_layernorm.weight if q_a is not None else None, index_k)
-        q = self.q_b_proj(q_resid) if q_a is not None else q_or_a
+        q, q_idx = self._project_q_b(q_resid) if q_a is not None else (q_or_a, None)
         index_q = None
         if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
-            index_q = self.indexer.query_prep(x, q_resid)
+            index_q = self.indexer.query_prep(x, q_idx)
         q_abs, iq = mla_q_prep(q.view(T, self.num_heads, self.qk_head_dim), positions, rot.cos_sin_cache,
                                self.rope_dim, rot.is_neox, w_uk, index_q)
         return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None)
 
     def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
-                      kv: torch.Tensor, cache: torch.Tensor, key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+                      k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
+                      key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
         """GYRFALCON_DISABLE_FUSION=1: the same as _prep_fused with every norm, RoPE, bmm and cache write its own
         op (the fused path's baseline)."""
         T, H, L = kv.shape[0], self.num_heads, self.kv_lora_rank
-        q_resid = None
+        q_idx = None
         if self.q_lora_rank is None:
             q = q_or_a
         else:
-            q_resid = self.q_a_layernorm(q_or_a)
-            q = self.q_b_proj(q_resid)
+            q, q_idx = self._project_q_b(self.q_a_layernorm(q_or_a))
         q = q.view(T, H, self.qk_head_dim)
         latent = self.kv_a_layernorm(kv[:, :L])
         q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
@@ -190,7 +220,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
         indices = None
         if self.indexer is not None:
-            indices = self.indexer(positions, x, q_resid, key_cache, fb)
+            indices = self.indexer(positions, x, q_idx, k_idx, key_cache, fb)
         store_latent(latent, k_rope[:, 0], cache, fb.slot_mapping)
         return q_abs, indices
 

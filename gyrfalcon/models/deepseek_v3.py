@@ -118,5 +118,12 @@ class DeepseekV3ForCausalLM(CausalLM):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: V3 with DeepSeek sparse attention (module docstring)."""
 
+    # The indexer's wk and wq_b are shards of MLA's GEMMs (layers/mla.py, layers/dsa_indexer.py).
+    stacked_params = DEEPSEEK_STACKED_PARAMS + (
+        (".indexer.wk.", ".fused_qkv_a_proj.", "wk"),
+        (".indexer.wq_b.", ".fused_q_b_proj.", "wq_b"),
+        (".q_b_proj.", ".fused_q_b_proj.", "q_b"),
+    )
+
     def _index(self, config) -> Optional[Tuple[int, int, int]]:
         return int(config.index_n_heads), int(config.index_head_dim), int(config.index_topk)

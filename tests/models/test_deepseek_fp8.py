@@ -57,7 +57,8 @@ def ckpts(request, tmp_path_factory):
 
     base = tmp_path_factory.mktemp(f"deepseek_fp8_{request.param}")
     # V3.2 with index_topk 4: the sparse selection is exercised (16 index heads: no ties, see test_deepseek_v32.py).
-    extra = dict(index_topk=4, index_n_heads=16) if request.param == "v32" else {}
+    # (index_head_dim a whole block: wk sits between q_a_proj and kv_a_proj_with_mqa in one GEMM, as 128 in the release)
+    extra = dict(index_topk=4, index_n_heads=16, index_head_dim=128) if request.param == "v32" else {}
     src = make_deepseek_checkpoint(base / "src", v32=request.param == "v32", **SHAPES, **extra)
     _quantize(src, base / "fp8", base / "deq")
     tok = AutoTokenizer.from_pretrained(str(base / "deq"))
@@ -78,13 +79,15 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
     llm = LLM(str(fp8_dir), block_size=8)
     layers = llm.engine.runner.model.model.layers
     attn = layers[1].self_attn
-    for name in ("fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+    for name in ("fused_qkv_a_proj", "q_b_proj" if attn.indexer is None else "fused_q_b_proj", "kv_b_proj", "o_proj"):
         lin = getattr(attn, name)
         assert lin.weight.dtype == torch.float8_e4m3fn and lin.quant_block == (128, 128), name
-    assert attn.fused_qkv_a_proj.weight_scale_inv.shape == (2, 2)  # q_a's 128 rows, then kv_a's 24 in a block of its own
+    # q_a's 128 rows (V3.2: then wk's 128), then kv_a's 24 in a block of their own
+    assert attn.fused_qkv_a_proj.weight_scale_inv.shape == (2 + (attn.indexer is not None), 2)
     assert layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
-    if attn.indexer is not None:
-        assert attn.indexer.wk.quant_block == (128, 128) and attn.indexer.weights_proj.weight.dtype == torch.float32
+    if attn.indexer is not None:  # wk and wq_b: shards of MLA's GEMMs
+        assert attn.fused_q_b_proj.quant_block == (128, 128) and "wk" in attn.fused_qkv_a_proj.shards
+        assert attn.indexer.weights_proj.weight.dtype == torch.float32
     with _weight_only(monkeypatch):
         for ids, tokens in runs:
             seq = ids + tokens
@@ -99,7 +102,7 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
 # judge. What remains is the e4m3 activations' error: each FP8 GEMM quantizes its input per token and 128 columns
 # (~2.4% RMS), ~6 chained GEMMs a layer here (q_a -> q_b -> attention -> o_proj, the MLPs) against test_fp8_moe's
 # ~4, and MLA's softmax (YaRN's mscale^2 = 1.87 on the scores) sharpens it. Measured: V3 mean 0.09-0.13 sigma, max
-# 0.55-0.99; V3.2 0.08-0.14, 0.59-1.15 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32). Bounds 0.2 and 2.0: a wrong scale block or a misplaced
+# 0.55-0.99; V3.2 0.11-0.13, 0.81-0.88 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32). Bounds 0.2 and 2.0: a wrong scale block or a misplaced
 # shard moves logits by ~sigma everywhere (the weight-only test pins the loading at 1e-5).
 FORCED_MEAN, FORCED_MAX = 0.2, 2.0
 

@@ -74,9 +74,15 @@ def test_checkpoint_and_loading(ties_ckpt):
     indexer = layers[2].self_attn.indexer
     assert isinstance(indexer, LightningIndexer) and indexer.index_topk == 4 and indexer.rope_dim == 8
     assert indexer.weights_proj.weight.dtype == torch.float32
-    for n in names:
+    for n in names[2:]:
         torch.testing.assert_close(indexer.get_submodule(n.rsplit(".", 1)[0]).get_parameter(n.rsplit(".", 1)[1]),
                                    sd[ix + n], rtol=0, atol=0)
+    # wq_b and wk are shards of MLA's GEMMs: [wq_b | q_b_proj] on q_resid, [q_a_proj | wk | kv_a_proj_with_mqa] on x.
+    attn, p = layers[2].self_attn, "model.layers.2.self_attn."
+    torch.testing.assert_close(attn.fused_q_b_proj.weight, torch.cat([sd[ix + "wq_b.weight"], sd[p + "q_b_proj.weight"]]),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(attn.fused_qkv_a_proj.weight, torch.cat([
+        sd[p + "q_a_proj.weight"], sd[ix + "wk.weight"], sd[p + "kv_a_proj_with_mqa.weight"]]), rtol=0, atol=0)
     # One spec per layer: the MLA latent and the indexer keys, paged by the same block table.
     spec = SparseMLASpec(MLALatentSpec(16, 8, "float32"), IndexerKeySpec(16, "float32"))
     assert model.kv_cache_specs("float32") == {i: spec for i in range(3)}
@@ -173,10 +179,9 @@ def test_indexer_scores_and_selection_match_transformers(ties_ckpt, monkeypatch)
     causal = positions[None, :] <= positions[:, None]
     total_ties = 0
     for layer, ref in seen.items():
-        indexer = model.model.layers[layer].self_attn.indexer
         cache = torch.full((n_blocks + 3, block_size, 1, 16), float("nan"))
         with torch.no_grad():
-            q, k, w = indexer.project(positions, ref["x"], ref["q_resid"])
+            q, k, w = model.model.layers[layer].self_attn.indexer_projections(positions, ref["x"], ref["q_resid"])
         cache.view(-1, 16)[slots] = k
         got = []
         for lo, hi in ((0, S // 2), (S // 2, S)):  # a first chunk, then the rest over the cached prefix

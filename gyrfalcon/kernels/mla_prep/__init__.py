@@ -1,28 +1,31 @@
-"""MLA's fused input preparation (DeepSeek-V3 / V3.2): everything between the attention block's projections and
-the attention kernels, in two launches.
+"""MLA's fused preparation (DeepSeek-V3 / V3.2): everything between the attention block's projections and the
+attention kernel in two launches, and the V projection after it in one.
 
-kv prep, after q_a_proj / kv_a_proj_with_mqa (/ the indexer's wk), one program per (token, part):
+kv prep, after fused_qkv_a_proj (q_a_proj | kv_a_proj_with_mqa) and the indexer's wk, one program per (token, part):
     kv [T, L + R] -> cache row [RMSNorm(latent) * kv_a_layernorm.weight | RoPE(k_rope)] at slot_mapping
     q_a [T, Q]    -> RMSNorm(q_a) * q_a_layernorm.weight [T, Q]      (returned: q_b_proj's and wq_b's input)
     index.k [T, D] -> LayerNorm(k) (weight, bias) + rotate_half RoPE on its first R dims -> index.cache (V3.2)
-q prep, after q_b_proj (/ the indexer's wq_b and weights_proj):
+q prep, after q_b_proj (and the indexer's wq_b and weights_proj):
     q [T, H, nope + R] -> q_abs [T, H, L + R] = [q_nope @ W_UK[h] | RoPE(q_rope)]   (mla_attention's query)
     index.q [T, H_i, D] -> rotate_half RoPE on the first R dims; index.w [T, H_i] -> index.w * w_scale (fp32)
+V projection, after attention: o_latent [T, H, L] -> o_proj's input [T, H * v], per head o_h @ W_UV[h]^T.
 L = kv_lora_rank, R = qk_rope_head_dim (MLA's RoPE: interleaved pairs unless rope_interleave is off; the indexer's
 always rotate_half), Q = q_lora_rank, D = index_head_dim; positions int [T]; cos_sin_cache fp32 [max_pos, R];
-caches [num_blocks, block_size, 1, width]; slot_mapping int [T] (-1: not written). The norms' eps: kv_a / q_a
-share one (transformers builds both with 1e-6), the indexer's LayerNorm carries its own.
+caches [num_blocks, block_size, 1, width]; slot_mapping int [T] (-1: not written). Inputs may be row-strided views
+(the fused GEMM's output split in place). The norms' eps: kv_a / q_a share one (transformers builds both with
+1e-6), the indexer's LayerNorm carries its own. The latent and indexer caches are in the model dtype (no FP8 cache).
 
-Launches per MLA layer in a decode step (GYRFALCON_DISABLE_FUSION=1 in brackets; counted from layers/mla.py and
-layers/dsa_indexer.py, GEMMs as one launch each, the MoE / MLP half of the layer not counted):
-    input RMSNorm (+ residual add) 1 [1]; q_a_proj, kv_a_proj_with_mqa 2 [2]; kv prep 1 [q_a_layernorm,
-    kv_a_layernorm (+ the strided latent's copy), RoPE (+ copies of the strided q_rope / k_rope views), latent
-    store: >= 4]; q_b_proj 1 [1]; q prep 1 [bmm + its transposed copy, cat: >= 3]; MLA decode 1-2 (split-K +
-    reduce) [same]; W_UV bmm + its transposed copy 2 [2]; o_proj 1 [1]
-    V3: ~10-11 fused vs ~15+ unfused. V3.2 adds wk, wq_b, weights_proj (+ its fp32 cast) 3-4 GEMM-side launches
-    either way, the indexer's scores + top-k when a sequence outgrows index_topk, and unfused its LayerNorm (fp32
-    casts), RoPE, weight scale and key store (>= 5), which the two prep launches absorb.
-The MoE half (router, sort, gate_up, down, sum, shared expert) is unchanged by this fusion.
+Launches of an MLA block in a batch-1 bf16 decode step, counted from layers/mla.py and layers/dsa_indexer.py (the
+MoE half of the layer not counted; a GEMM is one launch, cuBLAS or gyrfalcon's GEMV):
+    fused, V3:   input norm + fused_qkv_a GEMV 1, kv prep 1, q_b_proj 1, q prep 1, MLA decode 1-2 (split-K +
+                 reduce), V projection 1, o_proj 1                                                     = 7-8
+    fused, V3.2: input norm 1, fused_qkv_a 1, wk 1, weights_proj 2 (its fp32 cast and GEMM), kv prep 1, q_b_proj 1,
+                 wq_b 1, q prep 1, MLA decode 1-2, V projection 1, o_proj 1                            = 12-13
+                 (+ the indexer's scores and top-k, 2+, once a sequence can outgrow index_topk)
+    GYRFALCON_DISABLE_FUSION=1 replaces the three launches of this folder by the separate ops: q_a_layernorm,
+    kv_a_layernorm, RoPE, the latent store, the absorbed bmm and its cat, the W_UV bmm and its copy (>= 8, more
+    where an op copies its strided input), and for V3.2 the indexer key's LayerNorm (fp32 casts), its RoPE, the
+    index query's RoPE, the weight scale and the key store (>= 6); the input norm is its own launch there.
 """
 
 from __future__ import annotations
