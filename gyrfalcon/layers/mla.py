@@ -2,7 +2,8 @@
 
     q      = q_b_proj(RMSNorm(q_a_proj(x)))   (q_proj(x) when q_lora_rank is None)   per head [nope | rope]
     kv     = kv_a_proj_with_mqa(x)            [latent L | k_rope R]; k_rope one head shared by all heads
-    (q_a_proj / q_proj and kv_a_proj_with_mqa are one GEMM, fused_qkv_a_proj)
+    (q_a_proj / q_proj and kv_a_proj_with_mqa are one GEMM, fused_qkv_a_proj; V3.2 puts its indexer's wk in it
+    and its wq_b beside q_b_proj in fused_q_b_proj)
     latent = kv_a_layernorm(latent)
     kv_b_proj(latent) per head [k_nope | v]   (never materialized here: absorbed, below)
 

@@ -1,11 +1,11 @@
 """MLA's fused preparation (DeepSeek-V3 / V3.2): everything between the attention block's projections and the
 attention kernel in two launches, and the V projection after it in one.
 
-kv prep, after fused_qkv_a_proj (q_a_proj | kv_a_proj_with_mqa) and the indexer's wk, one program per (token, part):
+kv prep, after fused_qkv_a_proj ([q_a_proj | the indexer's wk | kv_a_proj_with_mqa]), one program per (token, part):
     kv [T, L + R] -> cache row [RMSNorm(latent) * kv_a_layernorm.weight | RoPE(k_rope)] at slot_mapping
     q_a [T, Q]    -> RMSNorm(q_a) * q_a_layernorm.weight [T, Q]      (returned: q_b_proj's and wq_b's input)
     index.k [T, D] -> LayerNorm(k) (weight, bias) + rotate_half RoPE on its first R dims -> index.cache (V3.2)
-q prep, after q_b_proj (and the indexer's wq_b and weights_proj):
+q prep, after q_b_proj (V3.2: fused_q_b_proj [wq_b | q_b_proj], and weights_proj):
     q [T, H, nope + R] -> q_abs [T, H, L + R] = [q_nope @ W_UK[h] | RoPE(q_rope)]   (mla_attention's query)
     index.q [T, H_i, D] -> rotate_half RoPE on the first R dims; index.w [T, H_i] -> index.w * w_scale (fp32)
 V projection, after attention: o_latent [T, H, L] -> o_proj's input [T, H * v], per head o_h @ W_UV[h]^T.
@@ -19,8 +19,8 @@ Launches of an MLA block in a batch-1 bf16 decode step, counted from layers/mla.
 MoE half of the layer not counted; a GEMM is one launch, cuBLAS or gyrfalcon's GEMV):
     fused, V3:   input norm + fused_qkv_a GEMV 1, kv prep 1, q_b_proj 1, q prep 1, MLA decode 1-2 (split-K +
                  reduce), V projection 1, o_proj 1                                                     = 7-8
-    fused, V3.2: input norm 1, fused_qkv_a 1, wk 1, weights_proj 2 (its fp32 cast and GEMM), kv prep 1, q_b_proj 1,
-                 wq_b 1, q prep 1, MLA decode 1-2, V projection 1, o_proj 1                            = 12-13
+    fused, V3.2: input norm 1, fused_qkv_a (with wk) 1, weights_proj 2 (its fp32 cast and GEMM), kv prep 1,
+                 fused_q_b (with wq_b) 1, q prep 1, MLA decode 1-2, V projection 1, o_proj 1           = 10-11
                  (+ the indexer's scores and top-k, 2+, once a sequence can outgrow index_topk)
     GYRFALCON_DISABLE_FUSION=1 replaces the three launches of this folder by the separate ops: q_a_layernorm,
     kv_a_layernorm, RoPE, the latent store, the absorbed bmm and its cat, the W_UV bmm and its copy (>= 8, more
