@@ -169,15 +169,15 @@ def _triton_prep(monkeypatch, mla_layer, calls):
 
 
 def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
-    """The GPU path's MLA kernels (the fused kv / q prep and V projection launches and the Triton split-K kernel for decode rows and
-    per-token prefill rows, under the interpreter here) in place of the references inside the model: the same
-    tokens and logprobs as transformers at every decode step, the first from a chunked prefill."""
+    """The GPU path's MLA kernels (the fused kv / q prep and V projection launches, the Triton split-K kernel for
+    decode rows and the tiled prefill kernel, under the interpreter here) in place of the references inside the
+    model: the same tokens and logprobs as transformers at every decode step, the first from a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
 
     if not HAS_TRITON:
         pytest.skip("triton (or its interpreter) is not available")
     import gyrfalcon.layers.mla as mla_layer
-    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
+    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_tiled_triton
 
     calls = {"decode": 0, "prefill": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
 
@@ -186,7 +186,7 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
         calls["decode" if is_decode else "prefill"] += 1
         if is_decode:
             return mla_decode_triton(q, cache, bt, sl, scale, L, num_splits)
-        return mla_prefill_triton(q, cache, bt, sl, qsl, scale, L)
+        return mla_prefill_tiled_triton(q, cache, bt, sl, qsl, scale, L)
 
     monkeypatch.setattr(mla_layer, "mla_attention", triton_attention)
     _triton_prep(monkeypatch, mla_layer, calls)
