@@ -45,8 +45,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-timeline", action="store_true",
                    help="profile one TTFT generate's host and device timeline (implied by --profile on a GPU)")
     p.add_argument("--compare-unfused", action="store_true",
-                   help="also run the same benchmark with GYRFALCON_DISABLE_FUSION=1 (separate norm / RoPE / cache-write "
-                        "launches: the unfused layers, e.g. MLA's prep) in a subprocess first, and report both")
+                   help="also run the same benchmark with GYRFALCON_DISABLE_FUSION=1 (separate norm / RoPE / "
+                        "cache-write launches: the unfused layers, e.g. MLA's prep) in a subprocess first; report both")
     p.add_argument("--step-events", action="store_true",
                    help="time each decode-graph replay inside the timed runs with CUDA events, and the graph "
                         "replayed back to back at the runs' middle context")

@@ -57,8 +57,9 @@ class MultiHeadLatentAttention(nn.Module):
                  rotary: RotaryEmbedding, scale: float, bias: bool = False,
                  index: Optional[Tuple[int, int, int]] = None) -> None:
         """rotary: RoPE over qk_rope_head_dim dims; scale: the softmax scale (YaRN's mscale included);
-        bias: q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias); index: (index_n_heads,
-        index_head_dim, index_topk) of a DeepSeek-V3.2 lightning indexer (needs q_lora_rank), None: dense MLA."""
+        bias: q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry biases (config.attention_bias); index:
+        (index_n_heads, index_head_dim, index_topk) of a DeepSeek-V3.2 lightning indexer (needs q_lora_rank), None:
+        dense MLA."""
         super().__init__()
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -140,7 +141,7 @@ class MultiHeadLatentAttention(nn.Module):
         # x: the normed input [T, hidden] where something besides fused_qkv_a_proj reads it (the indexer), else None
         x, qkv_a = (n.y, self.fused_qkv_a_proj(n.y)) if self.norm_in.linear is None else (None, n.y)
         q_or_a, k_idx, kv = self._split_qkv_a(qkv_a)
-        T, H = qkv_a.shape[0], self.num_heads
+        T = qkv_a.shape[0]
         ctx = get_forward_context()
         fb, cache = ctx.batch, ctx.kv_caches[self.layer_idx]
         key_cache = None

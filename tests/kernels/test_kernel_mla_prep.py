@@ -2,7 +2,8 @@
 composition of RMSNorm / LayerNorm / RoPE / cache-write / bmm references): the kv prep's cache rows (latent and, for
 V3.2, indexer keys) written through a ragged step's slot mapping into shuffled, partly filled blocks with skipped
 slots, its q_a norm; the q prep's absorbed query (decode-sized and prefill-sized token blocks, dims that are no
-power of two) and V3.2's index query and weights; the V projection into o_proj's layout. Plus the references against plain formulas."""
+power of two) and V3.2's index query and weights; the V projection into o_proj's layout. Plus the references
+against plain formulas."""
 
 import math
 

@@ -102,8 +102,9 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
 # judge. What remains is the e4m3 activations' error: each FP8 GEMM quantizes its input per token and 128 columns
 # (~2.4% RMS), ~6 chained GEMMs a layer here (q_a -> q_b -> attention -> o_proj, the MLPs) against test_fp8_moe's
 # ~4, and MLA's softmax (YaRN's mscale^2 = 1.87 on the scores) sharpens it. Measured: V3 mean 0.09-0.13 sigma, max
-# 0.55-0.99; V3.2 0.11-0.13, 0.81-0.88 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32). Bounds 0.2 and 2.0: a wrong scale block or a misplaced
-# shard moves logits by ~sigma everywhere (the weight-only test pins the loading at 1e-5).
+# 0.55-0.99; V3.2 0.11-0.13, 0.81-0.88 (test_fp8_moe's MoE models before their first reroute: 0.055-0.058, 0.32).
+# Bounds 0.2 and 2.0: a wrong scale block or a misplaced shard moves logits by ~sigma everywhere (the weight-only
+# test pins the loading at 1e-5).
 FORCED_MEAN, FORCED_MAX = 0.2, 2.0
 
 

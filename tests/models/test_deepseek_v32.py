@@ -79,8 +79,8 @@ def test_checkpoint_and_loading(ties_ckpt):
                                    sd[ix + n], rtol=0, atol=0)
     # wq_b and wk are shards of MLA's GEMMs: [wq_b | q_b_proj] on q_resid, [q_a_proj | wk | kv_a_proj_with_mqa] on x.
     attn, p = layers[2].self_attn, "model.layers.2.self_attn."
-    torch.testing.assert_close(attn.fused_q_b_proj.weight, torch.cat([sd[ix + "wq_b.weight"], sd[p + "q_b_proj.weight"]]),
-                               rtol=0, atol=0)
+    want_q_b = torch.cat([sd[ix + "wq_b.weight"], sd[p + "q_b_proj.weight"]])
+    torch.testing.assert_close(attn.fused_q_b_proj.weight, want_q_b, rtol=0, atol=0)
     torch.testing.assert_close(attn.fused_qkv_a_proj.weight, torch.cat([
         sd[p + "q_a_proj.weight"], sd[ix + "wk.weight"], sd[p + "kv_a_proj_with_mqa.weight"]]), rtol=0, atol=0)
     # One spec per layer: the MLA latent and the indexer keys, paged by the same block table.
@@ -273,9 +273,9 @@ def test_indexer_path_with_topk_covering_equals_dense(tiny_ckpt, hf_refs, monkey
 def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     """The GPU path's kernels (under the interpreter here) in place of the references inside the sparse model: the
     fused kv / q prep launches (the indexer key's LayerNorm + RoPE + cache write, the index query's RoPE and weight
-    scale included), the Triton indexer scores + top-k and the split-K MLA kernel reading each row's selected keys (decode rows and
-    per-token prefill rows): transformers' tokens and logprobs at every decode step, the first from a chunked
-    prefill."""
+    scale included), the Triton indexer scores + top-k and the split-K MLA kernel reading each row's selected keys
+    (decode rows and per-token prefill rows): transformers' tokens and logprobs at every decode step, the first from
+    a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
 
     if not HAS_TRITON:
