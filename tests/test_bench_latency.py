@@ -191,4 +191,23 @@ def test_kernel_op_names():
     assert kernel_op("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") \
         == "torch_other"
     assert kernel_op("_decode_split_kernel") == "attention" and kernel_op("_qkv_prep_kernel") == "qkv_prep"
+    assert kernel_op("_mla_kv_prep_kernel") == "mla_prep" and kernel_op("_mla_q_prep_kernel") == "mla_prep"
+    assert kernel_op("_mla_decode_split_kernel") == "attention" and kernel_op("_indexer_scores_kernel") == "dsa_indexer"
     assert kernel_op("some_new_kernel") == "other"
+
+
+def test_bench_latency_compare_unfused(qwen3_ckpt, tmp_path, capsys):
+    """--compare-unfused: the same benchmark in a child process with GYRFALCON_DISABLE_FUSION=1, both reported."""
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "1", "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0", "--max-model-len", "64",
+                 "--output-json", str(out), "--compare-unfused"]) == 0
+    res = json.loads(out.read_text())["results"]
+    g, u = res["gyrfalcon"], res["unfused"]
+    assert g["fusion"] is True and u["fusion"] is False  # the child did read the switch
+    assert u["ttft_ms"] > 0 and u["e2e_s"] > 0
+    assert res["fused_vs_unfused"]["ttft_ratio"] == pytest.approx(u["ttft_ms"] / g["ttft_ms"])
+    printed = capsys.readouterr().out
+    assert "fused vs unfused (GYRFALCON_DISABLE_FUSION=1" in printed

@@ -236,8 +236,10 @@ def test_deepseek_presets_fill_the_model(preset, fp8):
     assert "model.layers.1.self_attn.kv_b_proj.weight" in fp8_names
     assert "model.layers.1.mlp.gate.weight" not in fp8_names
     assert len(fp8_names) == 2 * 5 + 2 * 2 + 3 + 256 * 3 + 3  # MLA + indexer per layer, dense MLP, experts, shared
-    if fp8:
-        assert indexer.wq_b.quant_block == (128, 128) and indexer.wk.weight.dtype == torch.float8_e4m3fn
+    if fp8:  # wq_b / wk are shards of MLA's GEMMs (layers/mla.py)
+        attn = layers[1].self_attn
+        assert attn.fused_q_b_proj.quant_block == (128, 128)
+        assert attn.fused_qkv_a_proj.weight.dtype == torch.float8_e4m3fn and "wk" in attn.fused_qkv_a_proj.shards
 
 
 def _entries_of(cfg):
@@ -284,7 +286,7 @@ def test_deepseek_writer_fp8_loads_and_generates(tmp_path, monkeypatch):
                 moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                 q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
                 n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, index_n_heads=2,
-                index_head_dim=64, index_topk=4, max_position_embeddings=4096 * 40)
+                index_head_dim=128, index_topk=4, max_position_embeddings=4096 * 40)
     monkeypatch.setitem(PRESETS, "tiny-deepseek-v3.2", tiny)
     path = make_checkpoint("tiny-deepseek-v3.2", str(tmp_path / "d"), tokenizer_vocab=300, fp8=True, lm_head_std=0.1)
     t = _tensors(path)
@@ -298,7 +300,7 @@ def test_deepseek_writer_fp8_loads_and_generates(tmp_path, monkeypatch):
     assert t[f"{moe}.gate.e_score_correction_bias"].dtype == torch.float32
     llm = LLM(str(path), block_size=4, max_model_len=64)
     model = llm.engine.runner.model
-    assert is_quantized(model.model.layers[1].self_attn.indexer.wq_b)
+    assert is_quantized(model.model.layers[1].self_attn.fused_q_b_proj)  # wq_b's shard beside q_b_proj
     assert model.model.layers[1].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     out = llm.generate([list(range(3, 15))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
                        use_tqdm=False)[0].outputs[0]

@@ -7,14 +7,23 @@ counts the weights a step does read (common.step_weight_bytes: the layers, the f
 the stricter figure (Llama-3.1-8B: 15.01 of 16.06 GB); of an MoE layer's routed experts it counts those the
 batch's tokens select (top_k at batch 1; common.experts_touched). --profile counts CUDA kernel
 launches per decode step and per decoder layer with torch.profiler. --baseline hf runs Hugging Face
-transformers (static cache + torch.compile) on the same checkpoint in the same process.
+transformers (static cache + torch.compile) on the same checkpoint in the same process. --compare-unfused runs
+the same benchmark with GYRFALCON_DISABLE_FUSION=1 in a child process (envs are read once per process) before the
+fused one and reports both side by side: fused vs unfused from one command on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+from gyrfalcon import envs
 from gyrfalcon.bench.common import (HBM_BYTES_PER_S, GCPauses, add_common_args, busy_span_gaps, format_startup,
                                     experts_touched, gaps_by_pair, hf_sampling_kwargs, moe_blocks, print_table,
                                     random_prompts, run_info, startup_phases, step_weight_bytes, write_json)
@@ -35,6 +44,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="count CUDA kernel launches per decode step")
     p.add_argument("--ttft-timeline", action="store_true",
                    help="profile one TTFT generate's host and device timeline (implied by --profile on a GPU)")
+    p.add_argument("--compare-unfused", action="store_true",
+                   help="also run the same benchmark with GYRFALCON_DISABLE_FUSION=1 (separate norm / RoPE / "
+                        "cache-write launches: the unfused layers, e.g. MLA's prep) in a subprocess first; report both")
     p.add_argument("--step-events", action="store_true",
                    help="time each decode-graph replay inside the timed runs with CUDA events, and the graph "
                         "replayed back to back at the runs' middle context")
@@ -70,6 +82,8 @@ KERNEL_OPS = (
     ("moe_sort", ("_moe_align",)), ("moe_gate_up", ("_moe_gate_up",)), ("moe_down", ("_moe_down",)),
     ("moe_sum", ("_moe_sum",)), ("fp8_gemm", ("_fp8_gemm",)), ("norm_gemv", ("_norm_gemv",)),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    # MLA's fused prep (kernels/mla_prep) and DeepSeek-V3.2's indexer scores, ahead of attention's broad pieces.
+    ("mla_prep", ("_mla_kv_prep", "_mla_q_prep", "_mla_v_proj")), ("dsa_indexer", ("_indexer_scores",)),
     ("attention", ("_decode_", "_paged_prefill", "attn", "flash")), ("qkv_prep", ("_qkv_prep",)),
     ("rms_norm", ("_rms_norm",)), ("rotary", ("_rotary",)), ("store_kv", ("_store_kv",)),
     ("activation", ("_silu_and_mul",)), ("embedding", ("_embedding",)),
@@ -370,6 +384,7 @@ def run_gyrfalcon(args) -> dict:
         "moe_experts_read_per_layer": next((experts_touched(E, k, args.batch_size)
                                             for _, _, E, k in moe_blocks(runner.model)), None),
         "step_clock": clock.summary(median_run),
+        "fusion": not envs.get().disable_fusion,
         "gpu_power": power.summary(),
     }
     # The decode rate at the median run's steady step interval: unlike decode_tok_s it does not subtract a TTFT
@@ -439,8 +454,41 @@ def run_hf_baseline(args) -> dict:
             "decode_tok_s": args.batch_size / step_s}
 
 
+def run_unfused(args) -> dict:
+    """run_gyrfalcon's results with GYRFALCON_DISABLE_FUSION=1, from a child process (this module's __main__) given
+    the same arguments. It runs before the fused engine exists, so the two never share the GPU's memory."""
+    import gyrfalcon
+
+    plain = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    env = dict(os.environ, GYRFALCON_DISABLE_FUSION="1")
+    root = str(Path(gyrfalcon.__file__).resolve().parents[1])  # this tree's gyrfalcon, whatever the cwd
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    with tempfile.TemporaryDirectory() as tmp:
+        a, out = Path(tmp) / "args.json", Path(tmp) / "unfused.json"
+        a.write_text(json.dumps(plain))
+        subprocess.run([sys.executable, "-m", "gyrfalcon.bench.latency", str(a), str(out)], env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def _print_fused_vs_unfused(g: dict, u: dict) -> None:
+    rows = [["", "TTFT ms", "ms/step", "decode tok/s", "kernels/layer"]]
+    for name, r in (("fused", g), ("unfused", u)):
+        k = (r.get("profile") or {}).get("kernels_per_layer")
+        rows.append([name, f"{r['ttft_ms']:.2f}", f"{r['decode_step_ms']:.3f}", f"{r['decode_tok_s']:.1f}",
+                     f"{k:.2f}" if k is not None else "-"])
+    print("fused vs unfused (GYRFALCON_DISABLE_FUSION=1, a child process of this run):")
+    print_table(rows)
+
+
 def main(args: argparse.Namespace) -> int:
+    unfused = run_unfused(args) if getattr(args, "compare_unfused", False) else None
     results = {"gyrfalcon": run_gyrfalcon(args)}
+    if unfused is not None:
+        results["unfused"] = unfused
+        g = results["gyrfalcon"]
+        results["fused_vs_unfused"] = {
+            "ttft_ratio": unfused["ttft_ms"] / g["ttft_ms"],
+            "decode_step_ratio": unfused["decode_step_ms"] / g["decode_step_ms"] if g["decode_step_ms"] > 0 else None}
     if args.baseline == "hf":
         import gc
 
@@ -521,9 +569,16 @@ def main(args: argparse.Namespace) -> int:
                   f"{pp['layer_tflop_per_s_over_span']:.0f} TFLOP/s over the span")
             for name, count, ms in pp["top_kernels"]:
                 print(f"  {ms:8.2f} ms {count:6d}x  {name}")
+    if "unfused" in results:
+        _print_fused_vs_unfused(g, results["unfused"])
     if g.get("step_events"):
         print(format_step_events(g["step_events"], g.get("step_events_back_to_back_ms") or {}))
     for line in format_timeline(g.get("ttft_timeline") or {}):
         print(line)
     write_json(args, {"bench": "latency", **run_info(args), "results": results})
     return 0
+
+
+if __name__ == "__main__":  # run_unfused's child: the arguments' JSON in, run_gyrfalcon's results' JSON out
+    _ns = argparse.Namespace(**json.loads(Path(sys.argv[1]).read_text()))
+    Path(sys.argv[2]).write_text(json.dumps(run_gyrfalcon(_ns), default=str))

@@ -187,6 +187,7 @@ KERNEL_MODULES = (
     "moe_router.naive", "moe_router.triton", "moe_router",
     "mla_attention.naive", "mla_attention.triton", "mla_attention",
     "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
+    "mla_prep.naive", "mla_prep.triton", "mla_prep",
     "gated_delta.naive", "gated_delta.configs", "gated_delta.triton_decode", "gated_delta.triton_conv",
     "gated_delta.triton_norm", "gated_delta.triton_chunk", "gated_delta",
 )

@@ -12,7 +12,9 @@ the scores read them, so decode steps score against every earlier token's key.
 While no sequence of a step can be longer than index_topk, every causal key is selected: forward returns None and
 MLA runs dense (the same result without the scores). The bound is the block table's capacity (its width x
 block_size), not the step's lengths, so the choice also holds over a captured CUDA graph's whole range.
-Checkpoint names: `self_attn.indexer.{wq_b,wk,weights_proj}.weight`, `self_attn.indexer.k_norm.{weight,bias}`.
+Checkpoint names: `self_attn.indexer.{wq_b,wk,weights_proj}.weight`, `self_attn.indexer.k_norm.{weight,bias}`; wq_b
+and wk load into shards of the MLA layer's GEMMs (wq_b beside q_b_proj: both read q_resid; wk beside q_a_proj and
+kv_a_proj_with_mqa: all read x), so this module holds the norm, weights_proj and the selection.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from torch import nn
 
 from gyrfalcon.cache_spec import IndexerKeySpec
 from gyrfalcon.kernels.dsa_indexer import indexer_topk, store_index_keys
+from gyrfalcon.kernels.mla_prep import IndexKeyPrep, IndexQueryPrep
 from gyrfalcon.kernels.rotary import apply_rotary
-from gyrfalcon.layers.linear import Linear
 from gyrfalcon.layers.rotary import RotaryEmbedding
 
 # transformers (and DeepSeek's reference) build the key norm as LayerNorm(index_head_dim, eps=1e-6), not from the
@@ -63,15 +65,14 @@ class FP32Linear(nn.Module):
 class LightningIndexer(nn.Module):
     """The indexer of one MLA layer (module docstring); its keys go into the layer's indexer cache."""
 
-    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int,
-                 index_topk: int, rotary: RotaryEmbedding) -> None:
-        """rotary: the MLA layer's RoPE table over rope_dim dims (registered there; used here with rotate_half)."""
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, rope_dim: int, index_topk: int,
+                 rotary: RotaryEmbedding) -> None:
+        """rotary: the MLA layer's RoPE table over rope_dim dims (registered there; used here with rotate_half). wq_b
+        and wk live in the MLA layer's GEMMs (module docstring): their outputs come in as q_raw / k_raw."""
         super().__init__()
         if rope_dim > head_dim:
             raise ValueError(f"The indexer's RoPE ({rope_dim} dims) does not fit its head ({head_dim} dims).")
         self.n_heads, self.head_dim, self.rope_dim, self.index_topk = n_heads, head_dim, rope_dim, index_topk
-        self.wq_b = Linear(q_lora_rank, n_heads * head_dim)
-        self.wk = Linear(hidden_size, head_dim)
         self.k_norm = IndexerLayerNorm(head_dim)
         self.weights_proj = FP32Linear(hidden_size, n_heads)
         # relu(a * s) = s * relu(a) for s > 0: both scalars fold into the per-head weights.
@@ -82,23 +83,38 @@ class LightningIndexer(nn.Module):
         """Its keys, one row of index_head_dim per token (the MLA layer declares it beside its latent)."""
         return IndexerKeySpec(self.head_dim, cache_dtype)
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor):
-        """positions [T], x [T, hidden] (the layer's normed input), q_resid [T, q_lora_rank] -> (q [T, H_i, D] roped,
-        k [T, D] normed and roped, w [T, H_i] fp32 with both scales folded in)."""
+    def project(self, positions: torch.Tensor, x: torch.Tensor, q_raw: torch.Tensor, k_raw: torch.Tensor):
+        """positions [T], x [T, hidden] (the layer's normed input), q_raw [T, H_i * D] (wq_b's output), k_raw [T, D]
+        (wk's) -> (q [T, H_i, D] roped, k [T, D] normed and roped, w [T, H_i] fp32 with both scales folded in)."""
         T = x.shape[0]
-        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
+        q = q_raw.view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(k_raw)
         q, k = apply_rotary(q, k[:, None], positions, self.rotary.cos_sin_cache, self.rope_dim, True)
         w = self.weights_proj(x) * self.weight_scale
         return q, k[:, 0], w
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, key_cache: torch.Tensor,
-                fb) -> Optional[torch.Tensor]:
-        """Writes this step's keys into key_cache [num_blocks, block_size, 1, D] -> the selected key positions per
-        query token, int32 [T, index_topk] (-1: none), or None when every causal key is selected (module
-        docstring). fb: the step's ForwardBatch."""
-        q, k, w = self.project(positions, x, q_resid)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, q_raw: torch.Tensor, k_raw: torch.Tensor,
+                key_cache: torch.Tensor, fb) -> Optional[torch.Tensor]:
+        """The unfused path (GYRFALCON_DISABLE_FUSION=1): writes this step's keys into key_cache [num_blocks,
+        block_size, 1, D] -> the selected key positions per query token, int32 [T, index_topk] (-1: none), or None
+        when every causal key is selected (module docstring). fb: the step's ForwardBatch."""
+        q, k, w = self.project(positions, x, q_raw, k_raw)
         store_index_keys(k, key_cache, fb.slot_mapping)
+        return self.select(q, w, key_cache, fb)
+
+    def key_prep(self, k_raw: torch.Tensor, key_cache: torch.Tensor) -> IndexKeyPrep:
+        """The fused path's key inputs: k_raw [T, D] (wk's output) and the LayerNorm, for MLA's kv prep launch (which
+        norms, ropes and writes them into key_cache)."""
+        return IndexKeyPrep(k_raw, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, key_cache)
+
+    def query_prep(self, x: torch.Tensor, q_raw: torch.Tensor) -> IndexQueryPrep:
+        """The fused path's query inputs: q_raw as [T, H_i, D] and weights_proj(x) [T, H_i] fp32 with their scale,
+        for MLA's q prep launch (which ropes the queries and scales the weights)."""
+        return IndexQueryPrep(q_raw.view(x.shape[0], self.n_heads, self.head_dim), self.weights_proj(x),
+                              self.weight_scale)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, fb) -> Optional[torch.Tensor]:
+        """Roped q [T, H_i, D], scaled w [T, H_i] over the written keys -> forward's selection (or None)."""
         if self.every_key_selected(fb, key_cache):
             return None
         return indexer_topk(q, w, key_cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.index_topk)

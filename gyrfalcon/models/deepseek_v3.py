@@ -32,6 +32,10 @@ from gyrfalcon.models.qwen3_moe import QWEN_EXPERT_PARAMS
 DEEPSEEK_STACKED_PARAMS = (
     (".gate_proj", ".gate_up_proj", 0),
     (".up_proj", ".gate_up_proj", 1),
+    # MLA's two projections of the normed input, one GEMM (layers/mla.py)
+    (".q_a_proj", ".fused_qkv_a_proj", "q"),
+    (".q_proj", ".fused_qkv_a_proj", "q"),
+    (".kv_a_proj_with_mqa", ".fused_qkv_a_proj", "kv_a"),
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -104,11 +108,22 @@ class DeepseekV3ForCausalLM(CausalLM):
             yield name, tensor
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        return super().load_weights(self._checkpoint_names(weights))
+        loaded = super().load_weights(self._checkpoint_names(weights))
+        for m in self.modules():  # an FP8 kv_b_proj's dequantized copy is stale now (layers/mla.py)
+            if isinstance(m, MultiHeadLatentAttention):
+                m.forget_absorbed()
+        return loaded
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: V3 with DeepSeek sparse attention (module docstring)."""
+
+    # The indexer's wk and wq_b are shards of MLA's GEMMs (layers/mla.py, layers/dsa_indexer.py).
+    stacked_params = DEEPSEEK_STACKED_PARAMS + (
+        (".indexer.wk.", ".fused_qkv_a_proj.", "wk"),
+        (".indexer.wq_b.", ".fused_q_b_proj.", "wq_b"),
+        (".q_b_proj.", ".fused_q_b_proj.", "q_b"),
+    )
 
     def _index(self, config) -> Optional[Tuple[int, int, int]]:
         return int(config.index_n_heads), int(config.index_head_dim), int(config.index_topk)

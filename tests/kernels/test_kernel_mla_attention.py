@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gyrfalcon.kernels.mla_attention import (mla_attention, mla_attention_ref, mla_decode_ref, mla_decode_triton,
-                                             mla_prefill_triton, store_latent, store_latent_ref)
+                                             mla_prefill_tiled_triton, mla_prefill_triton, store_latent,
+                                             store_latent_ref)
 from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
 
 # Ragged: a fresh prefill, chunks over a cached prefix, decode rows, an empty query, a context of many blocks.
@@ -167,6 +168,31 @@ def test_triton_prefill_matches_ref(dtype):
     pad_bt = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=bt.dtype, device=DEVICE)])
     pad_sl = torch.cat([sl, torch.zeros(2, dtype=sl.dtype, device=DEVICE)])
     got = mla_prefill_triton(q, cache, pad_bt, pad_sl, _qsl(q_lens + [0, 0]), 0.2, L)
+    torch.testing.assert_close(got[:T].float(), want.float(), **ATTN_TOL[dtype])
+    assert torch.equal(got[T:], torch.zeros_like(got[T:]))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [dict(block_q=4, block_h=4), dict(block_q=2, block_h=8), dict()],
+                         ids=["4tok_x_4heads", "2tok_x_8heads", "default"])
+def test_triton_tiled_prefill_matches_ref(dtype, tiles):
+    """The tiled prefill (query tokens x heads per program sharing each key tile): the ragged batch (a fresh prefill
+    and chunks spanning several query tiles, decode rows, an empty query, a long context), 6 heads (off the head
+    block), 16-key tiles over 4-slot blocks; then a mixed graph's padding: 3 tokens past query_start_loc[-1] and 2
+    empty sequences get zeros."""
+    L, R, H = 16, 8, 6
+    q_lens, seq_lens = RAGGED
+    cache, bt, _ = _cache(seq_lens, L + R, 4, dtype)
+    T = sum(q_lens)
+    q = torch.randn(T + 3, H, L + R, device=DEVICE).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = mla_attention_ref(q[:T], cache, bt, sl, _qsl(q_lens), 0.2, L)
+    got = mla_prefill_tiled_triton(q[:T], cache, bt, sl, _qsl(q_lens), 0.2, L, block_n=16, **tiles)
+    torch.testing.assert_close(got.float(), want.float(), **ATTN_TOL[dtype])
+    pad_bt = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=bt.dtype, device=DEVICE)])
+    pad_sl = torch.cat([sl, torch.zeros(2, dtype=sl.dtype, device=DEVICE)])
+    got = mla_prefill_tiled_triton(q, cache, pad_bt, pad_sl, _qsl(q_lens + [0, 0]), 0.2, L, **tiles)
     torch.testing.assert_close(got[:T].float(), want.float(), **ATTN_TOL[dtype])
     assert torch.equal(got[T:], torch.zeros_like(got[T:]))
 

@@ -93,11 +93,12 @@ def test_latent_cache_holds_normed_latent_and_roped_k(tiny_ckpt):
 
 
 def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
-    """GYRFALCON_DISABLE_FUSION=1 (the fused-vs-unfused baseline): no norm folded into the dense MLP, the same
-    tokens as transformers."""
+    """GYRFALCON_DISABLE_FUSION=1 (the fused-vs-unfused baseline): MLA's separate-op prep, no norm folded into the
+    dense MLP, the same tokens as transformers."""
     monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    assert not any(layer.self_attn.fused for layer in llm.engine.runner.model.model.layers)
     mlp = llm.engine.runner.model.model.layers[0].mlp
     assert not mlp.gate_up_in.folded and mlp.gate_up_in.plan(1) == "separate"
     outs = _greedy(llm, [r[0] for r in refs])
@@ -145,33 +146,56 @@ def test_variants_match_transformers(tmp_path, variant):
     _prefill_logits_match(ckpt)
 
 
+def _triton_prep(monkeypatch, mla_layer, calls):
+    """Routes the MLA layer's fused prep through the Triton kernels (on CPU tensors, under the interpreter),
+    counting launches into calls["kv_prep"] / calls["q_prep"] / calls["v_proj"]."""
+    from gyrfalcon.kernels.mla_prep import mla_kv_prep_triton, mla_q_prep_triton, mla_v_proj_triton
+
+    def v_proj(*args):
+        calls["v_proj"] += 1
+        return mla_v_proj_triton(*args)
+
+    def kv_prep(*args):
+        calls["kv_prep"] += 1
+        return mla_kv_prep_triton(*args)
+
+    def q_prep(*args):
+        calls["q_prep"] += 1
+        return mla_q_prep_triton(*args)
+
+    monkeypatch.setattr(mla_layer, "mla_kv_prep", kv_prep)
+    monkeypatch.setattr(mla_layer, "mla_q_prep", q_prep)
+    monkeypatch.setattr(mla_layer, "mla_v_proj", v_proj)
+
+
 def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
-    """The GPU path's MLA kernels (the Triton split-K kernel for decode rows and per-token prefill rows, under the
-    interpreter here) in place of the reference inside the model: the same logprobs as transformers at every
-    decode step, the first from a chunked prefill."""
+    """The GPU path's MLA kernels (the fused kv / q prep and V projection launches, the Triton split-K kernel for
+    decode rows and the tiled prefill kernel, under the interpreter here) in place of the references inside the
+    model: the same tokens and logprobs as transformers at every decode step, the first from a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
 
     if not HAS_TRITON:
         pytest.skip("triton (or its interpreter) is not available")
     import gyrfalcon.layers.mla as mla_layer
-    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
+    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_tiled_triton
 
-    calls = {"decode": 0, "prefill": 0}
+    calls = {"decode": 0, "prefill": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
 
     def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):
         assert indices is None  # V3: dense MLA
         calls["decode" if is_decode else "prefill"] += 1
         if is_decode:
             return mla_decode_triton(q, cache, bt, sl, scale, L, num_splits)
-        return mla_prefill_triton(q, cache, bt, sl, qsl, scale, L)
+        return mla_prefill_tiled_triton(q, cache, bt, sl, qsl, scale, L)
 
     monkeypatch.setattr(mla_layer, "mla_attention", triton_attention)
+    _triton_prep(monkeypatch, mla_layer, calls)
     _, model, refs = hf_refs
     vocab = model.config.vocab_size
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs[:3]], sp, use_tqdm=False)
-    assert calls["decode"] and calls["prefill"]
+    assert all(calls.values()), calls
     for out, (_, ref_tokens, ref_logits) in zip(outs, refs):
         assert out.outputs[0].token_ids == ref_tokens[:8]
         for step, entry in enumerate(out.outputs[0].logprobs):

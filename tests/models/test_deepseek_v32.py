@@ -28,8 +28,9 @@ from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.models.deepseek_v3 import DeepseekV32ForCausalLM
 from gyrfalcon.runner.forward_batch import build_forward_batch
+from test_deepseek_v3 import _triton_prep
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on this family's checkpoints)
-    PROMPTS, MAX_NEW, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
+    PROMPTS, MAX_NEW, _greedy, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
     family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
     test_prompts_span_several_blocks)
 
@@ -73,9 +74,15 @@ def test_checkpoint_and_loading(ties_ckpt):
     indexer = layers[2].self_attn.indexer
     assert isinstance(indexer, LightningIndexer) and indexer.index_topk == 4 and indexer.rope_dim == 8
     assert indexer.weights_proj.weight.dtype == torch.float32
-    for n in names:
+    for n in names[2:]:
         torch.testing.assert_close(indexer.get_submodule(n.rsplit(".", 1)[0]).get_parameter(n.rsplit(".", 1)[1]),
                                    sd[ix + n], rtol=0, atol=0)
+    # wq_b and wk are shards of MLA's GEMMs: [wq_b | q_b_proj] on q_resid, [q_a_proj | wk | kv_a_proj_with_mqa] on x.
+    attn, p = layers[2].self_attn, "model.layers.2.self_attn."
+    want_q_b = torch.cat([sd[ix + "wq_b.weight"], sd[p + "q_b_proj.weight"]])
+    torch.testing.assert_close(attn.fused_q_b_proj.weight, want_q_b, rtol=0, atol=0)
+    torch.testing.assert_close(attn.fused_qkv_a_proj.weight, torch.cat([
+        sd[p + "q_a_proj.weight"], sd[ix + "wk.weight"], sd[p + "kv_a_proj_with_mqa.weight"]]), rtol=0, atol=0)
     # One spec per layer: the MLA latent and the indexer keys, paged by the same block table.
     spec = SparseMLASpec(MLALatentSpec(16, 8, "float32"), IndexerKeySpec(16, "float32"))
     assert model.kv_cache_specs("float32") == {i: spec for i in range(3)}
@@ -172,10 +179,9 @@ def test_indexer_scores_and_selection_match_transformers(ties_ckpt, monkeypatch)
     causal = positions[None, :] <= positions[:, None]
     total_ties = 0
     for layer, ref in seen.items():
-        indexer = model.model.layers[layer].self_attn.indexer
         cache = torch.full((n_blocks + 3, block_size, 1, 16), float("nan"))
         with torch.no_grad():
-            q, k, w = indexer.project(positions, ref["x"], ref["q_resid"])
+            q, k, w = model.model.layers[layer].self_attn.indexer_projections(positions, ref["x"], ref["q_resid"])
         cache.view(-1, 16)[slots] = k
         got = []
         for lo, hi in ((0, S // 2), (S // 2, S)):  # a first chunk, then the rest over the cached prefix
@@ -243,15 +249,15 @@ def test_indexer_path_with_topk_covering_equals_dense(tiny_ckpt, hf_refs, monkey
     if model.config.index_topk <= 4:
         pytest.skip("covers the topk_covers checkpoint")
     calls = []
-    real = LightningIndexer.forward
+    real = LightningIndexer.select
 
-    def forced(self, positions, x, q_resid, key_cache, fb):
-        out = real(self, positions, x, q_resid, key_cache, fb)
+    def forced(self, q, w, key_cache, fb):
+        out = real(self, q, w, key_cache, fb)
         calls.append(out is not None)
         return out
 
     monkeypatch.setattr(LightningIndexer, "every_key_selected", lambda self, fb, key_cache: False)
-    monkeypatch.setattr(LightningIndexer, "forward", forced)
+    monkeypatch.setattr(LightningIndexer, "select", forced)
     vocab = model.config.vocab_size
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=vocab)
@@ -266,9 +272,10 @@ def test_indexer_path_with_topk_covering_equals_dense(tiny_ckpt, hf_refs, monkey
 
 def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     """The GPU path's kernels (under the interpreter here) in place of the references inside the sparse model: the
-    Triton indexer scores + top-k and the split-K MLA kernel reading each row's selected keys (decode rows and
-    per-token prefill rows): transformers' tokens and logprobs at every decode step, the first from a chunked
-    prefill."""
+    fused kv / q prep launches (the indexer key's LayerNorm + RoPE + cache write, the index query's RoPE and weight
+    scale included), the Triton indexer scores + top-k and the split-K MLA kernel reading each row's selected keys
+    (decode rows and per-token prefill rows): transformers' tokens and logprobs at every decode step, the first from
+    a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
 
     if not HAS_TRITON:
@@ -281,7 +288,7 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     from gyrfalcon.kernels.dsa_indexer import indexer_topk_triton
     from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_triton
 
-    calls = {"decode": 0, "prefill": 0, "indexer": 0}
+    calls = {"decode": 0, "prefill": 0, "indexer": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
     dense = mla_layer.mla_attention  # steps whose sequences all fit in index_topk keys (V3's test covers them)
 
     def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):
@@ -298,13 +305,25 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
 
     monkeypatch.setattr(mla_layer, "mla_attention", triton_attention)
     monkeypatch.setattr(dsa_layer, "indexer_topk", triton_topk)
+    _triton_prep(monkeypatch, mla_layer, calls)
     vocab = model.config.vocab_size
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs[:3]], sp, use_tqdm=False)
-    assert calls["decode"] and calls["prefill"] and calls["indexer"]
+    assert all(calls.values()), calls
     for out, (_, ref_tokens, ref_logits) in zip(outs, refs):
         assert out.outputs[0].token_ids == ref_tokens[:6]
         for step, entry in enumerate(out.outputs[0].logprobs):
             got = torch.tensor([entry[t].logprob for t in range(vocab)])
             torch.testing.assert_close(got, ref_logits[step].log_softmax(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
+    """GYRFALCON_DISABLE_FUSION=1 (the fused-vs-unfused baseline): the indexer's and MLA's separate-op prep (its
+    own LayerNorm, RoPE, weight scale and key store), the same tokens as transformers."""
+    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
+    _, _, refs = hf_refs
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
+    assert not any(layer.self_attn.fused for layer in llm.engine.runner.model.model.layers)
+    outs = _greedy(llm, [r[0] for r in refs])
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]

@@ -12,10 +12,12 @@ DeepSeek-V3.2: the lightning indexer's top-k, kernels/dsa_indexer; -1: none) onl
 
 - store_latent(latent [T, L], k_rope [T, R], cache, slot_mapping): the step's rows into the cache (slot < 0:
   skipped), through store_kv on the cache's two column ranges.
-- mla_attention(...): on CUDA the split-K kernel (triton.py), decode steps with one row per sequence, other steps
-  with one row per query token (its context ending at its position, its own index row when sparse); the
-  reference elsewhere. (The MHA prefill kernel cannot take MLA's shape: all H heads share one kv head, so its
-  tiles would hold H x (L + R) queries.)
+- mla_attention(...): on CUDA the split-K kernel (triton.py) for decode steps, one row per sequence; other steps
+  dense through the tiled prefill kernel (a program: a few query tokens x a block of heads, each key tile loaded
+  once for all of them, causal per row), sparse with one split-K row per query token (its context ending at its
+  position, its own index row: the tokens' key lists differ, so no tile shares them); the reference elsewhere.
+  (The MHA prefill kernel cannot take MLA's shape: all H heads share one kv head, so its tiles would hold
+  H x (L + R) queries.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, mla_attention_ref, mla_decode_ref,
                                                    store_latent_ref)
-from gyrfalcon.kernels.mla_attention.triton import mla_decode_triton, mla_prefill_triton, token_contexts
+from gyrfalcon.kernels.mla_attention.triton import (mla_decode_triton, mla_prefill_tiled_triton, mla_prefill_triton,
+                                                    token_contexts)
 from gyrfalcon.kernels.store_kv import store_kv
 
 
@@ -44,9 +47,11 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         return mla_attention_ref(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank, indices)
     if is_decode:
         return mla_decode_triton(q, cache, block_tables, seq_lens, scale, kv_lora_rank, num_splits, indices=indices)
+    if indices is None:
+        return mla_prefill_tiled_triton(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank)
     return mla_prefill_triton(q, cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank,
                               indices=indices)
 
 
 __all__ = ["gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
-           "mla_prefill_triton", "store_latent", "store_latent_ref", "token_contexts"]
+           "mla_prefill_tiled_triton", "mla_prefill_triton", "store_latent", "store_latent_ref", "token_contexts"]

@@ -18,6 +18,9 @@ import torch
 from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from gyrfalcon.kernels.decode_attention.configs import default_num_splits
 
+if HAS_TRITON:
+    from gyrfalcon.kernels.paged_attention.triton import _find_seq
+
 _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
@@ -122,6 +125,73 @@ if HAS_TRITON:
         out = tl.sum(parts * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)
         tl.store(o_ptr + b * s_ob + h * s_oh + dl, out.to(o_ptr.dtype.element_ty), mask=dl < L)
 
+    # The sequence count changes from batch to batch: not specialized (see paged_attention's prefill kernel).
+    @triton.jit(do_not_specialize=["num_seqs"])
+    def _mla_prefill_tiled_kernel(
+        q_ptr, c_ptr, bt_ptr, sl_ptr, qsl_ptr, o_ptr, scale_log2, n_heads, num_seqs,
+        s_qt, s_qh, s_cb, s_co, s_ot, s_oh, s_bt,
+        L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Grid (num_tokens // BLOCK_Q + num_seqs, head blocks): a program owns BLOCK_Q query tokens of one sequence
+        times BLOCK_H heads (rows token-major, head-minor), so each [BLOCK_N, L + R] tile of latent rows read from
+        the paged cache serves BLOCK_Q x BLOCK_H query rows; keys 0 .. the tile's last position, masked causally per
+        row. Query blocks run in reverse, the longest contexts first."""
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        local = q_block - (q_start // BLOCK_Q + seq)
+        if local * BLOCK_Q >= q_len:
+            return
+        ctx = tl.load(sl_ptr + seq) - q_len
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = local * BLOCK_Q + rows // BLOCK_H
+        head = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
+        row_ok = (q_idx < q_len) & (head < n_heads)
+        q_pos = ctx + q_idx
+        dl = tl.arange(0, BLOCK_L)
+        dr = tl.arange(0, BLOCK_R)
+        q_row = q_ptr + (q_start + q_idx).to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh
+        q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None] & (dl[None, :] < L), other=0.0)
+        q_pe = tl.load(q_row + L + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < R), other=0.0)
+        if UPCAST:
+            q_lat = q_lat.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+        kv_end = ctx + tl.minimum((local + 1) * BLOCK_Q, q_len)
+        bt_row = bt_ptr + seq.to(tl.int64) * s_bt
+        for start in range(0, kv_end, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            kmask = kpos < kv_end
+            phys = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            crow = c_ptr + phys * s_cb + (kpos % BLOCK_SIZE) * s_co
+            kv = tl.load(crow[:, None] + dl[None, :], mask=kmask[:, None] & (dl[None, :] < L), other=0.0)
+            kpe = tl.load(crow[:, None] + L + dr[None, :], mask=kmask[:, None] & (dr[None, :] < R), other=0.0)
+            if UPCAST:
+                kv = kv.to(tl.float32)
+                kpe = kpe.to(tl.float32)
+            else:
+                kv = kv.to(q_lat.dtype)
+                kpe = kpe.to(q_lat.dtype)
+            s = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PREC)
+            s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PREC)
+            s = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row sees nothing: p = 0, not NaN
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + (q_start + q_idx).to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + dl[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dl[None, :] < L))
+
 
 def _decode_config(kv_lora_rank: int):
     """(BLOCK_H heads, BLOCK_N keys, num_warps) per program: the [BLOCK_H, L] fp32 accumulator and a
@@ -195,6 +265,46 @@ def mla_prefill_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch
     seq, ctx = token_contexts(query_start_loc, seq_lens, T)
     return mla_decode_triton(q, cache, block_tables[seq], ctx, scale, kv_lora_rank, num_splits, indices=indices,
                              **tiles)
+
+
+def _prefill_tiles(n_heads: int, kv_lora_rank: int):
+    """(BLOCK_Q tokens, BLOCK_H heads, BLOCK_N keys, num_warps) of the tiled prefill (untuned): 32 query rows a
+    program keep its [rows, L] fp32 accumulator and a [BLOCK_N, L + R] key tile on one SM at L = 512; with many heads
+    the rows go to heads (each key tile then serves 2 tokens x 16 heads), with few to tokens."""
+    block_h = min(16, next_pow2(n_heads))
+    rows = 32 if kv_lora_rank >= 256 else 64
+    return max(1, rows // block_h), block_h, 32, 8 if kv_lora_rank >= 256 else 4
+
+
+def mla_prefill_tiled_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int,
+                             *, block_q: int | None = None, block_h: int | None = None,
+                             block_n: int | None = None) -> torch.Tensor:
+    """Dense causal varlen MLA with query tiles (prefill chunks, mixed and verify steps); the contract of
+    mla_attention_ref without indices. A program takes BLOCK_Q tokens x BLOCK_H heads of one sequence and streams
+    its keys once for all of them (mla_prefill_triton streams them once per token). The grid is sized from shapes
+    (num_tokens // BLOCK_Q + num_seqs query blocks), no host sync; tokens past query_start_loc[-1] (a padded
+    graph's) get zeros. block_q / block_h / block_n override the tiles (tests)."""
+    assert q.dim() == 3 and q.stride(-1) == 1 and cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    T, H, D = q.shape
+    L = kv_lora_rank
+    R = D - L
+    assert cache.shape[-1] == D and cache.shape[2] == 1
+    B = seq_lens.shape[0]
+    o = torch.zeros(T, H, L, dtype=q.dtype, device=q.device)  # zeros: rows no program owns (padding)
+    if T == 0 or B == 0:
+        return o
+    bq, bh, bn, nw = _prefill_tiles(H, L)
+    bq, bh, bn = block_q or bq, block_h or bh, max(16, block_n or bn)
+    assert bq * bh >= 16 and (bq * bh) & (bq * bh - 1) == 0, "BLOCK_Q x BLOCK_H: a power of two of 16 or more rows"
+    _mla_prefill_tiled_kernel[(T // bq + B, cdiv(H, bh))](
+        q, cache, block_tables, seq_lens, query_start_loc, o, float(scale) * _LOG2E, H, B,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
+        L=L, R=R, BLOCK_SIZE=cache.shape[1], BLOCK_Q=bq, BLOCK_H=bh, BLOCK_L=max(16, next_pow2(L)),
+        BLOCK_R=max(16, next_pow2(R)), BLOCK_N=bn, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpreting(), num_warps=nw, num_stages=2,
+    )
+    return o
 
 
 def token_contexts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
