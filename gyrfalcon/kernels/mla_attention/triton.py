@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels.common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                      pdl_launch_kwargs, tl, triton, use_pdl)
 from gyrfalcon.kernels.decode_attention.configs import default_num_splits
 
 if HAS_TRITON:
@@ -31,8 +32,11 @@ if HAS_TRITON:
         s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt, s_idx,
         L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SPARSE: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SPARSE: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
+        if USE_PDL:  # batch-1 decode graphs: the next kernel may launch; wait for the previous before any load
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
@@ -107,7 +111,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_decode_reduce_kernel(po_ptr, plse_ptr, o_ptr, num_splits, s_ob, s_oh,
-                                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
+                                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  USE_PDL: tl.constexpr = False):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_heads = tl.num_programs(1)
@@ -236,6 +244,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     else:
         po = torch.empty(B * H * num_splits, block_l, dtype=torch.float32, device=q.device)
         plse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)  # batch-1 decode graphs (a prefill's per-token rows have T > 1 or are not captured)
     _mla_decode_split_kernel[(B, n_hblocks, num_splits)](
         q, cache, block_tables, seq_lens, indices if sparse else seq_lens, o, po, plse, float(scale) * _LOG2E, H,
         num_splits, indices.shape[1] if sparse else 0,
@@ -243,11 +252,12 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         indices.stride(0) if sparse else 0,
         L=L, R=R, BLOCK_SIZE=block_size, BLOCK_H=bh, BLOCK_L=block_l, BLOCK_R=max(16, next_pow2(R)), BLOCK_N=bn,
         DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        SPARSE=sparse, num_warps=nw, num_stages=2,
+        SPARSE=sparse, USE_PDL=pdl, num_warps=nw, num_stages=2, **pdl_launch_kwargs(pdl),
     )
     if not direct:
         _mla_decode_reduce_kernel[(B, H)](po, plse, o, num_splits, o.stride(0), o.stride(1), L=L, BLOCK_L=block_l,
-                                          BLOCK_S=next_pow2(num_splits), num_warps=4)
+                                          BLOCK_S=next_pow2(num_splits), USE_PDL=pdl, num_warps=4,
+                                          **pdl_launch_kwargs(pdl))
     return o
 
 
