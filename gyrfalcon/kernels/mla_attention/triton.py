@@ -212,12 +212,13 @@ def _decode_config(kv_lora_rank: int):
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, kv_lora_rank: int, num_splits: int | None = None, *,
                       indices: torch.Tensor | None = None, block_h: int | None = None,
-                      block_n: int | None = None) -> torch.Tensor:
+                      block_n: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Split-K MLA decode; the contract of mla_decode_ref: q [B, H, L + R], cache [num_blocks, block_size, 1,
     L + R] -> o [B, H, L] in q.dtype (seq_len 0: zeros). indices: int32 [B, K], each row's selected key positions
     (-1: none; sparse MLA), None: the whole context. num_splits None: from the batch shape and the keys a row
     visits (the block table's width, or K; decode_attention's rule, with head blocks as the per-sequence
-    programs); block_h / block_n override the tiles (tests)."""
+    programs); block_h / block_n override the tiles (tests); pdl: programmatic dependent launch (default:
+    use_pdl(q), batch-1 decode graphs)."""
     assert q.dim() == 3 and q.stride(-1) == 1 and cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     B, H, D = q.shape
     L = kv_lora_rank
@@ -244,7 +245,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     else:
         po = torch.empty(B * H * num_splits, block_l, dtype=torch.float32, device=q.device)
         plse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q)  # batch-1 decode graphs (a prefill's per-token rows have T > 1 or are not captured)
+    pdl = use_pdl(q) if pdl is None else pdl
     _mla_decode_split_kernel[(B, n_hblocks, num_splits)](
         q, cache, block_tables, seq_lens, indices if sparse else seq_lens, o, po, plse, float(scale) * _LOG2E, H,
         num_splits, indices.shape[1] if sparse else 0,

@@ -197,8 +197,9 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
                        is_neox: bool, kv_norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_a: Optional[torch.Tensor] = None,
                        q_norm_weight: Optional[torch.Tensor] = None,
-                       index: Optional[IndexKeyPrep] = None) -> Optional[torch.Tensor]:
-    """Same contract as mla_kv_prep_ref; one launch of T x (1 + [q_a] + [index]) programs, no host sync."""
+                       index: Optional[IndexKeyPrep] = None, pdl: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """Same contract as mla_kv_prep_ref; one launch of T x (1 + [q_a] + [index]) programs, no host sync. pdl: launch
+    with programmatic dependent launch (default: use_pdl(kv))."""
     assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     T = kv.shape[0]
     L = kv.shape[-1] - rope_dim
@@ -218,7 +219,7 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     ik, icache = (index.k, index.cache) if index is not None else (kv, cache)
     Q = q_a.shape[-1] if q_a is not None else 1
     D = index.k.shape[-1] if index is not None else 1
-    pdl = use_pdl(kv)
+    pdl = use_pdl(kv) if pdl is None else pdl
     _mla_kv_prep_kernel[(T, parts)](
         kv, positions, cos_sin_cache, slot_mapping, cache, kv_norm_weight, qa,
         q_norm_weight if q_a is not None else kv_norm_weight, qo, ik,
@@ -242,9 +243,9 @@ def _q_tiles(T: int, N: int, K: int) -> Tuple[int, int, int]:
 
 
 def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
-                      is_neox: bool, w_uk: torch.Tensor, index: Optional[IndexQueryPrep] = None
-                      ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Same contract as mla_q_prep_ref; one launch, no host sync."""
+                      is_neox: bool, w_uk: torch.Tensor, index: Optional[IndexQueryPrep] = None,
+                      pdl: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Same contract as mla_q_prep_ref; one launch, no host sync. pdl: as in mla_kv_prep_triton."""
     assert q.stride(-1) == 1 and w_uk.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     T, H, _ = q.shape
     nope = q.shape[-1] - rope_dim
@@ -264,7 +265,7 @@ def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     iq, iw = (index.q, index.w) if index is not None else (q, q[:, :, 0])
     iqo, iwo = iout if iout is not None else (q_abs, q_abs[:, :, 0])
     HI, D = (index.q.shape[1], index.q.shape[2]) if index is not None else (1, 1)
-    pdl = use_pdl(q)
+    pdl = use_pdl(q) if pdl is None else pdl
     _mla_q_prep_kernel[(n_main + (T if index is not None else 0),)](
         q, w_uk, positions, cos_sin_cache, q_abs, iq, iw, iqo, iwo,
         float(index.w_scale) if index is not None else 1.0, T, n_tb, n_main,
@@ -279,8 +280,9 @@ def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     return q_abs, iout
 
 
-def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """Same contract as mla_v_proj_ref; one launch straight into o_proj's input layout, no host sync."""
+def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor, pdl: Optional[bool] = None) -> torch.Tensor:
+    """Same contract as mla_v_proj_ref; one launch straight into o_proj's input layout, no host sync. pdl: as in
+    mla_kv_prep_triton."""
     assert o_latent.stride(-1) == 1 and w_uv.stride(-1) == 1 and w_uv.dtype == o_latent.dtype
     T, H, L = o_latent.shape
     V = w_uv.shape[1]
@@ -290,7 +292,7 @@ def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tenso
         return out
     block_t, block_v, block_k = _q_tiles(T, V, L)
     n_tb = cdiv(T, block_t)
-    pdl = use_pdl(o_latent)
+    pdl = use_pdl(o_latent) if pdl is None else pdl
     _mla_v_proj_kernel[(H * n_tb * cdiv(V, block_v),)](
         o_latent, w_uv, out, T, n_tb, o_latent.stride(0), o_latent.stride(1), w_uv.stride(0), w_uv.stride(1),
         out.stride(0), L=L, V=V, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
