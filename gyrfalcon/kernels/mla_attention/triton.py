@@ -26,7 +26,9 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The split count follows the batch (decode_attention's rule; per-token prefill rows make the batch the token
+    # count): not specialized, so a new batch shape compiles no new variant mid-run.
+    @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_split_kernel(
         q_ptr, c_ptr, bt_ptr, sl_ptr, idx_ptr, o_ptr, po_ptr, plse_ptr, scale_log2, n_heads, num_splits, n_idx,
         s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt, s_idx,
@@ -109,7 +111,7 @@ if HAS_TRITON:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
             tl.store(plse_ptr + prow, lse, mask=hmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_reduce_kernel(po_ptr, plse_ptr, o_ptr, num_splits, s_ob, s_oh,
                                   L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
                                   USE_PDL: tl.constexpr = False):

@@ -102,7 +102,9 @@ if HAS_TRITON:
             acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PREC)
         return acc
 
-    @triton.jit
+    # The token count and the grid's shape change with every batch: not specialized (1 / a multiple of 16 / the rest
+    # would each compile a variant mid-run; the token block, a constexpr, takes two values by design).
+    @triton.jit(do_not_specialize=["T", "n_tb", "n_main"])
     def _mla_q_prep_kernel(
         q_ptr, wuk_ptr, pos_ptr, cs_ptr, o_ptr, iq_ptr, iw_ptr, iqo_ptr, iwo_ptr, w_scale, T, n_tb, n_main,
         s_qt, s_qh, s_wh, s_wk, s_ot, s_oh, s_cs, s_iqt, s_iqh, s_iwt, s_iqot, s_iqoh, s_iwot,
@@ -166,7 +168,7 @@ if HAS_TRITON:
             tl.store(iwo_ptr + tok * s_iwot + hi, w * w_scale, mask=mh)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "n_tb"])  # as _mla_q_prep_kernel
     def _mla_v_proj_kernel(o_ptr, w_ptr, out_ptr, T, n_tb, s_ot, s_oh, s_wh, s_wv, s_yt,
                            L: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
