@@ -285,12 +285,61 @@ def cases(mods):
         out.append((f"gumbel draw, Llama vocab, {rows} rows",
                     lambda r=rows: S_.gumbel_argmax_triton(torch.zeros(r, 128256), torch.zeros(r, dtype=torch.int64),
                                                            torch.zeros(r, dtype=torch.int64))))
+    out += deepseek_cases(mods)
     E = mods["embedding"]
     ids = torch.zeros(16, dtype=torch.int64)
     out.append(("embedding with pending tokens, Llama width",
                 lambda: E.embedding_with_pending_triton(torch.zeros(1000, 4096, dtype=torch.bfloat16), ids,
                                                         ids, ids)))
     return out
+
+
+def deepseek_cases(mods):
+    """DeepSeek-V3.2's MLA launches at the real dims (128 heads, kv_lora_rank 512, rope 64, q_lora_rank 1536, 64 index
+    heads of 128): the fused prep (kernels/mla_prep) at batch 1 under PDL and at an 8k-token prefill, the split-K
+    decode under PDL, the tiled prefill."""
+    P, A = mods["mla_prep"], mods["mla_attention"]
+    bf = torch.bfloat16
+    H, L, R, Q, NOPE, V, HI, DI = 128, 512, 64, 1536, 128, 128, 64, 128
+
+    def kv_prep(T, pdl):
+        y = torch.zeros(T, Q + DI + L + R, dtype=bf)  # fused_qkv_a_proj's output [q_a | wk | kv_a]
+        pos = torch.zeros(T, dtype=torch.int64)
+        ix = P.IndexKeyPrep(y[:, Q:Q + DI], torch.ones(DI, dtype=bf), torch.zeros(DI, dtype=bf), 1e-6,
+                            torch.zeros(8, 64, 1, DI, dtype=bf))
+        return P.mla_kv_prep_triton(y[:, Q + DI:], pos, torch.zeros(64, R), R, False, torch.ones(L, dtype=bf), 1e-6,
+                                    torch.zeros(8, 64, 1, L + R, dtype=bf), pos, y[:, :Q], torch.ones(Q, dtype=bf),
+                                    ix, pdl=pdl)
+
+    def q_prep(T, pdl):
+        y = torch.zeros(T, HI * DI + H * (NOPE + R), dtype=bf)  # fused_q_b_proj's output [wq_b | q_b]
+        ix = P.IndexQueryPrep(y[:, :HI * DI].view(T, HI, DI), torch.zeros(T, HI), 0.01)
+        w_kv_b = torch.zeros(H, NOPE + V, L, dtype=bf)
+        return P.mla_q_prep_triton(y[:, HI * DI:].view(T, H, NOPE + R), torch.zeros(T, dtype=torch.int64),
+                                   torch.zeros(64, R), R, False, w_kv_b[:, :NOPE], ix, pdl=pdl)
+
+    def v_proj(T, pdl):
+        w_kv_b = torch.zeros(H, NOPE + V, L, dtype=bf)
+        return P.mla_v_proj_triton(torch.zeros(T, H, L, dtype=bf), w_kv_b[:, NOPE:], pdl=pdl)
+
+    def decode():
+        return A.mla_decode_triton(torch.zeros(1, H, L + R, dtype=bf), torch.zeros(8, 64, 1, L + R, dtype=bf),
+                                   torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1, L, 4,
+                                   pdl=True)
+
+    def tiled_prefill():
+        cache, bt = torch.zeros(64, 64, 1, L + R, dtype=bf), torch.zeros(4, 32, dtype=torch.int32)
+        return A.mla_prefill_tiled_triton(torch.zeros(512, H, L + R, dtype=bf), cache, bt,
+                                          torch.full((4,), 128, dtype=torch.int32),
+                                          torch.arange(0, 513, 128, dtype=torch.int32), 0.1, L)
+    return [("deepseek MLA kv prep b1 pdl", lambda: kv_prep(1, True)),
+            ("deepseek MLA kv prep, 8k-token prefill", lambda: kv_prep(8192, False)),
+            ("deepseek MLA q prep b1 pdl", lambda: q_prep(1, True)),
+            ("deepseek MLA q prep, 8k-token prefill", lambda: q_prep(8192, False)),
+            ("deepseek MLA V projection b1 pdl", lambda: v_proj(1, True)),
+            ("deepseek MLA V projection, 8k-token prefill", lambda: v_proj(8192, False)),
+            ("deepseek MLA decode b1 pdl, 4 splits", decode),
+            ("deepseek MLA tiled prefill", tiled_prefill)]
 
 
 def main(argv=None) -> int:

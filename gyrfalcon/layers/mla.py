@@ -91,7 +91,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
         self.rotary_emb = rotary
-        # The fused prep (kernels/mla_prep, two launches) unless GYRFALCON_DISABLE_FUSION=1 (separate ops).
+        # The fused path (kernels/mla_prep: two launches before attention, one after) unless
+        # GYRFALCON_DISABLE_FUSION=1 (separate ops).
         self.fused = not envs.get().disable_fusion
         self.norm_in: Optional[NormLinear] = None
         self.indexer: Optional[LightningIndexer] = None

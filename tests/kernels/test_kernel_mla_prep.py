@@ -182,3 +182,34 @@ def test_v_proj_matches_reference(dtype, T):
     if T:
         torch.testing.assert_close(want[-1, V:2 * V].float(), (o[-1, 1].float() @ w_uv[1].float().T),
                                    **TOL[dtype])
+
+
+@requires_triton
+def test_launches_specialize_once_across_batch_shapes(monkeypatch):
+    """Token counts of 2-47 (odd, even, multiples of 16) compile one variant of each prep kernel per token-block
+    constexpr: Triton's integer specialization (1 / a multiple of 16 / the rest) would otherwise recompile mid-run."""
+    pytest.importorskip("triton._C.libtriton", reason="needs Triton's native_specialize_impl")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from gyrfalcon.kernels._specialization import launch_signature
+
+    seen: dict = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        sig = launch_signature(self, args, kwargs)
+        const = tuple(a for a in sig if a[1] == "tl.constexpr")
+        seen.setdefault((self.fn.__name__, const), set()).add(sig)
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    H, nope = 3, 16
+    for T in (2, 5, 16, 17, 32, 47):
+        positions, slots = torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64)
+        kv = torch.zeros(T, Q + 16 + L + R)  # a fused GEMM's output: [q_a | wk | kv_a]
+        index = IndexKeyPrep(kv[:, Q:Q + 16], torch.ones(16), torch.zeros(16), 1e-6, torch.zeros(4, 4, 1, 16))
+        mla_kv_prep_triton(kv[:, Q + 16:], positions, _table(False), R, False, torch.ones(L), 1e-6,
+                           torch.zeros(4, 4, 1, L + R), slots, kv[:, :Q], torch.ones(Q), index)
+        _, q, w_uk, iq = _q_inputs(T, H, nope, torch.float32, 4, 16)
+        mla_q_prep_triton(q, positions, _table(False), R, False, w_uk, iq)
+        mla_v_proj_triton(torch.zeros(T, H, L), torch.zeros(H, 12, L))
+    assert {k[0] for k in seen} == {"_mla_kv_prep_kernel", "_mla_q_prep_kernel", "_mla_v_proj_kernel"}
+    varied = {k[0]: len(v) for k, v in seen.items() if len(v) > 1}
+    assert not varied, varied

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels.common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                      pdl_launch_kwargs, tl, triton, use_pdl)
 from gyrfalcon.kernels.decode_attention.configs import default_num_splits
 
 if HAS_TRITON:
@@ -25,14 +26,19 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The split count follows the batch (decode_attention's rule; per-token prefill rows make the batch the token
+    # count): not specialized, so a new batch shape compiles no new variant mid-run.
+    @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_split_kernel(
         q_ptr, c_ptr, bt_ptr, sl_ptr, idx_ptr, o_ptr, po_ptr, plse_ptr, scale_log2, n_heads, num_splits, n_idx,
         s_qb, s_qh, s_cb, s_co, s_ob, s_oh, s_bt, s_idx,
         L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SPARSE: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SPARSE: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
+        if USE_PDL:  # batch-1 decode graphs: the next kernel may launch; wait for the previous before any load
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
@@ -105,9 +111,13 @@ if HAS_TRITON:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
             tl.store(plse_ptr + prow, lse, mask=hmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_reduce_kernel(po_ptr, plse_ptr, o_ptr, num_splits, s_ob, s_oh,
-                                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
+                                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  USE_PDL: tl.constexpr = False):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_heads = tl.num_programs(1)
@@ -204,12 +214,13 @@ def _decode_config(kv_lora_rank: int):
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, kv_lora_rank: int, num_splits: int | None = None, *,
                       indices: torch.Tensor | None = None, block_h: int | None = None,
-                      block_n: int | None = None) -> torch.Tensor:
+                      block_n: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Split-K MLA decode; the contract of mla_decode_ref: q [B, H, L + R], cache [num_blocks, block_size, 1,
     L + R] -> o [B, H, L] in q.dtype (seq_len 0: zeros). indices: int32 [B, K], each row's selected key positions
     (-1: none; sparse MLA), None: the whole context. num_splits None: from the batch shape and the keys a row
     visits (the block table's width, or K; decode_attention's rule, with head blocks as the per-sequence
-    programs); block_h / block_n override the tiles (tests)."""
+    programs); block_h / block_n override the tiles (tests); pdl: programmatic dependent launch (default:
+    use_pdl(q), batch-1 decode graphs)."""
     assert q.dim() == 3 and q.stride(-1) == 1 and cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     B, H, D = q.shape
     L = kv_lora_rank
@@ -236,6 +247,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     else:
         po = torch.empty(B * H * num_splits, block_l, dtype=torch.float32, device=q.device)
         plse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q) if pdl is None else pdl
     _mla_decode_split_kernel[(B, n_hblocks, num_splits)](
         q, cache, block_tables, seq_lens, indices if sparse else seq_lens, o, po, plse, float(scale) * _LOG2E, H,
         num_splits, indices.shape[1] if sparse else 0,
@@ -243,11 +255,12 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         indices.stride(0) if sparse else 0,
         L=L, R=R, BLOCK_SIZE=block_size, BLOCK_H=bh, BLOCK_L=block_l, BLOCK_R=max(16, next_pow2(R)), BLOCK_N=bn,
         DIRECT=direct, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
-        SPARSE=sparse, num_warps=nw, num_stages=2,
+        SPARSE=sparse, USE_PDL=pdl, num_warps=nw, num_stages=2, **pdl_launch_kwargs(pdl),
     )
     if not direct:
         _mla_decode_reduce_kernel[(B, H)](po, plse, o, num_splits, o.stride(0), o.stride(1), L=L, BLOCK_L=block_l,
-                                          BLOCK_S=next_pow2(num_splits), num_warps=4)
+                                          BLOCK_S=next_pow2(num_splits), USE_PDL=pdl, num_warps=4,
+                                          **pdl_launch_kwargs(pdl))
     return o
 
 

@@ -1,7 +1,9 @@
 """The Triton MLA prep kernels: the kv prep (one launch: latent RMSNorm + k_rope RoPE + the latent cache write, the
 q_a RMSNorm, the V3.2 indexer key's LayerNorm + RoPE + its cache write), the q prep (one launch: the absorbed
 query q_nope @ W_UK per head as a tiled dot, q_rope's RoPE beside it, the V3.2 index query's RoPE and weight scale)
-and the V projection (one launch: o_latent @ W_UV^T per head, written as o_proj's [T, H * v] input).
+and the V projection (one launch: o_latent @ W_UV^T per head, written as o_proj's [T, H * v] input). In batch-1
+decode graphs they launch with programmatic dependent launch (common.use_pdl), waiting for the previous kernel
+before any load.
 Contracts: naive.py's mla_kv_prep_ref / mla_q_prep_ref / mla_v_proj_ref."""
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from gyrfalcon.kernels.common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from gyrfalcon.kernels.common import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2,
+                                      pdl_launch_kwargs, tl, triton, use_pdl)
 from gyrfalcon.kernels.mla_prep.naive import IndexKeyPrep, IndexQueryPrep
 
 if HAS_TRITON:
@@ -23,10 +26,15 @@ if HAS_TRITON:
         L: tl.constexpr, R: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, IS_NEOX: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, I_BLOCK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, Q_PART: tl.constexpr, IDX_PART: tl.constexpr,
+        USE_PDL: tl.constexpr = False,
     ):
         """Program (token, part): part 0 the latent row, Q_PART the q_a row, IDX_PART the indexer key (-1: absent).
         Every row is read once and normalized in fp32; RoPE partners are loaded again at their offsets (and
-        normalized with the same statistics) rather than shuffled in registers."""
+        normalized with the same statistics) rather than shuffled in registers. USE_PDL (batch-1 decode graphs):
+        the next kernel may launch at once; every program waits for the previous one before any load."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         tok = tl.program_id(0)
         part = tl.program_id(1)
         tok64 = tok.to(tl.int64)
@@ -94,19 +102,24 @@ if HAS_TRITON:
             acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PREC)
         return acc
 
-    @triton.jit
+    # The token count and the grid's shape change with every batch: not specialized (1 / a multiple of 16 / the rest
+    # would each compile a variant mid-run; the token block, a constexpr, takes two values by design).
+    @triton.jit(do_not_specialize=["T", "n_tb", "n_main"])
     def _mla_q_prep_kernel(
         q_ptr, wuk_ptr, pos_ptr, cs_ptr, o_ptr, iq_ptr, iw_ptr, iqo_ptr, iwo_ptr, w_scale, T, n_tb, n_main,
         s_qt, s_qh, s_wh, s_wk, s_ot, s_oh, s_cs, s_iqt, s_iqh, s_iwt, s_iqot, s_iqoh, s_iwot,
         H: tl.constexpr, NOPE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
         HI: tl.constexpr, D: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
         """Programs [0, n_main): tile (head h, token block, latent block) of q_abs = q_nope @ W_UK[h] (W_UK[h] [NOPE,
         L] read once per token block, the head slowest so its tiles share L2); the latent block 0 programs also
         rotate the block's q_rope into q_abs[..., L:]. Programs past n_main: one token's index query (all HI heads)
-        and index weights."""
+        and index weights. USE_PDL: as in the kv prep."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid = tl.program_id(0)
         if pid < n_main:
             n_lb: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
@@ -155,12 +168,16 @@ if HAS_TRITON:
             tl.store(iwo_ptr + tok * s_iwot + hi, w * w_scale, mask=mh)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "n_tb"])  # as _mla_q_prep_kernel
     def _mla_v_proj_kernel(o_ptr, w_ptr, out_ptr, T, n_tb, s_ot, s_oh, s_wh, s_wv, s_yt,
                            L: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                           BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                           BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
         """Program: tile (head h, token block, v block) of out[t, h * V + v] = o[t, h, :] @ W_UV[h, v, :]^T (the head
-        slowest, so W_UV[h]'s tiles share L2)."""
+        slowest, so W_UV[h]'s tiles share L2). USE_PDL: as in the kv prep."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid = tl.program_id(0)
         n_vb: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
         vb = pid % n_vb
@@ -182,8 +199,9 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
                        is_neox: bool, kv_norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_a: Optional[torch.Tensor] = None,
                        q_norm_weight: Optional[torch.Tensor] = None,
-                       index: Optional[IndexKeyPrep] = None) -> Optional[torch.Tensor]:
-    """Same contract as mla_kv_prep_ref; one launch of T x (1 + [q_a] + [index]) programs, no host sync."""
+                       index: Optional[IndexKeyPrep] = None, pdl: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """Same contract as mla_kv_prep_ref; one launch of T x (1 + [q_a] + [index]) programs, no host sync. pdl: launch
+    with programmatic dependent launch (default: use_pdl(kv))."""
     assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     T = kv.shape[0]
     L = kv.shape[-1] - rope_dim
@@ -203,6 +221,7 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     ik, icache = (index.k, index.cache) if index is not None else (kv, cache)
     Q = q_a.shape[-1] if q_a is not None else 1
     D = index.k.shape[-1] if index is not None else 1
+    pdl = use_pdl(kv) if pdl is None else pdl
     _mla_kv_prep_kernel[(T, parts)](
         kv, positions, cos_sin_cache, slot_mapping, cache, kv_norm_weight, qa,
         q_norm_weight if q_a is not None else kv_norm_weight, qo, ik,
@@ -211,7 +230,8 @@ def mla_kv_prep_triton(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
         ik.stride(0), icache.stride(0), icache.stride(1), float(eps), float(index.eps if index is not None else 0.0),
         L=L, R=rope_dim, Q=Q, D=D, IS_NEOX=bool(is_neox), BLOCK_SIZE=cache.shape[1], I_BLOCK_SIZE=icache.shape[1],
         BLOCK_L=max(16, next_pow2(L)), BLOCK_R=max(16, next_pow2(rope_dim)), BLOCK_Q=max(16, next_pow2(Q)),
-        BLOCK_D=max(16, next_pow2(D)), Q_PART=q_part, IDX_PART=idx_part, num_warps=4,
+        BLOCK_D=max(16, next_pow2(D)), Q_PART=q_part, IDX_PART=idx_part, USE_PDL=pdl, num_warps=4,
+        **pdl_launch_kwargs(pdl),
     )
     return q_out
 
@@ -225,9 +245,9 @@ def _q_tiles(T: int, N: int, K: int) -> Tuple[int, int, int]:
 
 
 def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int,
-                      is_neox: bool, w_uk: torch.Tensor, index: Optional[IndexQueryPrep] = None
-                      ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Same contract as mla_q_prep_ref; one launch, no host sync."""
+                      is_neox: bool, w_uk: torch.Tensor, index: Optional[IndexQueryPrep] = None,
+                      pdl: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Same contract as mla_q_prep_ref; one launch, no host sync. pdl: as in mla_kv_prep_triton."""
     assert q.stride(-1) == 1 and w_uk.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     T, H, _ = q.shape
     nope = q.shape[-1] - rope_dim
@@ -247,6 +267,7 @@ def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     iq, iw = (index.q, index.w) if index is not None else (q, q[:, :, 0])
     iqo, iwo = iout if iout is not None else (q_abs, q_abs[:, :, 0])
     HI, D = (index.q.shape[1], index.q.shape[2]) if index is not None else (1, 1)
+    pdl = use_pdl(q) if pdl is None else pdl
     _mla_q_prep_kernel[(n_main + (T if index is not None else 0),)](
         q, w_uk, positions, cos_sin_cache, q_abs, iq, iw, iqo, iwo,
         float(index.w_scale) if index is not None else 1.0, T, n_tb, n_main,
@@ -256,13 +277,14 @@ def mla_q_prep_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
         H=H, NOPE=nope, L=L, R=rope_dim, IS_NEOX=bool(is_neox), BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_K=block_k,
         BLOCK_R=max(16, next_pow2(rope_dim)), HI=HI, D=D, BLOCK_HI=max(2, next_pow2(HI)),
         BLOCK_D=max(16, next_pow2(D)), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interpreting(), num_warps=4,
+        UPCAST=interpreting(), USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
     )
     return q_abs, iout
 
 
-def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """Same contract as mla_v_proj_ref; one launch straight into o_proj's input layout, no host sync."""
+def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor, pdl: Optional[bool] = None) -> torch.Tensor:
+    """Same contract as mla_v_proj_ref; one launch straight into o_proj's input layout, no host sync. pdl: as in
+    mla_kv_prep_triton."""
     assert o_latent.stride(-1) == 1 and w_uv.stride(-1) == 1 and w_uv.dtype == o_latent.dtype
     T, H, L = o_latent.shape
     V = w_uv.shape[1]
@@ -272,9 +294,11 @@ def mla_v_proj_triton(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tenso
         return out
     block_t, block_v, block_k = _q_tiles(T, V, L)
     n_tb = cdiv(T, block_t)
+    pdl = use_pdl(o_latent) if pdl is None else pdl
     _mla_v_proj_kernel[(H * n_tb * cdiv(V, block_v),)](
         o_latent, w_uv, out, T, n_tb, o_latent.stride(0), o_latent.stride(1), w_uv.stride(0), w_uv.stride(1),
         out.stride(0), L=L, V=V, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
-        DOT_PREC="ieee" if o_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(), num_warps=4,
+        DOT_PREC="ieee" if o_latent.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=pdl,
+        num_warps=4, **pdl_launch_kwargs(pdl),
     )
     return out
