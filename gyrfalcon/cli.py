@@ -59,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="this many KV-cache blocks instead of what the memory budget gives (default: the budget's)")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cuda or cpu")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, a JSON object (vLLM\'s keys): {"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "eagle3", "model": '
+                        '"DRAFT_DIR", "num_speculative_tokens": 3} (docs/spec_decode.md)')
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) the server answers to; responses carry the first (default: the model path)")
 
@@ -73,7 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_gpu_blocks_override=args.num_gpu_blocks_override, device=args.device,
                 async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
                 quantization=args.quantization, load_format=args.load_format, revision=args.revision,
-                download_dir=args.download_dir)
+                download_dir=args.download_dir, speculative_config=args.speculative_config)
 
 
 def _default_model(args: argparse.Namespace) -> None:

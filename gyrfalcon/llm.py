@@ -30,7 +30,8 @@ class LLM:
                  num_gpu_blocks_override: Optional[int] = None, enable_chunked_prefill: bool = True,
                  device: str = "auto", trust_remote_code: bool = False, async_scheduling: Optional[bool] = None,
                  kv_cache_dtype: str = "auto", quantization: Optional[str] = None, load_format: str = "auto",
-                 revision: Optional[str] = None, download_dir: Optional[str] = None, **kwargs: Any) -> None:
+                 revision: Optional[str] = None, download_dir: Optional[str] = None,
+                 speculative_config: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"Unknown LLM arguments: {sorted(kwargs)}.")
         start_device_init(device)  # the CUDA context, while the config and tokenizer load
@@ -42,7 +43,8 @@ class LLM:
             num_gpu_blocks=num_gpu_blocks_override, enable_chunked_prefill=enable_chunked_prefill,
             tokenizer=tokenizer, device=device, trust_remote_code=trust_remote_code,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, offline=True,
-            quantization=quantization, load_format=load_format, revision=revision, download_dir=download_dir)
+            quantization=quantization, load_format=load_format, revision=revision, download_dir=download_dir,
+            speculative_config=speculative_config)
         mc = self.config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer_path, trust_remote_code)
         self.engine = Engine(self.config, mc.eos_token_ids(self.tokenizer.eos_token_id))
@@ -51,6 +53,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_metrics(self):
+        """The engine's metrics now, as vLLM's LLM.get_metrics() gives them: a list of Counter / Gauge / Vector
+        (gyrfalcon/metrics_reader.py), named as on the server's /metrics (gyrfalcon:spec_decode_num_drafts, ...)."""
+        from gyrfalcon.metrics_reader import engine_metrics
+        return engine_metrics(self.engine, self.config.model_config.served_model_name)
 
     def default_sampling_overrides(self) -> Dict[str, Any]:
         """The sampling fields the model's generation_config.json sets (temperature, top_p, top_k, min_p,

@@ -299,6 +299,19 @@ class StepClock:
         }
 
 
+def spec_decode_summary(before: dict, after: dict):
+    """Speculative decoding over the timed runs (the engine's counters' deltas): mean acceptance length
+    (1 + accepted / drafts, vLLM's) and the acceptance rate at each draft position; None without drafts."""
+    drafts = after["num_drafts"] - before["num_drafts"]
+    if not drafts:
+        return None
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    pos0 = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {"num_drafts": drafts, "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "num_accepted_tokens": accepted, "mean_acceptance_length": 1 + accepted / drafts,
+            "acceptance_per_pos": [(a - b) / drafts for a, b in zip(after["accepted_per_pos"], pos0)]}
+
+
 def run_gyrfalcon(args) -> dict:
     import torch
 
@@ -336,6 +349,7 @@ def run_gyrfalcon(args) -> dict:
     # Prefix caching would turn the repeated prompt into a cache hit; TTFT must be a real prefill.
     llm.engine.block_manager.reset_prefix_cache()
     ttfts, totals = [], []
+    spec0 = llm.engine.spec_stats.as_dict()
     # The SM clock and power while timed (nvidia-smi; none on a CPU): the card's power cap slows its clock
     with PowerSampler(device_uuid(runner.device) if cuda else None, enabled=cuda) as power:
         for _ in range(args.num_iters):
@@ -343,6 +357,7 @@ def run_gyrfalcon(args) -> dict:
             ttfts.append(timed(1))
             llm.engine.block_manager.reset_prefix_cache()
             totals.append(timed(args.output_len, watch=True))
+    spec = spec_decode_summary(spec0, llm.engine.spec_stats.as_dict())
     ttft = sorted(ttfts)[len(ttfts) // 2]
     median_run = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     total = totals[median_run]
@@ -372,6 +387,8 @@ def run_gyrfalcon(args) -> dict:
         "step_clock": clock.summary(median_run),
         "gpu_power": power.summary(),
     }
+    if spec is not None:
+        res["spec_decode"] = spec
     # The decode rate at the median run's steady step interval: unlike decode_tok_s it does not subtract a TTFT
     # timed in other generates (those vary by milliseconds within one call).
     sc = res["step_clock"]
@@ -466,6 +483,11 @@ def main(args: argparse.Namespace) -> int:
           f"weights {g['weight_bytes'] / 1e9:.2f} GB ({g['read_weight_bytes'] / 1e9:.2f} GB read a step), "
           f"KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)
+    if "spec_decode" in g:
+        sd = g["spec_decode"]
+        print(f"speculative decoding: mean acceptance length {sd['mean_acceptance_length']:.2f} over "
+              f"{sd['num_drafts']} verify steps; acceptance per position "
+              + " ".join(f"{a:.2f}" for a in sd["acceptance_per_pos"]))
     print(format_startup(g["startup_s"], g["startup_phases"]))
     if g["decode_step_ms"] <= 0:
         # TTFT and the full runs are timed apart, so at a few output tokens on a busy host one slow TTFT run

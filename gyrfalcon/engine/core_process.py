@@ -193,11 +193,14 @@ class EngineCoreProc:
     def stats(self) -> Dict[str, Any]:
         e = self.engine
         bm = e.block_manager
-        return {"running": e.scheduler.num_running, "waiting": e.scheduler.num_waiting,
-                "kv_usage": bm.usage, "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
-                "preemptions": e.scheduler.num_preemptions_total,
-                "prompt_tokens": e.num_prompt_tokens_total,
-                "generation_tokens": e.num_generation_tokens_total, "time": time.time()}
+        out = {"running": e.scheduler.num_running, "waiting": e.scheduler.num_waiting,
+               "kv_usage": bm.usage, "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
+               "preemptions": e.scheduler.num_preemptions_total,
+               "prompt_tokens": e.num_prompt_tokens_total,
+               "generation_tokens": e.num_generation_tokens_total, "time": time.time()}
+        if getattr(e.runner, "proposes_drafts", False):
+            out["spec_decode"] = e.spec_stats.as_dict()
+        return out
 
     def _send(self, msg: Message) -> None:
         try:

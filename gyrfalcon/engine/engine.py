@@ -13,6 +13,7 @@ from gyrfalcon import envs
 from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
 from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
+from gyrfalcon.engine.spec_stats import SpecDecodingStats
 from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class Engine:
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.spec_stats = SpecDecodingStats()
 
     @staticmethod
     def read_vocab_size(config) -> Optional[int]:
@@ -143,6 +145,10 @@ class Engine:
 
     def _complete(self, handle) -> List[RequestUpdate]:
         out = self.runner.complete(handle)
+        if handle.batch.has_spec_tokens:
+            for sr, toks in zip(handle.batch.reqs, out.sampled):
+                if sr.spec_token_ids and toks:
+                    self.spec_stats.observe(len(sr.spec_token_ids), len(toks) - 1)
         updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs,
                                         out.spec_token_ids)
         self.num_generation_tokens_total += sum(len(u.new_token_ids) for u in updates)

@@ -22,6 +22,7 @@ from gyrfalcon.runner.kv_cache import CachePlan, model_cache_specs
 from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
+from gyrfalcon.spec_decode import build_proposer
 from gyrfalcon.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -106,8 +107,9 @@ class ModelRunner:
         clock("kv_alloc")
         # Per-request state kept across steps from the scheduler's plain-data batches.
         self.states = RequestStates()
-        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row.
-        self.proposer = None
+        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row
+        # (gyrfalcon/spec_decode/; None: no speculation, or one a test sets).
+        self.proposer = build_proposer(config, self.model, self.device)
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()

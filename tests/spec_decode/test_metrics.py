@@ -1,0 +1,47 @@
+"""Speculative decoding's counters: SpecDecodingStats, the server's /metrics exposition and bench latency's
+mean acceptance length."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from gyrfalcon.bench.latency import spec_decode_summary
+from gyrfalcon.engine.spec_stats import SpecDecodingStats
+from gyrfalcon.server.metrics import ServerMetrics
+
+
+def test_stats_count_drafts_and_positions():
+    s = SpecDecodingStats()
+    s.observe(3, 2)
+    s.observe(3, 0)
+    s.observe(2, 2)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 8, 4)
+    assert s.accepted_per_pos == [2, 2, 0]
+    assert s.mean_acceptance_length == 1 + 4 / 3
+    assert SpecDecodingStats().mean_acceptance_length == 1.0
+
+
+def test_server_exports_spec_counters_with_positions():
+    s = SpecDecodingStats()
+    s.observe(3, 2)
+    s.observe(3, 1)
+    stats = {"running": 1, "spec_decode": s.as_dict()}
+    text = generate_latest(ServerMetrics("m", lambda: stats).registry).decode()
+    assert 'gyrfalcon:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'gyrfalcon:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
+    assert 'gyrfalcon:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0' in text
+    assert 'gyrfalcon:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0' in text
+    assert 'gyrfalcon:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+    assert 'position="2"} 0.0' in text
+    # Without a proposer the engine core sends no spec_decode entry, and none is exported.
+    text = generate_latest(ServerMetrics("m", lambda: {"running": 1}).registry).decode()
+    assert "spec_decode" not in text
+
+
+def test_bench_summary_is_over_the_timed_runs_only():
+    before = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12, "accepted_per_pos": [8, 4]}
+    after = {"num_drafts": 20, "num_draft_tokens": 60, "num_accepted_tokens": 27, "accepted_per_pos": [16, 9, 2]}
+    sd = spec_decode_summary(before, after)
+    assert sd["num_drafts"] == 10 and sd["mean_acceptance_length"] == 1 + 15 / 10
+    assert sd["acceptance_per_pos"] == [0.8, 0.5, 0.2]
+    assert spec_decode_summary(before, before) is None
