@@ -41,6 +41,8 @@ class StepHandle:
     event: Any = None  # recorded after the copy (CUDA)
     # prompt_logprobs: ([(batch row, number of entries)], logprob [R], rank [R], top ids / logprobs [R, k])
     prompt_lp: Any = None
+    # The target's aux hidden states of every token of the step (EAGLE-3 drafts), [T, 3 * hidden].
+    aux_hidden: Optional[torch.Tensor] = None
 
 
 def start_device_init(device: str) -> Optional[threading.Thread]:
@@ -131,8 +133,10 @@ class ModelRunner:
         self.graph_runner: Optional[CudaGraphRunner] = None
         # A model whose layers cannot run inside a captured graph yet (the linear-attention reference ops loop over
         # sequences on the host) runs every step eagerly.
+        # A draft over the target's hidden states needs every token's: such steps run eagerly for now.
         graphs = (self.device.type == "cuda" and not config.enforce_eager
-                  and getattr(self.model, "supports_cuda_graphs", True))
+                  and getattr(self.model, "supports_cuda_graphs", True)
+                  and not getattr(self.proposer, "uses_target_hidden", False))
         if graphs:
             k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
@@ -261,6 +265,8 @@ class ModelRunner:
             fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled)
             with forward_context(fb, self.kv_caches):
                 hidden = self.model(fb.input_ids, fb.positions)
+            if getattr(self.proposer, "uses_target_hidden", False):
+                handle.aux_hidden = self.model.model.aux_hidden
             if plp_rows:
                 handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
@@ -310,6 +316,9 @@ class ModelRunner:
         if handle.sampled is None:
             if handle.event is not None:
                 handle.event.synchronize()
+            if handle.aux_hidden is not None:  # prefill chunks: the draft's cache still covers them
+                self.proposer.set_step(handle.aux_hidden)
+                self.proposer.propose(rows, sampled)
             return RunnerOutput(sampled, logprobs, prompt_lps)
         if handle.event is not None:
             handle.event.synchronize()
@@ -340,6 +349,8 @@ class ModelRunner:
                 logprobs[i] = [(lp[x], rank[x], list(zip(top_ids[x][:n], top_lps[x][:n])) if n > 0 else [])
                                for x in range(row, row + len(kept))]
             row += r.num_sampled_rows
+        if handle.aux_hidden is not None:
+            self.proposer.set_step(handle.aux_hidden)
         spec = self.proposer.propose(rows, sampled) if self.proposer is not None else None
         return RunnerOutput(sampled, logprobs, prompt_lps, spec)
 
