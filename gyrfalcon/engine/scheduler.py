@@ -114,11 +114,11 @@ class Scheduler:
                 continue
             remaining = req.num_tokens + req.num_inflight - req.num_computed_tokens
             # Draft tokens ride behind the last sampled token (a verify step), never behind a prompt chunk or a
-            # token still in flight; at most as many as leave room for the bonus token within max_tokens. Not for
-            # sampling that reads its own history (penalties, min_tokens): a draft row would sample without the
-            # drafts before it in that history.
+            # token still in flight; at most as many as leave room for the bonus token within max_tokens. (Sampling
+            # that reads its own history, penalties and min_tokens, counts the drafts ahead of each row: the
+            # runner's sampling metadata.)
             spec: Sequence[int] = ()
-            if req.spec_token_ids and remaining == 1 and not req.num_inflight and not _history_dependent(req):
+            if req.spec_token_ids and remaining == 1 and not req.num_inflight:
                 room = min(req.max_tokens - req.num_output_tokens - 1, budget - 1)
                 spec = req.spec_token_ids[:max(room, 0)]
             num_new = min(remaining + len(spec), budget)

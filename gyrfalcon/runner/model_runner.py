@@ -241,7 +241,9 @@ class ModelRunner:
         if not rows:
             return handle
         # One sampled row per sampling request, 1 + k on a verify step; j: the row's index among them.
-        sample_reqs, sample_j = [], []
+        # drafts_before: per row, the drafts ahead of it in its verify step (its history's tail: penalties and
+        # min_tokens count them, as one-token steps would have).
+        sample_reqs, sample_j, drafts_before = [], [], []
         for r in rows:
             if r.sample:
                 st = r.request
@@ -250,9 +252,11 @@ class ModelRunner:
                     for j in range(1 + len(r.spec_token_ids)):
                         sample_reqs.append(st)
                         sample_j.append(j)
+                        drafts_before.append(r.spec_token_ids[:j])
                 else:
                     sample_reqs.append(st)
                     sample_j.append(0)
+                    drafts_before.append(())
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
@@ -283,7 +287,7 @@ class ModelRunner:
             handle.sampled = greedy_argmax(logits)  # the common case: no metadata
             self.last_sampled[:n].copy_(handle.sampled)
         else:
-            out = self.sampler(logits, self._sampling_metadata(sample_reqs, sample_j))
+            out = self.sampler(logits, self._sampling_metadata(sample_reqs, sample_j, drafts_before))
             handle.sampled, handle.sampler_out = out.sampled, out
             self.last_sampled[:n].copy_(handle.sampled)
         # Each request's last sampled row (a verify step's next token is only known after verification, on
@@ -305,8 +309,19 @@ class ModelRunner:
     def complete(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and logprobs) per scheduled request; the tokens
         join the runner's own request state. On a verify step a request keeps its drafts up to the first
-        that differs from the token sampled at that position, then the sampled one (lossless: every kept
-        token is the one sampling would have produced one step at a time)."""
+        that differs from the token sampled at that position, then the sampled one.
+
+        Why that is lossless. Row j of a verify step samples x_j from p_j, the target's distribution after the
+        prefix and drafts d_0..d_{j-1}, processed as a one-token step would process it (penalties and min_tokens
+        count those drafts, the same temperature / top-k / top-p, a seeded request the same random stream at
+        output index + j). While every earlier draft was kept, that prefix IS the sequence so far, and the
+        token emitted at j is x_j itself (kept draft d_j == x_j, or x_j at the first mismatch): a draw from p_j,
+        exactly what one-token steps emit. It is also speculative sampling's rule min(1, p(d)/q(d)) for greedy
+        drafting, where q is one-hot on d: d is kept with probability P(x_j = d) = p_j(d) = min(1, p_j(d)/1),
+        and on rejection x_j is distributed as p_j given x_j != d, i.e. the normalized max(p_j - q, 0).
+        (Drafts drawn from a non-degenerate q would need the general rule: none are.)
+        tests/spec_decode/test_sampled.py checks it: exact equality for seeded requests, a chi-square bound on
+        the per-position distributions of unseeded ones."""
         rows = handle.rows
         # () where a request has nothing: no empty list per request per step (a 768-sequence decode batch
         # would hand the garbage collector thousands of them a step).
@@ -435,10 +450,13 @@ class ModelRunner:
                 offsets.append(r.num_output_tokens + r.num_inflight - 1 + j)
         return [seeds, offsets]
 
-    def _sampling_metadata(self, reqs, draft_index: Optional[List[int]] = None) -> SamplingMetadata:
+    def _sampling_metadata(self, reqs, draft_index: Optional[List[int]] = None,
+                           drafts_before: Optional[list] = None) -> SamplingMetadata:
         """reqs: the RequestState of each sampled row (a verify step's request once per row); draft_index:
-        each row's index within its request's rows (0 outside verify steps)."""
+        each row's index within its request's rows (0 outside verify steps); drafts_before: the drafts ahead of
+        each row in its verify step, which its penalties and min_tokens count as outputs."""
         draft_index = draft_index if draft_index is not None else [0] * len(reqs)
+        drafts_before = drafts_before if drafts_before is not None else [()] * len(reqs)
         dev = self.device
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in params]
@@ -456,15 +474,16 @@ class ModelRunner:
             need_min_p=any(p.min_p > 0.0 for p in params),
             seeds=ints[1], offsets=ints[2], unit_temperature=all(t == 1.0 for t in temps))
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-            md.output_token_ids = [r.output_token_ids for r in reqs]
+            md.output_token_ids = [r.output_token_ids + list(d) if d else r.output_token_ids
+                                   for r, d in zip(reqs, drafts_before)]
             md.prompt_token_ids = [r.prompt_token_ids for r in reqs]
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
         masks = []
-        for r, p in zip(reqs, params):
+        for r, p, j in zip(reqs, params, draft_index):
             ids: List[int] = []
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + j < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             masks.append(ids)
         if any(masks):
