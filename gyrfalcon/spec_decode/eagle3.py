@@ -9,7 +9,7 @@ After each step (ModelRunner.complete, the target's tokens known):
 Drafts are greedy (argmax of the draft logits, mapped to target ids through d2t): the verify step accepts while
 the target samples the same token, which is lossless (docs/spec_decode.md).
 
-The draft's K/V lives per request on the runner's RequestState (`draft_kv`: K and V [capacity, kv_heads,
+The draft's K/V lives per request on the runner's RequestState (`proposer_state`: K and V [capacity, kv_heads,
 head_dim], grown by doubling, dropped with the request; a preempted request restarts with a fresh one). Positions
 below its `lo` (a prefix-cache hit the target skipped) were never written and are not attended. The passes run
 eagerly; the argmax of one feeds the next one's embedding lookup on the device, and the host reads the k drafts
@@ -99,10 +99,10 @@ class Eagle3Proposer:
         return attend
 
     def _kv(self, st, first_pos: int) -> _DraftKV:
-        kv = getattr(st, "draft_kv", None)
+        kv = st.proposer_state
         if kv is None or first_pos < kv.lo:
             kv = _DraftKV(max(64, first_pos + 16), self.kv_heads, self.head_dim, self.draft.fc.weight, first_pos)
-            st.draft_kv = kv
+            st.proposer_state = kv
         return kv
 
     @torch.inference_mode()

@@ -35,6 +35,26 @@ def test_ngram_lookup(tokens, k, lo, hi, want):
     assert ngram_lookup(np.array(tokens, dtype=np.int64), k, lo, hi) == want
 
 
+def _brute_force_lookup(t, k, lo, hi):
+    """The definition, one n-gram at a time: the longest n first, then its latest earlier occurrence."""
+    L = len(t)
+    for n in range(min(hi, L - 1), lo - 1, -1):
+        suffix = list(t[L - n:])
+        for s in range(L - n - 1, -1, -1):
+            if list(t[s:s + n]) == suffix:
+                return list(t[s + n:s + n + k])
+    return []
+
+
+def test_ngram_lookup_matches_the_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        t = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40)))
+        lo = int(rng.integers(1, 4))
+        hi, k = lo + int(rng.integers(0, 4)), int(rng.integers(1, 5))
+        assert ngram_lookup(t, k, lo, hi) == _brute_force_lookup(t, k, lo, hi), (t.tolist(), k, lo, hi)
+
+
 def _check_metrics(llm):
     m = _metrics(llm)
     k = llm.config.speculative_config.num_speculative_tokens
