@@ -159,7 +159,9 @@ class Eagle3Draft(nn.Module):
     """The draft head (module docstring). Parameter names are the checkpoints' with the layer prefix and the
     self_attn. / mlp. parts dropped (load_weights maps them)."""
 
-    def __init__(self, spec: Eagle3Spec, target_embed: nn.Module) -> None:
+    def __init__(self, spec: Eagle3Spec, target_embed: nn.Module, max_positions: Optional[int] = None) -> None:
+        """max_positions: the RoPE table's length (the target's max_model_len + k: a draft's config often says
+        2048 for a long-context target); the config's max_position_embeddings still anchors RoPE scaling."""
         super().__init__()
         self.spec = s = spec
         H, Ht = s.hidden_size, s.target_hidden_size
@@ -180,7 +182,8 @@ class Eagle3Draft(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, H, bias=False)
         self.norm = RMSNorm(H, s.eps)
         self.lm_head = nn.Linear(H, s.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(s.head_dim, s.head_dim, s.max_position, s.rope_parameters, s.max_position)
+        self.rotary = RotaryEmbedding(s.head_dim, s.head_dim, max(max_positions or 0, s.max_position),
+                                      s.rope_parameters, s.max_position)
         # The target's embedding unless the checkpoint brings its own (load_weights then fills own_embed).
         self.target_embed = [target_embed]  # (a list: not a submodule, so not the draft's parameter)
         self.own_embed: Optional[nn.Embedding] = None
@@ -271,15 +274,15 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3_draft(path: str, cfg: Optional[dict], target_model: nn.Module, device,
-                      dtype: torch.dtype) -> Eagle3Draft:
+                      dtype: torch.dtype, max_positions: Optional[int] = None) -> Eagle3Draft:
     """The draft in directory `path` (config.json + *.safetensors, or the original release's pytorch_model.bin),
-    on `device` in `dtype`, sharing the target's embedding."""
+    on `device` in `dtype`, sharing the target's embedding unless it brings its own; RoPE over max_positions."""
     from gyrfalcon.models.loader import iterate_safetensors
 
     if cfg is None:
         cfg = json.loads((Path(path) / "config.json").read_text())
     spec = parse_eagle3_config(cfg, target_model.config)
-    draft = Eagle3Draft(spec, target_model.model.embed_tokens)
+    draft = Eagle3Draft(spec, target_model.model.embed_tokens, max_positions)
     if list(Path(path).glob("*.safetensors")):
         weights = iterate_safetensors(path)
     elif (Path(path) / "pytorch_model.bin").exists():
@@ -287,6 +290,9 @@ def load_eagle3_draft(path: str, cfg: Optional[dict], target_model: nn.Module, d
     else:
         raise FileNotFoundError(f"No *.safetensors (or pytorch_model.bin) in the EAGLE-3 draft {path}.")
     draft.load_weights(weights)
+    if draft.own_embed is None and spec.hidden_size != target_model.config.hidden_size:
+        raise ValueError(f"The EAGLE-3 draft's hidden size is {spec.hidden_size} and it has no embed_tokens of its own; "
+                         f"the target's embedding is {target_model.config.hidden_size} wide.")
     draft = draft.to(device=device, dtype=dtype)  # (floating tensors only: d2t stays int64)
     logger.info("EAGLE-3 draft (%s layout) loaded from %s: hidden %d, draft vocabulary %d", spec.fmt, path,
                 spec.hidden_size, spec.draft_vocab_size)

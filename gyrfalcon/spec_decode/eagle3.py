@@ -57,7 +57,8 @@ class Eagle3Proposer:
             raise ValueError(f"EAGLE-3 needs the target's hidden states per layer; {type(target_model).__name__} "
                              "does not expose them yet.")
         self.draft = load_eagle3_draft(sc.model, sc.draft_config, target_model, device,
-                                       config.model_config.torch_dtype)
+                                       config.model_config.torch_dtype,
+                                       max_positions=config.model_config.max_model_len + self.k)
         n = len(inner.layers)
         ids = sc.aux_hidden_state_layer_ids or self.draft.spec.aux_layer_ids or default_aux_layer_ids(n)
         ids = sorted(int(i) for i in ids)
