@@ -45,3 +45,19 @@ def test_bench_summary_is_over_the_timed_runs_only():
     assert sd["num_drafts"] == 10 and sd["mean_acceptance_length"] == 1 + 15 / 10
     assert sd["acceptance_per_pos"] == [0.8, 0.5, 0.2]
     assert spec_decode_summary(before, before) is None
+
+
+def test_bench_latency_reports_mean_acceptance_length(qwen3_ckpt, tmp_path, capsys):
+    import json
+
+    from gyrfalcon.cli import main
+
+    out = tmp_path / "lat.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    assert main(["bench", "latency", "--model", str(qwen3_ckpt), "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "32", "--num-iters", "2", "--num-iters-warmup", "1", "--max-model-len", "64",
+                 "--speculative-config", spec, "--output-json", str(out)]) == 0
+    sd = json.loads(out.read_text())["results"]["gyrfalcon"]["spec_decode"]
+    assert sd["num_drafts"] > 0 and sd["mean_acceptance_length"] == 1 + sd["num_accepted_tokens"] / sd["num_drafts"]
+    assert len(sd["acceptance_per_pos"]) <= 3
+    assert f"mean acceptance length {sd['mean_acceptance_length']:.2f}" in capsys.readouterr().out
