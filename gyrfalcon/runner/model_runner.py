@@ -133,10 +133,8 @@ class ModelRunner:
         self.graph_runner: Optional[CudaGraphRunner] = None
         # A model whose layers cannot run inside a captured graph yet (the linear-attention reference ops loop over
         # sequences on the host) runs every step eagerly.
-        # A draft over the target's hidden states needs every token's: such steps run eagerly for now.
         graphs = (self.device.type == "cuda" and not config.enforce_eager
-                  and getattr(self.model, "supports_cuda_graphs", True)
-                  and not getattr(self.proposer, "uses_target_hidden", False))
+                  and getattr(self.model, "supports_cuda_graphs", True))
         if graphs:
             k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
@@ -146,7 +144,9 @@ class ModelRunner:
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if graphs:
+        # A draft over the target's hidden states needs every prompt token's, which the mixed graphs do not keep
+        # (they return the sampled rows): prefills then run eagerly; decode and verify graphs return aux outputs.
+        if graphs and not getattr(self.proposer, "uses_target_hidden", False):
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
@@ -262,6 +262,8 @@ class ModelRunner:
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
             # Every row samples (a decode step, or a verify step: all 1 + k rows).
             hidden = self.graph_runner.run(rows, self.last_rows)
+            if getattr(self.proposer, "uses_target_hidden", False):
+                handle.aux_hidden = self.model.model.aux_hidden
         elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))

@@ -13,9 +13,9 @@ The draft's K/V lives per request on the runner's RequestState (`proposer_state`
 head_dim], grown by doubling, dropped with the request; a preempted request restarts with a fresh one). Positions
 below its `lo` (a prefix-cache hit the target skipped) were never written and are not attended. The passes run
 eagerly; the argmax of one feeds the next one's embedding lookup on the device, and the host reads the k drafts
-once at the end. Steps with such a proposer run the target eagerly too (every token's aux hidden states are
-needed): a CUDA-graph capture of the target's verify step with aux outputs and of the k passes over a paged draft
-cache is still to come.
+once at the end. The target's decode and verify graphs return their aux hidden states (runner/cuda_graph.py);
+its prefill steps run eagerly (the mixed graphs keep only the sampled rows). Capturing the k passes themselves
+needs a paged draft cache and fixed-shape attention: still to come.
 """
 
 from __future__ import annotations

@@ -211,3 +211,41 @@ def test_greedy_parity_with_eagle3(tiny_ckpt, hf_refs, random_head, k, prefix_ca
 
 def test_greedy_parity_with_eagle3_under_preemption(tiny_ckpt, hf_refs, random_head):  # noqa: F811
     greedy_parity_under_preemption(tiny_ckpt, hf_refs, True, True, llm_kw=_spec(random_head, 2), check=_check_drafted)
+
+
+def test_decode_and_verify_graphs_hand_the_draft_their_aux_states(tiny_ckpt, random_head):
+    """With the decode / verify graphs (on a CPU the padded step runs eagerly, through the same static inputs), the
+    draft gets the first n * q rows of each step's aux hidden states: its drafts and the outputs are those of the
+    eager path."""
+    from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+
+    k = 2
+    kw = dict(device="cpu", block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=6,
+              **_spec(random_head, k))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(graphs):
+        llm = LLM(str(tiny_ckpt), **kw)
+        r = llm.engine.runner
+        seen, drafts = [], []
+        if graphs:
+            r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, 6, 128, r.block_size, r.device, r.last_sampled,
+                                             query_lens=(1, 1 + k))
+            forward = r.graph_runner._forward
+            r.graph_runner._forward = lambda fb, src: seen.append(fb.uniform_query_len) or forward(fb, src)
+        propose = r.proposer.propose
+
+        def spy(rows, sampled):
+            # One aux row per token of the step: a padded graph's extra rows are cut off.
+            assert r.proposer.aux.shape[0] == sum(sr.num_new_tokens for sr in rows)
+            drafts.append(propose(rows, sampled))
+            return drafts[-1]
+        r.proposer.propose = spy
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return out, drafts, seen
+
+    eager, eager_drafts, _ = run(False)
+    graphed, graphed_drafts, seen = run(True)
+    assert 1 + k in seen  # verify steps went through the graph runner (padded to a captured batch size)
+    assert graphed == eager and graphed_drafts == eager_drafts
