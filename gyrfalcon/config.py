@@ -388,8 +388,8 @@ class SpeculativeConfig:
     longest suffix n-gram, n in prompt_lookup_min..prompt_lookup_max), "eagle3" (a draft head in `model`:
     the original EAGLE, SpecForge or speculators layout) or "mtp" (the target's own multi-token-prediction
     layers; not built yet). None with a `model`: read from the draft's config (a speculators config names its
-    algorithm). num_speculative_tokens None: the speculators config's speculative_tokens. A bare
-    num_speculative_tokens without a method drives a proposer set on the runner by hand (tests)."""
+    algorithm). num_speculative_tokens None: the speculators config's speculative_tokens. (Tests that set a
+    proposer on the runner by hand set num_speculative_tokens on a resolved config, for the verify graphs.)"""
 
     method: Optional[str] = None
     model: Optional[str] = None
@@ -437,7 +437,8 @@ class SpeculativeConfig:
         if self.model is not None and self.method != "ngram":
             self.model = resolve_hub_model(str(self.model))
             self._read_draft_config()
-        if self.method is None and (self.model is not None or self.prompt_lookup_max or self.prompt_lookup_min):
+        if self.method is None and (self.model is not None or self.prompt_lookup_max or self.prompt_lookup_min
+                                    or self.num_speculative_tokens):
             raise ValueError("speculative_config: no method given, and none could be read from the draft's config; "
                              f"name one of {list(SPEC_METHODS)}.")
         if self.method is not None and self.num_speculative_tokens in (None, 0):

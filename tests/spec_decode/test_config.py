@@ -38,6 +38,7 @@ def test_ngram_defaults_and_json_string():
     ({"method": "eagle3", "num_speculative_tokens": 2}, "needs a draft 'model'"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram method's"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 2}, "no method given"),
+    ({"num_speculative_tokens": 2}, "no method given"),
 ])
 def test_bad_configs_are_refused_clearly(value, match):
     with pytest.raises(ValueError, match=match):
