@@ -249,7 +249,8 @@ class Eagle3Draft(nn.Module):
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> Tuple:
         """ids, positions: [T]; hidden: [T, H]. attend(q [T, h, d], k [T, kvh, d], v [T, kvh, d]) -> [T, h * d]
         writes k / v into the draft's cache and attends (the caller knows the sequences). Returns (the hidden state
-        fed back [T, H], draft-vocabulary logits [T, V_draft] fp32)."""
+        fed back [T, H], the final-normed output [T, H]: logits() of the rows that propose; a long prefill's
+        [T, V_draft] would be large and is never needed whole)."""
         s = self.spec
         e = self.input_layernorm(self.embed(ids))
         n = self.hidden_norm(hidden)
@@ -265,8 +266,11 @@ class Eagle3Draft(nn.Module):
         m = self.post_attention_layernorm(x)
         y = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         normed = self.norm(y)
-        logits = self.lm_head(normed).float()
-        return (normed if s.norm_output else y), logits
+        return (normed if s.norm_output else y), normed
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> draft-vocabulary logits [N, V_draft]."""
+        return self.lm_head(normed)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids through d2t's offsets."""

@@ -118,14 +118,16 @@ class Eagle3Proposer:
         pos: List[int] = []
         take: List[int] = []  # rows of `aux` the pass reads
         spans = []
-        last = []  # (row index, index of its last token in the pass, its last position)
+        last = []  # per proposing row: (row index, its last token's index in the pass, that position, its cache)
         t0 = 0
         for i, r in enumerate(rows):
             n = r.num_new_tokens
             toks = sampled[i]
+            # Positions whose tokens are now known: a prefill chunk's all, a verify step's up to the last kept draft
+            # (its 1 + k minus the rejected drafts).
             n_valid = n - (len(r.spec_token_ids) - (len(toks) - 1)) if (r.sample and toks) else n
             if r.sample and not toks:
-                n_valid = 0
+                n_valid = 0  # (a sampling row always yields a token; nothing to cover otherwise)
             if n_valid > 0:
                 st = r.request
                 p0 = r.start
@@ -141,21 +143,25 @@ class Eagle3Proposer:
             if ids:  # prefill chunks only: fill the draft's cache
                 self._pass(ids, pos, aux[torch.tensor(take, device=dev)], spans, dev, combine=True)
             return out
-        hidden, logits = self._pass(ids, pos, aux[torch.tensor(take, device=dev)], spans, dev, combine=True)
+        hidden, normed = self._pass(ids, pos, aux[torch.tensor(take, device=dev)], spans, dev, combine=True)
         sel = torch.tensor([j for _, j, _, _ in last], device=dev)
         h = hidden[sel]
-        tok = self.draft.to_target_ids(logits[sel].argmax(dim=-1))
+        tok = self._argmax(normed[sel])
         drafts = [tok]
         for step in range(1, self.k):
             p = [p_last + step for _, _, p_last, _ in last]
             step_spans = [(kv, pp, 1) for (_, _, _, kv), pp in zip(last, p)]
-            h, logits = self._pass(tok, p, h, step_spans, dev, combine=False)
-            tok = self.draft.to_target_ids(logits.argmax(dim=-1))
+            h, normed = self._pass(tok, p, h, step_spans, dev, combine=False)
+            tok = self._argmax(normed)
             drafts.append(tok)
         d = torch.stack(drafts, dim=1).tolist()
         for (i, _, _, _), row in zip(last, d):
             out[i] = row
         return out
+
+    def _argmax(self, normed: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> the draft's greedy tokens as target ids [N] (on the device)."""
+        return self.draft.to_target_ids(self.draft.logits(normed).argmax(dim=-1))
 
     def _pass(self, ids, pos, hidden, spans, dev, combine: bool):
         ids_t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
