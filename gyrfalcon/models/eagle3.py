@@ -26,7 +26,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -295,8 +295,8 @@ def load_eagle3_draft(path: str, cfg: Optional[dict], target_model: nn.Module, d
         raise FileNotFoundError(f"No *.safetensors (or pytorch_model.bin) in the EAGLE-3 draft {path}.")
     draft.load_weights(weights)
     if draft.own_embed is None and spec.hidden_size != target_model.config.hidden_size:
-        raise ValueError(f"The EAGLE-3 draft's hidden size is {spec.hidden_size} and it has no embed_tokens of its own; "
-                         f"the target's embedding is {target_model.config.hidden_size} wide.")
+        raise ValueError(f"The EAGLE-3 draft's hidden size is {spec.hidden_size} and it has no embed_tokens of its "
+                         f"own; the target's embedding is {target_model.config.hidden_size} wide.")
     draft = draft.to(device=device, dtype=dtype)  # (floating tensors only: d2t stays int64)
     logger.info("EAGLE-3 draft (%s layout) loaded from %s: hidden %d, draft vocabulary %d", spec.fmt, path,
                 spec.hidden_size, spec.draft_vocab_size)

@@ -92,7 +92,8 @@ class Eagle3Proposer:
                 qq = q[t:t + n].transpose(0, 1)  # [h, n, d]
                 # query i (position p0 + i) sees keys lo..p0 + i
                 L = p0 + n - lo
-                mask = torch.arange(L, device=q.device)[None, :] <= (p0 - lo + torch.arange(n, device=q.device))[:, None]
+                rows = p0 - lo + torch.arange(n, device=q.device)
+                mask = torch.arange(L, device=q.device)[None, :] <= rows[:, None]
                 o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=self.scale)
                 out.append(o.transpose(0, 1).reshape(n, -1))
                 t += n

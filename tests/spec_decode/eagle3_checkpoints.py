@@ -29,7 +29,8 @@ def draft_tensors(H: int, vocab: int, draft_vocab: int, seed: int, qk_norm: bool
         return 1 + 0.1 * torch.randn(n, generator=g)
     t = {"self_attn.q_proj.weight": lin(h * hd, 2 * H), "self_attn.k_proj.weight": lin(kvh * hd, 2 * H),
          "self_attn.v_proj.weight": lin(kvh * hd, 2 * H), "self_attn.o_proj.weight": lin(H, h * hd),
-         "mlp.gate_proj.weight": lin(inter, H), "mlp.up_proj.weight": lin(inter, H), "mlp.down_proj.weight": lin(H, inter),
+         "mlp.gate_proj.weight": lin(inter, H), "mlp.up_proj.weight": lin(inter, H),
+         "mlp.down_proj.weight": lin(H, inter),
          "input_layernorm.weight": norm(H), "hidden_norm.weight": norm(H), "post_attention_layernorm.weight": norm(H)}
     if qk_norm:
         t["self_attn.q_norm.weight"] = norm(hd)
@@ -70,7 +71,8 @@ def make_eagle3_draft(path, target: Path, fmt: str, aux_ids: Optional[Sequence[i
                "transformer_layer_config": layer_cfg, "draft_vocab_size": draft_vocab, "target_hidden_size": H,
                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                                      "verifier": {"name_or_path": str(target), "architectures": tcfg["architectures"]}},
+                                      "verifier": {"name_or_path": str(target),
+                                                   "architectures": tcfg["architectures"]}},
                **options}
         if aux_ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)

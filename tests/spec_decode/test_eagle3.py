@@ -213,20 +213,21 @@ def test_greedy_parity_with_eagle3_under_preemption(tiny_ckpt, hf_refs, random_h
     greedy_parity_under_preemption(tiny_ckpt, hf_refs, True, True, llm_kw=_spec(random_head, 2), check=_check_drafted)
 
 
-def test_decode_and_verify_graphs_hand_the_draft_their_aux_states(tiny_ckpt, random_head):
+def test_decode_and_verify_graphs_hand_the_draft_their_aux_states(qwen3_ckpt, tmp_path):
     """With the decode / verify graphs (on a CPU the padded step runs eagerly, through the same static inputs), the
     draft gets the first n * q rows of each step's aux hidden states: its drafts and the outputs are those of the
     eager path."""
     from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 
     k = 2
+    head = make_eagle3_draft(tmp_path / "head", qwen3_ckpt, "speculators", aux_ids=[0, 1, 2], draft_vocab=200)
     kw = dict(device="cpu", block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=6,
-              **_spec(random_head, k))
+              **_spec(head, k))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def run(graphs):
-        llm = LLM(str(tiny_ckpt), **kw)
+        llm = LLM(str(qwen3_ckpt), **kw)
         r = llm.engine.runner
         seen, drafts = [], []
         if graphs:

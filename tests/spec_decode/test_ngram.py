@@ -59,7 +59,8 @@ def _check_metrics(llm):
     m = _metrics(llm)
     k = llm.config.speculative_config.num_speculative_tokens
     drafts, draft_tokens = m["gyrfalcon:spec_decode_num_drafts"], m["gyrfalcon:spec_decode_num_draft_tokens"]
-    accepted, per_pos = m["gyrfalcon:spec_decode_num_accepted_tokens"], m["gyrfalcon:spec_decode_num_accepted_tokens_per_pos"]
+    accepted = m["gyrfalcon:spec_decode_num_accepted_tokens"]
+    per_pos = m["gyrfalcon:spec_decode_num_accepted_tokens_per_pos"]
     assert drafts > 0 and drafts <= draft_tokens <= k * drafts
     assert sum(per_pos) == accepted and len(per_pos) <= k
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # position j needs 0..j-1 accepted
