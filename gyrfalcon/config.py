@@ -442,8 +442,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: no method given, and none could be read from the draft's config; "
                              f"name one of {list(SPEC_METHODS)}.")
         if self.method is not None and self.num_speculative_tokens in (None, 0):
-            raise ValueError(f"speculative_config: method {self.method!r} needs num_speculative_tokens >= 1 (the "
-                             "draft's config names none).")
+            raise ValueError(f"speculative_config: method {self.method!r} needs num_speculative_tokens >= 1"
+                             + (" (the draft's config names none)." if self.model is not None else "."))
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative_config: the ngram method drafts from the request's own tokens; it takes "
