@@ -299,23 +299,11 @@ class StepClock:
         }
 
 
-def spec_decode_summary(before: dict, after: dict):
-    """Speculative decoding over the timed runs (the engine's counters' deltas): mean acceptance length
-    (1 + accepted / drafts, vLLM's) and the acceptance rate at each draft position; None without drafts."""
-    drafts = after["num_drafts"] - before["num_drafts"]
-    if not drafts:
-        return None
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    pos0 = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-    return {"num_drafts": drafts, "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-            "num_accepted_tokens": accepted, "mean_acceptance_length": 1 + accepted / drafts,
-            "acceptance_per_pos": [(a - b) / drafts for a, b in zip(after["accepted_per_pos"], pos0)]}
-
-
 def run_gyrfalcon(args) -> dict:
     import torch
 
     from gyrfalcon.cli import engine_kwargs
+    from gyrfalcon.engine.spec_stats import spec_decode_summary
     from gyrfalcon.llm import LLM
     from gyrfalcon.sampling_params import SamplingParams
 

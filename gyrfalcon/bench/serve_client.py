@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import aiohttp
 import numpy as np
@@ -140,6 +140,50 @@ async def send_one(session: aiohttp.ClientSession, url: str, headers, payload: D
     return res
 
 
+_SPEC_COUNTERS = {"spec_decode_num_drafts": "num_drafts", "spec_decode_num_draft_tokens": "num_draft_tokens",
+                  "spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+
+
+def spec_decode_counters(text: str) -> Optional[Dict[str, Any]]:
+    """The speculative-decoding counters in a /metrics page (gyrfalcon's names, or vLLM's under `vllm:`), summed
+    over their labels, in SpecDecodingStats.as_dict's keys; None when the server exposes none."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return None
+    out: Dict[str, Any] = {}
+    per_pos: Dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name.split(":", 1)[-1]
+            if not name.endswith("_total"):
+                continue  # (a counter's _created sample)
+            name = name[:-len("_total")]
+            if name == "spec_decode_num_accepted_tokens_per_pos":
+                pos = int(s.labels.get("position", 0))
+                per_pos[pos] = per_pos.get(pos, 0) + s.value
+            elif name in _SPEC_COUNTERS:
+                out[_SPEC_COUNTERS[name]] = out.get(_SPEC_COUNTERS[name], 0) + s.value
+    if "num_drafts" not in out:
+        return None
+    out.setdefault("num_draft_tokens", 0)
+    out.setdefault("num_accepted_tokens", 0)
+    out["accepted_per_pos"] = [per_pos.get(i, 0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return out
+
+
+async def _spec_counters(session: aiohttp.ClientSession, base: str, headers) -> Optional[Dict[str, Any]]:
+    """The server's speculative-decoding counters now (None: no /metrics, or no speculation there)."""
+    try:
+        async with session.get(base + "/metrics", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                return None
+            return spec_decode_counters(await resp.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
 def _stats(values: List[float], percentiles: List[float]) -> Dict[str, float]:
     a = np.asarray(values, dtype=np.float64) * 1000.0 if values else np.zeros(1)
     out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
@@ -196,6 +240,15 @@ def print_report(m: Dict[str, Any], args, percentiles: List[float]) -> None:
         print("{:<40} {:<10.2f}".format(f"Median {label} (ms):", m[f"median_{name}_ms"]))
         for p in percentiles:
             print("{:<40} {:<10.2f}".format(f"P{p:g} {label} (ms):", m[f"p{p:g}_{name}_ms"]))
+    sd = m.get("spec_decode")
+    if sd is not None:
+        print("{s:{c}^{n}}".format(s="Speculative Decoding", n=w, c="-"))
+        for k, v in (("Acceptance rate (%):", f"{100 * sd['acceptance_rate']:.2f}"),
+                     ("Acceptance length:", f"{sd['mean_acceptance_length']:.2f}"),
+                     ("Drafts:", int(sd["num_drafts"])), ("Draft tokens:", int(sd["num_draft_tokens"])),
+                     ("Accepted tokens:", int(sd["num_accepted_tokens"]))):
+            print("{:<40} {:<10}".format(k, str(v)))
+        print("Per-position acceptance (%): " + ", ".join(f"{100 * a:.2f}" for a in sd["acceptance_per_pos"]))
     print("=" * w)
 
 
@@ -274,6 +327,8 @@ async def run_benchmark(args) -> int:
                 bar.update(1)
             return res
 
+        # The server's speculative-decoding counters around the timed run (vLLM's bench serve reads the same).
+        spec_before = await _spec_counters(session, base, headers)
         rng = np.random.default_rng(args.seed)
         start = time.perf_counter()
         tasks = []
@@ -286,8 +341,14 @@ async def run_benchmark(args) -> int:
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
+        spec_after = await _spec_counters(session, base, headers) if spec_before is not None else None
 
     m = summarize(results, duration, percentiles)
+    if spec_after is not None:
+        from gyrfalcon.engine.spec_stats import spec_decode_summary
+        sd = spec_decode_summary(spec_before, spec_after)
+        if sd is not None:
+            m["spec_decode"] = sd
     print_report(m, args, percentiles)
     errors = [r.error for r in results if not r.success]
     if errors:

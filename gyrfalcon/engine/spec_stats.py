@@ -34,3 +34,19 @@ class SpecDecodingStats:
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos)}
+
+
+def spec_decode_summary(before: dict, after: dict):
+    """Speculative decoding between two snapshots of the counters (as_dict's keys; the benchmarks take them before
+    and after their timed runs): mean acceptance length (1 + accepted / drafts, vLLM's), the acceptance rate
+    (accepted / draft tokens) and the acceptance rate at each draft position; None without drafts."""
+    drafts = after["num_drafts"] - before["num_drafts"]
+    if not drafts:
+        return None
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    pos0 = list(before["accepted_per_pos"])
+    pos0 += [0] * (len(after["accepted_per_pos"]) - len(pos0))
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts, "acceptance_rate": accepted / draft_tokens,
+            "acceptance_per_pos": [(a - b) / drafts for a, b in zip(after["accepted_per_pos"], pos0)]}

@@ -1,12 +1,12 @@
-"""Speculative decoding's counters: SpecDecodingStats, the server's /metrics exposition and bench latency's
-mean acceptance length."""
+"""Speculative decoding's counters: SpecDecodingStats, the server's /metrics exposition, and the mean acceptance
+length that bench latency and bench serve report."""
 
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from gyrfalcon.bench.latency import spec_decode_summary
-from gyrfalcon.engine.spec_stats import SpecDecodingStats
+from gyrfalcon.bench.serve_client import spec_decode_counters
+from gyrfalcon.engine.spec_stats import SpecDecodingStats, spec_decode_summary
 from gyrfalcon.server.metrics import ServerMetrics
 
 
@@ -38,11 +38,23 @@ def test_server_exports_spec_counters_with_positions():
     assert "spec_decode" not in text
 
 
+def test_bench_serve_reads_the_counters_from_metrics_text():
+    """bench serve's parser reads what the server exposes, under gyrfalcon's names or vLLM's."""
+    s = SpecDecodingStats()
+    s.observe(3, 2)
+    s.observe(3, 3)
+    text = generate_latest(ServerMetrics("m", lambda: {"spec_decode": s.as_dict()}).registry).decode()
+    assert spec_decode_counters(text) == s.as_dict()
+    assert spec_decode_counters(text.replace("gyrfalcon:", "vllm:")) == s.as_dict()
+    assert spec_decode_counters(generate_latest(ServerMetrics("m", lambda: {}).registry).decode()) is None
+
+
 def test_bench_summary_is_over_the_timed_runs_only():
     before = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12, "accepted_per_pos": [8, 4]}
     after = {"num_drafts": 20, "num_draft_tokens": 60, "num_accepted_tokens": 27, "accepted_per_pos": [16, 9, 2]}
     sd = spec_decode_summary(before, after)
     assert sd["num_drafts"] == 10 and sd["mean_acceptance_length"] == 1 + 15 / 10
+    assert sd["acceptance_rate"] == 15 / 30
     assert sd["acceptance_per_pos"] == [0.8, 0.5, 0.2]
     assert spec_decode_summary(before, before) is None
 

@@ -27,6 +27,10 @@ def test_serve_with_ngram_speculation(qwen3_ckpt, tmp_path):
         got = [c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
         after = srv.wait_idle()
+        import httpx
+
+        from gyrfalcon.bench.serve_client import spec_decode_counters
+        counters = spec_decode_counters(httpx.get(srv.base_url + "/metrics", timeout=10).text)
     finally:
         rc = srv.stop()
     assert rc == 0, srv.log()[-3000:]
@@ -40,3 +44,6 @@ def test_serve_with_ngram_speculation(qwen3_ckpt, tmp_path):
     per_pos = [after.get(f"gyrfalcon:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}", 0)
                for i in range(3)]
     assert sum(per_pos) == accepted
+    # What bench serve reads off the page.
+    assert counters["num_drafts"] == drafts and counters["num_accepted_tokens"] == accepted
+    assert counters["accepted_per_pos"][:len(per_pos)] == per_pos[:len(counters["accepted_per_pos"])]
