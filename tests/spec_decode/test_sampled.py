@@ -118,3 +118,28 @@ def test_the_chi_square_bound_detects_a_small_shift(llm):
     a = _generate(llm, [PROMPT] * N, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     b = _generate(llm, [PROMPT] * N, SamplingParams(temperature=1.25, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert min(_per_position_p(a, b)) < P_BOUND
+
+
+def test_stops_and_logprobs_inside_a_verify_step(llm):
+    """A stop token that lands among accepted drafts ends the request there (no token after it is emitted), and
+    every emitted token's logprobs are those of one-token steps."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cont = _generate(llm, [PROMPT], greedy)[0]
+    i = next(j for j in range(2, len(cont)) if cont[j] not in cont[:j])  # a stop token first emitted at j > 1
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[cont[i]], logprobs=2)
+    runner = llm.engine.runner
+    ref = llm.generate([{"prompt_token_ids": PROMPT}], stop, use_tqdm=False)[0].outputs[0]
+    runner.proposer = _Scripted({tuple(PROMPT): cont})
+    accepted0 = llm.engine.spec_stats.num_accepted_tokens
+    try:
+        got = llm.generate([{"prompt_token_ids": PROMPT}], stop, use_tqdm=False)[0].outputs[0]
+    finally:
+        runner.proposer = None
+    assert llm.engine.spec_stats.num_accepted_tokens > accepted0
+    assert got.token_ids == ref.token_ids == cont[:i + 1]
+    assert (got.finish_reason, got.stop_reason) == ("stop", cont[i]) == (ref.finish_reason, ref.stop_reason)
+    assert len(got.logprobs) == len(ref.logprobs) == i + 1
+    for a, b in zip(got.logprobs, ref.logprobs):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
