@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
@@ -21,8 +22,12 @@ def test_serve_with_ngram_speculation(qwen3_ckpt, tmp_path):
     srv = ServerProcess(qwen3_ckpt, tmp_path / "server.log", "--max-model-len", "256",
                         "--speculative-config", json.dumps(spec))
     try:
-        before = srv.metrics()
-        assert before["gyrfalcon:spec_decode_num_drafts_total"] == 0
+        # The core's first stats message follows its ready message: until then the page has no spec counters.
+        deadline = time.monotonic() + 30
+        while "gyrfalcon:spec_decode_num_drafts_total" not in srv.metrics():
+            assert time.monotonic() < deadline, srv.metrics()
+            time.sleep(0.1)
+        assert srv.metrics()["gyrfalcon:spec_decode_num_drafts_total"] == 0
         c = srv.client()
         got = [c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
