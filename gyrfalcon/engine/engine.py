@@ -61,7 +61,8 @@ class Engine:
         # Linear-attention layers: one state slot per running request, out of the pool the runner allocated.
         num_slots = getattr(runner, "num_state_slots", 0)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None)
+                                   sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None,
+                                   num_lookahead_tokens=getattr(runner, "num_lookahead_tokens", 0))
         self.async_scheduling = bool(getattr(sc, "async_scheduling", False))
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0

@@ -45,8 +45,11 @@ def _history_dependent(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None) -> None:
+                 enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None,
+                 num_lookahead_tokens: int = 0) -> None:
         self.block_manager = block_manager
+        # KV slots past a sampling step's tokens that the runner's draft model writes (its chained passes).
+        self.num_lookahead_tokens = num_lookahead_tokens
         # Per-request state slots, for models with linear-attention layers (None: the model has none).
         self.state_manager = state_manager
         self.max_num_seqs = max_num_seqs
@@ -125,7 +128,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
             preempted_self = False
-            while not bm.allocate_slots(req, num_new):
+            need = num_new + (self._lookahead(req, num_new) if num_new >= remaining else 0)
+            while not bm.allocate_slots(req, need):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -156,7 +160,8 @@ class Scheduler:
                 sm = self.state_manager
                 if sm is not None and not sm.num_free_slots:
                     break
-                if not bm.allocate_slots(req, num_new, hits):
+                if not bm.allocate_slots(req, num_new + (self._lookahead(req, num_new, num_cached)
+                                                         if num_new == remaining else 0), hits):
                     break
                 if sm is not None:
                     sm.allocate(req)
@@ -173,6 +178,13 @@ class Scheduler:
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
+
+    def _lookahead(self, req: Request, num_new: int, num_cached: int = 0) -> int:
+        """Lookahead slots for a sampling step of num_new tokens: no further than the request can reach."""
+        if not self.num_lookahead_tokens:
+            return 0
+        end = req.num_computed_tokens + num_cached + num_new
+        return max(0, min(self.num_lookahead_tokens, req.num_prompt_tokens + req.max_tokens - end))
 
     @staticmethod
     def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: Sequence[int]) -> None:

@@ -17,7 +17,8 @@ Forward of one draft position p (the target's position: hidden states of p, toke
   y = x + mlp(post_attention_layernorm(x))
   logits = lm_head(norm(y)) over the draft vocabulary; target id = draft id + d2t[draft id]
   fed back: y (norm(y) with norm_output)
-The draft keeps its K/V per request (Eagle3Draft.attend's caller owns them: spec_decode/eagle3.py).
+The draft's K/V is one more paged layer of the runner's cache (layer index `layer_idx`, after the target's): the
+same block tables, so prefix-cache hits carry the draft's K/V too and the memory budget counts it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.layers.attention import Attention
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding, rope_parameters_of
 
@@ -159,7 +161,8 @@ class Eagle3Draft(nn.Module):
     """The draft head (module docstring). Parameter names are the checkpoints' with the layer prefix and the
     self_attn. / mlp. parts dropped (load_weights maps them)."""
 
-    def __init__(self, spec: Eagle3Spec, target_embed: nn.Module, max_positions: Optional[int] = None) -> None:
+    def __init__(self, spec: Eagle3Spec, target_embed: nn.Module, layer_idx: int,
+                 max_positions: Optional[int] = None) -> None:
         """max_positions: the RoPE table's length (the target's max_model_len + k: a draft's config often says
         2048 for a long-context target); the config's max_position_embeddings still anchors RoPE scaling."""
         super().__init__()
@@ -174,6 +177,7 @@ class Eagle3Draft(nn.Module):
         self.k_proj = nn.Linear(2 * H, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
         self.v_proj = nn.Linear(2 * H, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, H, bias=False)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5, layer_idx)
         self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
         self.post_attention_layernorm = RMSNorm(H, s.eps)
@@ -246,9 +250,9 @@ class Eagle3Draft(nn.Module):
         h = self.fc(aux)
         return self.fc_norm(h) if self.fc_norm is not None else h
 
-    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> Tuple:
-        """ids, positions: [T]; hidden: [T, H]. attend(q [T, h, d], k [T, kvh, d], v [T, kvh, d]) -> [T, h * d]
-        writes k / v into the draft's cache and attends (the caller knows the sequences). Returns (the hidden state
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> Tuple:
+        """ids, positions: [T]; hidden: [T, H]; inside a forward context whose batch describes these tokens'
+        sequences (slot mapping, block tables) and whose caches hold this draft's layer. Returns (the hidden state
         fed back [T, H], the final-normed output [T, H]: logits() of the rows that propose; a long prefill's
         [T, V_draft] would be large and is never needed whole)."""
         s = self.spec
@@ -262,7 +266,7 @@ class Eagle3Draft(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q.contiguous(), k.contiguous())
-        x = residual + self.o_proj(attend(q, k, v))
+        x = residual + self.o_proj(self.attn(q, k.contiguous(), v.contiguous()))
         m = self.post_attention_layernorm(x)
         y = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         normed = self.norm(y)
@@ -278,7 +282,7 @@ class Eagle3Draft(nn.Module):
 
 
 def load_eagle3_draft(path: str, cfg: Optional[dict], target_model: nn.Module, device,
-                      dtype: torch.dtype, max_positions: Optional[int] = None) -> Eagle3Draft:
+                      dtype: torch.dtype, layer_idx: int, max_positions: Optional[int] = None) -> Eagle3Draft:
     """The draft in directory `path` (config.json + *.safetensors, or the original release's pytorch_model.bin),
     on `device` in `dtype`, sharing the target's embedding unless it brings its own; RoPE over max_positions."""
     from gyrfalcon.models.loader import iterate_safetensors
@@ -286,7 +290,7 @@ def load_eagle3_draft(path: str, cfg: Optional[dict], target_model: nn.Module, d
     if cfg is None:
         cfg = json.loads((Path(path) / "config.json").read_text())
     spec = parse_eagle3_config(cfg, target_model.config)
-    draft = Eagle3Draft(spec, target_model.model.embed_tokens, max_positions)
+    draft = Eagle3Draft(spec, target_model.model.embed_tokens, layer_idx, max_positions)
     if list(Path(path).glob("*.safetensors")):
         weights = iterate_safetensors(path)
     elif (Path(path) / "pytorch_model.bin").exists():

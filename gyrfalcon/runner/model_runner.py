@@ -97,6 +97,12 @@ class ModelRunner:
         self.model = load_model(config.model_config, config.device)
         clock("load")
         specs = model_cache_specs(self.model, self.kv_dtype)
+        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row
+        # (gyrfalcon/spec_decode/; None: no speculation, or one a test sets). A draft model's K/V joins the plan
+        # as one more paged layer.
+        self.proposer = build_proposer(config, self.model, self.device, max(specs, default=-1) + 1)
+        if hasattr(self.proposer, "cache_specs"):
+            specs.update(self.proposer.cache_specs(str(self.kv_dtype).replace("torch.", "")))
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
@@ -109,9 +115,8 @@ class ModelRunner:
         clock("kv_alloc")
         # Per-request state kept across steps from the scheduler's plain-data batches.
         self.states = RequestStates()
-        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row
-        # (gyrfalcon/spec_decode/; None: no speculation, or one a test sets).
-        self.proposer = build_proposer(config, self.model, self.device)
+        if hasattr(self.proposer, "bind_caches"):
+            self.proposer.bind_caches(self.kv_caches, self.block_size)
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()
@@ -185,6 +190,11 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """Bytes one block id holds over every paged layer."""
         return self.cache_plan.bytes_per_block
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a sampling row needs past its tokens (a draft model's chained passes write them)."""
+        return getattr(self.proposer, "num_lookahead_tokens", 0)
 
     @property
     def proposes_drafts(self) -> bool:

@@ -31,8 +31,7 @@ class RequestState(TokenSequence):
         self.state_slots: Dict[str, int] = dict(new.state_slots)
         # Steps launched that sample this request whose tokens the runner has not read back yet.
         self.num_inflight = 0
-        # A proposer's per-request state (spec_decode/: the n-gram token buffer, a draft model's cache), dropped with
-        # the request.
+        # A proposer's per-request state (spec_decode/ngram.py: its token buffer), dropped with the request.
         self.proposer_state = None
 
 

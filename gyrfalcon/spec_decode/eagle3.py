@@ -9,13 +9,15 @@ After each step (ModelRunner.complete, the target's tokens known):
 Drafts are greedy (argmax of the draft logits, mapped to target ids through d2t): the verify step accepts while
 the target samples the same token, which is lossless (docs/spec_decode.md).
 
-The draft's K/V lives per request on the runner's RequestState (`proposer_state`: K and V [capacity, kv_heads,
-head_dim], grown by doubling, dropped with the request; a preempted request restarts with a fresh one). Positions
-below its `lo` (a prefix-cache hit the target skipped) were never written and are not attended. The passes run
-eagerly; the argmax of one feeds the next one's embedding lookup on the device, and the host reads the k drafts
-once at the end. The target's decode and verify graphs return their aux hidden states (runner/cuda_graph.py);
-its prefill steps run eagerly (the mixed graphs keep only the sampled rows). Capturing the k passes themselves
-needs a paged draft cache and fixed-shape attention: still to come.
+The draft's K/V is one more paged layer in the runner's cache plan (cache_specs: its index follows the target's
+layers), under the requests' own block tables: the memory budget counts it, a prefix-cache hit brings the draft's
+K/V of the cached positions along, and a preempted request recomputes it with the target's. The chained passes
+write k - 1 positions past the sequence: the scheduler allocates that many lookahead slots to every sampling row
+(num_lookahead_tokens). Each pass is one batched paged-attention call over all rows (the attention backend the
+target uses); the argmax of one pass feeds the next one's embedding lookup on the device, and the host reads the
+k drafts once at the end. The target's decode and verify graphs return their aux hidden states
+(runner/cuda_graph.py); its prefill steps run eagerly (the mixed graphs keep only the sampled rows). The passes
+themselves are eager: their shapes are those of a decode step, so they can be captured the same way.
 """
 
 from __future__ import annotations
@@ -23,33 +25,17 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from gyrfalcon.forward_context import forward_context
 from gyrfalcon.models.eagle3 import default_aux_layer_ids, load_eagle3_draft
-
-
-class _DraftKV:
-    __slots__ = ("k", "v", "lo")
-
-    def __init__(self, capacity: int, kv_heads: int, head_dim: int, like: torch.Tensor, lo: int) -> None:
-        self.k = like.new_zeros(capacity, kv_heads, head_dim)
-        self.v = like.new_zeros(capacity, kv_heads, head_dim)
-        self.lo = lo  # the first position written
-
-    def ensure(self, n: int) -> None:
-        if n > self.k.shape[0]:
-            cap = max(n, 2 * self.k.shape[0])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_zeros(cap, *old.shape[1:])
-                new[:old.shape[0]] = old
-                setattr(self, name, new)
+from gyrfalcon.runner.forward_batch import ForwardBatch
 
 
 class Eagle3Proposer:
     uses_target_hidden = True
 
-    def __init__(self, config, target_model, device) -> None:
+    def __init__(self, config, target_model, device, layer_idx: int) -> None:
+        """layer_idx: the draft's index in the cache plan (one past the target's last cached layer)."""
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         inner = getattr(target_model, "model", None)
@@ -57,55 +43,69 @@ class Eagle3Proposer:
             raise ValueError(f"EAGLE-3 needs the target's hidden states per layer; {type(target_model).__name__} "
                              "does not expose them yet.")
         self.draft = load_eagle3_draft(sc.model, sc.draft_config, target_model, device,
-                                       config.model_config.torch_dtype,
+                                       config.model_config.torch_dtype, layer_idx,
                                        max_positions=config.model_config.max_model_len + self.k)
         n = len(inner.layers)
         ids = sc.aux_hidden_state_layer_ids or self.draft.spec.aux_layer_ids or default_aux_layer_ids(n)
         ids = sorted(int(i) for i in ids)
-        if len(ids) != 3 or not all(0 <= i <= n for i in ids):
-            raise ValueError(f"EAGLE-3 aux hidden-state layers {ids}: three ids in 0..{n} (the target's layers).")
+        if len(set(ids)) != 3 or not all(0 <= i <= n for i in ids):
+            raise ValueError(f"EAGLE-3 aux hidden-state layers {ids}: three distinct ids in 0..{n} (the target's "
+                             "layers).")
         self.aux_layer_ids = ids
         inner.aux_hidden_layers = tuple(ids)
         self.aux: Optional[torch.Tensor] = None  # this step's aux hidden states [T, 3 * H], set by the runner
-        s = self.draft.spec
-        self.num_heads, self.kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.scale = s.head_dim ** -0.5
+        self.device = torch.device(device)
+        self.kv_caches = None
+        self.block_size = 0
+
+    # ---- the runner's side ----------------------------------------------------------------------
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past a sampling row's tokens that the chained passes write (the scheduler allocates them)."""
+        return self.k - 1
+
+    def cache_specs(self, cache_dtype: str) -> dict:
+        """{layer index: spec} of the draft's paged K/V, to join the target's in the cache plan."""
+        return {self.draft.attn.layer_idx: self.draft.attn.kv_cache_spec(cache_dtype)}
+
+    def bind_caches(self, kv_caches, block_size: int) -> None:
+        self.kv_caches, self.block_size = kv_caches, block_size
 
     def set_step(self, aux: Optional[torch.Tensor]) -> None:
         self.aux = aux
 
-    # ---- attention over each row's draft cache -------------------------------------------------
-    def _attend(self, spans):
-        """spans: per row (kv, first position, number of positions), in token order -> attend(q, k, v)."""
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = []
-            t = 0
-            rep = self.num_heads // self.kv_heads
-            for kv, p0, n in spans:
-                kv.ensure(p0 + n)
-                kv.k[p0:p0 + n] = k[t:t + n]
-                kv.v[p0:p0 + n] = v[t:t + n]
-                lo = kv.lo
-                keys = kv.k[lo:p0 + n].repeat_interleave(rep, dim=1).transpose(0, 1)  # [h, L, d]
-                vals = kv.v[lo:p0 + n].repeat_interleave(rep, dim=1).transpose(0, 1)
-                qq = q[t:t + n].transpose(0, 1)  # [h, n, d]
-                # query i (position p0 + i) sees keys lo..p0 + i
-                L = p0 + n - lo
-                rows = p0 - lo + torch.arange(n, device=q.device)
-                mask = torch.arange(L, device=q.device)[None, :] <= rows[:, None]
-                o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=self.scale)
-                out.append(o.transpose(0, 1).reshape(n, -1))
-                t += n
-            return torch.cat(out)
-        return attend
-
-    def _kv(self, st, first_pos: int) -> _DraftKV:
-        kv = st.proposer_state
-        if kv is None or first_pos < kv.lo:
-            kv = _DraftKV(max(64, first_pos + 16), self.kv_heads, self.head_dim, self.draft.fc.weight, first_pos)
-            st.proposer_state = kv
-        return kv
+    # ---- one step's drafts ------------------------------------------------------------------------
+    def _batch(self, spans) -> ForwardBatch:
+        """spans: per sequence (RequestState, first position, number of positions) -> the draft pass's batch. A
+        position past the request's blocks (a chain running beyond max_tokens, whose drafts the scheduler drops)
+        writes nothing (slot -1)."""
+        bs = self.block_size
+        positions, slots, qsl, seq_lens, tables = [], [], [0], [], []
+        for st, p0, n in spans:
+            blocks = st.block_ids
+            for p in range(p0, p0 + n):
+                positions.append(p)
+                b = p // bs
+                slots.append(blocks[b] * bs + p % bs if b < len(blocks) else -1)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(p0 + n)
+            tables.append(blocks)
+        width = max(max(len(t) for t in tables), -(-max(seq_lens) // bs))
+        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
+        dev = self.device
+        q_lens = [n for _, _, n in spans]
+        uniform = q_lens[0] if all(q == q_lens[0] for q in q_lens) else 0
+        return ForwardBatch(
+            input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev), logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
+            is_decode=uniform == 1, max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_seqs=len(spans),
+            uniform_query_len=uniform)
 
     @torch.inference_mode()
     def propose(self, rows, sampled: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -116,10 +116,9 @@ class Eagle3Proposer:
             return out
         dev = aux.device
         ids: List[int] = []
-        pos: List[int] = []
         take: List[int] = []  # rows of `aux` the pass reads
         spans = []
-        last = []  # per proposing row: (row index, its last token's index in the pass, that position, its cache)
+        last = []  # per proposing row: (row index, its last token's index in the pass, that position, its state)
         t0 = 0
         for i, r in enumerate(rows):
             n = r.num_new_tokens
@@ -132,27 +131,25 @@ class Eagle3Proposer:
             if n_valid > 0:
                 st = r.request
                 p0 = r.start
-                kv = self._kv(st, p0)
                 ids.extend(st.token_ids(p0 + 1, p0 + n_valid + 1))
-                pos.extend(range(p0, p0 + n_valid))
                 take.extend(range(t0, t0 + n_valid))
-                spans.append((kv, p0, n_valid))
+                spans.append((st, p0, n_valid))
                 if r.sample and toks:
-                    last.append((i, len(ids) - 1, p0 + n_valid - 1, kv))
+                    last.append((i, len(ids) - 1, p0 + n_valid - 1, st))
             t0 += n
-        if not ids or not last:
-            if ids:  # prefill chunks only: fill the draft's cache
-                self._pass(ids, pos, aux[torch.tensor(take, device=dev)], spans, dev, combine=True)
+        if not ids:
             return out
-        hidden, normed = self._pass(ids, pos, aux[torch.tensor(take, device=dev)], spans, dev, combine=True)
+        aux_rows = aux[torch.tensor(take, device=dev)].to(self.draft.fc.weight.dtype)
+        hidden, normed = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), self.draft.combine(aux_rows),
+                                    spans)
+        if not last:  # prefill chunks only: the draft's cache now covers them
+            return out
         sel = torch.tensor([j for _, j, _, _ in last], device=dev)
         h = hidden[sel]
         tok = self._argmax(normed[sel])
         drafts = [tok]
         for step in range(1, self.k):
-            p = [p_last + step for _, _, p_last, _ in last]
-            step_spans = [(kv, pp, 1) for (_, _, _, kv), pp in zip(last, p)]
-            h, normed = self._pass(tok, p, h, step_spans, dev, combine=False)
+            h, normed = self._pass(tok, h, [(st, p_last + step, 1) for _, _, p_last, st in last])
             tok = self._argmax(normed)
             drafts.append(tok)
         d = torch.stack(drafts, dim=1).tolist()
@@ -164,9 +161,7 @@ class Eagle3Proposer:
         """[N, H] -> the draft's greedy tokens as target ids [N] (on the device)."""
         return self.draft.to_target_ids(self.draft.logits(normed).argmax(dim=-1))
 
-    def _pass(self, ids, pos, hidden, spans, dev, combine: bool):
-        ids_t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        if combine:
-            hidden = self.draft.combine(hidden.to(self.draft.fc.weight.dtype))
-        return self.draft(ids_t, hidden, pos_t, self._attend(spans))
+    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, spans):
+        fb = self._batch(spans)
+        with forward_context(fb, self.kv_caches):
+            return self.draft(ids, hidden, fb.positions)

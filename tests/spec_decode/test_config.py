@@ -76,3 +76,25 @@ def test_cli_flag_reaches_the_engine_kwargs():
     args = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     sc = _resolved(engine_kwargs(args)["speculative_config"])
     assert (sc.method, sc.num_speculative_tokens) == ("ngram", 2)
+
+
+def test_scheduler_allocates_lookahead_slots_for_sampling_steps():
+    """A draft model's chained passes write k - 1 positions past a sampling step: the scheduler gives those slots
+    to every sampling step (no further than prompt + max_tokens) and none to a prefill chunk that stops short."""
+    from gyrfalcon.engine.block_manager import BlockManager
+    from gyrfalcon.engine.request import Request
+    from gyrfalcon.engine.scheduler import Scheduler
+    from gyrfalcon.sampling_params import SamplingParams
+
+    bm = BlockManager(64, 4, True)
+    s = Scheduler(bm, 8, 6, num_lookahead_tokens=2)
+    r = Request("a", list(range(10)), SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add_request(r)
+    batch = s.schedule()  # a chunk of 6 of the 10 prompt tokens: no lookahead, 2 blocks
+    assert not batch.reqs[0].sample and len(r.block_ids) == 2
+    s.update(batch, [[]])
+    batch = s.schedule()  # the last 4 prompt tokens, sampled: 10 tokens + 2 lookahead = 12 slots, 3 blocks
+    assert batch.reqs[0].sample and len(r.block_ids) == 3
+    s.update(batch, [[50]])
+    batch = s.schedule()  # the decode at position 10: prompt + max_tokens = 12 caps the lookahead at 1 (not 13)
+    assert batch.reqs[0].num_new_tokens == 1 and len(r.block_ids) == 3

@@ -53,7 +53,7 @@ def test_three_layouts_load_the_same_head(deep_llama, tmp_path):
     for fmt in ("eagle", "specforge", "speculators"):
         opts = {"norm_before_residual": False} if fmt == "speculators" else {}
         path = make_eagle3_draft(tmp_path / fmt, deep_llama, fmt, aux_ids=[1, 2, 3], **opts)
-        drafts[fmt] = load_eagle3_draft(str(path), None, target, "cpu", torch.float32)
+        drafts[fmt] = load_eagle3_draft(str(path), None, target, "cpu", torch.float32, layer_idx=4)
     assert drafts["eagle"].spec.aux_layer_ids is None
     assert drafts["specforge"].spec.aux_layer_ids == [1, 2, 3] == drafts["speculators"].spec.aux_layer_ids
     assert [d.spec.layer_prefix for d in drafts.values()] == ["midlayer.", "midlayer.", "layers.0."]
@@ -75,16 +75,16 @@ def test_bad_drafts_are_refused_clearly(deep_llama, tmp_path):
     del tensors["layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="misses.*up_proj"):
-        load_eagle3_draft(str(path), None, target, "cpu", torch.float32)
+        load_eagle3_draft(str(path), None, target, "cpu", torch.float32, layer_idx=4)
     tensors["layers.0.mlp.up_proj.weight"] = torch.zeros(96, 64)
     tensors["layers.0.mlp.extra.weight"] = torch.zeros(2)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="has no place"):
-        load_eagle3_draft(str(path), None, target, "cpu", torch.float32)
+        load_eagle3_draft(str(path), None, target, "cpu", torch.float32, layer_idx=4)
     other = make_checkpoint(tmp_path / "small_vocab", "llama", vocab_size=300)
     path = make_eagle3_draft(tmp_path / "d2", other, "speculators", aux_ids=[0, 1, 2])
     with pytest.raises(ValueError, match="vocabulary of 300"):
-        load_eagle3_draft(str(path), None, target, "cpu", torch.float32)
+        load_eagle3_draft(str(path), None, target, "cpu", torch.float32, layer_idx=4)
     # The default aux layers (2, N // 2, N - 3) need a deeper target than 4 layers.
     path = make_eagle3_draft(tmp_path / "d3", deep_llama, "eagle")
     with pytest.raises(ValueError, match="too few for the default EAGLE-3 aux layers"):
@@ -161,8 +161,9 @@ def _reference_drafts(draft, hf_target, aux_ids, tokens, k, layer_type):
                                                 ("qwen3", {"norm_before_residual": True, "norm_before_fc": True})],
                          ids=["llama-layer", "qwen3-layer-norms"])
 def test_drafts_match_a_transformers_reference_head(deep_llama, tmp_path, layer_type, options):
-    """Every step's drafts (after the prefill and after each verify step, rejected positions rewritten) equal the
-    reference head's over the whole sequence so far."""
+    """Every step's drafts (after the prefill and after each verify step, rejected positions rewritten, chained
+    passes in lookahead slots, a prefix-cache hit's positions from the cached blocks) equal the reference head's
+    over the whole sequence so far."""
     k = 3
     path = make_eagle3_draft(tmp_path / "d", deep_llama, "speculators", aux_ids=[1, 2, 3], draft_vocab=300,
                              qk_norm=layer_type == "qwen3", **options)
@@ -178,10 +179,13 @@ def test_drafts_match_a_transformers_reference_head(deep_llama, tmp_path, layer_
                 seen.append((list(r.request.prompt_token_ids) + list(r.request.output_token_ids), d))
         return out
     prop.propose = spy
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10,
-                                                                             ignore_eos=True), use_tqdm=False)
+    # Twice: the second round starts from prefix-cache hits, whose blocks carry the draft's K/V too.
+    for _ in range(2):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    assert llm.engine.block_manager.prefix_hits > 0
     hf = AutoModelForCausalLM.from_pretrained(str(deep_llama), dtype=torch.float32).eval()
-    assert len(seen) >= 3 * 4
+    assert len(seen) >= 2 * 3 * 4
     for tokens, drafts in seen:
         assert drafts == _reference_drafts(prop.draft, hf, [1, 2, 3], tokens, k, layer_type), tokens
 
