@@ -90,7 +90,8 @@ class Eagle3Proposer:
             qsl.append(qsl[-1] + n)
             seq_lens.append(p0 + n)
             tables.append(blocks)
-        width = max(max(len(t) for t in tables), -(-max(seq_lens) // bs))
+        # (the table's width padded to a multiple of 16, as the runner's: Triton specializes on its row stride)
+        width = -(-max(max(len(t) for t in tables), -(-max(seq_lens) // bs)) // 16) * 16
         bt = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
             bt[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
