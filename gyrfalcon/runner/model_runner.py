@@ -103,6 +103,7 @@ class ModelRunner:
         self.proposer = build_proposer(config, self.model, self.device, max(specs, default=-1) + 1)
         if hasattr(self.proposer, "cache_specs"):
             specs.update(self.proposer.cache_specs(str(self.kv_dtype).replace("torch.", "")))
+            clock("draft_load")
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
