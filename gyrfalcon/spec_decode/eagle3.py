@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
@@ -80,16 +81,19 @@ class Eagle3Proposer:
         position past the request's blocks (a chain running beyond max_tokens, whose drafts the scheduler drops)
         writes nothing (slot -1)."""
         bs = self.block_size
-        positions, slots, qsl, seq_lens, tables = [], [], [0], [], []
+        pos_parts, slot_parts, qsl, seq_lens, tables = [], [], [0], [], []
         for st, p0, n in spans:
-            blocks = st.block_ids
-            for p in range(p0, p0 + n):
-                positions.append(p)
-                b = p // bs
-                slots.append(blocks[b] * bs + p % bs if b < len(blocks) else -1)
+            blocks = np.asarray(st.block_ids, dtype=np.int64)
+            pos = np.arange(p0, p0 + n, dtype=np.int64)
+            b = pos // bs
+            inside = b < len(blocks)
+            pos_parts.append(pos)
+            slot_parts.append(np.where(inside, blocks[np.minimum(b, len(blocks) - 1)] * bs + pos % bs, -1)
+                              if len(blocks) else np.full(n, -1, dtype=np.int64))
             qsl.append(qsl[-1] + n)
             seq_lens.append(p0 + n)
-            tables.append(blocks)
+            tables.append(st.block_ids)
+        positions, slots = np.concatenate(pos_parts), np.concatenate(slot_parts)
         # (the table's width padded to a multiple of 16, as the runner's: Triton specializes on its row stride)
         width = -(-max(max(len(t) for t in tables), -(-max(seq_lens) // bs)) // 16) * 16
         bt = torch.zeros(len(tables), width, dtype=torch.int32)
@@ -100,8 +104,7 @@ class Eagle3Proposer:
         uniform = q_lens[0] if all(q == q_lens[0] for q in q_lens) else 0
         return ForwardBatch(
             input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=bt.to(dev), logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
