@@ -431,17 +431,123 @@ class ParallelConfig:
                              f"{n} visible.")
 
 
+SPEC_METHODS = ("ngram", "eagle3", "mtp")
+
+
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: a proposer drafts num_speculative_tokens tokens a step, verified in one step of
-    1 + k tokens per sequence. The runner captures CUDA graphs for those verify steps when it is set; the
-    proposers themselves (EAGLE-3, MTP, n-gram) plug into ModelRunner.proposer."""
+    """Speculative decoding, vLLM's speculative_config: a proposer drafts num_speculative_tokens tokens a step,
+    verified in one step of 1 + k tokens per sequence (ModelRunner.proposer; gyrfalcon/spec_decode/). The runner
+    captures CUDA graphs for those verify steps when k is set.
 
-    num_speculative_tokens: int = 0
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    longest suffix n-gram, n in prompt_lookup_min..prompt_lookup_max), "eagle3" (a draft head in `model`:
+    the original EAGLE, SpecForge or speculators layout) or "mtp" (the target's own multi-token-prediction
+    layers; not built yet). None with a `model`: read from the draft's config (a speculators config names its
+    algorithm). num_speculative_tokens None: the speculators config's speculative_tokens. (Tests that set a
+    proposer on the runner by hand set num_speculative_tokens on a resolved config, for the verify graphs.)"""
+
+    method: Optional[str] = None
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = 0
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    # The draft's aux-hidden-state layer ids (the residual stream entering these target layers); None: the
+    # draft config's eagle_aux_hidden_state_layer_ids, else (2, N // 2, N - 3).
+    aux_hidden_state_layer_ids: Optional[List[int]] = None
+    draft_config: Any = field(default=None, repr=False)  # the draft's config.json, read by resolve()
+
+    _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "aux_hidden_state_layer_ids")
+
+    @classmethod
+    def from_any(cls, value: Any) -> "SpeculativeConfig":
+        """A SpeculativeConfig from what LLM(speculative_config=...) or --speculative-config takes: None, a dict
+        (vLLM's keys) or a JSON object string."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (a JSON object), got {type(value).__name__}.")
+        unknown = sorted(set(value) - set(cls._KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {list(cls._KEYS)}.")
+        return cls(**{k: value[k] for k in cls._KEYS if k in value})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.num_speculative_tokens)
+
+    def resolve(self, target_model: Optional[str] = None) -> None:
+        """Fill method / k / n-gram bounds from defaults and the draft's config, then verify."""
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {self.method!r}.")
+        if self.method == "mtp" and self.model is None:
+            self.model = target_model
+        if self.model is not None and self.method != "ngram":
+            self.model = resolve_hub_model(str(self.model))
+            self._read_draft_config()
+        if self.method is None and (self.model is not None or self.prompt_lookup_max or self.prompt_lookup_min
+                                    or self.num_speculative_tokens):
+            raise ValueError("speculative_config: no method given, and none could be read from the draft's config; "
+                             f"name one of {list(SPEC_METHODS)}.")
+        if self.method is not None and self.num_speculative_tokens in (None, 0):
+            raise ValueError(f"speculative_config: method {self.method!r} needs num_speculative_tokens >= 1"
+                             + (" (the draft's config names none)." if self.model is not None else "."))
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config: the ngram method drafts from the request's own tokens; it takes "
+                                 "no model.")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: either bound alone sets both.
+            lo = lo if lo is not None else (hi if hi is not None else 5)
+            hi = hi if hi is not None else lo
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are the ngram method's.")
+        if self.method in ("eagle3", "mtp") and self.model is None:
+            raise ValueError(f"speculative_config: method {self.method!r} needs a draft 'model' (a directory).")
+        if self.method == "mtp":
+            raise ValueError("speculative_config: the mtp method is not supported yet; use eagle3 or ngram.")
+        self.num_speculative_tokens = self.num_speculative_tokens or 0
+        self.verify()
+
+    def _read_draft_config(self) -> None:
+        path = Path(self.model) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"speculative_config: the draft model {self.model!r} has no config.json.")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: {path} is not valid JSON: {e}.") from None
+        self.draft_config = cfg
+        spec = cfg.get("speculators_config") or {}
+        detected = None
+        if cfg.get("speculators_model_type") == "eagle3" or spec.get("algorithm") == "eagle3":
+            detected = "eagle3"
+        elif any("eagle3" in a.lower() for a in cfg.get("architectures") or []) or "draft_vocab_size" in cfg:
+            detected = "eagle3"
+        if self.method is None:
+            self.method = detected
+        elif detected is not None and detected != self.method:
+            raise ValueError(f"speculative_config: method {self.method!r}, but {self.model!r} is an {detected} draft.")
+        if self.num_speculative_tokens is None:
+            methods = spec.get("proposal_methods") or [{}]
+            self.num_speculative_tokens = methods[0].get("speculative_tokens")
 
     def verify(self) -> None:
-        if not 0 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}.")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 0 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 0..16, got {k!r}.")
 
 
 @dataclass
@@ -489,7 +595,7 @@ class EngineConfig:
             import logging
             logging.getLogger("gyrfalcon").info("tensor_parallel_size > 1: CUDA graphs off (enforce_eager).")
             self.enforce_eager = True
-        self.speculative_config.verify()
+        self.speculative_config.resolve(self.model_config.model)
         self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"

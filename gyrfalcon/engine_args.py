@@ -46,8 +46,16 @@ class EngineArg:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def whole(self) -> bool:
+        """A whole sub-config given as one value (speculative_config: vLLM's dict or its JSON string), made by the
+        sub-config's from_any; its fields are the dict's keys, declared by the sub-config itself."""
+        return self.path in _config_classes() and self.path != ""
+
+    @property
     def default(self) -> Any:
-        """The config dataclass field's default (its default_factory's value)."""
+        """The config dataclass field's default (its default_factory's value); None for a whole sub-config."""
+        if self.whole:
+            return None
         f = _field(self.path)
         if f.default is not dataclasses.MISSING:
             return f.default
@@ -146,8 +154,10 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
     EngineArg("distributed_executor_backend", "parallel_config.distributed_executor_backend",
               "how the tensor-parallel ranks run: mp (processes on this machine; the default when "
               "--tensor-parallel-size > 1)", choices=("mp",)),
-    EngineArg("num_speculative_tokens", "speculative_config.num_speculative_tokens",
-              "tokens a proposer drafts per step (set with the speculative config)", scope=INTERNAL),
+    EngineArg("speculative_config", "speculative_config",
+              'speculative decoding, a JSON object (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4} or {"method": "eagle3", "model": "DRAFT_DIR", "num_speculative_tokens": 3} '
+              "(docs/spec_decode.md); LLM() takes the dict"),
     EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=ON_OFF),
     EngineArg("device", "device", "auto (cuda when there is a GPU, else cpu), cuda or cpu"),
 )
@@ -205,11 +215,17 @@ def build_config(model: str, kwargs: Dict[str, Any]) -> "_config.EngineConfig":
     dataclass defaults."""
     check_kwargs(kwargs, public_only=False, who="EngineConfig")
     parts: Dict[str, Dict[str, Any]] = {}
-    for name, value in kwargs.items():
-        owner, _, field_name = BY_NAME[name].path.rpartition(".")
-        parts.setdefault(owner, {})[field_name] = value
     classes = _config_classes()
+    wholes: Dict[str, Any] = {}
+    for name, value in kwargs.items():
+        a = BY_NAME[name]
+        if a.whole:
+            wholes[a.path] = classes[a.path].from_any(value)
+            continue
+        owner, _, field_name = a.path.rpartition(".")
+        parts.setdefault(owner, {})[field_name] = value
     top = parts.pop("", {})
+    top.update(wholes)
     subs = {owner: classes[owner](**fields) for owner, fields in parts.items() if owner != "model_config"}
     mc = _config.ModelConfig(model=str(model), **parts.get("model_config", {}))
     return _config.EngineConfig(model_config=mc, **subs, **top)

@@ -40,6 +40,12 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_metrics(self):
+        """The engine's metrics now, as vLLM's LLM.get_metrics() gives them: a list of Counter / Gauge / Vector
+        (gyrfalcon/metrics_reader.py), named as on the server's /metrics (gyrfalcon:spec_decode_num_drafts, ...)."""
+        from gyrfalcon.metrics_reader import engine_metrics
+        return engine_metrics(self.engine, self.config.model_config.served_model_name)
+
     def default_sampling_overrides(self) -> Dict[str, Any]:
         """The sampling fields the model's generation_config.json sets (temperature, top_p, top_k, min_p,
         repetition_penalty, max_new_tokens as max_tokens)."""

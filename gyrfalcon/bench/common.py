@@ -240,8 +240,9 @@ def print_table(rows: List[List[str]]) -> None:
 
 
 def startup_phases(llm, startup_s: float) -> dict:
-    """Seconds of each startup phase of `llm` (the runner's: device_init, load, kv_sizing, kv_alloc,
-    decode_graphs, prefill_graphs), and "other": the rest of startup_s (config, tokenizer, engine set-up)."""
+    """Seconds of each startup phase of `llm` (the runner's: device_init, load, draft_load (EAGLE-3), kv_sizing,
+    kv_alloc, decode_graphs, prefill_graphs), and "other": the rest of startup_s (config, tokenizer, engine
+    set-up)."""
     phases = dict(llm.engine.runner.startup_phases)
     phases["other"] = max(0.0, startup_s - sum(phases.values()))
     return phases

@@ -317,6 +317,7 @@ def run_gyrfalcon(args) -> dict:
     import torch
 
     from gyrfalcon.cli import engine_kwargs
+    from gyrfalcon.engine.spec_stats import spec_decode_summary
     from gyrfalcon.llm import LLM
     from gyrfalcon.sampling_params import SamplingParams
 
@@ -350,6 +351,7 @@ def run_gyrfalcon(args) -> dict:
     # Prefix caching would turn the repeated prompt into a cache hit; TTFT must be a real prefill.
     llm.engine.block_manager.reset_prefix_cache()
     ttfts, totals = [], []
+    spec0 = llm.engine.spec_stats.as_dict()
     # The SM clock and power while timed (nvidia-smi; none on a CPU): the card's power cap slows its clock
     with PowerSampler(device_uuid(runner.device) if cuda else None, enabled=cuda) as power:
         for _ in range(args.num_iters):
@@ -357,6 +359,7 @@ def run_gyrfalcon(args) -> dict:
             ttfts.append(timed(1))
             llm.engine.block_manager.reset_prefix_cache()
             totals.append(timed(args.output_len, watch=True))
+    spec = spec_decode_summary(spec0, llm.engine.spec_stats.as_dict())
     ttft = sorted(ttfts)[len(ttfts) // 2]
     median_run = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
     total = totals[median_run]
@@ -387,6 +390,8 @@ def run_gyrfalcon(args) -> dict:
         "fusion": not envs.get().disable_fusion,
         "gpu_power": power.summary(),
     }
+    if spec is not None:
+        res["spec_decode"] = spec
     # The decode rate at the median run's steady step interval: unlike decode_tok_s it does not subtract a TTFT
     # timed in other generates (those vary by milliseconds within one call).
     sc = res["step_clock"]
@@ -514,6 +519,11 @@ def main(args: argparse.Namespace) -> int:
           f"weights {g['weight_bytes'] / 1e9:.2f} GB ({g['read_weight_bytes'] / 1e9:.2f} GB read a step), "
           f"KV/step {g['kv_bytes_per_step'] / 1e6:.1f} MB")
     print_table(rows)
+    if "spec_decode" in g:
+        sd = g["spec_decode"]
+        print(f"speculative decoding: mean acceptance length {sd['mean_acceptance_length']:.2f} over "
+              f"{sd['num_drafts']} verify steps; acceptance per position "
+              + " ".join(f"{a:.2f}" for a in sd["acceptance_per_pos"]))
     print(format_startup(g["startup_s"], g["startup_phases"]))
     if g["decode_step_ms"] <= 0:
         # TTFT and the full runs are timed apart, so at a few output tokens on a busy host one slow TTFT run

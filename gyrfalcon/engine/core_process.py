@@ -211,6 +211,8 @@ class EngineCoreProc:
         if rs.version != self._histograms_sent and (fresh or now - self._histograms_time >= HISTOGRAM_INTERVAL_S):
             out["histograms"] = rs.snapshot()
             self._histograms_sent, self._histograms_time = rs.version, now
+        if getattr(e.runner, "proposes_drafts", False):
+            out["spec_decode"] = e.spec_stats.as_dict()
         return out
 
     def _send(self, msg: Message) -> None:

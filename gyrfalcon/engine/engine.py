@@ -14,6 +14,7 @@ from gyrfalcon.engine.block_manager import BlockManager
 from gyrfalcon.engine.request import Request, RequestStatus
 from gyrfalcon.engine.scheduler import RequestUpdate, Scheduler
 from gyrfalcon.engine.snapshot_pool import SnapshotPool
+from gyrfalcon.engine.spec_stats import SpecDecodingStats
 from gyrfalcon.engine.state_manager import StateManager
 from gyrfalcon.sampling_params import SamplingParams
 
@@ -67,12 +68,13 @@ class Engine:
                      if num_slots and num_snapshots and cc.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, StateManager(num_slots) if num_slots else None,
-                                   snapshots)
+                                   snapshots, num_lookahead_tokens=getattr(runner, "num_lookahead_tokens", 0))
         self.async_scheduling = bool(getattr(sc, "async_scheduling", False))
         self._inflight = None  # the launched step whose tokens have not been read back
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.last_step_num_tokens = 0  # tokens the last step() scheduled (the iteration_tokens_total histogram)
+        self.spec_stats = SpecDecodingStats()
 
     @staticmethod
     def read_vocab_size(config) -> Optional[int]:
@@ -167,6 +169,10 @@ class Engine:
 
     def _complete(self, handle) -> List[RequestUpdate]:
         out = self.runner.complete(handle)
+        if handle.batch.has_spec_tokens:
+            for sr, toks in zip(handle.batch.reqs, out.sampled):
+                if sr.spec_token_ids and toks:
+                    self.spec_stats.observe(len(sr.spec_token_ids), len(toks) - 1)
         updates = self.scheduler.update(handle.batch, out.sampled, out.logprobs, out.prompt_logprobs,
                                         out.spec_token_ids)
         self.num_generation_tokens_total += sum(len(u.new_token_ids) for u in updates)

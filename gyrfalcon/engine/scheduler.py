@@ -53,8 +53,10 @@ def _history_dependent(req: Request) -> int:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, state_manager: Optional[StateManager] = None,
-                 snapshots: Optional[SnapshotPool] = None) -> None:
+                 snapshots: Optional[SnapshotPool] = None, num_lookahead_tokens: int = 0) -> None:
         self.block_manager = block_manager
+        # KV slots past a sampling step's tokens that the runner's draft model writes (its chained passes).
+        self.num_lookahead_tokens = num_lookahead_tokens
         # Per-request state slots, for models with linear-attention layers (None: the model has none).
         self.state_manager = state_manager
         # Their state snapshots at block boundaries (None: no prefix caching for such a model).
@@ -126,11 +128,11 @@ class Scheduler:
                 continue
             remaining = req.num_tokens + req.num_inflight - req.num_computed_tokens
             # Draft tokens ride behind the last sampled token (a verify step), never behind a prompt chunk or a
-            # token still in flight; at most as many as leave room for the bonus token within max_tokens. Not for
-            # sampling that reads its own history (penalties, min_tokens): a draft row would sample without the
-            # drafts before it in that history.
+            # token still in flight; at most as many as leave room for the bonus token within max_tokens. (Sampling
+            # that reads its own history, penalties and min_tokens, counts the drafts ahead of each row: the
+            # runner's sampling metadata.)
             spec: Sequence[int] = ()
-            if req.spec_token_ids and remaining == 1 and not req.num_inflight and not _history_dependent(req):
+            if req.spec_token_ids and remaining == 1 and not req.num_inflight:
                 room = min(req.max_tokens - req.num_output_tokens - 1, budget - 1)
                 spec = req.spec_token_ids[:max(room, 0)]
             num_new = min(remaining + len(spec), budget)
@@ -140,7 +142,8 @@ class Scheduler:
             if self.snapshots is not None and req.num_computed_tokens < req.num_prompt_tokens:  # (not decoding)
                 num_new, save = self._snapshot_boundary(req, req.num_computed_tokens, num_new)
             preempted_self = False
-            while not bm.allocate_slots(req, num_new):
+            need = num_new + (self._lookahead(req, num_new) if num_new >= remaining else 0)
+            while not bm.allocate_slots(req, need):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -182,7 +185,8 @@ class Scheduler:
                 save = None
                 if self.snapshots is not None:
                     num_new, save = self._snapshot_boundary(req, num_cached, num_new)
-                if not bm.allocate_slots(req, num_new, hits):
+                if not bm.allocate_slots(req, num_new + (self._lookahead(req, num_new, num_cached)
+                                                         if num_new == remaining else 0), hits):
                     break
                 if sm is not None:
                     sm.allocate(req)
@@ -243,6 +247,13 @@ class Scheduler:
         sid = self.snapshots.reserve(prefix_hash)
         if sid is not None:
             batch.state_saves.append((req.state_slot, sid))
+
+    def _lookahead(self, req: Request, num_new: int, num_cached: int = 0) -> int:
+        """Lookahead slots for a sampling step of num_new tokens: no further than the request can reach."""
+        if not self.num_lookahead_tokens:
+            return 0
+        end = req.num_computed_tokens + num_cached + num_new
+        return max(0, min(self.num_lookahead_tokens, req.num_prompt_tokens + req.max_tokens - end))
 
     @staticmethod
     def _commit(batch: ScheduledBatch, req: Request, num_new: int, sample: bool, spec: Sequence[int]) -> None:

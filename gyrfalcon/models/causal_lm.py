@@ -26,14 +26,35 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps)
+        # EAGLE-3 drafts read the residual stream entering these layers (0: the embedding output, N: the last
+        # layer's output before the final norm); each step's copies land in aux_hidden [T, len(ids) * hidden].
+        self.aux_hidden_layers: Tuple[int, ...] = ()
+        self.aux_hidden: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
                 last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
         # The embedding's output is this step's own tensor: folded layers add into it in place.
         hidden, residual = self.embed_tokens(input_ids, src, last_sampled), None
-        for layer in self.layers:
+        aux = [] if self.aux_hidden_layers else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_hidden_layers:
+                aux.append(_stream_copy(hidden, residual))
             hidden, residual = layer(positions, hidden, residual)
+        if aux is not None:
+            if len(self.layers) in self.aux_hidden_layers:
+                aux.append(_stream_copy(hidden, residual))
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return norm_stream(self.norm, hidden, residual)[0]
+
+
+def _stream_copy(hidden: Optional[torch.Tensor], residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The residual stream's value (hidden + residual, either side absent: layers/norm_linear.py) as a new tensor:
+    later layers add into the stream's tensors in place."""
+    if hidden is None:
+        return residual.clone()
+    if residual is None:
+        return hidden.clone()
+    return hidden + residual
 
 
 # A per-expert checkpoint tensor: (the experts module's name, expert index, projection name, weight or its FP8

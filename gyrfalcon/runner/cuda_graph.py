@@ -392,11 +392,16 @@ class CudaGraphRunner:
             self.graphs[(b * q, q)] = g
             self.outputs[(b * q, q)] = outputs[b]
 
-    def _forward(self, fb: ForwardBatch, src: torch.Tensor) -> torch.Tensor:
-        """-> hidden states [b * q, hidden]"""
+    def _forward(self, fb: ForwardBatch, src: torch.Tensor):
+        """-> hidden states [b * q, hidden]; with (hidden, aux hidden states [b * q, 3 * hidden]) when the model
+        captures aux hidden states for an EAGLE-3 draft (each graph keeps its own aux output)."""
         # Tokens still on the device are read from the last step's samples inside the graph, by the
         # embedding lookup itself (kernels/embedding.py: one launch).
-        return self.model(fb.input_ids, fb.positions, src, self.last_sampled)
+        hidden = self.model(fb.input_ids, fb.positions, src, self.last_sampled)
+        inner = getattr(self.model, "model", None)
+        if getattr(inner, "aux_hidden_layers", ()):
+            return hidden, inner.aux_hidden
+        return hidden
 
     def query_len_of(self, sched_reqs) -> int:
         """The step's uniform query length if a ladder has it (every row 1 token, or every row a verify row
@@ -429,7 +434,7 @@ class CudaGraphRunner:
         if inputs.raw.device.type != "cuda":
             fb = self.views(b, short, q)
             with forward_context(fb, self.kv_caches):
-                return self._forward(fb, inputs.src(b))[:n * q]
+                return self._rows(self._forward(fb, inputs.src(b)), n * q)
         if short:
             self.short_graphs[b].replay()
             out = self.short_outputs[b]
@@ -437,4 +442,12 @@ class CudaGraphRunner:
             self.graphs[(b * q, q)].replay()
             out = self.outputs[(b * q, q)]
         inputs.replayed()
-        return out[:n * q]
+        return self._rows(out, n * q)
+
+    def _rows(self, out, n: int) -> torch.Tensor:
+        """The first n rows of a step's hidden states; its aux hidden states (a tuple output), sliced the same,
+        go where the eager path leaves them: the model's aux_hidden (valid until the next step)."""
+        if isinstance(out, tuple):
+            self.model.model.aux_hidden = out[1][:n]
+            out = out[0]
+        return out[:n]

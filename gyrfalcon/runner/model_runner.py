@@ -23,6 +23,7 @@ from gyrfalcon.runner.precompile import precompile
 from gyrfalcon.runner.request_state import RequestStates
 from gyrfalcon.runner.sampler import Sampler, SamplingMetadata
 from gyrfalcon.runner.structured_output import StructuredOutputs
+from gyrfalcon.spec_decode import build_proposer
 from gyrfalcon.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class StepHandle:
     event: Any = None  # recorded after the copy (CUDA)
     # prompt_logprobs: ([(batch row, number of entries)], logprob [R], rank [R], top ids / logprobs [R, k])
     prompt_lp: Any = None
+    # The target's aux hidden states of every token of the step (EAGLE-3 drafts), [T, 3 * hidden].
+    aux_hidden: Optional[torch.Tensor] = None
 
 
 def start_device_init(device: str) -> Optional[threading.Thread]:
@@ -95,6 +98,13 @@ class ModelRunner:
         self.model = load_model(config.model_config, config.device)
         clock("load")
         specs = model_cache_specs(self.model, self.kv_dtype)
+        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row
+        # (gyrfalcon/spec_decode/; None: no speculation, or one a test sets). A draft model's K/V joins the plan
+        # as one more paged layer.
+        self.proposer = build_proposer(config, self.model, self.device, max(specs, default=-1) + 1)
+        if hasattr(self.proposer, "cache_specs"):
+            specs.update(self.proposer.cache_specs(str(self.kv_dtype).replace("torch.", "")))
+            clock("draft_load")
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
@@ -112,8 +122,8 @@ class ModelRunner:
         clock("kv_alloc")
         # Per-request state kept across steps from the scheduler's plain-data batches.
         self.states = RequestStates()
-        # A draft proposer (speculative decoding): propose(rows, sampled) -> draft tokens per row.
-        self.proposer = None
+        if hasattr(self.proposer, "bind_caches"):
+            self.proposer.bind_caches(self.kv_caches, self.block_size)
         # Unseeded rows draw from a stream that this engine's seed fixes (seeded rows use their own).
         self._rng = random.Random(config.model_config.seed)
         self.sampler = Sampler()
@@ -152,7 +162,10 @@ class ModelRunner:
             self.graph_runner.capture()
             clock("decode_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        if graphs and getattr(self.model, "supports_mixed_graphs", True):
+        # A draft over the target's hidden states needs every prompt token's, which the mixed graphs do not keep
+        # (they return the sampled rows): prefills then run eagerly; decode and verify graphs return aux outputs.
+        if (graphs and getattr(self.model, "supports_mixed_graphs", True)
+                and not getattr(self.proposer, "uses_target_hidden", False)):
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
@@ -192,6 +205,11 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """Bytes one block id holds over every paged layer."""
         return self.cache_plan.bytes_per_block
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a sampling row needs past its tokens (a draft model's chained passes write them)."""
+        return getattr(self.proposer, "num_lookahead_tokens", 0)
 
     @property
     def proposes_drafts(self) -> bool:
@@ -252,7 +270,9 @@ class ModelRunner:
         if batch.state_restores:  # prefix hits of hybrid models: the cached prefix's state into the request's slot
             copy_states(self.state_snapshots, self.kv_caches, batch.state_restores, self.device)
         # One sampled row per sampling request, 1 + k on a verify step; j: the row's index among them.
-        sample_reqs, sample_j = [], []
+        # drafts_before: per row, the drafts ahead of it in its verify step (its history's tail: penalties and
+        # min_tokens count them, as one-token steps would have).
+        sample_reqs, sample_j, drafts_before = [], [], []
         for r in rows:
             if r.sample:
                 st = r.request
@@ -261,14 +281,18 @@ class ModelRunner:
                     for j in range(1 + len(r.spec_token_ids)):
                         sample_reqs.append(st)
                         sample_j.append(j)
+                        drafts_before.append(r.spec_token_ids[:j])
                 else:
                     sample_reqs.append(st)
                     sample_j.append(0)
+                    drafts_before.append(())
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
         if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
             # Every row samples (a decode step, or a verify step: all 1 + k rows).
             hidden = self.graph_runner.run(rows, self.last_rows)
+            if getattr(self.proposer, "uses_target_hidden", False):
+                handle.aux_hidden = self.model.model.aux_hidden
         elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))
@@ -276,6 +300,8 @@ class ModelRunner:
             fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled)
             with forward_context(fb, self.kv_caches):
                 hidden = self.model(fb.input_ids, fb.positions)
+            if getattr(self.proposer, "uses_target_hidden", False):
+                handle.aux_hidden = self.model.model.aux_hidden
             if plp_rows:
                 handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
@@ -294,7 +320,7 @@ class ModelRunner:
             handle.sampled = greedy_argmax(logits)  # the common case: no metadata
             self.last_sampled[:n].copy_(handle.sampled)
         else:
-            md = self._sampling_metadata(sample_reqs, sample_j)
+            md = self._sampling_metadata(sample_reqs, sample_j, drafts_before)
             # The host fills the grammar masks while the device runs the queued forward and LM head.
             mask = self.structured.bitmask(rows)
             if mask is not None:
@@ -322,8 +348,19 @@ class ModelRunner:
     def complete(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and logprobs) per scheduled request; the tokens
         join the runner's own request state. On a verify step a request keeps its drafts up to the first
-        that differs from the token sampled at that position, then the sampled one (lossless: every kept
-        token is the one sampling would have produced one step at a time)."""
+        that differs from the token sampled at that position, then the sampled one.
+
+        Why that is lossless. Row j of a verify step samples x_j from p_j, the target's distribution after the
+        prefix and drafts d_0..d_{j-1}, processed as a one-token step would process it (penalties and min_tokens
+        count those drafts, the same temperature / top-k / top-p, a seeded request the same random stream at
+        output index + j). While every earlier draft was kept, that prefix IS the sequence so far, and the
+        token emitted at j is x_j itself (kept draft d_j == x_j, or x_j at the first mismatch): a draw from p_j,
+        exactly what one-token steps emit. It is also speculative sampling's rule min(1, p(d)/q(d)) for greedy
+        drafting, where q is one-hot on d: d is kept with probability P(x_j = d) = p_j(d) = min(1, p_j(d)/1),
+        and on rejection x_j is distributed as p_j given x_j != d, i.e. the normalized max(p_j - q, 0).
+        (Drafts drawn from a non-degenerate q would need the general rule: none are.)
+        tests/spec_decode/test_sampled.py checks it: exact equality for seeded requests, a chi-square bound on
+        the per-position distributions of unseeded ones."""
         rows = handle.rows
         # () where a request has nothing: no empty list per request per step (a 768-sequence decode batch
         # would hand the garbage collector thousands of them a step).
@@ -333,6 +370,9 @@ class ModelRunner:
         if handle.sampled is None:
             if handle.event is not None:
                 handle.event.synchronize()
+            if handle.aux_hidden is not None:  # prefill chunks: the draft's cache still covers them
+                self.proposer.set_step(handle.aux_hidden)
+                self.proposer.propose(rows, sampled)
             return RunnerOutput(sampled, logprobs, prompt_lps)
         if handle.event is not None:
             handle.event.synchronize()
@@ -364,6 +404,8 @@ class ModelRunner:
                 logprobs[i] = [(lp[x], rank[x], list(zip(top_ids[x][:n], top_lps[x][:n])) if n > 0 else [])
                                for x in range(row, row + len(kept))]
             row += r.num_sampled_rows
+        if handle.aux_hidden is not None:
+            self.proposer.set_step(handle.aux_hidden)
         spec = self.proposer.propose(rows, sampled) if self.proposer is not None else None
         return RunnerOutput(sampled, logprobs, prompt_lps, spec)
 
@@ -449,10 +491,13 @@ class ModelRunner:
                 offsets.append(r.num_output_tokens + r.num_inflight - 1 + j)
         return [seeds, offsets]
 
-    def _sampling_metadata(self, reqs, draft_index: Optional[List[int]] = None) -> SamplingMetadata:
+    def _sampling_metadata(self, reqs, draft_index: Optional[List[int]] = None,
+                           drafts_before: Optional[list] = None) -> SamplingMetadata:
         """reqs: the RequestState of each sampled row (a verify step's request once per row); draft_index:
-        each row's index within its request's rows (0 outside verify steps)."""
+        each row's index within its request's rows (0 outside verify steps); drafts_before: the drafts ahead of
+        each row in its verify step, which its penalties and min_tokens count as outputs."""
         draft_index = draft_index if draft_index is not None else [0] * len(reqs)
+        drafts_before = drafts_before if drafts_before is not None else [()] * len(reqs)
         dev = self.device
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.greedy else p.temperature for p in params]
@@ -470,15 +515,16 @@ class ModelRunner:
             need_min_p=any(p.min_p > 0.0 for p in params),
             seeds=ints[1], offsets=ints[2], unit_temperature=all(t == 1.0 for t in temps))
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-            md.output_token_ids = [r.output_token_ids for r in reqs]
+            md.output_token_ids = [r.output_token_ids + list(d) if d else r.output_token_ids
+                                   for r, d in zip(reqs, drafts_before)]
             md.prompt_token_ids = [r.prompt_token_ids for r in reqs]
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
         masks = []
-        for r, p in zip(reqs, params):
+        for r, p, j in zip(reqs, params, draft_index):
             ids: List[int] = []
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + j < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             masks.append(ids)
         if any(masks):

@@ -19,7 +19,7 @@ class RequestState(TokenSequence):
     preparation reads (forward_batch.pack_host_batch, the graphs' static inputs)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "eos_token_ids",
-                 "block_ids", "state_slots", "num_inflight")
+                 "block_ids", "state_slots", "num_inflight", "proposer_state")
 
     def __init__(self, request_id: str, new) -> None:
         self.request_id = request_id
@@ -31,6 +31,8 @@ class RequestState(TokenSequence):
         self.state_slots: Dict[str, int] = dict(new.state_slots)
         # Steps launched that sample this request whose tokens the runner has not read back yet.
         self.num_inflight = 0
+        # A proposer's per-request state (spec_decode/ngram.py: its token buffer), dropped with the request.
+        self.proposer_state = None
 
 
 class RequestStates:

@@ -110,6 +110,23 @@ class _EngineStatsCollector:
                 h.add_metric([self.model_name], buckets, sum_value=float(total))
                 yield h
 
+        # Speculative decoding (vLLM's spec_decode_* counters under this prefix; only when a proposer runs).
+        spec = s.get("spec_decode")
+        if spec is not None:
+            for name, doc, key in (
+                    ("spec_decode_num_drafts", "Verify steps of a request (drafts proposed once).", "num_drafts"),
+                    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+                    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens")):
+                c = CounterMetricFamily(metric_name(self.prefix, name), doc, labels=lbl)
+                c.add_metric([self.model_name], float(spec.get(key, 0)))
+                yield c
+            c = CounterMetricFamily(metric_name(self.prefix, "spec_decode_num_accepted_tokens_per_pos"),
+                                    "Draft tokens accepted at each draft position (0-based).",
+                                    labels=lbl + ["position"])
+            for pos, n in enumerate(spec.get("accepted_per_pos", [])):
+                c.add_metric([self.model_name, str(pos)], float(n))
+            yield c
+
 
     def _names(self, name: str) -> List[str]:
         """The names gyrfalcon's metric `name` is exposed under: its own, and with the vllm prefix its aliases."""

@@ -275,11 +275,12 @@ def test_state_slots_held_from_admission_to_end():
     assert sm.num_free_slots == 2 and bm.num_free_blocks == bm.num_blocks
 
 
-def test_no_drafts_for_history_dependent_sampling():
-    """Penalties and min_tokens read the request's own outputs: its steps stay one token (no verify rows)."""
+def test_history_dependent_sampling_gets_drafts_too():
+    """Penalties and min_tokens read the request's own outputs: the runner counts the drafts ahead of each verify
+    row in that history (tests/spec_decode/test_sampled.py), so such requests are drafted for like any other."""
     s, _ = make(block_size=4, budget=64)
     s.add_request(Request("p", [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=0.5)))
     s.add_request(Request("q", [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True)))
     run_step(s)
     b, _ = _spec_step(s, lambda r: [1, 2], lambda r, d: len(d))
-    assert {sr.request_id: len(sr.spec_token_ids) for sr in b.reqs} == {"p": 0, "q": 2}
+    assert {sr.request_id: len(sr.spec_token_ids) for sr in b.reqs} == {"p": 2, "q": 2}

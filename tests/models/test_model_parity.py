@@ -58,10 +58,13 @@ def test_prompts_span_several_blocks(hf_refs):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("budget", [None, 7])
-def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_scheduling):
+def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_scheduling, llm_kw=None,
+                       check=None):
+    """llm_kw: more LLM arguments, check(llm): more checks after the runs (tests/spec_decode: a speculative_config
+    and its acceptance counters)."""
     _, _, refs = hf_refs
     llm = LLM(str(tiny_ckpt), block_size=8, enable_prefix_caching=prefix_caching,
-              max_num_batched_tokens=budget, async_scheduling=async_scheduling)
+              max_num_batched_tokens=budget, async_scheduling=async_scheduling, **(llm_kw or {}))
     outs = _greedy(llm, [r[0] for r in refs])
     for (prompt, ref_tokens, _), out in zip(refs, outs):
         assert out.outputs[0].token_ids == ref_tokens
@@ -76,11 +79,14 @@ def test_greedy_parity(tiny_ckpt, hf_refs, prefix_caching, budget, async_schedul
     else:
         assert llm.engine.block_manager.prefix_hits == 0
     _assert_all_blocks_free(llm)
+    if check is not None:
+        check(llm)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, async_scheduling):
+def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, async_scheduling, llm_kw=None,
+                                        check=None):
     """A KV cache far too small for the batch: requests get preempted and recomputed, and still
     finish with exactly transformers' tokens."""
     _, _, refs = hf_refs
@@ -88,12 +94,14 @@ def test_greedy_parity_under_preemption(tiny_ckpt, hf_refs, prefix_caching, asyn
     blocks = -(-longest // 4) + 2
     llm = LLM(str(tiny_ckpt), block_size=4, num_gpu_blocks_override=blocks, max_model_len=longest + 4,
               enable_prefix_caching=prefix_caching, max_num_batched_tokens=16,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, **(llm_kw or {}))
     outs = _greedy(llm, [r[0] for r in refs] * 2)
     assert llm.engine.scheduler.num_preemptions_total > 0
     for out, (_, ref_tokens, _) in zip(outs, refs * 2):
         assert out.outputs[0].token_ids == ref_tokens
     _assert_all_blocks_free(llm)
+    if check is not None:
+        check(llm)
 
 
 # The families beyond these dense ones import the two below under the shared names: the engine's features (prefix

@@ -151,7 +151,7 @@ def test_runner_marks_unit_temperature(qwen3_ckpt):
     runner = llm.engine.runner
     seen = []
     build = runner._sampling_metadata
-    runner._sampling_metadata = lambda reqs, j=None: seen.append(build(reqs, j).unit_temperature) or build(reqs, j)
+    runner._sampling_metadata = lambda reqs, *a: seen.append(build(reqs, *a).unit_temperature) or build(reqs, *a)
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
     llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert seen and all(seen)
