@@ -266,21 +266,23 @@ class ModelRunner:
                     sample_j.append(0)
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
-        if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
+        # A step that writes state snapshots (hybrid prefix caching, prefill chunks only) runs eagerly: its save
+        # rows are no static input of a captured graph.
+        eager = bool(plp_rows) or bool(batch.state_saves)
+        if not eager and self.graph_runner is not None and self.graph_runner.can_run(rows):
             # Every row samples (a decode step, or a verify step: all 1 + k rows).
             hidden = self.graph_runner.run(rows, self.last_rows)
-        elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
+        elif not eager and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))
         else:
-            fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled)
-            with forward_context(fb, self.kv_caches):
+            fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled,
+                                     batch.state_saves)
+            with forward_context(fb, self.kv_caches, self.state_snapshots):
                 hidden = self.model(fb.input_ids, fb.positions)
             if plp_rows:
                 handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
-        if batch.state_saves:  # the slots now hold the state at the block boundary their chunk ended on
-            copy_states(self.kv_caches, self.state_snapshots, batch.state_saves, self.device)
         if not sample_reqs:
             if handle.prompt_lp is not None and self.device.type == "cuda":
                 handle.event = torch.cuda.Event()
