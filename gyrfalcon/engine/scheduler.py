@@ -223,12 +223,11 @@ class Scheduler:
         bs, stride = bm.block_size, pool.stride
         last = (req.num_prompt_tokens - 1) // bs  # the prompt's last boundary a hit can use (in blocks)
         hi = min((start + num_new) // bs, last)  # the last boundary this step reaches
-        wanted = []
-        for j in range(start // bs + 1, hi + 1):
-            if j % stride == 0 or j == last:
-                h = bm.prefix_hash(req, j)
-                if not pool.contains(h):
-                    wanted.append((j, h))
+        first = start // bs + 1  # the first boundary past start
+        js = list(range(-(-first // stride) * stride, hi + 1, stride))
+        if first <= last <= hi and (not js or js[-1] != last):
+            js.append(last)
+        wanted = [(j, h) for j, h in ((j, bm.prefix_hash(req, j)) for j in js) if not pool.contains(h)]
         room = pool.num_available
         if len(wanted) > room:
             wanted = wanted[len(wanted) - room:]

@@ -7,10 +7,11 @@ token rows per sequence, checked against the references run on the prefixes alon
 import pytest
 import torch
 
-from gyrfalcon.kernels.gated_delta import (save_table, state_saves_from_table, causal_conv1d_ref, causal_conv1d_triton, causal_conv1d_update_ref,
+from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton, causal_conv1d_update_ref,
                                            causal_conv1d_update_triton, gated_delta_decode_ref,
                                            gated_delta_decode_triton, gated_delta_prefill_ref,
-                                           gated_delta_prefill_triton, gated_rms_norm_ref, gated_rms_norm_triton)
+                                           gated_delta_prefill_triton, gated_rms_norm_ref, gated_rms_norm_triton,
+                                           save_table, state_saves_from_table)
 from kernels_testutil import DEVICE, TOL, requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16]

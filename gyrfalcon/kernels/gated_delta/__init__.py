@@ -82,8 +82,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return gated_rms_norm_ref(x, z, weight, eps)
 
 
-__all__ = ["CHUNK_SIZE", "StateSaves", "save_table", "state_saves_from_table", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton", "causal_conv1d_update",
-           "causal_conv1d_update_ref", "causal_conv1d_update_triton", "chunk_gated_delta_rule_ref",
-           "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
-           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref"]
+__all__ = ["CHUNK_SIZE", "StateSaves", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton",
+           "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_update_triton",
+           "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton",
+           "gated_delta_prefill", "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm",
+           "gated_rms_norm_ref", "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref",
+           "save_table", "state_saves_from_table"]
