@@ -125,6 +125,21 @@ def test_shared_prefixes_of_every_length_hit_exactly(tiny_ckpt, oracle):
     shared_prefix_parity(tiny_ckpt, oracle)
 
 
+def test_one_token_chunks_save_their_boundaries(tiny_ckpt, oracle):
+    """A budget of one token a step: every prefill step is decode-shaped (one token per row), and the steps whose
+    token ends a block boundary still write its snapshot (through the prefill ops); a later prompt restores them."""
+    llm = LLM(str(tiny_ckpt), block_size=BS, linear_state_snapshot_stride=1, max_num_batched_tokens=1)
+    rec = llm.engine.runner = StepRecorder(llm.engine.runner)
+    vocab = llm.engine.vocab_size
+    base = tokens(20, 6)
+    generate_checked(llm, oracle, [base], vocab)
+    saving = [b for b in rec.batches if b.state_saves]
+    assert [(b.reqs[0].start, b.reqs[0].num_new_tokens, b.state_saves[0][1]) for b in saving] == [(7, 1, 8),
+                                                                                                   (15, 1, 16)]
+    out = generate_checked(llm, oracle, [base[:16] + tokens(3, 61)], vocab)[0]
+    assert out.num_cached_tokens == 16
+
+
 def test_multi_turn_chat_hits_earlier_turns(tiny_ckpt, oracle):
     """Each turn's prompt is the last one, its answer and a new user message: it resumes at the last block boundary
     of the previous prompt (snapshotted there whatever the stride: the default one here), with async scheduling and
