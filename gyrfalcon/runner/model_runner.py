@@ -14,6 +14,7 @@ import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
+from gyrfalcon.kernels.gated_delta.saves import state_saves_from_table
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
@@ -61,10 +62,16 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     return t
 
 
-def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
+def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device,
+                 state_snapshots=None) -> None:
     """The largest step a startup runs eagerly (ModelRunner's activation profile): one prompt of n tokens
-    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows."""
+    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows. With state_snapshots
+    (a hybrid model's snapshot pools, one snapshot), the step also saves the state after its last token into
+    snapshot 0, as a prefix-caching step does: the kernels' saving variants compile at startup too."""
     blocks = -(-n // block_size)
+    saves = None
+    if state_snapshots is not None:  # save table (kernels/gated_delta/saves.py): seq_loc [0, 1] | seq 0 | row | id 0
+        saves = state_saves_from_table(torch.tensor([0, 1, 0, n - 1, 0], dtype=torch.int32, device=device), 1)
     fb = ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.int64, device=device),
         positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
@@ -73,8 +80,9 @@ def profile_step(model, n: int, sample_rows: int, caches, block_size: int, devic
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
         logits_indices=torch.arange(min(n, sample_rows), device=device),
         is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1,
-        state_slots=torch.zeros(1, dtype=torch.int32, device=device))  # (`caches` has one state slot)
-    with torch.inference_mode(), forward_context(fb, caches):
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device),  # (`caches` has one state slot)
+        state_saves=saves)
+    with torch.inference_mode(), forward_context(fb, caches, state_snapshots):
         hidden = model(fb.input_ids, fb.positions)
         model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
 
@@ -208,7 +216,7 @@ class ModelRunner:
             return self.cache_plan.split_budget(int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = self._profile_activation_peak()
+        peak = self._profile_activation_peak(snapshots)
         budget = total * cc.gpu_memory_utilization - (total - free) - peak - state_bytes
         if budget < self.bytes_per_block:
             raise RuntimeError(
@@ -217,20 +225,25 @@ class ModelRunner:
                 "raise gpu_memory_utilization or lower max_num_batched_tokens.")
         return self.cache_plan.split_budget(int(budget), snapshots)
 
-    def _profile_activation_peak(self) -> int:
-        """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens."""
+    def _profile_activation_peak(self, snapshots: bool = False) -> int:
+        """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens (saving a state
+        snapshot when `snapshots`: hybrid prefix caching; the variants without saves are compiled too)."""
         sc = self.config.scheduler_config
         n = min(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
         blocks = -(-n // self.block_size)
         caches = self.cache_plan.allocate(blocks, 1, self.device)  # (the peak is measured above them)
-        step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
-        precompile([step])  # its kernels compile in threads first (runner/precompile.py)
+        snaps = self.cache_plan.allocate_snapshots(1, self.device) if snapshots else None
+        step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device,
+                                 snaps)
+        plain = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
+        # Its kernels compile in threads first (runner/precompile.py).
+        precompile([step, plain] if snapshots else [step])
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del caches, step
+        del caches, snaps, step, plain
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 

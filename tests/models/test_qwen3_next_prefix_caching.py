@@ -220,3 +220,20 @@ def test_snapshot_copies_cross_the_runner_boundary(tiny_ckpt, oracle):
     generate_checked(llm, oracle, [base], llm.engine.vocab_size)
     outs = generate_checked(llm, oracle, [base[:40] + tokens(3, 51), base[:20] + tokens(5, 52)], llm.engine.vocab_size)
     assert [o.num_cached_tokens for o in outs] == [32, 16] and wrapped.num_steps > 5
+
+
+def test_profile_step_saves_its_last_state(tiny_ckpt):
+    """The startup's activation-profile step (run on a GPU before the caches are sized) saves, for a hybrid model with
+    prefix caching, the state after its last token, so the kernels' saving variants compile at startup: that
+    snapshot is the state the step leaves in its slot, conv window and recurrent state alike."""
+    from gyrfalcon.runner.model_runner import profile_step
+
+    runner = LLM(str(tiny_ckpt), block_size=BS).engine.runner
+    caches = runner.cache_plan.allocate(10, 1, runner.device)
+    snaps = runner.cache_plan.allocate_snapshots(1, runner.device)
+    profile_step(runner.model, 70, 4, caches, BS, runner.device, snaps)
+    layers = [i for i, pools in enumerate(snaps) if pools is not None]
+    assert layers and all(caches[i] is not None for i in layers)
+    for i in layers:
+        for slot_pool, snap_pool in zip(caches[i], snaps[i]):
+            assert slot_pool[0].abs().sum() > 0 and torch.equal(snap_pool[0], slot_pool[0])
