@@ -202,4 +202,4 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
         uniform_query_len=int(q_lens[0]) if B and (q_lens == q_lens[0]).all() else 0,
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
         num_seqs=B, state_slots=d32[i_ss:i_ss + NS] if NS else None,
-        state_saves=state_saves_from_table(d32[i_sv:i_sv + NV], B) if NV else None)
+        state_saves=state_saves_from_table(d32[i_sv:i_sv + NV], B, len(state_saves)) if NV else None)

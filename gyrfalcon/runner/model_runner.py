@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
-from gyrfalcon.kernels.gated_delta.saves import state_saves_from_table
+from gyrfalcon.kernels.gated_delta.saves import save_table, state_saves_from_table
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
@@ -70,8 +71,9 @@ def profile_step(model, n: int, sample_rows: int, caches, block_size: int, devic
     snapshot 0, as a prefix-caching step does: the kernels' saving variants compile at startup too."""
     blocks = -(-n // block_size)
     saves = None
-    if state_snapshots is not None:  # save table (kernels/gated_delta/saves.py): seq_loc [0, 1] | seq 0 | row | id 0
-        saves = state_saves_from_table(torch.tensor([0, 1, 0, n - 1, 0], dtype=torch.int32, device=device), 1)
+    if state_snapshots is not None:  # one save: sequence 0, row n - 1, snapshot 0
+        table = torch.from_numpy(save_table([(0, n - 1, 0)], np.array([0, n])))
+        saves = state_saves_from_table(table.to(device), 1, 1)
     fb = ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.int64, device=device),
         positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),

@@ -160,7 +160,7 @@ def _saves_every(lens, stride, first_id=0):
                if t < n]
     triples = [(i, row, first_id + j) for j, (i, row, _) in enumerate(triples)]
     table = save_table(triples, torch.tensor(qsl).numpy())
-    return state_saves_from_table(torch.from_numpy(table).to(DEV), len(lens)), len(triples)
+    return state_saves_from_table(torch.from_numpy(table).to(DEV), len(lens), len(triples)), len(triples)
 
 
 @pytest.mark.parametrize("lens", [[1000, 1, 0, 64, 257], [4100]], ids=["ragged", "one-prompt"])

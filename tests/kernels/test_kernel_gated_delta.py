@@ -168,7 +168,7 @@ def _saves(triples, lens):
     host table (rows as the batch numbers them)."""
     qsl = _qsl(lens)
     table = save_table([(i, int(qsl[i]) + t, sid) for i, t, sid in triples], qsl.cpu().numpy())
-    return state_saves_from_table(torch.from_numpy(table).to(DEVICE), len(lens))
+    return state_saves_from_table(torch.from_numpy(table).to(DEVICE), len(lens), len(triples))
 
 
 # Chunks of 130, 0, 70 and 9 tokens in slots [3, 0, 5, 2]; saves at several tokens of each non-empty one (in no

@@ -27,29 +27,38 @@ class StateSaves(NamedTuple):
         return self.rows.shape[0]
 
 
+def _pad4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def save_table_size(num_seqs: int, num_saves: int) -> int:
+    """int32 words of a save_table: seq_loc, seqs, rows and ids, each section padded to 4 words (16 bytes: Triton
+    compiles a kernel variant per pointer alignment, so no section may start where the batch's shape puts it)."""
+    return _pad4(num_seqs + 1) + 3 * _pad4(num_saves)
+
+
 def save_table(saves: Sequence[Tuple[int, int, int]], query_start_loc: np.ndarray) -> np.ndarray:
-    """[B + 1 + 3 NS] int32: seq_loc | seqs | rows | ids, from (sequence, token row, snapshot id) triples in any
-    order (host side; state_saves_from_table views the device copy). Rows must lie inside their sequence."""
+    """[save_table_size(B, NS)] int32: seq_loc | seqs | rows | ids (16-byte aligned sections), from (sequence, token
+    row, snapshot id) triples in any order (host side; state_saves_from_table views the device copy). Rows must lie
+    inside their sequence."""
     B = len(query_start_loc) - 1
     order = sorted(saves, key=lambda s: (s[0], s[1]))
     n = len(order)
-    out = np.empty(B + 1 + 3 * n, dtype=np.int32)
     seqs = np.fromiter((s[0] for s in order), dtype=np.int64, count=n)
     rows = np.fromiter((s[1] for s in order), dtype=np.int64, count=n)
     if n and not ((seqs >= 0).all() and (seqs < B).all() and (rows >= query_start_loc[seqs]).all()
                   and (rows < query_start_loc[seqs + 1]).all()):
         raise ValueError(f"State saves outside their sequences' rows: {order} (query_start_loc {query_start_loc}).")
-    out[0] = 0
+    out = np.zeros(save_table_size(B, n), dtype=np.int32)
+    o, m = _pad4(B + 1), _pad4(n)
     out[1:B + 1] = np.cumsum(np.bincount(seqs, minlength=B)) if B else ()
-    out[B + 1:B + 1 + n] = seqs
-    out[B + 1 + n:B + 1 + 2 * n] = rows
-    out[B + 1 + 2 * n:] = [s[2] for s in order]
+    out[o:o + n] = seqs
+    out[o + m:o + m + n] = rows
+    out[o + 2 * m:o + 2 * m + n] = [s[2] for s in order]
     return out
 
 
-def state_saves_from_table(table: torch.Tensor, num_seqs: int) -> StateSaves:
-    """Views of a save_table (on any device): [B + 1 + 3 NS] int32 -> StateSaves."""
-    B = num_seqs
-    n = (table.shape[0] - B - 1) // 3
-    o = B + 1
-    return StateSaves(table[:o], table[o:o + n], table[o + n:o + 2 * n], table[o + 2 * n:o + 3 * n])
+def state_saves_from_table(table: torch.Tensor, num_seqs: int, num_saves: int) -> StateSaves:
+    """Views of a save_table (on any device) of num_seqs sequences and num_saves saves -> StateSaves."""
+    o, m, n = _pad4(num_seqs + 1), _pad4(num_saves), num_saves
+    return StateSaves(table[:num_seqs + 1], table[o:o + n], table[o + m:o + m + n], table[o + 2 * m:o + 2 * m + n])

@@ -22,7 +22,9 @@ from gyrfalcon.kernels.gated_delta.saves import StateSaves
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The batch's token and sequence counts are plain runtime ints: specialized (1, multiples of 16) they would
+    # compile new variants as batch shapes change, in the middle of serving (tests/runner/test_jit_specialization.py).
+    @triton.jit(do_not_specialize=["T", "B", "n_search"])
     def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, qsl_ptr, init_ptr, o_ptr, T, C, B, n_search,
                              sx_t, sw_c, sw_k, scs_n, scs_k, so_t,
                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
