@@ -151,12 +151,11 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
     # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables
     # B*W | state slots B (0 without state layers) | the save table (0 without saves)] as int32 packed two per
-    # word. (Each copy costs a launch on
-    # a slow host.) Every section starts on 16 bytes (int64 sections padded to an even length, int32 ones to a
-    # multiple of 4): Triton compiles a kernel per pointer alignment, so a section whose offset followed the
-    # token count would compile new variants in the middle of a run (tests/runner/test_jit_specialization.py).
-    # For the same reason the block table's width (its row stride, an integer Triton specializes on) is padded
-    # to a multiple of 16.
+    # word. (Each copy costs a launch on a slow host.) Every section starts on 16 bytes (int64 sections padded to
+    # an even length, int32 ones to a multiple of 4; the save table's own sections too): Triton compiles a kernel
+    # per pointer alignment, so a section whose offset followed the token count would compile new variants in the
+    # middle of a run (tests/runner/test_jit_specialization.py). For the same reason the block table's width (its
+    # row stride, an integer Triton specializes on) is padded to a multiple of 16.
     S, P, W = len(sample_rows), len(pending_rows), -(-max_blocks // 16) * 16
     NS = 0 if hb.state_slots is None else B
     saves = _save_rows(state_saves, hb) if state_saves else None
