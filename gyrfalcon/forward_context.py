@@ -20,12 +20,23 @@ _local = threading.local()
 class ForwardContext:
     batch: Any  # runner.forward_batch.ForwardBatch
     kv_caches: Any  # kv_caches[layer_idx]: that layer's cache tensors
+    # Hybrid models' prefix caching: state_snapshots[layer_idx], a state layer's (conv, recurrent) snapshot pools,
+    # which the layer writes at batch.state_saves (runner/kv_cache.py allocates them); None without snapshots.
+    state_snapshots: Any = None
+
+    def state_saves(self, layer_idx: int):
+        """(saves, (conv snapshots, recurrent snapshots)) for a state layer this step: the batch's StateSaves
+        (kernels/gated_delta/saves.py) and the layer's pools, or (None, (None, None)) when it saves nothing."""
+        saves = getattr(self.batch, "state_saves", None)
+        if saves is None or self.state_snapshots is None or self.state_snapshots[layer_idx] is None:
+            return None, (None, None)
+        return saves, self.state_snapshots[layer_idx]
 
 
 @contextlib.contextmanager
-def forward_context(batch: Any, kv_caches: Any):
+def forward_context(batch: Any, kv_caches: Any, state_snapshots: Any = None):
     prev = getattr(_local, "ctx", None)
-    _local.ctx = ForwardContext(batch, kv_caches)
+    _local.ctx = ForwardContext(batch, kv_caches, state_snapshots)
     try:
         yield _local.ctx
     finally:

@@ -102,10 +102,11 @@ class ScheduledBatch:
     finished_request_ids: Set[str] = field(default_factory=set)
     num_preempted: int = 0
     # Linear-attention state snapshots (hybrid models' prefix caching, engine/snapshot_pool.py): (snapshot id,
-    # state slot) pairs copied into the slots before the step's forward, (state slot, snapshot id) pairs copied
-    # out of the slots after it (the slot then holds the state at the block boundary the request's chunk ends on).
+    # state slot) pairs copied into the slots before the step's forward; (row, position, snapshot id) triples
+    # written during it: the state of reqs[row] after its first `position` tokens (a block boundary inside the
+    # row's tokens this step, start < position <= start + num_new_tokens), by the layers themselves.
     state_restores: List[Tuple[int, int]] = field(default_factory=list)
-    state_saves: List[Tuple[int, int]] = field(default_factory=list)
+    state_saves: List[Tuple[int, int, int]] = field(default_factory=list)
     # The engine's own Request of each entry of reqs (engine-side bookkeeping; never encoded for a runner).
     requests: List[Any] = field(default_factory=list, repr=False, compare=False)
 

@@ -9,9 +9,9 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 its prompt and the outputs it already has (prefix caching usually makes that cheap).
 
 Models with linear-attention layers (a state slot per request) reuse a cached prefix only where a snapshot of
-their state at that block boundary exists too (engine/snapshot_pool.py): a prefill chunk is cut to end at the
-boundaries where a snapshot is wanted (every `stride` blocks and the prompt's last block boundary), so the state
-in the request's slot after the step IS the boundary's state, and the runner copies it out after the step.
+their state at that block boundary exists too (engine/snapshot_pool.py). A step asks for snapshots at the boundaries
+its prefill chunks cross where one is wanted (every `stride` blocks and the prompt's last block boundary): the
+layers write them during the forward (ScheduledBatch.state_saves), so chunks are never cut for them.
 """
 
 from __future__ import annotations
@@ -138,9 +138,6 @@ class Scheduler:
             num_new = min(remaining + len(spec), budget)
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
-            save = None
-            if self.snapshots is not None and req.num_computed_tokens < req.num_prompt_tokens:  # (not decoding)
-                num_new, save = self._snapshot_boundary(req, req.num_computed_tokens, num_new)
             preempted_self = False
             need = num_new + (self._lookahead(req, num_new) if num_new >= remaining else 0)
             while not bm.allocate_slots(req, need):
@@ -152,9 +149,10 @@ class Scheduler:
                     break
             if preempted_self:
                 break
-            if save is not None:
-                self._save_snapshot(batch, req, save)
+            start = req.num_computed_tokens
             self._commit(batch, req, num_new, num_new >= remaining, spec)
+            if self.snapshots is not None and start < req.num_prompt_tokens:  # (not decoding)
+                self._save_snapshots(batch, req, start, num_new)
             budget -= num_new
             i += 1
 
@@ -182,9 +180,6 @@ class Scheduler:
                 sm = self.state_manager
                 if sm is not None and not sm.num_free_slots:
                     break
-                save = None
-                if self.snapshots is not None:
-                    num_new, save = self._snapshot_boundary(req, num_cached, num_new)
                 if not bm.allocate_slots(req, num_new + (self._lookahead(req, num_new, num_cached)
                                                          if num_new == remaining else 0), hits):
                     break
@@ -202,9 +197,9 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if save is not None:
-                    self._save_snapshot(batch, req, save)
                 self._commit(batch, req, num_new, num_new == remaining, ())
+                if self.snapshots is not None:
+                    self._save_snapshots(batch, req, num_cached, num_new)
                 budget -= num_new
         self.num_preemptions_total += batch.num_preempted
         return batch
@@ -221,32 +216,28 @@ class Scheduler:
                 return hits[:j], h
         return [], None
 
-    def _snapshot_boundary(self, req: Request, start: int, num_new: int):
-        """(num_new, prefix hash to snapshot after the step, or None): `num_new` tokens from position `start` on,
-        cut to end at the first block boundary among them where a snapshot is wanted and missing: every stride-th
-        boundary and the prompt's last one that a later prompt's hit can use, i.e. block
-        (num_prompt_tokens - 1) // block_size (a hit always leaves one token to run). Outputs get none."""
+    def _save_snapshots(self, batch: ScheduledBatch, req: Request, start: int, num_new: int) -> None:
+        """Ask the step just committed for `req` (its last entry in the batch) to snapshot the state at each block
+        boundary in (start, start + num_new] where one is wanted and missing: every stride-th boundary, and the
+        prompt's last one that a later prompt's hit can use, block (num_prompt_tokens - 1) // block_size (a hit
+        always leaves one token to run). Outputs get none. When the pool cannot take them all this step, the
+        deepest ones go first (the prompt's end: a chat's next turn); they are reserved shallowest first, so the
+        prompt's end is the most recently used."""
         bm, pool = self.block_manager, self.snapshots
-        if not pool.can_save():
-            return num_new, None
         bs, stride = bm.block_size, pool.stride
         last = (req.num_prompt_tokens - 1) // bs  # the prompt's last boundary a hit can use (in blocks)
         hi = min((start + num_new) // bs, last)  # the last boundary this step reaches
-        j = start // bs + 1  # the first boundary past start
-        while j <= hi:
-            j = min(-(-j // stride) * stride, last)  # the first wanted boundary from j on
-            if j > hi:
-                break
-            h = bm.prefix_hash(req, j)
-            if not pool.contains(h):
-                return j * bs - start, h
-            j += 1
-        return num_new, None
-
-    def _save_snapshot(self, batch: ScheduledBatch, req: Request, prefix_hash: bytes) -> None:
-        sid = self.snapshots.reserve(prefix_hash)
-        if sid is not None:
-            batch.state_saves.append((req.state_slot, sid))
+        first = start // bs + 1  # the first boundary past start
+        js = list(range(-(-first // stride) * stride, hi + 1, stride))
+        if first <= last <= hi and (not js or js[-1] != last):
+            js.append(last)
+        wanted = [(j, h) for j, h in ((j, bm.prefix_hash(req, j)) for j in js) if not pool.contains(h)]
+        room = pool.num_available
+        if len(wanted) > room:
+            wanted = wanted[len(wanted) - room:]
+        row = len(batch.reqs) - 1
+        for j, h in wanted:
+            batch.state_saves.append((row, j * bs, pool.reserve(h)))
 
     def _lookahead(self, req: Request, num_new: int, num_cached: int = 0) -> int:
         """Lookahead slots for a sampling step of num_new tokens: no further than the request can reach."""

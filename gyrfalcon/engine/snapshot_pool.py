@@ -8,9 +8,10 @@ keyed by the chained block hash of the prefix it ends (engine/block_manager.py),
 exactly (j + 1) * block_size tokens when it is keyed by block j's hash.
 
 The copies themselves are the runner's, ordered through the plain-data batch (ScheduledBatch.state_restores
-before the step's forward, state_saves after it). A save scheduled in step N is only on the device once step
-N has run, so it stays `pending` (neither restorable nor evictable) until the scheduler starts step N + 1: a
-request admitted in the same step as the save would otherwise read the snapshot before it is written.
+copied into slots before the step's forward, state_saves written by the Gated DeltaNet layers during it, at block
+boundaries inside the step's prefill chunks). A save scheduled in step N is only on the device once step N has
+run, so it stays `pending` (neither restorable nor evictable) until the scheduler starts step N + 1: a request
+admitted in the same step as the save would otherwise read the snapshot before it is written.
 
 Ready snapshots sit in an LRU order of their own (restores refresh them; the head is evicted for a new save).
 Nothing else holds a snapshot: a request that restores one copies it into its own slot, so preemption and
@@ -64,8 +65,10 @@ class SnapshotPool:
         self._ready.move_to_end(prefix_hash)
         self.num_restores += 1
 
-    def can_save(self) -> bool:
-        return bool(self._free or self._ready)
+    @property
+    def num_available(self) -> int:
+        """Snapshots a step can still reserve: free ones and ready ones (evicted); pending ones are taken."""
+        return len(self._free) + len(self._ready)
 
     def reserve(self, prefix_hash: bytes) -> Optional[int]:
         """An id for a new snapshot of this prefix, taken by the step being scheduled: a free one, else the

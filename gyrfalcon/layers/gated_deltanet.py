@@ -128,17 +128,22 @@ class GatedDeltaNet(nn.Module):
         # [B]: a step that starts past position 0 continues the request's state (its earlier chunks' or tokens');
         # one at position 0 (a new or recomputed request, a one-token prompt's decode-shaped step) starts at zero.
         has_initial = batch.seq_lens > (qsl[1:] - qsl[:-1])
-        if batch.is_decode:
+        # Hybrid prefix caching: states at block boundaries inside this step's chunks, written by the prefill ops
+        # into the snapshot pools (a one-token chunk that ends on a boundary takes that path too).
+        saves, (conv_snaps, state_snaps) = ctx.state_saves(self.layer_idx)
+        decode = batch.is_decode and saves is None
+        if decode:
             mixed = causal_conv1d_update(mixed, w, conv_states, slots, has_initial)
         else:
-            mixed = causal_conv1d(mixed, w, conv_states, slots, qsl, has_initial)
+            mixed = causal_conv1d(mixed, w, conv_states, slots, qsl, has_initial, conv_snaps, saves)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        if batch.is_decode:
+        if decode:
             o = gated_delta_decode(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, has_initial)
         else:
-            o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial)
+            o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial,
+                                    state_snaps, saves)
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from gyrfalcon.kernels.gated_delta.saves import StateSaves, save_table, state_saves_from_table
+
 
 @dataclass
 class ForwardBatch:
@@ -38,6 +40,9 @@ class ForwardBatch:
     # [B] int32: each sequence's slot in the linear-attention layers' state pools (runner/kv_cache.py), for models
     # with a "state" cache group; else None.
     state_slots: Optional[torch.Tensor] = None
+    # Hybrid prefix caching's in-step snapshots (ScheduledBatch.state_saves as token rows of this batch: the
+    # linear-attention layers write them during the forward), or None on a step that saves none.
+    state_saves: Optional[StateSaves] = None
 
     @property
     def num_tokens(self) -> int:
@@ -124,11 +129,18 @@ def pack_host_batch(sched_reqs, block_size: int, last_rows: Optional[Dict[str, i
                      pending_rows, pending_src, state_slots)
 
 
+def _save_rows(state_saves, hb: HostBatch) -> np.ndarray:
+    """ScheduledBatch.state_saves ((request row, prefix length, snapshot id), the prefix ending inside the row's
+    tokens this step) -> the save_table of (sequence, token row of the prefix's last token, snapshot id)."""
+    qsl, starts = hb.query_start_loc, hb.seq_lens - hb.q_lens
+    return save_table([(i, int(qsl[i] + pos - starts[i]) - 1, sid) for i, pos, sid in state_saves], qsl)
+
+
 def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
                         last_rows: Optional[Dict[str, int]] = None,
-                        last_sampled: Optional[torch.Tensor] = None) -> ForwardBatch:
+                        last_sampled: Optional[torch.Tensor] = None, state_saves=()) -> ForwardBatch:
     """Host-side preparation (pack_host_batch), then one copy for all the tensors. A pending token is
-    read on the device from `last_sampled`."""
+    read on the device from `last_sampled`. state_saves: ScheduledBatch.state_saves."""
     hb = pack_host_batch(sched_reqs, block_size, last_rows)
     T, B = hb.num_tokens, hb.num_seqs
     input_ids, positions, slot_mapping = hb.input_ids, hb.positions, hb.slot_mapping
@@ -138,16 +150,18 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
 
     # One host buffer, one copy to the device: [input_ids T | positions T | slot_mapping T | logits_indices S
     # | pending rows P | pending sources P] as int64, then [query_start_loc B+1 | seq_lens B | block_tables
-    # B*W | state slots B (0 without state layers)] as int32 packed two per word. (Each copy costs a launch on
-    # a slow host.) Every section starts on 16 bytes (int64 sections padded to an even length, int32 ones to a
-    # multiple of 4): Triton compiles a kernel per pointer alignment, so a section whose offset followed the
-    # token count would compile new variants in the middle of a run (tests/runner/test_jit_specialization.py).
-    # For the same reason the block table's width (its row stride, an integer Triton specializes on) is padded
-    # to a multiple of 16.
+    # B*W | state slots B (0 without state layers) | the save table (0 without saves)] as int32 packed two per
+    # word. (Each copy costs a launch on a slow host.) Every section starts on 16 bytes (int64 sections padded to
+    # an even length, int32 ones to a multiple of 4; the save table's own sections too): Triton compiles a kernel
+    # per pointer alignment, so a section whose offset followed the token count would compile new variants in the
+    # middle of a run (tests/runner/test_jit_specialization.py). For the same reason the block table's width (its
+    # row stride, an integer Triton specializes on) is padded to a multiple of 16.
     S, P, W = len(sample_rows), len(pending_rows), -(-max_blocks // 16) * 16
     NS = 0 if hb.state_slots is None else B
+    saves = _save_rows(state_saves, hb) if state_saves else None
+    NV = 0 if saves is None else len(saves)
     sizes64 = (T, T, T, S, P, P)
-    sizes32 = (B + 1, B, B * W, NS)
+    sizes32 = (B + 1, B, B * W, NS, NV)
     offs64, offs32, o = [], [], 0
     for n in sizes64:
         offs64.append(o)
@@ -170,10 +184,12 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
     bt[:, max_blocks:] = 0
     if NS:
         h32[offs32[3]:offs32[3] + NS] = hb.state_slots
+    if NV:
+        h32[offs32[4]:offs32[4] + NV] = saves
     dev = host.to(device, non_blocking=True) if device.type == "cuda" else host
     d32 = dev[n64:].view(torch.int32)
     i_ids, i_pos, i_slot, i_sample, i_prow, i_psrc = offs64
-    i_qsl, i_sl, i_bt, i_ss = offs32
+    i_qsl, i_sl, i_bt, i_ss, i_sv = offs32
     ids = dev[i_ids:i_ids + T]
     if pending_rows:
         ids[dev[i_prow:i_prow + P]] = last_sampled[dev[i_psrc:i_psrc + P]]
@@ -184,4 +200,5 @@ def build_forward_batch(sched_reqs, block_size: int, device: torch.device,
         is_decode=bool(B > 0 and (q_lens == 1).all()),
         uniform_query_len=int(q_lens[0]) if B and (q_lens == q_lens[0]).all() else 0,
         max_query_len=int(q_lens.max()) if B else 0, max_seq_len=int(seq_lens.max()) if B else 0,
-        num_seqs=B, state_slots=d32[i_ss:i_ss + NS] if NS else None)
+        num_seqs=B, state_slots=d32[i_ss:i_ss + NS] if NS else None,
+        state_saves=state_saves_from_table(d32[i_sv:i_sv + NV], B, len(state_saves)) if NV else None)

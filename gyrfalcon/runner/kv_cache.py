@@ -10,7 +10,8 @@ so a block id costs `bytes_per_block` over all of them.
 
 A model with linear-attention layers and prefix caching also gets state snapshots (engine/snapshot_pool.py):
 per state layer a (conv [num_snapshots, *conv_shape], recurrent [num_snapshots, *recurrent_shape]) pair beside
-the slot pools, copied to and from slots by copy_states. They take SNAPSHOT_MEMORY_SHARE of the cache memory.
+the slot pools: restored into slots by copy_states, written by the layers themselves during a prefill step
+(ForwardBatch.state_saves). They take SNAPSHOT_MEMORY_SHARE of the cache memory.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def copy_states(src: Sequence[Optional[Any]], dst: Sequence[Optional[Any]], pair
                 device) -> None:
     """For every state layer (non-None in both per-layer lists): dst's row j <- src's row i for each (i, j) in
     `pairs` (distinct j), conv window and recurrent state alike. Slot pools and snapshot pools both index rows on
-    dim 0, so a restore is copy_states(snapshots, caches, ...) and a save copy_states(caches, snapshots, ...)."""
+    dim 0: a prefix hit's restore is copy_states(snapshots, caches, ...) (saves need no copy: the Gated DeltaNet
+    kernels write the snapshots at their token rows during the forward)."""
     idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
     if torch.device(device).type == "cuda":  # pinned and non-blocking: a pageable copy would wait for the device
         idx = idx.pin_memory().to(device, non_blocking=True)

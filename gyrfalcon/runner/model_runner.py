@@ -10,10 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
+from gyrfalcon.kernels.gated_delta.saves import save_table, state_saves_from_table
 from gyrfalcon.models.loader import load_model
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
@@ -64,10 +66,17 @@ def start_device_init(device: str) -> Optional[threading.Thread]:
     return t
 
 
-def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device) -> None:
+def profile_step(model, n: int, sample_rows: int, caches, block_size: int, device: torch.device,
+                 state_snapshots=None) -> None:
     """The largest step a startup runs eagerly (ModelRunner's activation profile): one prompt of n tokens
-    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows."""
+    in `caches` (blocks 0..), then logits and a softmax for its first `sample_rows` rows. With state_snapshots
+    (a hybrid model's snapshot pools, one snapshot), the step also saves the state after its last token into
+    snapshot 0, as a prefix-caching step does: the kernels' saving variants compile at startup too."""
     blocks = -(-n // block_size)
+    saves = None
+    if state_snapshots is not None:  # one save: sequence 0, row n - 1, snapshot 0
+        table = torch.from_numpy(save_table([(0, n - 1, 0)], np.array([0, n])))
+        saves = state_saves_from_table(table.to(device), 1, 1)
     fb = ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.int64, device=device),
         positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
@@ -76,8 +85,9 @@ def profile_step(model, n: int, sample_rows: int, caches, block_size: int, devic
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
         logits_indices=torch.arange(min(n, sample_rows), device=device),
         is_decode=False, max_query_len=n, max_seq_len=n, num_seqs=1,
-        state_slots=torch.zeros(1, dtype=torch.int32, device=device))  # (`caches` has one state slot)
-    with torch.inference_mode(), forward_context(fb, caches):
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device),  # (`caches` has one state slot)
+        state_saves=saves)
+    with torch.inference_mode(), forward_context(fb, caches, state_snapshots):
         hidden = model(fb.input_ids, fb.positions)
         model.compute_logits(hidden[fb.logits_indices]).softmax(-1)
 
@@ -226,7 +236,7 @@ class ModelRunner:
             return self.cache_plan.split_budget(int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = self._profile_activation_peak()
+        peak = self._profile_activation_peak(snapshots)
         budget = total * cc.gpu_memory_utilization - (total - free) - peak - state_bytes
         if budget < self.bytes_per_block:
             raise RuntimeError(
@@ -235,20 +245,25 @@ class ModelRunner:
                 "raise gpu_memory_utilization or lower max_num_batched_tokens.")
         return self.cache_plan.split_budget(int(budget), snapshots)
 
-    def _profile_activation_peak(self) -> int:
-        """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens."""
+    def _profile_activation_peak(self, snapshots: bool = False) -> int:
+        """Peak extra memory of the largest step: a prefill of max_num_batched_tokens tokens (saving a state
+        snapshot when `snapshots`: hybrid prefix caching; the variants without saves are compiled too)."""
         sc = self.config.scheduler_config
         n = min(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
         blocks = -(-n // self.block_size)
         caches = self.cache_plan.allocate(blocks, 1, self.device)  # (the peak is measured above them)
-        step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
-        precompile([step])  # its kernels compile in threads first (runner/precompile.py)
+        snaps = self.cache_plan.allocate_snapshots(1, self.device) if snapshots else None
+        step = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device,
+                                 snaps)
+        plain = functools.partial(profile_step, self.model, n, sc.max_num_seqs, caches, self.block_size, self.device)
+        # Its kernels compile in threads first (runner/precompile.py).
+        precompile([step, plain] if snapshots else [step])
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del caches, step
+        del caches, snaps, step, plain
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 
@@ -288,25 +303,27 @@ class ModelRunner:
                     drafts_before.append(())
         # prompt_logprobs need every row's hidden state: such steps run eagerly.
         plp_rows = self._prompt_logprob_rows(rows)
-        if not plp_rows and self.graph_runner is not None and self.graph_runner.can_run(rows):
+        # A step that writes state snapshots (hybrid prefix caching, prefill chunks only) runs eagerly: its save
+        # rows are no static input of a captured graph.
+        eager = bool(plp_rows) or bool(batch.state_saves)
+        if not eager and self.graph_runner is not None and self.graph_runner.can_run(rows):
             # Every row samples (a decode step, or a verify step: all 1 + k rows).
             hidden = self.graph_runner.run(rows, self.last_rows)
             if getattr(self.proposer, "uses_target_hidden", False):
                 handle.aux_hidden = self.model.model.aux_hidden
-        elif not plp_rows and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
+        elif not eager and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))
         else:
-            fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled)
-            with forward_context(fb, self.kv_caches):
+            fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled,
+                                     batch.state_saves)
+            with forward_context(fb, self.kv_caches, self.state_snapshots):
                 hidden = self.model(fb.input_ids, fb.positions)
             if getattr(self.proposer, "uses_target_hidden", False):
                 handle.aux_hidden = self.model.model.aux_hidden
             if plp_rows:
                 handle.prompt_lp = self._prompt_logprobs(hidden, rows, plp_rows)
             hidden = hidden[fb.logits_indices] if sample_reqs else None
-        if batch.state_saves:  # the slots now hold the state at the block boundary their chunk ended on
-            copy_states(self.kv_caches, self.state_snapshots, batch.state_saves, self.device)
         if not sample_reqs:
             if handle.prompt_lp is not None and self.device.type == "cuda":
                 handle.event = torch.cuda.Event()

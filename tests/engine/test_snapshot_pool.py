@@ -1,6 +1,7 @@
 """Hybrid models' prefix caching on the engine side, without a model: the SnapshotPool's bookkeeping (pending saves,
-LRU eviction) and the scheduler's use of it (chunks cut at the wanted block boundaries, saves and restores in the
-plain-data batch, hits only where both the KV blocks and a snapshot exist, slots freed on abort and preemption)."""
+LRU eviction) and the scheduler's use of it (in-step saves at the wanted block boundaries with no chunk cut, saves and
+restores in the plain-data batch, hits only where both the KV blocks and a snapshot exist, slots freed on abort and
+preemption)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_pool_pending_lru_and_eviction():
     b = pool.reserve(b"b")
     assert {a, b} == {0, 1} and pool.contains(b"a") and pool.contains(b"b")
     # Saved by the step being scheduled: not restorable, and not evictable either (no id left this step).
-    assert pool.lookup(b"a") is None and pool.reserve(b"c") is None and not pool.can_save()
+    assert pool.lookup(b"a") is None and pool.reserve(b"c") is None and pool.num_available == 0
     pool.begin_step()
     assert pool.lookup(b"a") == a and pool.lookup(b"b") == b
     pool.touch(b"a")  # a restore: "b" becomes the least recently used
@@ -75,22 +76,37 @@ def chunks(batches, rid):
             sr.start < 1000]
 
 
-def test_chunks_end_on_snapshot_boundaries_and_saves_are_in_the_batch():
+def test_prompt_runs_in_one_step_with_its_saves_inside():
     """stride 2 blocks of 4 tokens, a 21-token prompt: snapshots after blocks 2 and 4 (the stride) and 5 (the prompt's
-    last boundary a hit can use), each a chunk end; the rest of the prompt runs after them and samples."""
+    last boundary a hit can use), all asked of the one step that runs the whole prompt (no chunk cut for them)."""
     s, bm, sm = make(stride=2)
     s.add_request(req("a", BASE[:21]))
     batches = run_all(s)
-    assert chunks(batches, "a")[:4] == [(0, 8), (8, 8), (16, 4), (20, 1)]
-    saves = [b.state_saves for b in batches[:4]]
-    assert [len(x) for x in saves] == [1, 1, 1, 0]
-    assert all(slot == 0 for x in saves[:3] for slot, _ in x)
-    assert len({sid for x in saves[:3] for _, sid in x}) == 3
-    assert not any(b.state_restores for b in batches)
-    # The runner can live in another process: the copies survive the codec.
+    assert chunks(batches, "a")[:2] == [(0, 21), (21, 1)]
+    saves = batches[0].state_saves
+    assert [(row, pos) for row, pos, _ in saves] == [(0, 8), (0, 16), (0, 20)]
+    assert len({sid for _, _, sid in saves}) == 3
+    assert not any(b.state_saves for b in batches[1:]) and not any(b.state_restores for b in batches)
+    # The runner can live in another process: the saves survive the codec.
     again = decode_batch(encode_batch(batches[0]))
-    assert again.state_saves == batches[0].state_saves and again.state_restores == []
+    assert again.state_saves == saves and again.state_restores == []
     assert sm.num_free_slots == 4 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_budget_cut_chunks_save_the_boundaries_they_cross():
+    """Chunks cut by the token budget (7 tokens) at no boundary: each asks for the boundaries inside it, on the row
+    it occupies in a batch shared with another request's chunks."""
+    s, bm, _ = make(stride=1, budget=7)
+    s.add_request(req("x", [200 + i for i in range(3)]))
+    s.add_request(req("a", BASE[:18]))
+    batches = run_all(s)
+    rows = {}
+    for b in batches:
+        for row, pos, _ in b.state_saves:
+            sr = b.reqs[row]
+            assert sr.request_id == "a" and sr.start < pos <= sr.start + sr.num_new_tokens
+            rows.setdefault(pos, (sr.start, sr.num_new_tokens))
+    assert rows == {4: (0, 4), 8: (4, 6), 12: (10, 7), 16: (10, 7)}
 
 
 @pytest.mark.parametrize("shared_blocks", [1, 2, 3, 5])
@@ -103,8 +119,8 @@ def test_hit_restores_the_longest_snapshotted_prefix(shared_blocks):
     first = run_all(s)
     saved = {}  # boundary (tokens) -> snapshot id
     for b in first:
-        for (slot, sid), sr in zip(b.state_saves, b.reqs):
-            saved[sr.start + sr.num_new_tokens] = sid
+        for _, pos, sid in b.state_saves:
+            saved[pos] = sid
     assert sorted(saved) == [4, 8, 12, 16, 20]  # (24 - 1) // 4 = 5 boundaries
     n = shared_blocks * BS
     s.add_request(req("b", BASE[:n] + [200 + i for i in range(7)]))
@@ -135,9 +151,9 @@ def test_no_hit_without_a_snapshot_and_none_in_the_saving_step():
     s.add_request(req("a", BASE[:9]))
     s.add_request(req("b", BASE[:9]))
     b = run_step(s)
-    # Both want the boundary after 8 tokens; the second finds it pending: no cut, no save, no restore.
-    assert [(sr.request_id, sr.start, sr.num_new_tokens) for sr in b.reqs] == [("a", 0, 8), ("b", 0, 9)]
-    assert len(b.state_saves) == 1 and not b.state_restores
+    # Both want the boundary after 8 tokens; the second finds it pending: no save, no restore.
+    assert [(sr.request_id, sr.start, sr.num_new_tokens) for sr in b.reqs] == [("a", 0, 9), ("b", 0, 9)]
+    assert [(row, pos) for row, pos, _ in b.state_saves] == [(0, 8)] and not b.state_restores
     run_all(s)
     s.add_request(req("c", BASE[:9]))
     b = run_step(s)
@@ -150,20 +166,24 @@ def test_no_hit_without_a_snapshot_and_none_in_the_saving_step():
 
 
 def test_tiny_pool_evicts_least_recent_and_hits_fall_back():
-    """Two snapshots for prompts that want more: the least recently used are evicted, a later request hits the
-    longest prefix whose snapshot survived (or none), never an evicted one."""
+    """Two snapshots for prompts that want more: a step keeps the deepest boundaries it can, later saves evict the
+    least recently used, a later request hits the longest prefix whose snapshot survived (or none), never an evicted
+    one."""
     s, bm, _ = make(num_snapshots=2, stride=1)
-    s.add_request(req("a", BASE[:17]))  # boundaries 4, 8, 12, 16: the last two survive
+    s.add_request(req("a", BASE[:17]))  # boundaries 4, 8, 12, 16 in one step: the pool takes the last two
+    b = run_step(s)
+    assert [pos for _, pos, _ in b.state_saves] == [12, 16]
     run_all(s)
-    assert s.snapshots.num_evictions == 2 and s.snapshots.num_cached == 2
-    s.add_request(req("b", BASE[:10] + [250, 251, 252]))  # shares 2 blocks: their snapshots are gone
+    assert s.snapshots.num_evictions == 0 and s.snapshots.num_cached == 2
+    s.add_request(req("b", BASE[:10] + [250, 251, 252]))  # shares 2 blocks: no snapshot of them
     b = run_step(s)
     assert b.reqs[0].start == 0 and not b.state_restores
+    # b wants 4, 8 and its own 12; the pool gives it the deepest two, evicting a's 12 and 16.
+    assert [pos for _, pos, _ in b.state_saves] == [8, 12]
     run_all(s)
-    # b saved 4 (evicting a's 12), 8 (evicting 16) and its own 12 (evicting 4): c shares 3 cached KV blocks with a,
-    # but only the boundary after 8 tokens still has a snapshot.
+    # c shares 3 cached KV blocks with a, but only the boundary after 8 tokens has a snapshot (b's).
     s.add_request(req("c", BASE[:14] + [260]))
-    assert len(bm.get_computed_blocks(s.waiting[0])) == 3 and s.snapshots.num_evictions == 5
+    assert len(bm.get_computed_blocks(s.waiting[0])) == 3 and s.snapshots.num_evictions == 2
     b = run_step(s)
     assert b.reqs[0].start == 8
     h = bm.prefix_hash(b.requests[0], 2)
@@ -173,19 +193,19 @@ def test_tiny_pool_evicts_least_recent_and_hits_fall_back():
 def test_abort_and_preemption_free_slots_and_keep_snapshots():
     """Aborting mid-prefill frees the slot (its saved snapshots stay: they are cache entries, valid for the prefix);
     a preempted request comes back through its own snapshots."""
-    s, bm, sm = make(stride=1, num_blocks=64, slots=2)
+    s, bm, sm = make(stride=1, num_blocks=64, slots=2, budget=6)
     s.add_request(req("a", BASE[:20], max_tokens=3))
-    run_step(s)
-    run_step(s)
+    b1, b2 = run_step(s), run_step(s)  # tokens 0..5 and 6..11
+    assert [pos for b in (b1, b2) for _, pos, _ in b.state_saves] == [4, 8, 12]
     assert sm.num_free_slots == 1
     s.finish_request("a")
     assert sm.num_free_slots == 2
     run_step(s)  # the step the abort is reported in makes the saves restorable
     s.add_request(req("b", BASE[:20]))
     b = run_step(s)
-    assert b.reqs[0].start == 8 and len(b.state_restores) == 1  # a's two saved boundaries
-    # Preemption: b loses its slot and blocks, and on re-admission restores the deepest boundary it saved itself
-    # (16: the boundaries after 12 and 16 tokens were its own chunk ends).
+    assert b.reqs[0].start == 12 and len(b.state_restores) == 1  # the deepest boundary a saved
+    assert [pos for _, pos, _ in b.state_saves] == [16]
+    # Preemption: b loses its slot and blocks, and on re-admission restores the deepest boundary it saved itself.
     run_step(s)
     victim = s.running[-1]
     s.running.pop()
@@ -235,8 +255,9 @@ def test_stride_flag_and_default_from_memory():
 class StateTrackingRunner:
     """A runner without a model that tracks what each state slot and snapshot holds: the token prefix a Gated
     DeltaNet state would summarize. A step starting at position p > 0 must find exactly tokens[:p] in its slot (a
-    snapshot restored into it, or its own earlier chunks); a save must copy a block-aligned prefix. Tokens are a
-    function of (request, position), sampled at launch (so async scheduling sees them in flight)."""
+    snapshot restored into it, or its own earlier chunks); a save must name a block boundary inside its row's tokens
+    this step, and holds that prefix. Tokens are a function of (request, position), sampled at launch (so async
+    scheduling sees them in flight)."""
 
     def __init__(self, num_blocks, num_slots, num_snapshots, stride, block_size):
         self.num_blocks, self.num_state_slots = num_blocks, num_slots
@@ -272,9 +293,10 @@ class StateTrackingRunner:
                 sampled.append([toks[-1]])
             else:
                 sampled.append([])
-        for slot, sid in batch.state_saves:
-            assert len(self.slots[slot]) % self.block_size == 0
-            self.snaps[sid] = self.slots[slot]
+        for row, pos, sid in batch.state_saves:
+            sr = batch.reqs[row]
+            assert pos % self.block_size == 0 and sr.start < pos <= sr.start + sr.num_new_tokens, (sr, pos)
+            self.snaps[sid] = tuple(self.tokens[sr.request_id][:pos])
         return SimpleNamespace(batch=batch, out=RunnerOutput(sampled, [()] * len(sampled)))
 
     def complete(self, handle):

@@ -1,7 +1,8 @@
 """The Gated DeltaNet Triton kernels vs their references on a GPU at Qwen3.5-397B-A17B's linear-attention dims
 (16 key heads x 128, 64 value heads x 128, conv width 4: 12288 conv channels), bf16 activations over fp32 states;
 the decode step and the conv update also inside a captured CUDA graph; the chunked prefill over a ragged batch and
-one long prompt; and a tiny Qwen3-Next served with decode graphs (state slots as static inputs) against eager."""
+one long prompt; in-step state snapshots (hybrid prefix caching) from both prefill kernels; and a tiny Qwen3-Next
+served with decode graphs (state slots as static inputs) against eager."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_trit
                                            causal_conv1d_update_ref, causal_conv1d_update_triton,
                                            gated_delta_decode_ref, gated_delta_decode_triton,
                                            gated_delta_prefill_ref, gated_delta_prefill_triton, gated_rms_norm_ref,
-                                           gated_rms_norm_triton)
+                                           gated_rms_norm_triton, save_table, state_saves_from_table)
 
 pytestmark = pytest.mark.gpu
 
@@ -147,6 +148,60 @@ def test_prefill_real_dims(lens):
     torch.testing.assert_close(got, want, **TOL)
     assert torch.equal(got_pool.isnan(), want_pool.isnan())
     torch.testing.assert_close(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0), **PREFILL_STATE_TOL)
+
+
+def _saves_every(lens, stride, first_id=0):
+    """StateSaves after every `stride`-th token of each chunk (and its first two: windows still partly from the
+    slot), ids in order -> (saves, number of saves)."""
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    triples = [(i, qsl[i] + t, 0) for i, n in enumerate(lens) for t in sorted({0, 1, *range(stride - 1, n, stride)})
+               if t < n]
+    triples = [(i, row, first_id + j) for j, (i, row, _) in enumerate(triples)]
+    table = save_table(triples, torch.tensor(qsl).numpy())
+    return state_saves_from_table(torch.from_numpy(table).to(DEV), len(lens), len(triples)), len(triples)
+
+
+@pytest.mark.parametrize("lens", [[1000, 1, 0, 64, 257], [4100]], ids=["ragged", "one-prompt"])
+def test_prefill_saves_real_dims(lens):
+    """In-step snapshots every 16 tokens (block boundaries inside and at the ends of 64-token chunks) at real dims:
+    the kernel's states against the reference's, and the step's outputs and final states exactly as without saves."""
+    B, T = len(lens), sum(lens)
+    slots, init = _slots_and_init(B)
+    qsl = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+    q, k, v, a, b = _qkv_ab(*_projection(T))
+    A_log, dt_bias = _gating_params()
+    saves, n = _saves_every(lens, 16)
+    pool = _poison(0.05 * torch.randn(NUM_SLOTS, HV, DK, DV, device=DEV), slots, init)
+    want_pool, got_pool, plain_pool = pool.clone(), pool.clone(), pool.clone()
+    want_snaps = torch.full((n, HV, DK, DV), float("nan"), device=DEV)
+    got_snaps = want_snaps.clone()
+    gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init, want_snaps, saves)
+    got = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init, got_snaps, saves)
+    plain = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, plain_pool, slots, qsl, init)
+    assert torch.equal(got, plain)
+    assert torch.equal(got_pool.nan_to_num(0.0), plain_pool.nan_to_num(0.0))
+    assert not got_snaps.isnan().any()
+    torch.testing.assert_close(got_snaps, want_snaps, **PREFILL_STATE_TOL)
+
+
+@pytest.mark.parametrize("lens", [[1000, 1, 0, 3, 257], [4096]], ids=["ragged", "one-prompt"])
+def test_conv_saves_real_dims(lens):
+    B = len(lens)
+    slots, init = _slots_and_init(B)
+    qsl = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+    x = _projection(sum(lens))[0][:, :CONV_DIM]
+    w = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16)
+    saves, n = _saves_every(lens, 16)
+    pool = _poison(torch.randn(NUM_SLOTS, K - 1, CONV_DIM, device=DEV, dtype=BF16), slots, init)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want_snaps = torch.zeros(n, K - 1, CONV_DIM, device=DEV, dtype=BF16)
+    got_snaps = want_snaps.clone()
+    causal_conv1d_ref(x, w, want_pool, slots, qsl, init, want_snaps, saves)
+    causal_conv1d_triton(x, w, got_pool, slots, qsl, init, got_snaps, saves)
+    assert torch.equal(got_snaps, want_snaps)  # windows are copies of the inputs
+    assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("B", [1, 64])

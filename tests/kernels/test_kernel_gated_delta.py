@@ -1,7 +1,8 @@
 """The Gated DeltaNet Triton kernels against their plain-torch references (kernels/gated_delta/naive.py), under the
 interpreter on a CPU: ragged batches (lengths not multiples of 64, an empty chunk, chunks shorter than the conv
 window), slots out of order ([3, 0, 5, ...]), states carried in and written back, GVA ratios 1 and 2, fp32 and bf16
-inputs over fp32 states, rows sliced out of a wider projection."""
+inputs over fp32 states, rows sliced out of a wider projection; in-step state snapshots (StateSaves) at several
+token rows per sequence, checked against the references run on the prefixes alone."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 from gyrfalcon.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_triton, causal_conv1d_update_ref,
                                            causal_conv1d_update_triton, gated_delta_decode_ref,
                                            gated_delta_decode_triton, gated_delta_prefill_ref,
-                                           gated_delta_prefill_triton, gated_rms_norm_ref, gated_rms_norm_triton)
+                                           gated_delta_prefill_triton, gated_rms_norm_ref, gated_rms_norm_triton,
+                                           save_table, state_saves_from_table)
 from kernels_testutil import DEVICE, TOL, requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -161,6 +163,80 @@ def test_prefill_then_decode_continue_the_state():
     _assert_pools(got_pool, want_pool)
 
 
+def _saves(triples, lens):
+    """StateSaves for (sequence, token index in the sequence's chunk, snapshot id) triples, through the runner's
+    host table (rows as the batch numbers them)."""
+    qsl = _qsl(lens)
+    table = save_table([(i, int(qsl[i]) + t, sid) for i, t, sid in triples], qsl.cpu().numpy())
+    return state_saves_from_table(torch.from_numpy(table).to(DEVICE), len(lens), len(triples))
+
+
+# Chunks of 130, 0, 70 and 9 tokens in slots [3, 0, 5, 2]; saves at several tokens of each non-empty one (in no
+# particular order): chunk ends (63, 127), a chunk's first token (64, 0), its last (129, 8), mid-chunk (70, 5), the
+# first tokens (0, 1, 2: windows still partly from the slot or zeros).
+SAVE_LENS = [130, 0, 70, 9]
+SAVE_TRIPLES = [(0, 129, 6), (0, 15, 0), (0, 63, 2), (0, 64, 3), (0, 127, 5), (2, 0, 7), (2, 69, 8), (2, 40, 1),
+                (3, 5, 4), (3, 8, 9), (3, 1, 10), (0, 70, 11), (3, 2, 12)]
+SAVE_INIT = [True, False, False, True]
+NUM_SNAPSHOTS = 14
+
+
+@pytest.mark.parametrize("H,HV", [(2, 2), (1, 2)], ids=["gva1", "gva2"])
+def test_prefill_saves_are_the_states_of_the_prefixes(H, HV):
+    """The reference's in-step snapshots are the final states of the same sequences cut after the saved token (each
+    prefix run on its own from the same initial state); saving changes no output and no final state."""
+    dk, dv = 16, 24
+    qsl = _qsl(SAVE_LENS)
+    slots = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor(SAVE_INIT, device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = _token_inputs(sum(SAVE_LENS), H, HV, dk, dv, torch.float32)
+    pool = _slot_pool((HV, dk, dv), torch.float32, init, slots)
+    plain_pool, saved_pool = pool.clone(), pool.clone()
+    snaps = torch.full((NUM_SNAPSHOTS, HV, dk, dv), float("nan"), device=DEVICE)
+    plain = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, plain_pool, slots, qsl, init)
+    got = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, saved_pool, slots, qsl, init, snaps,
+                                  _saves(SAVE_TRIPLES, SAVE_LENS))
+    assert torch.equal(got, plain) and torch.equal(saved_pool.isnan(), plain_pool.isnan())
+    assert torch.equal(saved_pool.nan_to_num(0.0), plain_pool.nan_to_num(0.0))
+    for i, t, sid in SAVE_TRIPLES:
+        s = int(qsl[i])
+        one = pool[slots[i].long()].clone().unsqueeze(0)
+        rows = slice(s, s + t + 1)
+        gated_delta_prefill_ref(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias, one,
+                                torch.zeros(1, dtype=torch.int32, device=DEVICE), _qsl([t + 1]), init[i:i + 1])
+        torch.testing.assert_close(snaps[sid], one[0], **STATE_TOL)
+    assert snaps[13].isnan().all()  # an id no save names
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,HV", [(2, 2), (1, 2)], ids=["gva1", "gva2"])
+def test_prefill_saves_match_reference(dtype, H, HV):
+    """The kernel's in-step snapshots against the reference's (ragged chunks of 130, 0, 70, 9 tokens, 2 to 5 saves
+    each at chunk ends, chunk starts and mid-chunk, two sequences from their slots' states); outputs and final states
+    as without saves."""
+    dk, dv = 16, 24
+    qsl = _qsl(SAVE_LENS)
+    slots = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor(SAVE_INIT, device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = _token_inputs(sum(SAVE_LENS), H, HV, dk, dv, dtype)
+    pool = _slot_pool((HV, dk, dv), torch.float32, init, slots)
+    want_pool, got_pool, plain_pool = pool.clone(), pool.clone(), pool.clone()
+    snaps = torch.full((NUM_SNAPSHOTS, HV, dk, dv), float("nan"), device=DEVICE)
+    want_snaps, got_snaps = snaps.clone(), snaps.clone()
+    saves = _saves(SAVE_TRIPLES, SAVE_LENS)
+    want = gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, want_pool, slots, qsl, init, want_snaps, saves)
+    got = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, got_pool, slots, qsl, init, got_snaps, saves,
+                                     block_v=16 if H == HV else None)
+    plain = gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, plain_pool, slots, qsl, init,
+                                       block_v=16 if H == HV else None)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got, plain) and torch.equal(got_pool.nan_to_num(0.0), plain_pool.nan_to_num(0.0))
+    _assert_pools(got_pool, want_pool)
+    _assert_pools(got_snaps, want_snaps)
+    assert not got_snaps[:13].isnan().any() and got_snaps[13].isnan().all()
+
+
 # ---- the causal conv1d ---------------------------------------------------------------------------------------------
 
 @requires_triton
@@ -185,6 +261,38 @@ def test_conv_prefill_matches_reference(dtype, K):
     assert torch.equal(got_pool.isnan(), want_pool.isnan())
     assert torch.equal(got_pool.nan_to_num(0.0), want_pool.nan_to_num(0.0))  # windows are copies of inputs
     assert torch.isnan(got_pool[5]).all()  # the empty chunk's slot (no initial state) untouched
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_saves_match_reference_and_prefixes(dtype):
+    """Windows after the saved token rows: the kernel's equal the reference's bit for bit (copies of inputs), and
+    each is the window the reference writes back when run on the prefix alone (from the old window at a chunk's
+    first tokens, zeros where the sequence starts at position 0); the conv's output and slot windows are unchanged."""
+    C, K = 40, 4
+    qsl = _qsl(SAVE_LENS)
+    slots = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor(SAVE_INIT, device=DEVICE)
+    x = _rows(sum(SAVE_LENS), C, dtype)
+    w = torch.randn(C, K, device=DEVICE).to(dtype)
+    pool = _slot_pool((K - 1, C), dtype, init, slots)
+    snaps = torch.full((NUM_SNAPSHOTS, K - 1, C), float("nan"), device=DEVICE).to(dtype)
+    saves = _saves(SAVE_TRIPLES, SAVE_LENS)
+    want_pool, got_pool, plain_pool = pool.clone(), pool.clone(), pool.clone()
+    want_snaps, got_snaps = snaps.clone(), snaps.clone()
+    want = causal_conv1d_ref(x, w, want_pool, slots, qsl, init, want_snaps, saves)
+    got = causal_conv1d_triton(x, w, got_pool, slots, qsl, init, got_snaps, saves)
+    plain = causal_conv1d_triton(x, w, plain_pool, slots, qsl, init)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got, plain) and torch.equal(got_pool.nan_to_num(0.0), plain_pool.nan_to_num(0.0))
+    assert torch.equal(got_snaps.isnan(), want_snaps.isnan())
+    assert torch.equal(got_snaps.nan_to_num(0.0), want_snaps.nan_to_num(0.0))
+    for i, t, sid in SAVE_TRIPLES:
+        s = int(qsl[i])
+        one = pool[slots[i].long()].clone().unsqueeze(0)
+        causal_conv1d_ref(x[s:s + t + 1], w, one, torch.zeros(1, dtype=torch.int32, device=DEVICE), _qsl([t + 1]),
+                          init[i:i + 1])
+        assert torch.equal(want_snaps[sid], one[0])
 
 
 @requires_triton

@@ -3,7 +3,8 @@ earlier one restores the Gated DeltaNet state snapshotted at the last shared blo
 still matches transformers (greedy tokens, and every step's full distribution within 1e-5), for shared prefixes of 1,
 2, ... blocks (far below vLLM's 528-token 'align' granularity) and past the rule's 64-token chunks; a multi-turn chat
 hits its earlier turns; a pool too small for the snapshots evicts without wrong results; preemption and aborts free
-slots and the recomputed requests resume from snapshots. tests/models/test_qwen3_5.py runs
+slots and the recomputed requests resume from snapshots. Snapshots are taken inside a step (the layers write them
+during the forward): a prompt runs in one step whatever it saves. tests/models/test_qwen3_5.py runs
 shared_prefix_parity on its checkpoints too."""
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def generate_checked(llm, oracle, prompts, vocab):
     return outs
 
 
+class StepRecorder:
+    """Wraps a runner: keeps every launched ScheduledBatch (its requests' spans and saves)."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch(self, batch):
+        self.batches.append(batch)
+        return self.inner.launch(batch)
+
+    def complete(self, handle):
+        return self.inner.complete(handle)
+
+
 def _assert_all_slots_free(llm):
     sm = llm.engine.scheduler.state_manager
     assert sm.num_free_slots == sm.num_slots
@@ -77,16 +95,25 @@ def _assert_all_slots_free(llm):
 def shared_prefix_parity(ckpt, oracle, **llm_kw):
     """A 150-token prompt, then (in one batch) prompts sharing its first k blocks for k = 1, 2, 3, 9, 17 (8 to 136
     tokens) and diverging right after: each resumes at exactly k blocks (stride 1: a snapshot at every boundary) and
-    matches transformers; the hits are counted in the prefix-cache statistics as for a dense model."""
+    matches transformers; the hits are counted in the prefix-cache statistics as for a dense model. The first prompt
+    runs in ONE step that writes all 18 of its boundary snapshots."""
     llm = LLM(str(ckpt), block_size=BS, linear_state_snapshot_stride=1, **llm_kw)
+    rec = llm.engine.runner = StepRecorder(llm.engine.runner)
     vocab = llm.engine.vocab_size
     base = tokens(150, 1)
     first = generate_checked(llm, oracle, [base], vocab)[0]
     assert first.num_cached_tokens == 0
+    prefill = [b for b in rec.batches if b.reqs and b.reqs[0].start == 0]
+    assert len(prefill) == 1 and prefill[0].reqs[0].num_new_tokens == 150
+    assert [pos for _, pos, _ in prefill[0].state_saves] == [BS * j for j in range(1, 19)]
+    rec.batches.clear()
     shares = [1, 2, 3, 9, 17]
     prompts = [base[:k * BS] + [(base[k * BS] + 1) % 500 + 1] + tokens(4 + k % 3, 100 + k) for k in shares]
     outs = generate_checked(llm, oracle, prompts, vocab)
     assert [o.num_cached_tokens for o in outs] == [k * BS for k in shares]
+    # One step runs every suffix (and saves the boundaries they cross), then decode steps.
+    assert [sr.start for sr in rec.batches[0].reqs] == [k * BS for k in shares]
+    assert all(sr.num_new_tokens == 1 for b in rec.batches[1:] for sr in b.reqs)
     bm = llm.engine.block_manager
     assert bm.prefix_hits == sum(shares) * BS and bm.prefix_queries == 150 + sum(len(p) for p in prompts)
     _assert_all_blocks_free(llm)
@@ -98,10 +125,25 @@ def test_shared_prefixes_of_every_length_hit_exactly(tiny_ckpt, oracle):
     shared_prefix_parity(tiny_ckpt, oracle)
 
 
+def test_one_token_chunks_save_their_boundaries(tiny_ckpt, oracle):
+    """A budget of one token a step: every prefill step is decode-shaped (one token per row), and the steps whose
+    token ends a block boundary still write its snapshot (through the prefill ops); a later prompt restores them."""
+    llm = LLM(str(tiny_ckpt), block_size=BS, linear_state_snapshot_stride=1, max_num_batched_tokens=1)
+    rec = llm.engine.runner = StepRecorder(llm.engine.runner)
+    vocab = llm.engine.vocab_size
+    base = tokens(20, 6)
+    generate_checked(llm, oracle, [base], vocab)
+    saving = [b for b in rec.batches if b.state_saves]
+    assert [(b.reqs[0].start, b.reqs[0].num_new_tokens, b.state_saves[0][1]) for b in saving] == [(7, 1, 8),
+                                                                                                   (15, 1, 16)]
+    out = generate_checked(llm, oracle, [base[:16] + tokens(3, 61)], vocab)[0]
+    assert out.num_cached_tokens == 16
+
+
 def test_multi_turn_chat_hits_earlier_turns(tiny_ckpt, oracle):
     """Each turn's prompt is the last one, its answer and a new user message: it resumes at the last block boundary
     of the previous prompt (snapshotted there whatever the stride: the default one here), with async scheduling and
-    a small token budget (chunks cut by the budget and by the boundaries)."""
+    a small token budget (chunks cut by the budget only, the boundary snapshots taken inside them)."""
     llm = LLM(str(tiny_ckpt), block_size=BS, async_scheduling=True, max_num_batched_tokens=20)
     assert llm.engine.scheduler.snapshots.stride > 1  # (the default: the blocks whose KV bytes make a snapshot)
     vocab = llm.engine.vocab_size
@@ -178,3 +220,20 @@ def test_snapshot_copies_cross_the_runner_boundary(tiny_ckpt, oracle):
     generate_checked(llm, oracle, [base], llm.engine.vocab_size)
     outs = generate_checked(llm, oracle, [base[:40] + tokens(3, 51), base[:20] + tokens(5, 52)], llm.engine.vocab_size)
     assert [o.num_cached_tokens for o in outs] == [32, 16] and wrapped.num_steps > 5
+
+
+def test_profile_step_saves_its_last_state(tiny_ckpt):
+    """The startup's activation-profile step (run on a GPU before the caches are sized) saves, for a hybrid model with
+    prefix caching, the state after its last token, so the kernels' saving variants compile at startup: that
+    snapshot is the state the step leaves in its slot, conv window and recurrent state alike."""
+    from gyrfalcon.runner.model_runner import profile_step
+
+    runner = LLM(str(tiny_ckpt), block_size=BS).engine.runner
+    caches = runner.cache_plan.allocate(10, 1, runner.device)
+    snaps = runner.cache_plan.allocate_snapshots(1, runner.device)
+    profile_step(runner.model, 70, 4, caches, BS, runner.device, snaps)
+    layers = [i for i, pools in enumerate(snaps) if pools is not None]
+    assert layers and all(caches[i] is not None for i in layers)
+    for i in layers:
+        for slot_pool, snap_pool in zip(caches[i], snaps[i]):
+            assert slot_pool[0].abs().sum() > 0 and torch.equal(snap_pool[0], slot_pool[0])

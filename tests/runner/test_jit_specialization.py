@@ -162,3 +162,42 @@ def test_eager_decode_kernels_runtime_specialization_once(launches):
     # compiled at startup by the decode graphs' batch ladder (1, 2, 4, 8, 16), and M == 1 (a constexpr then)
     # is the batch-1 step.
     _assert_one_runtime_specialization(launches, {"_norm_gemv_kernel": "M"})
+
+
+def test_gated_delta_prefill_kernels_specialize_once_with_saves(launches):
+    """A hybrid model's eager prefill steps, with and without in-step state snapshots (hybrid prefix caching: the
+    save table's sections in the packed buffer), over batch shapes: the Gated DeltaNet conv, window and chunk
+    kernels compile one variant per constexpr combination (saves or not), and every save tensor is 16-byte
+    aligned."""
+    from gyrfalcon.kernels.gated_delta import causal_conv1d_triton, gated_delta_prefill_triton
+
+    H, HV, dk, dv, K, bs = 1, 2, 16, 16, 4, 16
+    C = 2 * H * dk + HV * dv
+    conv, states = torch.zeros(8, K - 1, C), torch.zeros(8, HV, dk, dv)
+    conv_snaps, state_snaps = torch.zeros(40, K - 1, C), torch.zeros(40, HV, dk, dv)
+    w, A_log, dt_bias = torch.zeros(C, K), torch.zeros(HV), torch.zeros(HV)
+    last_sampled = torch.zeros(16, dtype=torch.int64)
+    for n, (q_lens, starts, pending) in enumerate(SHAPES):
+        reqs, last_rows = _sched(q_lens, starts, pending, bs)
+        for i, r in enumerate(reqs):
+            r.request.state_slots = {"state": i}
+        # Every block boundary inside each row's tokens (none on some shapes), on every other shape.
+        saves = [(i, p, len(q_lens) + p // bs) for i, (q, s) in enumerate(zip(q_lens, starts))
+                 for p in range(s + 1, s + q + 1) if p % bs == 0] if n % 2 else []
+        fb = build_forward_batch(reqs, bs, torch.device("cpu"), last_rows, last_sampled, saves)
+        assert (fb.state_saves is None) == (not saves)
+        if saves:
+            assert fb.state_saves.num_saves == len(saves)
+            assert all(t.data_ptr() % 16 == 0 for t in fb.state_saves), q_lens
+        T = fb.num_tokens
+        init = fb.seq_lens > (fb.query_start_loc[1:] - fb.query_start_loc[:-1])
+        proj = torch.zeros(T, C + HV * dv)  # the layer's in_proj output: the conv reads a slice of its rows
+        mixed = causal_conv1d_triton(proj[:, :C], w, conv, fb.state_slots, fb.query_start_loc, init, conv_snaps,
+                                     fb.state_saves)
+        q, k, v = mixed.split([H * dk, H * dk, HV * dv], dim=-1)
+        ab = torch.zeros(T, 2 * HV)
+        gated_delta_prefill_triton(q.reshape(T, H, dk), k.reshape(T, H, dk), v.reshape(T, HV, dv), ab[:, HV:],
+                                   ab[:, :HV], A_log, dt_bias, states, fb.state_slots, fb.query_start_loc, init,
+                                   state_snaps, fb.state_saves)
+    assert {"_conv_prefill_kernel", "_conv_window_kernel", "_chunk_kernel"} <= set(launches)
+    _assert_one_runtime_specialization(launches, {})

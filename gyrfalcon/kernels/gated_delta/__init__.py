@@ -5,13 +5,15 @@ T tokens, B sequences (sequence i's rows query_start_loc[i]:query_start_loc[i + 
 conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K the conv width:
 - causal_conv1d: x [T, C] -> silu(depthwise causal conv) [T, C]; conv_states [num_slots, K - 1, C] (a request's
   first chunk starts from zeros, has_initial_state False; later chunks from its slot; the last K - 1 inputs are
-  written back).
+  written back). With StateSaves (saves.py: hybrid prefix caching's in-step snapshots) the windows after the saved
+  token rows go to conv_snapshots [num_snapshots, K - 1, C] too.
 - causal_conv1d_update: the same for one token per sequence (decode), x [B, C] (has_initial_state False for a
   one-token prompt's step).
 - gated_delta_prefill: q, k [T, H, dk], v [T, HV, dv], a, b [T, HV], A_log, dt_bias [HV] -> o [T, HV, dv]:
   gating (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), L2 norm of q and k, the chunked gated delta
   rule (chunks of 64) from each slot's state (or zeros) in states [num_slots, HV, dk, dv] fp32, final states
-  written back.
+  written back; with StateSaves the states after the saved token rows go to state_snapshots
+  [num_snapshots, HV, dk, dv] fp32 (inside the walk: no chunk ends there).
 - gated_delta_decode: the same for one token per sequence, the state updated in place (on the GPU one launch:
   gating, norm, update and output).
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
@@ -25,6 +27,8 @@ batch in one launch). Launch shapes in configs.py.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from gyrfalcon.kernels.common import use_triton
@@ -32,6 +36,7 @@ from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, 
                                                  chunk_gated_delta_rule_ref, gated_delta_decode_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
+from gyrfalcon.kernels.gated_delta.saves import StateSaves, save_table, state_saves_from_table
 from gyrfalcon.kernels.gated_delta.triton_chunk import gated_delta_prefill_triton
 from gyrfalcon.kernels.gated_delta.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
 from gyrfalcon.kernels.gated_delta.triton_decode import gated_delta_decode_triton
@@ -39,10 +44,13 @@ from gyrfalcon.kernels.gated_delta.triton_norm import gated_rms_norm_triton
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_slots: torch.Tensor,
-                  query_start_loc: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+                  query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
+                  conv_snapshots: Optional[torch.Tensor] = None, saves: Optional[StateSaves] = None) -> torch.Tensor:
     if use_triton(x):
-        return causal_conv1d_triton(x, weight, conv_states, state_slots, query_start_loc, has_initial_state)
-    return causal_conv1d_ref(x, weight, conv_states, state_slots, query_start_loc, has_initial_state)
+        return causal_conv1d_triton(x, weight, conv_states, state_slots, query_start_loc, has_initial_state,
+                                    conv_snapshots, saves)
+    return causal_conv1d_ref(x, weight, conv_states, state_slots, query_start_loc, has_initial_state, conv_snapshots,
+                             saves)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
@@ -53,12 +61,13 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 
 
 def gated_delta_prefill(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
-                        has_initial_state) -> torch.Tensor:
+                        has_initial_state, state_snapshots: Optional[torch.Tensor] = None,
+                        saves: Optional[StateSaves] = None) -> torch.Tensor:
     if use_triton(v):
         return gated_delta_prefill_triton(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
-                                          has_initial_state)
+                                          has_initial_state, state_snapshots, saves)
     return gated_delta_prefill_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc,
-                                   has_initial_state)
+                                   has_initial_state, state_snapshots, saves)
 
 
 def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state) -> torch.Tensor:
@@ -73,8 +82,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return gated_rms_norm_ref(x, z, weight, eps)
 
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton", "causal_conv1d_update",
-           "causal_conv1d_update_ref", "causal_conv1d_update_triton", "chunk_gated_delta_rule_ref",
-           "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
-           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref"]
+__all__ = ["CHUNK_SIZE", "StateSaves", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton",
+           "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_update_triton",
+           "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton",
+           "gated_delta_prefill", "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm",
+           "gated_rms_norm_ref", "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref",
+           "save_table", "state_saves_from_table"]

@@ -11,6 +11,12 @@ series of A would cancel catastrophically (near-equal keys with beta near 1 give
 are independent given T, so the dv tiles split the work; each tile recomputes the chunk's A and T (work that does
 not depend on the tile). The dots run in configs.CHUNK_DOT_PRECISION (the interpreter computes them in fp32).
 Shapes only, no host sync: each program reads its sequence's bounds from query_start_loc.
+
+In-step snapshots (StateSaves, hybrid prefix caching): v'_i depends on tokens <= i only, so the state after token p
+of a chunk is the chunk-end update cut at p, exp(G_p) S + (exp(G_p - G) k)_{<=p}^T v'_{<=p}: one more [dk, CH] x
+[CH, BV] product per save, written to the snapshot pool while the program walks its sequence's saves beside its
+chunks. The chunks stay at 64-token offsets from the sequence's start, so a step's outputs are the same whatever
+it saves (HAS_SAVES compiles the walk out of steps without saves).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from gyrfalcon.kernels.common import HAS_TRITON, next_pow2, tl, triton
 from gyrfalcon.kernels.gated_delta import configs
 from gyrfalcon.kernels.gated_delta.naive import CHUNK_SIZE, L2_EPS
+from gyrfalcon.kernels.gated_delta.saves import StateSaves
 
 if HAS_TRITON:
     from gyrfalcon.kernels.gated_delta.triton_decode import gating_f32
@@ -46,9 +53,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _chunk_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, states_ptr, slots_ptr, qsl_ptr,
-                      init_ptr, o_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, ss_n, ss_h, ss_k, so_t, so_h,
-                      scale, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, PREC: tl.constexpr):
+                      init_ptr, o_ptr, snap_ptr, sloc_ptr, srow_ptr, sid_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+                      sa_t, sb_t, ss_n, ss_h, ss_k, so_t, so_h, ssnap_n, scale, DK: tl.constexpr, DV: tl.constexpr,
+                      R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CH: tl.constexpr,
+                      LOG2_CH: tl.constexpr, PREC: tl.constexpr, HAS_SAVES: tl.constexpr):
         # Grid: (B, HV, cdiv(DV, BV)). Sequence i, value head hv (key head hv // R), value columns of tile vt.
         i = tl.program_id(0)
         hv = tl.program_id(1)
@@ -72,6 +80,11 @@ if HAS_TRITON:
 
         s_ptrs = states_ptr + slot * ss_n + hv * ss_h + ks[:, None] * ss_k + vs[None, :]
         S = tl.load(s_ptrs, mask=(ks[:, None] < init_rows) & vm[None, :], other=0.0)  # [BK, BV]
+        if HAS_SAVES:
+            # This sequence's saves sv..s_hi - 1 (token rows ascending); nxt: the next one's row, `end` past them.
+            sv = tl.load(sloc_ptr + i)
+            s_hi = tl.load(sloc_ptr + i + 1)
+            nxt = tl.where(sv < s_hi, tl.load(srow_ptr + tl.maximum(tl.minimum(sv, s_hi - 1), 0)), end)
         for c0 in range(start, end, CH):
             ts = c0 + cr
             tm = ts < end
@@ -106,6 +119,19 @@ if HAS_TRITON:
             o += tl.dot(QK, v_new, input_precision=PREC)
             tl.store(o_ptr + t64[:, None] * so_t + hv * so_h + vs[None, :], o.to(o_ptr.dtype.element_ty),
                      mask=tm[:, None] & vm[None, :])
+            if HAS_SAVES:
+                c_hi = tl.minimum(c0 + CH, end)
+                while nxt < c_hi:
+                    p = nxt - c0  # the saved token's index in the chunk
+                    keep = cr <= p
+                    G_p = tl.sum(tl.where(cr == p, G, 0.0), axis=0)
+                    k_p = tl.where(keep[:, None], k * tl.exp(tl.where(keep, G_p - G, 0.0))[:, None], 0.0)
+                    S_p = S * tl.exp(G_p) + tl.dot(tl.trans(k_p), v_new, input_precision=PREC)
+                    sid = tl.load(sid_ptr + sv).to(tl.int64)
+                    tl.store(snap_ptr + sid * ssnap_n + hv * ss_h + ks[:, None] * ss_k + vs[None, :], S_p,
+                             mask=km[:, None] & vm[None, :])
+                    sv += 1
+                    nxt = tl.where(sv < s_hi, tl.load(srow_ptr + tl.minimum(sv, s_hi - 1)), end)
             G_end = tl.sum(tl.where(cr == CH - 1, G, 0.0), axis=0)
             k_end = k * tl.exp(G_end - G)[:, None]
             S = S * tl.exp(G_end) + tl.dot(tl.trans(k_end), v_new, input_precision=PREC)
@@ -119,10 +145,12 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                                A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
                                state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-                               has_initial_state: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+                               has_initial_state: torch.Tensor, state_snapshots: torch.Tensor | None = None,
+                               saves: StateSaves | None = None, block_v: int | None = None) -> torch.Tensor:
     """gated_delta_prefill_ref's contract in one launch: q, k [T, H, dk]; v [T, HV, dv]; a, b [T, HV]; A_log,
     dt_bias [HV]; states [num_slots, HV, dk, dv] fp32 (read at state_slots [B] where has_initial_state [B], else
-    zeros; final states written back); query_start_loc [B + 1] -> o [T, HV, dv] in v's dtype."""
+    zeros; final states written back); query_start_loc [B + 1]; with saves, state_snapshots
+    [num_snapshots, HV, dk, dv] fp32 rows written -> o [T, HV, dv] in v's dtype."""
     T, H, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     assert HV % H == 0 and k.shape == q.shape and states.dtype == torch.float32, (q.shape, v.shape, states.dtype)
@@ -132,12 +160,20 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
     if T == 0 or B == 0:
         return o
+    has_saves = saves is not None and saves.num_saves > 0
+    if has_saves:
+        # The snapshot rows index like the slots past dim 0 (runner/kv_cache.py allocates both from one spec).
+        assert state_snapshots.dtype == torch.float32 and state_snapshots.stride()[1:] == states.stride()[1:], (
+            state_snapshots.dtype, state_snapshots.stride(), states.stride())
+        snap, sloc, srow, sid = state_snapshots, saves.seq_loc, saves.rows, saves.ids
+    else:  # (unused pointers)
+        snap, sloc, srow, sid = states, query_start_loc, query_start_loc, query_start_loc
     # tl.dot wants every dimension >= 16.
     bv = block_v or max(16, min(configs.CHUNK_BLOCK_V, next_pow2(dv)))
     _chunk_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc, has_initial_state, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        states.stride(0), states.stride(1), states.stride(2), o.stride(0), o.stride(1), dk ** -0.5,
+        q, k, v, a, b, A_log, dt_bias, states, state_slots, query_start_loc, has_initial_state, o, snap, sloc, srow,
+        sid, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        states.stride(0), states.stride(1), states.stride(2), o.stride(0), o.stride(1), snap.stride(0), dk ** -0.5,
         DK=dk, DV=dv, R=HV // H, BK=max(16, next_pow2(dk)), BV=bv, CH=CHUNK_SIZE, LOG2_CH=CHUNK_SIZE.bit_length() - 1,
-        PREC=configs.CHUNK_DOT_PRECISION, num_warps=configs.CHUNK_NUM_WARPS)
+        PREC=configs.CHUNK_DOT_PRECISION, HAS_SAVES=has_saves, num_warps=configs.CHUNK_NUM_WARPS)
     return o

@@ -7,6 +7,9 @@ a request's first chunk). The window written back is the last K - 1 inputs of [w
 Shapes only, no host sync: the prefill's grid runs over token tiles of the whole batch (a tile may straddle
 sequences; each token finds its sequence by a binary search of query_start_loc), so a long prompt spreads over as
 many programs as a batch of short ones.
+In-step snapshots (StateSaves): the window after a saved token row is written by the window kernel too, from the
+step's inputs and the old window, in a launch between the conv and the slots' write-back (which overwrites the old
+windows).
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import torch
 
 from gyrfalcon.kernels.common import HAS_TRITON, tl, triton
 from gyrfalcon.kernels.gated_delta import configs
+from gyrfalcon.kernels.gated_delta.saves import StateSaves
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The batch's token and sequence counts are plain runtime ints: specialized (1, multiples of 16) they would
+    # compile new variants as batch shapes change, in the middle of serving (tests/runner/test_jit_specialization.py).
+    @triton.jit(do_not_specialize=["T", "B", "n_search"])
     def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, qsl_ptr, init_ptr, o_ptr, T, C, B, n_search,
                              sx_t, sw_c, sw_k, scs_n, scs_k, so_t,
                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -58,29 +64,40 @@ if HAS_TRITON:
                  mask=tm[:, None] & cm[None, :])
 
     @triton.jit
-    def _conv_window_kernel(x_ptr, cs_ptr, slots_ptr, qsl_ptr, init_ptr, C, sx_t, scs_n, scs_k,
-                            K: tl.constexpr, BC: tl.constexpr):
-        # Grid: (B, cdiv(C, BC)). Sequence i's window after its chunk of L tokens: row j is [window | chunk][L + j].
-        # Runs after the conv (the conv reads the old windows). Row L + j >= j + 1 of the old window is read before
-        # row j is written and never after, each column by the same thread: in place is safe.
-        i = tl.program_id(0)
+    def _conv_window_kernel(x_ptr, cs_ptr, slots_ptr, qsl_ptr, init_ptr, seqs_ptr, rows_ptr, ids_ptr, dst_ptr, C,
+                            sx_t, scs_n, scs_k, sdst_n, K: tl.constexpr, BC: tl.constexpr, SAVES: tl.constexpr):
+        # Grid: (B, cdiv(C, BC)), or (NS, cdiv(C, BC)) for SAVES. A window after the first L tokens of a sequence's
+        # chunk: row j is [window | chunk][L + j]. Without SAVES: sequence i's whole chunk, into its slot; runs after
+        # the conv (the conv reads the old windows). Row L + j >= j + 1 of the old window is read before row j is
+        # written and never after, each column by the same thread: in place is safe. With SAVES: save j's sequence,
+        # up to and including its token row, into snapshot ids[j] (before the slots' write-back).
+        j = tl.program_id(0)
         cs = tl.program_id(1) * BC + tl.arange(0, BC)
-        start = tl.load(qsl_ptr + i)
-        L = tl.load(qsl_ptr + i + 1) - start
+        if SAVES:
+            i = tl.load(seqs_ptr + j)
+            start = tl.load(qsl_ptr + i)
+            L = tl.load(rows_ptr + j) + 1 - start
+            dst = dst_ptr + tl.load(ids_ptr + j).to(tl.int64) * sdst_n + cs
+        else:
+            i = j
+            start = tl.load(qsl_ptr + i)
+            L = tl.load(qsl_ptr + i + 1) - start
         slot = tl.load(slots_ptr + i).to(tl.int64)
         init = tl.load(init_ptr + i) != 0
         # Scalar conditions become channel limits (a scalar bool in a mask trips the interpreter). An empty chunk
         # leaves its window alone, as the reference does.
         c_lim = tl.where(L > 0, C, 0)
         base = cs_ptr + slot * scs_n + cs
-        for j in tl.static_range(K - 1):
-            m = L + j
+        if not SAVES:
+            dst = base
+        for r in tl.static_range(K - 1):
+            m = L + r
             from_w = m < K - 1
             wv = tl.load(base + m * scs_k, mask=cs < tl.where(from_w & init, c_lim, 0), other=0.0)
             xv = tl.load(x_ptr + (start + m - (K - 1)).to(tl.int64) * sx_t + cs,
                          mask=cs < tl.where(from_w, 0, c_lim), other=0.0)
             val = tl.where(cs < tl.where(from_w, c_lim, 0), wv.to(x_ptr.dtype.element_ty), xv)
-            tl.store(base + j * scs_k, val.to(cs_ptr.dtype.element_ty), mask=cs < c_lim)
+            tl.store(dst + r * scs_k, val.to(cs_ptr.dtype.element_ty), mask=cs < c_lim)
 
     @triton.jit
     def _conv_update_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, init_ptr, o_ptr, C, sx_b, sw_c, sw_k, scs_n, scs_k,
@@ -118,10 +135,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> 
 
 def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                          state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-                         has_initial_state: torch.Tensor) -> torch.Tensor:
-    """causal_conv1d_ref's contract in two launches (the conv, then the windows written back): x [T, C] (rows may
-    be strided), weight [C, K], conv_states [num_slots, K - 1, C], state_slots / has_initial_state [B],
-    query_start_loc [B + 1] -> silu(conv) [T, C] in x's dtype."""
+                         has_initial_state: torch.Tensor, conv_snapshots: torch.Tensor | None = None,
+                         saves: StateSaves | None = None) -> torch.Tensor:
+    """causal_conv1d_ref's contract in two launches (the conv, then the windows written back; a third between them
+    with saves, into conv_snapshots [num_snapshots, K - 1, C]): x [T, C] (rows may be strided), weight [C, K],
+    conv_states [num_slots, K - 1, C], state_slots / has_initial_state [B], query_start_loc [B + 1]
+    -> silu(conv) [T, C] in x's dtype."""
     x = _check(x, weight, conv_states)
     T, C = x.shape
     K = weight.shape[1]
@@ -134,9 +153,16 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         x, weight, conv_states, state_slots, query_start_loc, has_initial_state, out, T, C, B,
         max(B - 1, 0).bit_length(), x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0),
         conv_states.stride(1), out.stride(0), K=K, BT=configs.CONV_BLOCK_T, BC=bc, num_warps=configs.CONV_NUM_WARPS)
+    if saves is not None and saves.num_saves:
+        assert conv_snapshots.dtype == conv_states.dtype and conv_snapshots.stride()[1:] == conv_states.stride()[1:]
+        _conv_window_kernel[(saves.num_saves, triton.cdiv(C, bc))](
+            x, conv_states, state_slots, query_start_loc, has_initial_state, saves.seqs, saves.rows, saves.ids,
+            conv_snapshots, C, x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_snapshots.stride(0),
+            K=K, BC=bc, SAVES=True, num_warps=configs.CONV_NUM_WARPS)
     _conv_window_kernel[(B, triton.cdiv(C, bc))](
-        x, conv_states, state_slots, query_start_loc, has_initial_state, C, x.stride(0), conv_states.stride(0),
-        conv_states.stride(1), K=K, BC=bc, num_warps=configs.CONV_NUM_WARPS)
+        x, conv_states, state_slots, query_start_loc, has_initial_state, state_slots, state_slots, state_slots,
+        conv_states, C, x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(0), K=K,
+        BC=bc, SAVES=False, num_warps=configs.CONV_NUM_WARPS)
     return out
 
 
