@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import make_checkpoint, make_moe_checkpoint
+from checkpoints import make_checkpoint, make_deepseek_checkpoint, make_moe_checkpoint
 from gyrfalcon import LLM, SamplingParams
 
 KW = dict(block_size=8, max_model_len=128, device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32)
@@ -23,12 +23,16 @@ MAX_NEW = 8
 CHECKPOINTS = {
     "llama-1kv": lambda p: make_checkpoint(p, "llama", num_key_value_heads=1, vocab_size=515, tie_word_embeddings=True),
     "qwen3moe": lambda p: make_moe_checkpoint(p, "qwen3_moe"),
+    "deepseek-v3": lambda p: make_deepseek_checkpoint(p),
+    "deepseek-v32": lambda p: make_deepseek_checkpoint(p, v32=True),
 }
 # config -> (checkpoint, extra engine arguments)
 CONFIGS = {
     "llama-1kv": ("llama-1kv", {}),
     "qwen3moe-tp": ("qwen3moe", {}),
     "qwen3moe-ep": ("qwen3moe", dict(enable_expert_parallel=True, async_scheduling=True)),
+    "deepseek-v3-tp": ("deepseek-v3", {}),
+    "deepseek-v32-ep": ("deepseek-v32", dict(enable_expert_parallel=True)),
 }
 
 
