@@ -146,6 +146,10 @@ class MultiprocExecutor:
         # uses the blocks every rank has.
         self.num_blocks = min(r[0] for r in ready.values())
         self.num_state_slots = ready[0][1]
+        # Hybrid models' state snapshots (engine/snapshot_pool.py): each rank holds its heads' part of every
+        # snapshot, at the same indices; the engine uses the snapshots every rank has, taken at one stride.
+        self.num_state_snapshots = min(r[3] for r in ready.values())
+        self.state_snapshot_stride = ready[0][4]
         # Rank 0's startup phases (ModelRunner.startup_phases: load, kv sizing, ...), for the benchmarks' report.
         self.startup_phases = dict(ready[0][2])
         logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,

@@ -17,7 +17,8 @@ import sys
 import traceback
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
-# [num_blocks, num_state_slots, {startup phase: seconds}]] | [OUTPUT, rank, output bytes] (rank 0 only) |
+# [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride]] |
+# [OUTPUT, rank, output bytes] (rank 0 only) |
 # [ERROR, rank, [exception type name, text]].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
 
@@ -67,7 +68,8 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel)
         runner = ModelRunner(config)
         results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
-                                                  runner.startup_phases]]))
+                                                  runner.startup_phases, runner.num_state_snapshots,
+                                                  runner.state_snapshot_stride]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
                 if os.getppid() != parent_pid:

@@ -141,6 +141,8 @@ class CausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
             elif isinstance(owner, (VocabEmbedding, LMHead)):  # this rank's vocabulary rows
                 owner.weight_loader(param, tensor)
+            elif getattr(param, "shard_loader", None) is not None:  # a sharded parameter of no Linear (GDN's conv)
+                param.shard_loader(param, tensor)
             else:
                 tensor = as_tensor(tensor)  # replicated on every rank: read whole
                 if param.shape != tensor.shape:

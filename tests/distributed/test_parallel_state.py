@@ -85,6 +85,14 @@ def test_checkpoint_slice_reads_the_part_asked_for(tmp_path):
         assert torch.equal(as_tensor(s), t) and as_tensor(t) is t
         with pytest.raises(ValueError, match="outside"):
             s.narrow(0, 4, 3)
+    p = torch.randn(3, 6, 4)  # a packed [E, 2I, H] experts tensor: one expert's up rows, narrowed again
+    save_file({"p": p}, str(tmp_path / "b.safetensors"))
+    with safe_open(str(tmp_path / "b.safetensors"), framework="pt") as sf:
+        up = CheckpointSlice(sf.get_slice("p")).pick(1, 3, 3)
+        assert up.shape == (3, 4) and torch.equal(as_tensor(up), p[1, 3:])
+        assert torch.equal(up.narrow(0, 1, 2), p[1, 4:6]) and torch.equal(up.narrow(1, 2, 2), p[1, 3:, 2:])
+        with pytest.raises(ValueError, match="outside"):
+            CheckpointSlice(sf.get_slice("p")).pick(3)
 
 
 def test_cli_flags_reach_the_engine_arguments():

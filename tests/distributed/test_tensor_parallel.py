@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import make_checkpoint, make_deepseek_checkpoint, make_moe_checkpoint
+from checkpoints import (make_checkpoint, make_deepseek_checkpoint, make_moe_checkpoint, make_qwen3_5_checkpoint,
+                         make_qwen3_next_checkpoint)
 from gyrfalcon import LLM, SamplingParams
 
 KW = dict(block_size=8, max_model_len=128, device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32)
@@ -25,6 +26,8 @@ CHECKPOINTS = {
     "qwen3moe": lambda p: make_moe_checkpoint(p, "qwen3_moe"),
     "deepseek-v3": lambda p: make_deepseek_checkpoint(p),
     "deepseek-v32": lambda p: make_deepseek_checkpoint(p, v32=True),
+    "qwen3-next": lambda p: make_qwen3_next_checkpoint(p),
+    "qwen3.5": lambda p: make_qwen3_5_checkpoint(p),
 }
 # config -> (checkpoint, extra engine arguments)
 CONFIGS = {
@@ -33,6 +36,10 @@ CONFIGS = {
     "qwen3moe-ep": ("qwen3moe", dict(enable_expert_parallel=True, async_scheduling=True)),
     "deepseek-v3-tp": ("deepseek-v3", {}),
     "deepseek-v32-ep": ("deepseek-v32", dict(enable_expert_parallel=True)),
+    # (hybrids: a state snapshot at every block boundary, and blocks enough for a few snapshots beside them)
+    "qwen3-next-tp": ("qwen3-next", dict(linear_state_snapshot_stride=1, num_gpu_blocks_override=256)),
+    "qwen3.5-ep": ("qwen3.5", dict(enable_expert_parallel=True, linear_state_snapshot_stride=1,
+                                   num_gpu_blocks_override=256)),
 }
 
 
@@ -48,9 +55,10 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(llm, vocab):
-    """The greedy runs' outputs (full logprobs) per prompt, then the other requests' outputs, then the prompt
-    logprobs of the last request: sampling paths whose state every rank keeps alike (seeded draws, penalties
-    over the output history, n > 1) and the prompt-logprob path."""
+    """The greedy runs' outputs (full logprobs) per prompt, then the other requests' outputs, then a later request
+    extending the first prompt (a prefix-cache hit, which the hybrid models take from the state snapshot at its end),
+    then the prompt logprobs of the last request: sampling paths whose state every rank keeps alike (seeded draws,
+    penalties over the output history, n > 1) and the prompt-logprob path."""
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=vocab)
     others = [SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_NEW, ignore_eos=True, n=2),
               SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.5,
@@ -59,19 +67,23 @@ def _generate(llm, vocab):
     # (prompt logprobs over the longest prompt: its prefill takes two chunked steps)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + [PROMPTS[2], PROMPTS[3], PROMPTS[0]]],
                         [greedy] * len(PROMPTS) + others, use_tqdm=False)
-    return [o.outputs[0] for o in outs[:len(PROMPTS)]] + [c for o in outs[len(PROMPTS):] for c in o.outputs] + \
-        [outs[-1].prompt_logprobs]
+    (again,) = llm.generate([{"prompt_token_ids": PROMPTS[0] + [300, 301]}],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0] for o in outs[:len(PROMPTS)]] + [c for o in outs[len(PROMPTS):-1] for c in o.outputs] + \
+        [again.outputs[0], outs[-1].outputs[0], outs[-1].prompt_logprobs]
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, checkpoints):
     """(one process's outputs, tensor_parallel_size=2's outputs, vocabulary size) of one config."""
-    import json
     name, kw = CONFIGS[request.param]
     ckpt = checkpoints(name)
-    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-    want = _generate(LLM(str(ckpt), **KW, **kw), vocab)
-    llm = LLM(str(ckpt), tensor_parallel_size=2, **KW, **kw)
+    kw = {**KW, **kw}
+    one = LLM(str(ckpt), **kw)
+    vocab = one.engine.vocab_size
+    want = _generate(one, vocab)
+    del one
+    llm = LLM(str(ckpt), tensor_parallel_size=2, **kw)
     try:
         assert llm.engine.runner.world_size == 2
         got = _generate(llm, vocab)
