@@ -5,7 +5,12 @@ prompt logprobs within fp32 tolerance.
 Configs: Llama with one KV head (replicated on both ranks), an odd vocabulary (the last rank's padding rows) and a
 tied LM head; Qwen3-MoE (Qwen3 attention split over its two KV heads, a dense layer, sparse layers) with the
 experts split inside each expert, and with expert parallelism (each rank owns 4 of the 8 experts) under async
-scheduling. Each config builds one tensor-parallel engine (module-scoped: worker startup is most of the cost)."""
+scheduling; DeepSeek-V3 (MLA heads split, grouped routing, shared expert) with the experts split, V3.2 (its sparse
+indexer replicated, index_topk 4 < the prompts) with expert parallelism; Qwen3-Next (GDN heads split by key-head
+group, gated attention) and Qwen3.5 (flat GDN projections, packed experts, expert parallelism), both with a state
+snapshot at every block so a later request resumes from one; MiniMax-M2 with one K/V head (its whole-projection
+q/k norm reduced across the ranks). Each config builds one tensor-parallel engine (module-scoped: worker startup is
+most of the cost)."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ CHECKPOINTS = {
     "deepseek-v32": lambda p: make_deepseek_checkpoint(p, v32=True),
     "qwen3-next": lambda p: make_qwen3_next_checkpoint(p),
     "qwen3.5": lambda p: make_qwen3_5_checkpoint(p),
+    "minimax-1kv": lambda p: make_moe_checkpoint(p, "minimax_m2", num_key_value_heads=1),
 }
 # config -> (checkpoint, extra engine arguments)
 CONFIGS = {
@@ -40,6 +46,8 @@ CONFIGS = {
     "qwen3-next-tp": ("qwen3-next", dict(linear_state_snapshot_stride=1, num_gpu_blocks_override=256)),
     "qwen3.5-ep": ("qwen3.5", dict(enable_expert_parallel=True, linear_state_snapshot_stride=1,
                                    num_gpu_blocks_override=256)),
+    # (the whole-projection q/k norm reduced across ranks, its one K/V head on both)
+    "minimax-1kv-tp": ("minimax-1kv", {}),
 }
 
 
@@ -120,10 +128,13 @@ def test_same_distributions(runs):
                                        torch.tensor([step_w[i].logprob for i in ids]), rtol=1e-5, atol=1e-5)
 
 
-def test_unsupported_family_refused_before_workers_start(tmp_path):
-    ckpt = make_moe_checkpoint(tmp_path / "minimax", "minimax_m2")
+def test_unsupported_family_refused_before_workers_start():
+    from gyrfalcon.models.causal_lm import CausalLM
+    from gyrfalcon.models.loader import check_tensor_parallel
+
     with pytest.raises(ValueError, match="does not support tensor parallelism"):
-        LLM(str(ckpt), tensor_parallel_size=2, **KW)
+        check_tensor_parallel(CausalLM, None, 2)
+    check_tensor_parallel(CausalLM, None, 1)
 
 
 def test_parallel_config_errors():
