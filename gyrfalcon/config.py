@@ -401,7 +401,8 @@ class ParallelConfig:
     """Tensor / expert parallelism (docs/parallelism.md): tensor_parallel_size ranks, one worker process each
     (engine/executor_mp.py), every layer split across them; enable_expert_parallel: MoE layers give each rank
     whole experts instead of a slice of every expert. distributed_executor_backend: how the ranks run ("mp":
-    processes on this machine; None: "mp" when tensor_parallel_size > 1)."""
+    processes on this machine; "ray": Ray actors in a placement group, engine/executor_ray.py; None: "mp" when
+    tensor_parallel_size > 1)."""
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -412,17 +413,18 @@ class ParallelConfig:
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
         backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' (processes on one "
-                             "machine).")
-        if backend not in (None, "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'mp', got {backend!r}.")
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'gyrfalcon[ray]'.")
         if backend is None and tp > 1:
             self.distributed_executor_backend = "mp"
 
     def check_devices(self, device: str) -> None:
-        """One GPU per rank on this machine."""
-        if device != "cuda" or self.tensor_parallel_size == 1:
+        """One GPU per rank on this machine (under Ray the placement group finds them in the cluster)."""
+        if device != "cuda" or self.tensor_parallel_size == 1 or self.distributed_executor_backend == "ray":
             return
         import torch
         n = torch.cuda.device_count()

@@ -145,7 +145,8 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
               "MoE layers: each rank holds whole experts instead of a slice of every expert", kind=SWITCH),
     EngineArg("distributed_executor_backend", "parallel_config.distributed_executor_backend",
               "how the tensor-parallel ranks run: mp (processes on this machine; the default when "
-              "--tensor-parallel-size > 1)", choices=("mp",)),
+              "--tensor-parallel-size > 1) or ray (Ray actors in a placement group, one bundle per GPU)",
+              choices=("mp", "ray")),
     EngineArg("num_speculative_tokens", "speculative_config.num_speculative_tokens",
               "tokens a proposer drafts per step (set with the speculative config)", scope=INTERNAL),
     EngineArg("enforce_eager", "enforce_eager", "no CUDA graphs: every step runs eagerly", kind=ON_OFF),

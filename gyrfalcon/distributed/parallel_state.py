@@ -65,8 +65,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str =
     import torch.distributed as dist
 
     backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    if device == "cuda":  # (under Ray each rank sees only its own GPU: device 0)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     if world_size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -110,30 +110,22 @@ class MultiprocExecutor:
         self._ctx = zmq.Context(io_threads=1)
         self._results = self._ctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.RCVHWM, 0)
-        result_addr = f"ipc://{self._tmpdir}/results"
-        self._results.bind(result_addr)
+        result_addr = self._bind(self._results, "results")
         self._steps: List = []
         step_addrs = []
         for r in range(self.world_size):
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 0)
-            addr = f"ipc://{self._tmpdir}/steps-{r}"
-            s.bind(addr)
+            step_addrs.append(self._bind(s, f"steps-{r}"))
             self._steps.append(s)
-            step_addrs.append(addr)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        mp = multiprocessing.get_context("spawn")
-        self._procs = [mp.Process(target=worker_main, name=f"gyrfalcon-tp-rank{r}", daemon=True,
-                                  args=(r, config, init_method, step_addrs[r], result_addr, os.getpid()))
-                       for r in range(self.world_size)]
+        self._procs: List = []
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps, self._results, self._ctx,
                                            self._tmpdir, True)
         self._dead: Optional[str] = None  # why the workers were stopped, once they were
         self._dead_kind: Optional[str] = None
         self._pending: list = []  # messages read while checking health, not yet consumed by _recv
-        for p in self._procs:
-            p.start()
+        self._procs.extend(self._start_workers(config, step_addrs, result_addr))
         ready = {}
         try:
             while len(ready) < self.world_size:
@@ -154,6 +146,25 @@ class MultiprocExecutor:
         self.startup_phases = dict(ready[0][2])
         logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,
                     [p.pid for p in self._procs])
+
+    # ---- where the workers run (RayExecutor, executor_ray.py, overrides these two) ------------------
+    def _bind(self, sock, name: str) -> str:
+        """Bind one of the core's sockets -> the address a worker connects to (a Unix socket: same machine)."""
+        addr = f"ipc://{self._tmpdir}/{name}"
+        sock.bind(addr)
+        return addr
+
+    def _start_workers(self, config, step_addrs: List[str], result_addr: str) -> list:
+        """Start one worker per rank -> their handles (multiprocessing.Process, or what acts like one:
+        is_alive(), join(timeout), terminate(), kill(), pid, exitcode), in rank order."""
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        mp = multiprocessing.get_context("spawn")
+        procs = [mp.Process(target=worker_main, name=f"gyrfalcon-tp-rank{r}", daemon=True,
+                            args=(r, config, init_method, step_addrs[r], result_addr, os.getpid()))
+                 for r in range(self.world_size)]
+        for p in procs:
+            p.start()
+        return procs
 
     # ---- the runner interface ----------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch) -> _Handle:

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import Optional
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
 # [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride]] |
@@ -38,14 +39,19 @@ def _cpu_threads(device: str, world_size: int) -> None:
     torch.set_num_threads(max(1, ncpu // world_size))
 
 
-def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr: str, parent_pid: int) -> None:
-    """The process target (multiprocessing spawn). config: the EngineConfig, handed over once at start."""
+def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr: str, parent_pid: Optional[int],
+                exit_process: bool = True) -> None:
+    """The process target (multiprocessing spawn), or a Ray actor's one long call (executor_ray.py). config: the
+    EngineConfig, handed over once at start. parent_pid: the engine core's pid, whose exit ends this worker (None
+    under Ray: the engine core is no parent of an actor, and Ray ends the actors of a driver that exits).
+    exit_process: leave with os._exit when done (a Ray actor returns instead, and Ray ends its process)."""
     import msgpack
     import zmq
 
     from gyrfalcon.engine.core_process import _die_with_parent
 
-    _die_with_parent()
+    if parent_pid is not None:
+        _die_with_parent()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(levelname)s %(asctime)s [tp rank {rank}] %(message)s")
     pc = config.parallel_config
@@ -72,7 +78,7 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
                                                   runner.state_snapshot_stride]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
-                if os.getppid() != parent_pid:
+                if parent_pid is not None and os.getppid() != parent_pid:
                     break  # the engine core is gone
                 continue
             msg = msgpack.unpackb(steps.recv(), raw=False)
@@ -98,5 +104,9 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
+    if not exit_process:
+        if code:
+            raise SystemExit(code)  # (the actor's call fails: the executor sees the rank gone)
+        return
     # Skip interpreter teardown (torch / gloo threads can hang it): the sockets are closed.
     os._exit(code)

@@ -141,8 +141,8 @@ def test_parallel_config_errors():
     from gyrfalcon.config import ParallelConfig
     with pytest.raises(ValueError, match="positive"):
         ParallelConfig(tensor_parallel_size=0).verify()
-    with pytest.raises(ValueError, match="ray"):
-        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray").verify()
+    with pytest.raises(ValueError, match="'mp' or 'ray'"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="slurm").verify()
     pc = ParallelConfig(tensor_parallel_size=2)
     pc.verify()
     assert pc.distributed_executor_backend == "mp"
