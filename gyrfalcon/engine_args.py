@@ -141,6 +141,9 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
     EngineArg("tensor_parallel_size", "parallel_config.tensor_parallel_size",
               "GPUs to split the model across (one worker process each; on a CPU, processes over gloo)",
               type=int, aliases=("-tp",)),
+    EngineArg("pipeline_parallel_size", "parallel_config.pipeline_parallel_size",
+              "stages to split the decoder layers across (one worker process each; one step at a time, with "
+              "--tensor-parallel-size 1)", type=int, aliases=("-pp",)),
     EngineArg("enable_expert_parallel", "parallel_config.enable_expert_parallel",
               "MoE layers: each rank holds whole experts instead of a slice of every expert", kind=SWITCH),
     EngineArg("distributed_executor_backend", "parallel_config.distributed_executor_backend",

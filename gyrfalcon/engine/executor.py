@@ -6,7 +6,7 @@ when a part of it died) and shutdown(). Two kinds:
 
 - in-process (tensor_parallel_size 1): the ModelRunner itself, the path every single-device engine takes, with
   nothing between the Engine and it;
-- multiprocess (tensor_parallel_size > 1, backend "mp"): MultiprocExecutor (executor_mp.py), one worker process
+- multiprocess (tensor_parallel_size or pipeline_parallel_size > 1, backend "mp"): MultiprocExecutor (executor_mp.py), one worker process
   per rank, each with its own ModelRunner over its shard of the model (docs/parallelism.md);
 - Ray (backend "ray"): RayExecutor (executor_ray.py), the same workers as Ray actors in a placement group.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 def create_executor(config):
     pc = config.parallel_config
-    if pc.tensor_parallel_size == 1:
+    if pc.world_size == 1:
         from gyrfalcon.runner.model_runner import ModelRunner
         return ModelRunner(config)
     if pc.distributed_executor_backend not in ("mp", "ray"):

@@ -104,7 +104,7 @@ class MultiprocExecutor:
 
         self._msgpack, self._zmq = msgpack, zmq
         pc = config.parallel_config
-        self.world_size = pc.tensor_parallel_size
+        self.world_size = pc.world_size  # (tensor x pipeline parallel ranks)
         self.proposes_drafts = False  # no proposer runs behind an executor yet
         self._tmpdir = tempfile.mkdtemp(prefix="gyrfalcon-tp-")
         self._ctx = zmq.Context(io_threads=1)

@@ -70,8 +70,9 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         from gyrfalcon.runner.model_runner import ModelRunner
         from gyrfalcon.step_io import decode_batch, encode_output
 
-        _cpu_threads(config.device, pc.tensor_parallel_size)
-        init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel)
+        _cpu_threads(config.device, pc.world_size)
+        init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel,
+                         pipeline_parallel_size=pc.pipeline_parallel_size)
         runner = ModelRunner(config)
         results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
                                                   runner.startup_phases, runner.num_state_snapshots,
