@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import List, Optional
 
+import torch
+
 from gyrfalcon.step_io import RunnerOutput, ScheduledBatch, decode_output, encode_batch
 from gyrfalcon.engine.executor_worker import ERROR, OUTPUT, READY, SHUTDOWN, STEP, worker_main
 
@@ -62,6 +64,24 @@ class _Handle:
 
     def __init__(self, batch: ScheduledBatch) -> None:
         self.batch = batch
+
+
+def shard_skeleton(config, rank: int):
+    """The model as global rank `rank` builds it (its tensor-parallel shard, its pipeline stage's layers), on the
+    meta device: the process's ParallelState is set to that rank's while it is built, then restored."""
+    from gyrfalcon.distributed import parallel_state
+    from gyrfalcon.models.loader import _default_dtype, resolve_model_class
+
+    pc, mc = config.parallel_config, config.model_config
+    tp = pc.tensor_parallel_size
+    prev = parallel_state._STATE
+    parallel_state._STATE = parallel_state.ParallelState(rank % tp, tp, pc.enable_expert_parallel, None, rank // tp,
+                                                         pc.pipeline_parallel_size)
+    try:
+        with _default_dtype(mc.torch_dtype), torch.device("meta"):
+            return resolve_model_class(mc.hf_config)(mc.hf_config, max_position=mc.max_model_len)
+    finally:
+        parallel_state._STATE = prev
 
 
 def _free_port() -> int:
@@ -103,6 +123,7 @@ class MultiprocExecutor:
         import zmq
 
         self._msgpack, self._zmq = msgpack, zmq
+        self._config = config
         pc = config.parallel_config
         self.world_size = pc.world_size  # (tensor x pipeline parallel ranks)
         self.proposes_drafts = False  # no proposer runs behind an executor yet
@@ -144,8 +165,27 @@ class MultiprocExecutor:
         self.state_snapshot_stride = ready[0][4]
         # Rank 0's startup phases (ModelRunner.startup_phases: load, kv sizing, ...), for the benchmarks' report.
         self.startup_phases = dict(ready[0][2])
+        # What `bench latency` / `bench throughput` read of a runner besides the model (model: below): rank 0's.
+        self.bytes_per_block = ready[0][5]
+        self.block_size = config.cache_config.block_size
+        self.device = torch.device(config.device)
+        self.graph_runner = self.mixed_graph_runner = None  # (eager: config.py sets enforce_eager)
+        self._model_view = None
         logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,
                     [p.pid for p in self._procs])
+
+    @property
+    def load_seconds(self) -> float:
+        return self.startup_phases.get("load", 0.0)
+
+    @property
+    def model(self):
+        """Rank 0's shard of the model as a skeleton on the meta device (every parameter's shape and dtype, no
+        data), built on first use: what the benchmarks read of the model (weight bytes, layer and MoE shapes) while
+        the real one lives in the workers. Never run."""
+        if self._model_view is None:
+            self._model_view = shard_skeleton(self._config, 0)
+        return self._model_view
 
     # ---- where the workers run (RayExecutor, executor_ray.py, overrides these two) ------------------
     def _bind(self, sock, name: str) -> str:

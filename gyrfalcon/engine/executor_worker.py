@@ -18,7 +18,8 @@ import traceback
 from typing import Optional
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
-# [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride]] |
+# [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride,
+# bytes_per_block]] |
 # [OUTPUT, rank, output bytes] (rank 0 only) |
 # [ERROR, rank, [exception type name, text]].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
@@ -76,7 +77,7 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         runner = ModelRunner(config)
         results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
                                                   runner.startup_phases, runner.num_state_snapshots,
-                                                  runner.state_snapshot_stride]]))
+                                                  runner.state_snapshot_stride, runner.bytes_per_block]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
                 if parent_pid is not None and os.getppid() != parent_pid:

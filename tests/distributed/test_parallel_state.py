@@ -144,3 +144,19 @@ def test_mla_rank_holds_its_heads(as_rank):
     assert torch.equal(mla.kv_b_proj.weight, kv_b[2 * (nope + v):]) and torch.equal(mla.o_proj.weight, o[:, 2 * v:])
     w_uk, w_uv = mla.absorbed_weights(torch.float32)
     assert w_uk.shape == (2, nope, L) and w_uv.shape == (2, v, L)
+
+
+def test_shard_skeleton_is_rank_zeros_shard_on_meta(qwen3_ckpt):
+    """What `bench latency` / `throughput` read of a tensor-parallel engine's model (MultiprocExecutor.model): rank
+    0's shard built on the meta device, the process's own state untouched."""
+    from gyrfalcon.config import EngineConfig
+    from gyrfalcon.distributed import get_state
+    from gyrfalcon.engine.executor_mp import shard_skeleton
+
+    one = shard_skeleton(EngineConfig.create(str(qwen3_ckpt), device="cpu"), 0)
+    two = shard_skeleton(EngineConfig.create(str(qwen3_ckpt), device="cpu", tensor_parallel_size=2), 0)
+    assert get_state().world_size == 1
+    assert all(p.is_meta for p in two.parameters())
+    attn1, attn2 = one.model.layers[0].self_attn, two.model.layers[0].self_attn
+    assert attn2.num_heads * 2 == attn1.num_heads
+    assert two.model.layers[0].mlp.down_proj.weight.shape[1] * 2 == one.model.layers[0].mlp.down_proj.weight.shape[1]
