@@ -366,7 +366,8 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             from gyrfalcon.runner.model_runner import start_device_init
 
             ea = spec["engine_args"]
-            if ea.get("tensor_parallel_size", 1) == ea.get("pipeline_parallel_size", 1) == 1:  # (workers make their own)
+            # (worker processes make their own)
+            if ea.get("tensor_parallel_size", 1) == ea.get("pipeline_parallel_size", 1) == 1:
                 start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
             config = EngineConfig.create(spec["model"], **spec["engine_args"])
             _set_cpu_threads(config.device)

@@ -6,8 +6,9 @@ when a part of it died) and shutdown(). Two kinds:
 
 - in-process (tensor_parallel_size 1): the ModelRunner itself, the path every single-device engine takes, with
   nothing between the Engine and it;
-- multiprocess (tensor_parallel_size or pipeline_parallel_size > 1, backend "mp"): MultiprocExecutor (executor_mp.py), one worker process
-  per rank, each with its own ModelRunner over its shard of the model (docs/parallelism.md);
+- multiprocess (tensor_parallel_size or pipeline_parallel_size > 1, backend "mp"): MultiprocExecutor
+  (executor_mp.py), one worker process per rank, each with its own ModelRunner over its shard of the model
+  (docs/parallelism.md);
 - Ray (backend "ray"): RayExecutor (executor_ray.py), the same workers as Ray actors in a placement group.
 
 The runner is imported inside create_executor, so engine/ itself stays free of CUDA code.
