@@ -20,6 +20,7 @@ set, else starts a local one) unless the caller already has.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import List, Optional
 
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 # How long the placement group may wait for its bundles before the engine gives up with a clear error.
 PLACEMENT_TIMEOUT_S = 60.0
+# How long an actor's "alive" answer stands: launch() checks every rank each step, and a ray.wait per rank per
+# step would add Ray's round trip to every decode step; a death is still seen within this.
+ALIVE_CHECK_INTERVAL_S = 0.05
 
 
 class _Worker:
@@ -58,6 +62,7 @@ class _RayWorker:
         self.actor, self.pid = actor, None
         self.ref = None  # the run call's ObjectRef once started
         self.exitcode: Optional[str] = None
+        self._alive_at = 0.0  # when is_alive last asked Ray (and heard "alive")
 
     def _done(self, timeout: float) -> bool:
         import ray
@@ -73,7 +78,13 @@ class _RayWorker:
         return bool(ready)
 
     def is_alive(self) -> bool:
-        return not self._done(0.0)
+        now = time.monotonic()
+        if now - self._alive_at < ALIVE_CHECK_INTERVAL_S:
+            return True
+        alive = not self._done(0.0)
+        if alive:
+            self._alive_at = now
+        return alive
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._done(timeout if timeout is not None else 1e9)
