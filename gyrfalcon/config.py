@@ -401,34 +401,48 @@ class ParallelConfig:
     """Tensor / expert parallelism (docs/parallelism.md): tensor_parallel_size ranks, one worker process each
     (engine/executor_mp.py), every layer split across them; enable_expert_parallel: MoE layers give each rank
     whole experts instead of a slice of every expert. distributed_executor_backend: how the ranks run ("mp":
-    processes on this machine; None: "mp" when tensor_parallel_size > 1)."""
+    processes on this machine; "ray": Ray actors in a placement group, engine/executor_ray.py; None: "mp" when
+    tensor_parallel_size > 1)."""
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_executor_backend: Optional[str] = None
+    # Stages of decoder layers, one worker each (docs/parallelism.md: one step at a time, tensor_parallel_size 1).
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks): tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def verify(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        if not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}.")
+        if pp > 1 and tp > 1:
+            raise ValueError("pipeline_parallel_size > 1 together with tensor_parallel_size > 1 is not supported yet; "
+                             "use one of them.")
         backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}.")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' (processes on one "
-                             "machine).")
-        if backend not in (None, "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'mp', got {backend!r}.")
-        if backend is None and tp > 1:
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'gyrfalcon[ray]'.")
+        if backend is None and tp * pp > 1:
             self.distributed_executor_backend = "mp"
 
     def check_devices(self, device: str) -> None:
-        """One GPU per rank on this machine."""
-        if device != "cuda" or self.tensor_parallel_size == 1:
+        """One GPU per rank on this machine (under Ray the placement group finds them in the cluster)."""
+        if device != "cuda" or self.world_size == 1 or self.distributed_executor_backend == "ray":
             return
         import torch
         n = torch.cuda.device_count()
-        if n < self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs on this machine; "
-                             f"{n} visible.")
+        if n < self.world_size:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size}) needs as many GPUs "
+                             f"on this machine; {n} visible.")
 
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp")
@@ -589,13 +603,16 @@ class EngineConfig:
         self.cache_config.verify()
         self.parallel_config.verify()
         self.parallel_config.check_devices(self.device)
-        if self.parallel_config.tensor_parallel_size > 1 and self.device == "cuda" and not self.enforce_eager:
-            # Decode graphs do not capture the all-reduces yet (docs/parallelism.md): tensor-parallel steps run
-            # eagerly.
+        if self.parallel_config.world_size > 1 and self.device == "cuda" and not self.enforce_eager:
+            # Decode graphs do not capture the all-reduces nor the stages' send / recv yet (docs/parallelism.md):
+            # tensor- and pipeline-parallel steps run eagerly.
             import logging
-            logging.getLogger("gyrfalcon").info("tensor_parallel_size > 1: CUDA graphs off (enforce_eager).")
+            logging.getLogger("gyrfalcon").info("tensor / pipeline parallel: CUDA graphs off (enforce_eager).")
             self.enforce_eager = True
         self.speculative_config.resolve(self.model_config.model)
+        if self.speculative_config.enabled and self.parallel_config.world_size > 1:
+            # The proposers live in the runner; behind the worker processes they have not been built or tested.
+            raise ValueError("speculative decoding with tensor / pipeline parallelism is not supported yet.")
         self.scheduler_config.resolve(self.model_config.max_model_len, self.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device == "cuda"

@@ -149,11 +149,15 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
     EngineArg("tensor_parallel_size", "parallel_config.tensor_parallel_size",
               "GPUs to split the model across (one worker process each; on a CPU, processes over gloo)",
               type=int, aliases=("-tp",)),
+    EngineArg("pipeline_parallel_size", "parallel_config.pipeline_parallel_size",
+              "stages to split the decoder layers across (one worker process each; one step at a time, with "
+              "--tensor-parallel-size 1)", type=int, aliases=("-pp",)),
     EngineArg("enable_expert_parallel", "parallel_config.enable_expert_parallel",
               "MoE layers: each rank holds whole experts instead of a slice of every expert", kind=SWITCH),
     EngineArg("distributed_executor_backend", "parallel_config.distributed_executor_backend",
               "how the tensor-parallel ranks run: mp (processes on this machine; the default when "
-              "--tensor-parallel-size > 1)", choices=("mp",)),
+              "--tensor-parallel-size > 1) or ray (Ray actors in a placement group, one bundle per GPU)",
+              choices=("mp", "ray")),
     EngineArg("speculative_config", "speculative_config",
               'speculative decoding, a JSON object (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4} or {"method": "eagle3", "model": "DRAFT_DIR", "num_speculative_tokens": 3} '

@@ -28,7 +28,8 @@ class LLM:
         settings declared in engine_args.ENGINE_ARGS, by vLLM's names (max_model_len=, block_size=, ...), which
         __signature__ lists with their defaults."""
         check_kwargs(kwargs, public_only=True, who="LLM")
-        if kwargs.get("tensor_parallel_size", 1) == 1:  # (with workers, each makes its own on its GPU: none here)
+        # (with worker processes, each makes its own on its GPU: none here)
+        if kwargs.get("tensor_parallel_size", 1) == kwargs.get("pipeline_parallel_size", 1) == 1:
             start_device_init(kwargs.get("device", "auto"))  # the CUDA context, while the config and tokenizer load
         self.config = EngineConfig.create(model, **kwargs, offline=True)
         mc = self.config.model_config

@@ -8,7 +8,7 @@ An expert-parallel rank skips other ranks' experts without reading them at all.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -20,26 +20,49 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 class CheckpointSlice:
     """shape, dtype, dim() like a tensor's; narrow(dim, start, length) and as_tensor() read from the file (which
-    must still be open: the loader's generator keeps it open until the next tensor is asked for)."""
+    must still be open: the loader's generator keeps it open until the next tensor is asked for). pick(i, start,
+    length) is a lazy view of tensor[i, start:start + length] (one expert of a packed [E, rows, cols] tensor),
+    read only when narrowed or read."""
 
-    __slots__ = ("_slice", "shape", "dtype")
+    __slots__ = ("_slice", "_prefix", "shape", "dtype")
 
-    def __init__(self, sf_slice: Any) -> None:
+    def __init__(self, sf_slice: Any, prefix: Tuple = (), shape: Optional[torch.Size] = None) -> None:
         self._slice = sf_slice
-        self.shape = torch.Size(sf_slice.get_shape())
+        self._prefix = prefix  # (expert index, rows slice) of a pick, applied before any narrowing
+        self.shape = torch.Size(sf_slice.get_shape()) if shape is None else shape
         self.dtype = _DTYPES.get(sf_slice.get_dtype())
 
     def dim(self) -> int:
         return len(self.shape)
 
+    def pick(self, i: int, start: int = 0, length: Optional[int] = None) -> "CheckpointSlice":
+        """tensor[i, start:start + length] of a 3-D (unpicked) tensor, not read yet."""
+        if self._prefix or self.dim() != 3:
+            raise ValueError(f"pick() takes one 2-D slice of a 3-D checkpoint tensor, not of {tuple(self.shape)}.")
+        length = self.shape[1] - start if length is None else length
+        if not (0 <= i < self.shape[0] and 0 <= start and start + length <= self.shape[1]):
+            raise ValueError(f"pick({i}, {start}, {length}) outside a checkpoint tensor of {tuple(self.shape)}.")
+        return CheckpointSlice(self._slice, (i, slice(start, start + length)),
+                               torch.Size([length, self.shape[2]]))
+
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if not (0 <= start and start + length <= self.shape[dim]):
             raise ValueError(f"narrow({dim}, {start}, {length}) outside a checkpoint tensor of {tuple(self.shape)}.")
-        index = (slice(None),) * dim + (slice(start, start + length),)
-        return self._slice[index]
+        index = [slice(None)] * self.dim()
+        index[dim] = slice(start, start + length)
+        return self._read(index)
 
     def read(self) -> torch.Tensor:
-        return self._slice[:]
+        return self._read([slice(None)] * self.dim())
+
+    def _read(self, index: list) -> torch.Tensor:
+        if self._prefix:  # a pick: tensor[i, rows][index] read as tensor[i, rows narrowed by index[0], index[1]]
+            i, rows = self._prefix
+            r = index[0]
+            start = rows.start + (r.start or 0)
+            stop = rows.start + (r.stop if r.stop is not None else rows.stop - rows.start)
+            return self._slice[i, start:stop, index[1]]
+        return self._slice[tuple(index)]
 
 
 def as_tensor(x: Union[torch.Tensor, CheckpointSlice]) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.distributed.parallel_state import tp_size
+from gyrfalcon.distributed.parallel_state import get_state, tp_size
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -31,3 +31,31 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     gather(out, x)
     return out.view(tp, n, c).transpose(0, 1).reshape(n, tp * c)
 
+
+# ---- pipeline parallelism (tensor_parallel_size 1: a stage is one rank, global rank = stage) ----------------------
+def pp_send_next(x: torch.Tensor) -> None:
+    """Send x (the residual stream after this stage's layers, [T, hidden]) to the next stage."""
+    import torch.distributed as dist
+
+    st = get_state()
+    dist.send(x.contiguous(), dst=(st.pp_rank + 1) * st.world_size + st.rank)
+
+
+def pp_recv_prev(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The previous stage's pp_send_next: a new tensor of `shape` (each rank knows the step's token count)."""
+    import torch.distributed as dist
+
+    st = get_state()
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=(st.pp_rank - 1) * st.world_size + st.rank)
+    return x
+
+
+def pp_broadcast_from_last(x: torch.Tensor) -> torch.Tensor:
+    """The last stage's x (the final hidden states [T, hidden]) on every stage, in place: every rank then computes
+    the same logits and samples the same tokens, as tensor-parallel ranks do."""
+    import torch.distributed as dist
+
+    st = get_state()
+    dist.broadcast(x, src=(st.pp_size - 1) * st.world_size + st.rank)
+    return x

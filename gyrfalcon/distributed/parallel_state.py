@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -26,6 +26,11 @@ class ParallelState:
     # intermediate dim (False: tensor parallel inside each expert, vLLM's default).
     expert_parallel: bool = False
     backend: Optional[str] = None  # "nccl" / "gloo" once a process group exists
+    # Pipeline parallelism: this process's stage and the number of stages (each stage holds a contiguous run of
+    # the decoder layers: pp_layers). The process group holds world_size x pp_size ranks, global rank
+    # pp_rank * world_size + rank.
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 _STATE = ParallelState()
@@ -43,6 +48,23 @@ def tp_size() -> int:
     return _STATE.world_size
 
 
+def pp_rank() -> int:
+    return _STATE.pp_rank
+
+
+def pp_size() -> int:
+    return _STATE.pp_size
+
+
+def pp_layers(num_layers: int) -> Tuple[int, int]:
+    """[start, end) of the decoder layers this pipeline stage holds: an even split, the earlier stages taking
+    the smaller share when it does not divide (the last also runs the final norm and the LM head)."""
+    pp, r = _STATE.pp_size, _STATE.pp_rank
+    if num_layers < pp:
+        raise ValueError(f"pipeline_parallel_size {pp} is larger than the model's {num_layers} layers.")
+    return r * num_layers // pp, (r + 1) * num_layers // pp
+
+
 def expert_parallel() -> bool:
     return _STATE.expert_parallel and _STATE.world_size > 1
 
@@ -57,20 +79,24 @@ def shard_size(n: int, what: str) -> int:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: str = "cpu",
-                     expert_parallel: bool = False, timeout_s: float = 600.0) -> ParallelState:
-    """Join the process group of `world_size` ranks at `init_method` (tcp://host:port): NCCL when `device` is
-    "cuda" (this rank on cuda:rank: one process per GPU of one host), else gloo. timeout_s bounds a collective
-    that a dead peer never joins (the engine notices a dead worker sooner, by its process: executor_mp.py)."""
+                     expert_parallel: bool = False, timeout_s: float = 600.0,
+                     pipeline_parallel_size: int = 1) -> ParallelState:
+    """Join the process group of `world_size` (tensor-parallel) x `pipeline_parallel_size` ranks at `init_method`
+    (tcp://host:port) as global rank `rank`: NCCL when `device` is "cuda" (this rank on cuda:rank: one process per
+    GPU of one host), else gloo. timeout_s bounds a collective that a dead peer never joins (the engine notices a
+    dead worker sooner, by its process: executor_mp.py)."""
     global _STATE
     import torch.distributed as dist
 
     backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    if world_size > 1:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    if device == "cuda":  # (under Ray each rank sees only its own GPU: device 0)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    total = world_size * pipeline_parallel_size
+    if total > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=total,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    _STATE = ParallelState(rank, world_size, expert_parallel, backend if world_size > 1 else None)
+    _STATE = ParallelState(rank % world_size, world_size, expert_parallel, backend if total > 1 else None,
+                           rank // world_size, pipeline_parallel_size)
     logger.debug("rank %d of %d joined (%s)", rank, world_size, _STATE.backend)
     return _STATE
 

@@ -367,7 +367,9 @@ def run_engine_core(spec: Dict[str, Any]) -> int:
             from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
             from gyrfalcon.runner.model_runner import start_device_init
 
-            if spec["engine_args"].get("tensor_parallel_size", 1) == 1:  # (workers make their own)
+            ea = spec["engine_args"]
+            # (worker processes make their own)
+            if ea.get("tensor_parallel_size", 1) == ea.get("pipeline_parallel_size", 1) == 1:
                 start_device_init(spec["engine_args"].get("device", "auto"))  # overlaps the config and tokenizer
             config = EngineConfig.create(spec["model"], **spec["engine_args"])
             _set_cpu_threads(config.device)

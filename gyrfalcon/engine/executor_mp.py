@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import List, Optional
 
+import torch
+
 from gyrfalcon.step_io import RunnerOutput, ScheduledBatch, decode_output, encode_batch
 from gyrfalcon.engine.executor_worker import ERROR, OUTPUT, READY, SHUTDOWN, STEP, worker_main
 
@@ -62,6 +64,24 @@ class _Handle:
 
     def __init__(self, batch: ScheduledBatch) -> None:
         self.batch = batch
+
+
+def shard_skeleton(config, rank: int):
+    """The model as global rank `rank` builds it (its tensor-parallel shard, its pipeline stage's layers), on the
+    meta device: the process's ParallelState is set to that rank's while it is built, then restored."""
+    from gyrfalcon.distributed import parallel_state
+    from gyrfalcon.models.loader import _default_dtype, resolve_model_class
+
+    pc, mc = config.parallel_config, config.model_config
+    tp = pc.tensor_parallel_size
+    prev = parallel_state._STATE
+    parallel_state._STATE = parallel_state.ParallelState(rank % tp, tp, pc.enable_expert_parallel, None, rank // tp,
+                                                         pc.pipeline_parallel_size)
+    try:
+        with _default_dtype(mc.torch_dtype), torch.device("meta"):
+            return resolve_model_class(mc.hf_config)(mc.hf_config, max_position=mc.max_model_len)
+    finally:
+        parallel_state._STATE = prev
 
 
 def _free_port() -> int:
@@ -103,37 +123,30 @@ class MultiprocExecutor:
         import zmq
 
         self._msgpack, self._zmq = msgpack, zmq
+        self._config = config
         pc = config.parallel_config
-        self.world_size = pc.tensor_parallel_size
+        self.world_size = pc.world_size  # (tensor x pipeline parallel ranks)
         self.proposes_drafts = False  # no proposer runs behind an executor yet
         self._tmpdir = tempfile.mkdtemp(prefix="gyrfalcon-tp-")
         self._ctx = zmq.Context(io_threads=1)
         self._results = self._ctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.RCVHWM, 0)
-        result_addr = f"ipc://{self._tmpdir}/results"
-        self._results.bind(result_addr)
+        result_addr = self._bind(self._results, "results")
         self._steps: List = []
         step_addrs = []
         for r in range(self.world_size):
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 0)
-            addr = f"ipc://{self._tmpdir}/steps-{r}"
-            s.bind(addr)
+            step_addrs.append(self._bind(s, f"steps-{r}"))
             self._steps.append(s)
-            step_addrs.append(addr)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        mp = multiprocessing.get_context("spawn")
-        self._procs = [mp.Process(target=worker_main, name=f"gyrfalcon-tp-rank{r}", daemon=True,
-                                  args=(r, config, init_method, step_addrs[r], result_addr, os.getpid()))
-                       for r in range(self.world_size)]
+        self._procs: List = []
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps, self._results, self._ctx,
                                            self._tmpdir, True)
         self._dead: Optional[str] = None  # why the workers were stopped, once they were
         self._dead_kind: Optional[str] = None
         self._pending: list = []  # messages read while checking health, not yet consumed by _recv
-        for p in self._procs:
-            p.start()
+        self._procs.extend(self._start_workers(config, step_addrs, result_addr))
         ready = {}
         try:
             while len(ready) < self.world_size:
@@ -146,10 +159,52 @@ class MultiprocExecutor:
         # uses the blocks every rank has.
         self.num_blocks = min(r[0] for r in ready.values())
         self.num_state_slots = ready[0][1]
+        # Hybrid models' state snapshots (engine/snapshot_pool.py): each rank holds its heads' part of every
+        # snapshot, at the same indices; the engine uses the snapshots every rank has, taken at one stride.
+        self.num_state_snapshots = min(r[3] for r in ready.values())
+        self.state_snapshot_stride = ready[0][4]
         # Rank 0's startup phases (ModelRunner.startup_phases: load, kv sizing, ...), for the benchmarks' report.
         self.startup_phases = dict(ready[0][2])
+        # What `bench latency` / `bench throughput` read of a runner besides the model (model: below): rank 0's.
+        self.bytes_per_block = ready[0][5]
+        self.block_size = config.cache_config.block_size
+        self.device = torch.device(config.device)
+        self.graph_runner = self.mixed_graph_runner = None  # (eager: config.py sets enforce_eager)
+        self._model_view = None
         logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,
                     [p.pid for p in self._procs])
+
+    @property
+    def load_seconds(self) -> float:
+        return self.startup_phases.get("load", 0.0)
+
+    @property
+    def model(self):
+        """Rank 0's shard of the model as a skeleton on the meta device (every parameter's shape and dtype, no
+        data), built on first use: what the benchmarks read of the model (weight bytes, layer and MoE shapes) while
+        the real one lives in the workers. Never run."""
+        if self._model_view is None:
+            self._model_view = shard_skeleton(self._config, 0)
+        return self._model_view
+
+    # ---- where the workers run (RayExecutor, executor_ray.py, overrides these two) ------------------
+    def _bind(self, sock, name: str) -> str:
+        """Bind one of the core's sockets -> the address a worker connects to (a Unix socket: same machine)."""
+        addr = f"ipc://{self._tmpdir}/{name}"
+        sock.bind(addr)
+        return addr
+
+    def _start_workers(self, config, step_addrs: List[str], result_addr: str) -> list:
+        """Start one worker per rank -> their handles (multiprocessing.Process, or what acts like one:
+        is_alive(), join(timeout), terminate(), kill(), pid, exitcode), in rank order."""
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        mp = multiprocessing.get_context("spawn")
+        procs = [mp.Process(target=worker_main, name=f"gyrfalcon-tp-rank{r}", daemon=True,
+                            args=(r, config, init_method, step_addrs[r], result_addr, os.getpid()))
+                 for r in range(self.world_size)]
+        for p in procs:
+            p.start()
+        return procs
 
     # ---- the runner interface ----------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch) -> _Handle:

@@ -15,9 +15,12 @@ import logging
 import os
 import sys
 import traceback
+from typing import Optional
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
-# [num_blocks, num_state_slots, {startup phase: seconds}]] | [OUTPUT, rank, output bytes] (rank 0 only) |
+# [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride,
+# bytes_per_block]] |
+# [OUTPUT, rank, output bytes] (rank 0 only) |
 # [ERROR, rank, [exception type name, text]].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
 
@@ -37,14 +40,19 @@ def _cpu_threads(device: str, world_size: int) -> None:
     torch.set_num_threads(max(1, ncpu // world_size))
 
 
-def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr: str, parent_pid: int) -> None:
-    """The process target (multiprocessing spawn). config: the EngineConfig, handed over once at start."""
+def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr: str, parent_pid: Optional[int],
+                exit_process: bool = True) -> None:
+    """The process target (multiprocessing spawn), or a Ray actor's one long call (executor_ray.py). config: the
+    EngineConfig, handed over once at start. parent_pid: the engine core's pid, whose exit ends this worker (None
+    under Ray: the engine core is no parent of an actor, and Ray ends the actors of a driver that exits).
+    exit_process: leave with os._exit when done (a Ray actor returns instead, and Ray ends its process)."""
     import msgpack
     import zmq
 
     from gyrfalcon.engine.core_process import _die_with_parent
 
-    _die_with_parent()
+    if parent_pid is not None:
+        _die_with_parent()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(levelname)s %(asctime)s [tp rank {rank}] %(message)s")
     pc = config.parallel_config
@@ -63,14 +71,16 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         from gyrfalcon.runner.model_runner import ModelRunner
         from gyrfalcon.step_io import decode_batch, encode_output
 
-        _cpu_threads(config.device, pc.tensor_parallel_size)
-        init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel)
+        _cpu_threads(config.device, pc.world_size)
+        init_distributed(rank, pc.tensor_parallel_size, init_method, config.device, pc.enable_expert_parallel,
+                         pipeline_parallel_size=pc.pipeline_parallel_size)
         runner = ModelRunner(config)
         results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
-                                                  runner.startup_phases]]))
+                                                  runner.startup_phases, runner.num_state_snapshots,
+                                                  runner.state_snapshot_stride, runner.bytes_per_block]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
-                if os.getppid() != parent_pid:
+                if parent_pid is not None and os.getppid() != parent_pid:
                     break  # the engine core is gone
                 continue
             msg = msgpack.unpackb(steps.recv(), raw=False)
@@ -96,5 +106,9 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
+    if not exit_process:
+        if code:
+            raise SystemExit(code)  # (the actor's call fails: the executor sees the rank gone)
+        return
     # Skip interpreter teardown (torch / gloo threads can hang it): the sockets are closed.
     os._exit(code)

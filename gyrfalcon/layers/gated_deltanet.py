@@ -15,6 +15,13 @@ of in_proj_qkvz, in_proj_b and in_proj_a [HV, hidden] those of in_proj_ba: the s
 pool [num_slots, K - 1, C] in the model's dtype and a recurrent pool [num_slots, HV, dk, dv] in fp32; the step's
 rows find their slot in ForwardBatch.state_slots. A request whose step starts at position 0 starts from zeros
 (its slot may hold a finished request's state), later prefill chunks and decode steps from the slot.
+
+Tensor parallelism (docs/parallelism.md): rank r holds key heads [r H / tp, (r + 1) H / tp) and the value heads they
+own (r * HV / tp onwards: a key head's r value heads are consecutive in both layouts), so every head's recurrence
+stays on one rank and nothing is communicated until out_proj (row-parallel, the block's one all-reduce). Its rows of
+every projection (q, k, v, z, b, a), its conv channels (q | k | v of its heads), A_log / dt_bias of its value heads;
+the output norm's weight is per head dim, replicated. Its state pools hold its heads only (kv_cache_spec is built
+from the local counts), and snapshot copies move whole slots, the same on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
                                            gated_delta_prefill, gated_rms_norm)
-from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.distributed import as_tensor, shard_size, tp_rank, tp_size
+from gyrfalcon.layers.linear import Linear, MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.quantization import fp8_scope
@@ -36,7 +44,8 @@ from gyrfalcon.layers.quantization import fp8_scope
 
 class GroupedHeadsLinear(Linear):
     """A projection whose checkpoint rows come grouped per key head: [H, seg_0 | seg_1 | ...] (segment widths
-    `segments`), kept here as flat [seg_0 of every head | seg_1 of every head | ...]."""
+    `segments`), kept here as flat [seg_0 of every head | seg_1 of every head | ...]. Tensor parallel: this rank's
+    key heads' groups (num_groups: the local count), a contiguous block of the checkpoint's rows."""
 
     def __init__(self, in_features: int, num_groups: int, segments: Sequence[int]) -> None:
         super().__init__(in_features, num_groups * sum(segments))
@@ -45,11 +54,46 @@ class GroupedHeadsLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.quant_block is not None:
             raise NotImplementedError("FP8 block-quantized Gated DeltaNet input projections are not supported yet.")
-        if param.shape != loaded.shape:
-            raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}.")
+        rows = param.shape[0]
+        if loaded.dim() != 2 or loaded.shape[0] != rows * tp_size() or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"Shape mismatch: parameter {tuple(param.shape)} (of {tp_size()} ranks) vs checkpoint "
+                             f"{tuple(loaded.shape)}.")
+        loaded = loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else as_tensor(loaded)
         grouped = loaded.view(self.num_groups, sum(self.segments), -1)
         param.data.copy_(torch.cat([part.reshape(-1, loaded.shape[-1])
                                     for part in grouped.split(self.segments, dim=1)]))
+
+
+class FlatQKVZLinear(MergedLinear):
+    """Qwen3.5's flat in_proj_qkvz: shard "qkv" is the checkpoint's in_proj_qkv [q (H dk) | k (H dk) | v (HV dv)],
+    shard "z" in_proj_z [HV dv]. Tensor parallel: this rank's heads of each of q, k, v (three blocks of the qkv
+    tensor, not one) and of z."""
+
+    def __init__(self, in_features: int, qkv_parts: Sequence[int], z_rows: int) -> None:
+        """qkv_parts: the full (q, k, v) row counts."""
+        self.qkv_parts = tuple(qkv_parts)
+        layout = {"qkv": (sum(shard_size(n, "the GDN heads") for n in qkv_parts), tp_rank()),
+                  "z": (shard_size(z_rows, "linear_num_value_heads"), tp_rank())}
+        super().__init__(in_features, {"qkv": sum(qkv_parts), "z": z_rows}, False, layout)
+
+    def _rank_slice(self, loaded: torch.Tensor, shard_id) -> torch.Tensor:
+        if shard_id != "qkv" or tp_size() == 1:
+            return super()._rank_slice(loaded, shard_id)
+        if loaded.shape[0] != sum(self.qkv_parts):
+            raise ValueError(f"Shape mismatch for shard 'qkv': {sum(self.qkv_parts)} rows expected, checkpoint has "
+                             f"{tuple(loaded.shape)}.")
+        return narrow_parts(loaded, self.qkv_parts)
+
+
+def narrow_parts(loaded, parts: Sequence[int]) -> torch.Tensor:
+    """This rank's slice of each consecutive block of dim 0 (block sizes `parts`), concatenated: the q | k | v
+    channels of its heads, from a tensor (or CheckpointSlice) holding every head's."""
+    pieces, off = [], 0
+    for n in parts:
+        local = n // tp_size()
+        pieces.append(loaded.narrow(0, off + tp_rank() * local, local))
+        off += n
+    return torch.cat(pieces)
 
 
 class GatedRMSNorm(nn.Module):
@@ -75,6 +119,10 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads "
                              f"({num_k_heads}).")
+        full_key_dim, full_value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        # This rank's heads (all of them at world size 1): key heads split, each with its r value heads.
+        num_k_heads = shard_size(num_k_heads, "linear_num_key_heads")
+        num_v_heads = shard_size(num_v_heads, "linear_num_value_heads")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -82,12 +130,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = conv_kernel
         self.layer_idx = layer_idx
         r = num_v_heads // num_k_heads
+        # The conv channels' full (q, k, v) blocks, for narrowing the checkpoint's conv weight and in_proj_qkv.
+        self.conv_parts = (full_key_dim, full_key_dim, full_value_dim)
         if flat_projections:
-            self.in_proj_qkvz = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim})
+            self.in_proj_qkvz = FlatQKVZLinear(hidden_size, self.conv_parts, full_value_dim)
             # Never FP8: Qwen3.5's FP8 releases leave in_proj_b / in_proj_a unquantized, and [HV, hidden] shards of
             # HV < 128 rows could not stack 128-row scale blocks anyway.
             with fp8_scope(None):
-                self.in_proj_ba = MergedLinear(hidden_size, {"b": num_v_heads, "a": num_v_heads})
+                self.in_proj_ba = MergedLinear(hidden_size, {"b": full_value_dim // head_v_dim,
+                                                             "a": full_value_dim // head_v_dim})
         else:
             self.in_proj_qkvz = GroupedHeadsLinear(hidden_size, num_k_heads,
                                                    (head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim))
@@ -97,9 +148,19 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight.requires_grad_(False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
+        # (CausalLM.load_weights hands these three their checkpoint tensors through shard_loader: this rank's part)
+        self.conv1d.weight.shard_loader = self._load_conv_weight
+        self.dt_bias.shard_loader = self.A_log.shard_loader = _load_value_head_param
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(full_value_dim, hidden_size)
         self.norm_in: Optional[NormLinear] = None
+
+    def _load_conv_weight(self, param: nn.Parameter, loaded) -> None:
+        """The checkpoint's conv1d.weight [C, 1, K] (every head's q | k | v channels) -> this rank's channels."""
+        if loaded.dim() != 3 or loaded.shape[0] != sum(self.conv_parts) or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"Shape mismatch for conv1d.weight: {sum(self.conv_parts)} channels x "
+                             f"{tuple(param.shape[1:])} expected, checkpoint has {tuple(loaded.shape)}.")
+        param.data.copy_(narrow_parts(loaded, self.conv_parts) if tp_size() > 1 else as_tensor(loaded))
 
     def kv_cache_spec(self, cache_dtype: str) -> LinearStateSpec:
         """Per request: the conv window [K - 1, C] in the model's dtype (cache_dtype, the KV cache's, may be FP8:
@@ -147,3 +208,11 @@ class GatedDeltaNet(nn.Module):
                                     state_snaps, saves)
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)
+
+
+def _load_value_head_param(param: nn.Parameter, loaded) -> None:
+    """A per-value-head vector (A_log, dt_bias) [HV] -> this rank's value heads."""
+    n = param.shape[0]
+    if loaded.dim() != 1 or loaded.shape[0] != n * tp_size():
+        raise ValueError(f"Shape mismatch: {n * tp_size()} value heads expected, checkpoint has {tuple(loaded.shape)}.")
+    param.data.copy_(loaded.narrow(0, tp_rank() * n, n) if tp_size() > 1 else as_tensor(loaded))

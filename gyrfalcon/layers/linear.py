@@ -176,6 +176,25 @@ def qkv_head_split(num_heads: int, num_kv_heads: int) -> Tuple[int, int, int]:
     return heads, 1, rank // (tp // num_kv_heads)
 
 
+class ColumnParallelLinear(Linear):
+    """y = x W^T (+ b) with W's output rows split across the ranks: this rank holds rows [r * N / tp, (r + 1) * N /
+    tp) (its heads of a per-head projection, e.g. MLA's q_b_proj / kv_b_proj) and produces that slice of y; nothing
+    is communicated (the RowParallelLinear after it reduces). One checkpoint tensor, narrowed at load; at world
+    size 1 it is Linear. (A projection of several checkpoint tensors is a MergedLinear, column-parallel too.)"""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, shard_size(out_features, "a column-parallel layer's output"), bias)
+        self.full_out_features = out_features
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tp_size() > 1 and (param is self.weight or param is self.bias):
+            if loaded.shape[0] != self.full_out_features:
+                raise ValueError(f"Shape mismatch: a column-parallel weight of {self.full_out_features} output rows "
+                                 f"vs checkpoint {tuple(loaded.shape)}.")
+            loaded = loaded.narrow(0, tp_rank() * self.out_features, self.out_features)
+        super().weight_loader(param, loaded, shard_id)
+
+
 class RowParallelLinear(Linear):
     """y = x W^T (+ b) with W's input columns split across the ranks: this rank holds W[:, r * K / tp ...] and
     takes the matching slice of x (a column-parallel layer's output: its heads, its intermediate slice); the

@@ -24,6 +24,13 @@ runs each of those as its own op instead (the baseline `bench latency` compares)
 DeepSeek-V3.2 adds a lightning indexer (layers/dsa_indexer.py, child `indexer`, reading q_a_layernorm's output):
 the layer's cache is then the pair (latent, indexer keys) (SparseMLASpec), and each query attends only over the
 indexer's top-k keys (the attention kernels' `indices`).
+
+Tensor parallelism (docs/parallelism.md): rank r holds query heads [r H / tp, (r + 1) H / tp): q_b_proj (q_proj
+without a q LoRA) and kv_b_proj column-parallel by head, o_proj row-parallel (its all-reduce is the block's one
+collective). What every head shares is replicated: q_a_proj, kv_a_proj_with_mqa, both latent norms, and so the
+latent cache, which every rank writes whole (one shared "head": vLLM keeps it so too). The V3.2 indexer is
+replicated (wk, wq_b, weights_proj, k_norm on every rank): each rank scores every index head and picks the same
+top-k exactly, with no collective; its heads are few (64) next to MLA's (128) and read only the latent query.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
 from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep, mla_v_proj
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
-from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.distributed import shard_size, tp_rank
+from gyrfalcon.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -61,11 +69,13 @@ class MultiHeadLatentAttention(nn.Module):
         (index_n_heads, index_head_dim, index_topk) of a DeepSeek-V3.2 lightning indexer (needs q_lora_rank), None:
         dense MLA."""
         super().__init__()
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+        # num_heads: this rank's heads (all of them at world size 1; module docstring)
+        self.num_heads = shard_size(num_heads, "num_attention_heads")
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.layer_idx, self.scale = layer_idx, scale
-        self.q_width = num_heads * self.qk_head_dim if q_lora_rank is None else q_lora_rank
+        self.q_width = self.num_heads * self.qk_head_dim if q_lora_rank is None else q_lora_rank
         if bias and (q_lora_rank is None or index is not None):  # transformers' q_proj / wk have no bias there
             raise ValueError("DeepSeek MLA with attention_bias beside an unbiased projection in the same GEMM (q_proj "
                              "without a q LoRA, or the indexer's wk) is not supported.")
@@ -75,21 +85,25 @@ class MultiHeadLatentAttention(nn.Module):
         # The projections of one input are one GEMM each (the checkpoint's tensors land in their shards; FP8 block
         # scales stack while every shard but the last is whole 128-row blocks: 1536 | 128 | 576 in the release):
         # x -> [q_a (q without a q LoRA) | the indexer's wk | kv_a], q_resid -> [the indexer's wq_b | q_b].
-        shards = {"q": self.q_width}
+        # Tensor parallel: (full rows, (rows here, slice index)) per shard: q_proj's heads split, the rest replicated.
+        q_rows = num_heads * self.qk_head_dim if q_lora_rank is None else q_lora_rank
+        shards = {"q": (q_rows, (self.q_width, tp_rank()) if q_lora_rank is None else (q_rows, 0))}
         if index is not None:
-            shards["wk"] = d_idx
-        shards["kv_a"] = kv_lora_rank + qk_rope_head_dim
-        self.fused_qkv_a_proj = MergedLinear(hidden_size, shards, bias)
+            shards["wk"] = (d_idx, (d_idx, 0))
+        shards["kv_a"] = (kv_lora_rank + qk_rope_head_dim, (kv_lora_rank + qk_rope_head_dim, 0))
+        self.fused_qkv_a_proj = MergedLinear(hidden_size, {k: v[0] for k, v in shards.items()}, bias,
+                                             {k: v[1] for k, v in shards.items()})
         if q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
             if index is None:
-                self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+                self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * self.qk_head_dim)
             else:
-                self.fused_q_b_proj = MergedLinear(q_lora_rank, {"wq_b": n_idx * d_idx,
-                                                                 "q_b": num_heads * self.qk_head_dim})
+                self.fused_q_b_proj = MergedLinear(
+                    q_lora_rank, {"wq_b": n_idx * d_idx, "q_b": num_heads * self.qk_head_dim}, False,
+                    {"wq_b": (n_idx * d_idx, 0), "q_b": (self.num_heads * self.qk_head_dim, tp_rank())})
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias)
         self.rotary_emb = rotary
         # The fused path (kernels/mla_prep: two launches before attention, one after) unless
         # GYRFALCON_DISABLE_FUSION=1 (separate ops).

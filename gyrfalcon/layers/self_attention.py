@@ -1,14 +1,20 @@
-"""The rotary self-attention block: qkv projection, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
+"""The rotary self-attention block: qkv projection, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj.
+
+Tensor parallelism splits the heads (QKVLinear, RowParallelLinear). A per-head q/k norm is replicated; MiniMax-M2's
+whole-projection q/k norm spans every rank's heads: each rank holds its heads' slice of the norm weights, and the
+sum of squares of q and of k is all-reduced (one [T, 2] all-reduce a layer) before each rank scales its part.
+"""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.distributed import tp_size
+from gyrfalcon.distributed import as_tensor, tp_all_reduce, tp_rank, tp_size
 from gyrfalcon.kernels.rms_norm import qk_norm_whole
 from gyrfalcon.layers.attention import Attention
 from gyrfalcon.layers.linear import QKVLinear, RowParallelLinear
@@ -36,9 +42,6 @@ class RotarySelfAttention(nn.Module):
         is multiplied by sigmoid(gate) before o_proj (Qwen3-Next's gated attention). qk_norm_offset: the q/k
         norms' weight offset (1: Qwen3-Next's zero-centred `* (1 + w)`)."""
         super().__init__()
-        if qk_norm_whole and tp_size() > 1:
-            raise ValueError("A whole-projection q/k norm (MiniMax-M2) spans every head: not supported with "
-                             "tensor parallelism yet.")
         self.output_gate = output_gate
         # (the q shard holds the gate rows too: the checkpoint's q_proj [num_heads * 2 * head_dim, hidden]; per
         # head [query | gate], so splitting its 2 * num_heads head_dim-row blocks keeps each head's pair whole)
@@ -58,6 +61,12 @@ class RotarySelfAttention(nn.Module):
                                                                                                         head_dim)
             self.q_norm = RMSNorm(q_width, qk_norm_eps, qk_norm_offset)
             self.k_norm = RMSNorm(k_width, qk_norm_eps, qk_norm_offset)
+        # A whole-projection norm across ranks (module docstring): each rank's slice of its weights.
+        self.norm_across_ranks = self.qk_norm_whole and tp_size() > 1
+        if self.norm_across_ranks:
+            kv_index = self.qkv_proj.tp_slices["k"][0]
+            self.q_norm.weight.shard_loader = partial(_load_norm_slice, index=tp_rank())
+            self.k_norm.weight.shard_loader = partial(_load_norm_slice, index=kv_index)
         # The fused qkv prep takes neither the gate's rows nor (1 + w) norms: such layers run the separate ops.
         self.fused = not envs.get().disable_fusion and not output_gate and qk_norm_offset == 0.0
         self.qkv_in: Optional[NormLinear] = None
@@ -97,13 +106,40 @@ class RotarySelfAttention(nn.Module):
     def _forward_whole_qk_norm(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: the normed input [T, hidden] -> attention output [T, num_heads * head_dim] (qk_norm_whole)."""
         qkv = self.qkv_proj(x)
-        if self.fused:  # both norms and the v copy in one launch (not two norms and a cat)
+        if self.fused and not self.norm_across_ranks:  # both norms and the v copy in one launch (not two and a cat)
             qkv = qk_norm_whole(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             return self.attn.forward_fused(qkv, positions, self.rotary_emb)
         q, k, v = qkv.split(self.qkv_proj.split_sizes(), dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.norm_across_ranks:
+            q, k = self._qk_norm_across_ranks(q, k)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.attn(q, k, v)
+
+    def _qk_norm_across_ranks(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q [T, local q width], k [T, local k width]: this rank's parts of the whole projections -> both normed by
+        the RMS of the whole projection (every rank's part), in fp32 as RMSNorm computes it."""
+        qf, kf = q.float(), k.float()
+        squares = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1)  # [T, 2]
+        tp_all_reduce(squares)
+        tp = tp_size()
+        # K/V heads replicated on c ranks (fewer K/V heads than ranks) are summed c times, over a whole width of
+        # local width * tp / c: the mean is the sum over width * tp either way.
+        mean_q = squares[:, :1] / (q.shape[-1] * tp)
+        mean_k = squares[:, 1:] / (k.shape[-1] * tp)
+        out = []
+        for x, mean, norm in ((qf, mean_q, self.q_norm), (kf, mean_k, self.k_norm)):
+            out.append((x * torch.rsqrt(mean + norm.eps) * (norm.weight.float() + norm.weight_offset)).to(q.dtype))
+        return out[0], out[1]
+
+
+def _load_norm_slice(param: torch.nn.Parameter, loaded, index: int) -> None:
+    """A whole-projection norm weight [H * D] from the checkpoint -> slice `index` of this rank's width."""
+    n = param.shape[0]
+    if loaded.dim() != 1 or loaded.shape[0] % n:
+        raise ValueError(f"Shape mismatch: a q/k norm slice of {n} vs checkpoint {tuple(loaded.shape)}.")
+    param.data.copy_(loaded.narrow(0, index * n, n) if loaded.shape[0] != n else as_tensor(loaded))

@@ -11,17 +11,33 @@ import torch
 from torch import nn
 
 from gyrfalcon.cache_spec import CacheSpec
-from gyrfalcon.distributed import as_tensor
+from gyrfalcon.distributed import (as_tensor, pp_broadcast_from_last, pp_layers, pp_rank, pp_recv_prev, pp_send_next,
+                                  pp_size)
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import norm_stream
 
 
-class DecoderModel(nn.Module):
-    """ids [T] -> embed -> layers -> final RMSNorm -> hidden [T, hidden]."""
+class MissingLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds: no parameters, no cache, never run."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: List[nn.Module]) -> None:
+    def forward(self, *args):
+        raise RuntimeError("A decoder layer of another pipeline stage was run here.")
+
+
+class DecoderModel(nn.Module):
+    """ids [T] -> embed -> layers -> final RMSNorm -> hidden [T, hidden].
+
+    Pipeline parallelism (docs/parallelism.md): this stage holds layers [start, end) (the rest are MissingLayers).
+    A stage after the first receives the residual stream [T, hidden] from the one before instead of embedding; a
+    stage before the last sends its stream on (hidden + residual summed: the next layer's input norm would add them
+    first anyway, so one tensor crosses instead of two). The last stage's final hidden states are broadcast to every
+    stage, so that each computes the same logits and samples the same tokens (the embedding, final norm and LM head
+    are on every stage: one step at a time, their memory the price of no token exchange)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: List[nn.Module],
+                 layer_range: Optional[Tuple[int, int]] = None, num_stages: int = 1) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
@@ -30,21 +46,42 @@ class DecoderModel(nn.Module):
         # layer's output before the final norm); each step's copies land in aux_hidden [T, len(ids) * hidden].
         self.aux_hidden_layers: Tuple[int, ...] = ()
         self.aux_hidden: Optional[torch.Tensor] = None
+        self.layer_range = layer_range or (0, len(layers))
+        self.num_stages = num_stages
+        self.hidden_size = hidden_size
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, src: Optional[torch.Tensor] = None,
                 last_sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # The embedding's output is this step's own tensor: folded layers add into it in place.
-        hidden, residual = self.embed_tokens(input_ids, src, last_sampled), None
+        start, end = self.layer_range
+        stage = pp_rank() if self.num_stages > 1 else 0
+        if stage == 0:
+            # The embedding's output is this step's own tensor: folded layers add into it in place.
+            hidden, residual = self.embed_tokens(input_ids, src, last_sampled), None
+        else:
+            hidden = pp_recv_prev((input_ids.shape[0], self.hidden_size), self.norm.weight.dtype, input_ids.device)
+            residual = None
+        # (aux capture serves speculative decoding's drafts, which tensor / pipeline parallelism refuse for now)
         aux = [] if self.aux_hidden_layers else None
-        for i, layer in enumerate(self.layers):
+        for i in range(start, end):
             if aux is not None and i in self.aux_hidden_layers:
                 aux.append(_stream_copy(hidden, residual))
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
         if aux is not None:
             if len(self.layers) in self.aux_hidden_layers:
                 aux.append(_stream_copy(hidden, residual))
             self.aux_hidden = torch.cat(aux, dim=-1)
-        return norm_stream(self.norm, hidden, residual)[0]
+        if self.num_stages == 1:
+            return norm_stream(self.norm, hidden, residual)[0]
+        if stage < self.num_stages - 1:
+            pp_send_next(residual if hidden is None else hidden if residual is None else residual + hidden)
+            out = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.norm.weight.dtype,
+                              device=input_ids.device)
+        else:
+            out = norm_stream(self.norm, hidden, residual)[0].contiguous()
+        return pp_broadcast_from_last(out)
+
+    def owns_layer(self, i: int) -> bool:
+        return self.layer_range[0] <= i < self.layer_range[1]
 
 
 def _stream_copy(hidden: Optional[torch.Tensor], residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -59,6 +96,7 @@ def _stream_copy(hidden: Optional[torch.Tensor], residual: Optional[torch.Tensor
 
 # A per-expert checkpoint tensor: (the experts module's name, expert index, projection name, weight or its FP8
 # block scales weight_scale_inv).
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)\.(weight|weight_scale_inv)$")
 
 
@@ -95,8 +133,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         max_position = max_position or config.max_position_embeddings
+        # (pipeline parallel: this stage builds its layers only)
+        start, end = pp_layers(config.num_hidden_layers)
         self.model = DecoderModel(config.vocab_size, config.hidden_size, config.rms_norm_eps,
-                                  [self.build_layer(config, i, max_position) for i in range(config.num_hidden_layers)])
+                                  [self.build_layer(config, i, max_position) if start <= i < end else MissingLayer()
+                                   for i in range(config.num_hidden_layers)], (start, end), pp_size())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               self.model.embed_tokens if self.tie_word_embeddings else None)
@@ -129,6 +170,9 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            layer = _LAYER_NAME.match(name)
+            if layer is not None and not self.model.owns_layer(int(layer.group(1))):
+                continue  # another pipeline stage's layer
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             shard = None
@@ -162,6 +206,8 @@ class CausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
             elif isinstance(owner, (VocabEmbedding, LMHead)):  # this rank's vocabulary rows
                 owner.weight_loader(param, tensor)
+            elif getattr(param, "shard_loader", None) is not None:  # a sharded parameter of no Linear (GDN's conv)
+                param.shard_loader(param, tensor)
             else:
                 tensor = as_tensor(tensor)  # replicated on every rank: read whole
                 if param.shape != tensor.shape:

@@ -43,6 +43,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class DeepseekV3ForCausalLM(CausalLM):
     stacked_params = DEEPSEEK_STACKED_PARAMS
     expert_params = QWEN_EXPERT_PARAMS
+    # MLA heads split (layers/mla.py), the dense MLP and shared expert split, the routed experts split inside each
+    # expert or (expert parallelism) whole per rank; the router, the latent cache and V3.2's indexer replicated.
+    supports_tensor_parallel = True
 
     def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:
         act = getattr(config, "hidden_act", "silu")

@@ -31,6 +31,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class MiniMaxM2ForCausalLM(CausalLM):
     stacked_params = MINIMAX_STACKED_PARAMS
     expert_params = MINIMAX_EXPERT_PARAMS
+    # Attention heads split (the whole-projection q/k norm reduced across ranks: layers/self_attention.py), the
+    # experts split inside each expert or whole per rank.
+    supports_tensor_parallel = True
 
     def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:
         act = getattr(config, "hidden_act", "silu")

@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, Set, Tuple
 
 import torch
 
+from gyrfalcon.distributed import CheckpointSlice
 from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -62,11 +63,15 @@ def text_weights(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[
         if tensor.dim() != 3:
             raise ValueError(f"Checkpoint tensor {name!r}: packed experts must be 3-D [experts, rows, cols], got "
                              f"shape {tuple(tensor.shape)}.")
+        half = tensor.shape[1] // 2
         for e in range(tensor.shape[0]):
+            # (under tensor parallelism a CheckpointSlice: picked lazily, so a rank reads only its part of each
+            # expert, and with expert parallelism none of another rank's experts)
+            lazy = isinstance(tensor, CheckpointSlice)
             if kind == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+                yield f"{prefix}.{e}.down_proj.weight", tensor.pick(e) if lazy else tensor[e]
             else:
-                gate, up = tensor[e].chunk(2, dim=0)
+                gate, up = (tensor.pick(e, 0, half), tensor.pick(e, half, half)) if lazy else tensor[e].chunk(2, dim=0)
                 yield f"{prefix}.{e}.gate_proj.weight", gate
                 yield f"{prefix}.{e}.up_proj.weight", up
 

@@ -51,6 +51,9 @@ class Qwen3NextForCausalLM(CausalLM):
     supports_mixed_graphs = False
     # Qwen3.5 (models/qwen3_5.py) ships the GDN input projections flat, in four tensors (layers/gated_deltanet.py).
     flat_gdn_projections = False
+    # GDN heads split by key-head group (layers/gated_deltanet.py), the gated attention's heads as Qwen3's, the MoE
+    # as Qwen3-MoE's (the shared expert split, its sigmoid gate replicated).
+    supports_tensor_parallel = True
 
     def __init__(self, config, max_position=None) -> None:
         super().__init__(config, max_position)

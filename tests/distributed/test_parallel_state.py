@@ -85,6 +85,14 @@ def test_checkpoint_slice_reads_the_part_asked_for(tmp_path):
         assert torch.equal(as_tensor(s), t) and as_tensor(t) is t
         with pytest.raises(ValueError, match="outside"):
             s.narrow(0, 4, 3)
+    p = torch.randn(3, 6, 4)  # a packed [E, 2I, H] experts tensor: one expert's up rows, narrowed again
+    save_file({"p": p}, str(tmp_path / "b.safetensors"))
+    with safe_open(str(tmp_path / "b.safetensors"), framework="pt") as sf:
+        up = CheckpointSlice(sf.get_slice("p")).pick(1, 3, 3)
+        assert up.shape == (3, 4) and torch.equal(as_tensor(up), p[1, 3:])
+        assert torch.equal(up.narrow(0, 1, 2), p[1, 4:6]) and torch.equal(up.narrow(1, 2, 2), p[1, 3:, 2:])
+        with pytest.raises(ValueError, match="outside"):
+            CheckpointSlice(sf.get_slice("p")).pick(3)
 
 
 def test_cli_flags_reach_the_engine_arguments():
@@ -109,3 +117,46 @@ def test_a_worker_startup_error_keeps_its_kind():
     bad = startup_error(WorkerDied("rank 1 failed: ValueError: tensor_parallel_size 4 does not divide", "ValueError"))
     assert type(bad) is ValueError and "does not divide" in str(bad)
     assert type(startup_error(WorkerDied("rank 0 exited with code -9"))) is RuntimeError
+
+
+def test_mla_rank_holds_its_heads(as_rank):
+    """DeepSeek MLA at rank 1 of 2 (4 heads, a V3.2 indexer): q_b_proj's and kv_b_proj's rows of heads 2-3, o_proj's
+    columns of them; fused_qkv_a_proj (q_a | wk | kv_a) and the indexer's wq_b whole (replicated)."""
+    from gyrfalcon.layers.mla import MultiHeadLatentAttention
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    as_rank(1, 2)
+    H, qlr, L, nope, rope, v, hidden = 4, 12, 16, 4, 2, 6, 8
+    rot = RotaryEmbedding(rope, rope, 32, None, 32)
+    mla = MultiHeadLatentAttention(hidden, H, qlr, L, nope, rope, v, 0, rot, 1.0, index=(2, 4, 4))
+    assert mla.num_heads == 2
+    ckpt = {"q": torch.randn(qlr, hidden), "wk": torch.randn(4, hidden), "kv_a": torch.randn(L + rope, hidden),
+            "wq_b": torch.randn(2 * 4, qlr), "q_b": torch.randn(H * (nope + rope), qlr)}
+    for sid in ("q", "wk", "kv_a"):
+        mla.fused_qkv_a_proj.weight_loader(mla.fused_qkv_a_proj.weight, ckpt[sid], sid)
+    for sid in ("wq_b", "q_b"):
+        mla.fused_q_b_proj.weight_loader(mla.fused_q_b_proj.weight, ckpt[sid], sid)
+    kv_b, o = torch.randn(H * (nope + v), L), torch.randn(hidden, H * v)
+    mla.kv_b_proj.weight_loader(mla.kv_b_proj.weight, kv_b)
+    mla.o_proj.weight_loader(mla.o_proj.weight, o)
+    assert torch.equal(mla.fused_qkv_a_proj.weight, torch.cat([ckpt["q"], ckpt["wk"], ckpt["kv_a"]]))
+    assert torch.equal(mla.fused_q_b_proj.weight, torch.cat([ckpt["wq_b"], ckpt["q_b"][2 * (nope + rope):]]))
+    assert torch.equal(mla.kv_b_proj.weight, kv_b[2 * (nope + v):]) and torch.equal(mla.o_proj.weight, o[:, 2 * v:])
+    w_uk, w_uv = mla.absorbed_weights(torch.float32)
+    assert w_uk.shape == (2, nope, L) and w_uv.shape == (2, v, L)
+
+
+def test_shard_skeleton_is_rank_zeros_shard_on_meta(qwen3_ckpt):
+    """What `bench latency` / `throughput` read of a tensor-parallel engine's model (MultiprocExecutor.model): rank
+    0's shard built on the meta device, the process's own state untouched."""
+    from gyrfalcon.config import EngineConfig
+    from gyrfalcon.distributed import get_state
+    from gyrfalcon.engine.executor_mp import shard_skeleton
+
+    one = shard_skeleton(EngineConfig.create(str(qwen3_ckpt), device="cpu"), 0)
+    two = shard_skeleton(EngineConfig.create(str(qwen3_ckpt), device="cpu", tensor_parallel_size=2), 0)
+    assert get_state().world_size == 1
+    assert all(p.is_meta for p in two.parameters())
+    attn1, attn2 = one.model.layers[0].self_attn, two.model.layers[0].self_attn
+    assert attn2.num_heads * 2 == attn1.num_heads
+    assert two.model.layers[0].mlp.down_proj.weight.shape[1] * 2 == one.model.layers[0].mlp.down_proj.weight.shape[1]
