@@ -41,6 +41,7 @@ from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
 from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep, mla_v_proj
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
 from gyrfalcon.layers.linear import Linear, MergedLinear
+from gyrfalcon.layers.mla_expanded import ExpandedPrefillPlan, attend_expanded
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -51,6 +52,10 @@ LATENT_NORM_EPS = 1e-6
 
 class MultiHeadLatentAttention(nn.Module):
     """x [T, hidden] -> o_proj(MLA(x)) [T, hidden] (module docstring). Parameter names follow the checkpoints."""
+
+    # Prefill steps' form (layers/mla_expanded.py): None picks per step by FLOPs; "absorbed" / "expanded" force one
+    # (tests hold both against transformers).
+    prefill_form: Optional[str] = None
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int,
@@ -150,7 +155,12 @@ class MultiHeadLatentAttention(nn.Module):
             cache, key_cache = cache
         w_uk, w_uv = self.absorbed_weights(qkv_a.dtype)
         prep = self._prep_fused if self.fused else self._prep_unfused
-        q_abs, indices = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        q_abs, indices, q = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        plan = self._expanded_plan(fb, indices)
+        if plan is not None:  # q_nope straight from q_b_proj, q_rope roped by the prep
+            o = attend_expanded(plan, q[..., :self.nope_dim], q_abs[..., self.kv_lora_rank:], cache, fb,
+                                self.kv_b_proj, self.num_heads, self.kv_lora_rank, self.v_head_dim, self.scale)
+            return project_out(self.o_proj, o, n)
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
         if self.fused:  # one launch into o_proj's layout
@@ -158,6 +168,20 @@ class MultiHeadLatentAttention(nn.Module):
         else:  # [H, T, L] @ [H, L, v] -> [T, H, v], then its copy to [T, H * v]
             o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         return project_out(self.o_proj, o, n)
+
+    def _expanded_plan(self, fb, indices: Optional[torch.Tensor]) -> Optional[ExpandedPrefillPlan]:
+        """The step's plan when it attends in the expanded form (layers/mla_expanded.py: eager non-decode steps
+        without a sparse selection, where the expanded form needs fewer FLOPs), else None (the absorbed form)."""
+        if fb.is_decode or indices is not None or self.prefill_form == "absorbed":
+            return None
+        if fb.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a captured graph: shapes may not follow the host's lengths
+        plan = ExpandedPrefillPlan.for_batch(fb)
+        if self.prefill_form != "expanded":
+            absorbed, expanded = plan.flops(self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_head_dim)
+            if expanded >= absorbed:
+                return None
+        return plan
 
     def _split_qkv_a(self, qkv_a: torch.Tensor):
         """fused_qkv_a_proj's output [T, sum of shards] -> (q_a or q, the indexer's k_idx or None, kv), row views."""
@@ -188,7 +212,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
         selection or None). q_or_a: q_a_proj's output [T, q_lora_rank] (q_proj's [T, H * qk] without a q LoRA),
         kv: [T, L + R] and the indexer's k_idx [T, D]: views of fused_qkv_a_proj's output; x: the normed input (with an
-        indexer)."""
+        indexer). Also returns q [T, H, nope + R] as projected (its nope part is the expanded form's query)."""
         T = kv.shape[0]
         rot = self.rotary_emb
         q_a = q_or_a if self.q_lora_rank is not None else None
@@ -202,7 +226,8 @@ class MultiHeadLatentAttention(nn.Module):
             index_q = self.indexer.query_prep(x, q_idx)
         q_abs, iq = mla_q_prep(q.view(T, self.num_heads, self.qk_head_dim), positions, rot.cos_sin_cache,
                                self.rope_dim, rot.is_neox, w_uk, index_q)
-        return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None)
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None), q
 
     def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
                       k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
@@ -225,7 +250,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.indexer is not None:
             indices = self.indexer(positions, x, q_idx, k_idx, key_cache, fb)
         store_latent(latent, k_rope[:, 0], cache, fb.slot_mapping)
-        return q_abs, indices
+        return q_abs, indices, q
 
 
 class _UnfoldedNormLinear(NormLinear):
