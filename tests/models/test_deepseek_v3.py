@@ -252,3 +252,21 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch, form):
         for step, entry in enumerate(out.outputs[0].logprobs):
             got = torch.tensor([entry[t].logprob for t in range(vocab)])
             torch.testing.assert_close(got, ref_logits[step].log_softmax(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_form_rule_at_the_real_dims():
+    """layers/mla_expanded.py's FLOP rule at DeepSeek-V3's dims (L 512, nope 128, rope 64, v 128): an 8k prompt takes
+    the expanded form (~3.1x fewer FLOPs, kernels/mla_attention/expanded.py's arithmetic), one query over an 8k
+    context (a decode row) and a 100-token chunk over it keep the absorbed form, a 1,000-token chunk over it expands."""
+    import numpy as np
+
+    from gyrfalcon.layers.mla_expanded import ExpandedPrefillPlan
+
+    def ratio(q_lens, seq_lens):
+        absorbed, expanded = ExpandedPrefillPlan(np.array(q_lens), np.array(seq_lens)).flops(512, 128, 64, 128)
+        return absorbed / expanded
+
+    assert 3.0 < ratio([8192], [8192]) < 3.3
+    assert ratio([1], [8192]) < 1 and ratio([100], [8292]) < 1
+    assert ratio([1000], [9192]) > 1
+    assert ratio([8192, 1, 1], [8192, 4096, 4096]) > 1  # a mixed step's decode rows ride along
