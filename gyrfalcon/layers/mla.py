@@ -13,7 +13,9 @@ values instead of 2 x 128 heads x 192 in the real model. Attention runs in the l
 absorption"): per head, q_nope . (W_UK latent) = (q_nope W_UK) . latent, and sum_j p_j (W_UV latent_j) =
 W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R], MQA over the cache rows
 gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
-writes its rows into the cache first and attends from the cache, causally by position.
+writes its rows into the cache first and attends from the cache, causally by position. Prefill steps where it needs
+fewer FLOPs (long prompts and chunks) attend in the expanded form instead: the context's latent rows through
+kv_b_proj into per-head keys and values (layers/mla_expanded.py, ~3x fewer FLOPs at an 8k prompt).
 
 Between the projections and attention, the default path runs two launches (kernels/mla_prep): the kv prep (both
 latent RMSNorms, k_rope's RoPE, the latent row into the cache; V3.2: the indexer key's LayerNorm + RoPE + cache
