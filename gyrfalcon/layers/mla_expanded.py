@@ -50,8 +50,9 @@ class ExpandedPrefillPlan:
         global _last
         if _last is not None and _last[0]() is fb:
             return _last[1]
-        qsl = fb.query_start_loc.cpu().numpy().astype(np.int64)
-        plan = cls(np.diff(qsl), fb.seq_lens.cpu().numpy().astype(np.int64))
+        B = fb.seq_lens.shape[0]
+        lens = torch.cat([fb.query_start_loc, fb.seq_lens.to(fb.query_start_loc.dtype)]).cpu().numpy().astype(np.int64)
+        plan = cls(np.diff(lens[:B + 1]), lens[B + 1:])
         _last = (weakref.ref(fb), plan)
         return plan
 

@@ -196,6 +196,13 @@ def test_expanded_prefill_matches_transformers(tiny_ckpt, expanded_prefill):
     assert expanded_prefill["expanded"] > 0
 
 
+def test_expanded_prefill_unfused(tiny_ckpt, expanded_prefill, monkeypatch):
+    """The expanded form after the separate-op prep (GYRFALCON_DISABLE_FUSION=1): the same logits and tokens."""
+    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
+    _prefill_logits_match(tiny_ckpt)
+    assert expanded_prefill["expanded"] > 0
+
+
 def test_expanded_prefill_with_prefix_caching(tiny_ckpt, hf_refs, expanded_prefill):
     """The expanded form through prefix-cache hits and chunked prefill with async scheduling: transformers'
     greedy tokens (test_model_parity's suite)."""
