@@ -15,7 +15,8 @@ W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R
 gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
 writes its rows into the cache first and attends from the cache, causally by position. Prefill steps where it needs
 fewer FLOPs (long prompts and chunks) attend in the expanded form instead: the context's latent rows through
-kv_b_proj into per-head keys and values (layers/mla_expanded.py, ~3x fewer FLOPs at an 8k prompt).
+kv_b_proj into per-head keys and values (layers/mla_expanded.py, ~3x fewer FLOPs at an 8k prompt; the q prep then
+only ropes q_rope).
 
 Between the projections and attention, the default path runs two launches (kernels/mla_prep): the kv prep (both
 latent RMSNorms, k_rope's RoPE, the latent row into the cache; V3.2: the indexer key's LayerNorm + RoPE + cache
@@ -157,11 +158,13 @@ class MultiHeadLatentAttention(nn.Module):
             cache, key_cache = cache
         w_uk, w_uv = self.absorbed_weights(qkv_a.dtype)
         prep = self._prep_fused if self.fused else self._prep_unfused
-        q_abs, indices, q = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
-        plan = self._expanded_plan(fb, indices)
-        if plan is not None:  # q_nope straight from q_b_proj, q_rope roped by the prep
-            o = attend_expanded(plan, q[..., :self.nope_dim], q_abs[..., self.kv_lora_rank:], cache, fb,
-                                self.kv_b_proj, self.num_heads, self.kv_lora_rank, self.v_head_dim, self.scale)
+        plan = self._expanded_plan(fb, key_cache)
+        # q_abs [T, H, L + R]; in the expanded form (w_uk None: no absorbed query) the roped q_rope [T, H, R]
+        q_abs, indices, q = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb,
+                                 w_uk if plan is None else None)
+        if plan is not None:  # q_nope straight from q_b_proj
+            o = attend_expanded(plan, q[..., :self.nope_dim], q_abs, cache, fb, self.kv_b_proj, self.num_heads,
+                                self.kv_lora_rank, self.v_head_dim, self.scale)
             return project_out(self.o_proj, o, n)
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
@@ -171,11 +174,13 @@ class MultiHeadLatentAttention(nn.Module):
             o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         return project_out(self.o_proj, o, n)
 
-    def _expanded_plan(self, fb, indices: Optional[torch.Tensor]) -> Optional[ExpandedPrefillPlan]:
+    def _expanded_plan(self, fb, key_cache: Optional[torch.Tensor]) -> Optional[ExpandedPrefillPlan]:
         """The step's plan when it attends in the expanded form (layers/mla_expanded.py: eager non-decode steps
         without a sparse selection, where the expanded form needs fewer FLOPs), else None (the absorbed form)."""
-        if fb.is_decode or indices is not None or self.prefill_form == "absorbed":
+        if fb.is_decode or self.prefill_form == "absorbed":
             return None
+        if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
+            return None  # a sparse selection: the absorbed sparse kernels
         if fb.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # a captured graph: shapes may not follow the host's lengths
         plan = ExpandedPrefillPlan.for_batch(fb)
@@ -214,7 +219,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
         selection or None). q_or_a: q_a_proj's output [T, q_lora_rank] (q_proj's [T, H * qk] without a q LoRA),
         kv: [T, L + R] and the indexer's k_idx [T, D]: views of fused_qkv_a_proj's output; x: the normed input (with an
-        indexer). Also returns q [T, H, nope + R] as projected (its nope part is the expanded form's query)."""
+        indexer). Also returns q [T, H, nope + R] as projected (its nope part is the expanded form's query). w_uk None
+        (the expanded form): no absorbed query, the roped q_rope [T, H, R] in q_abs's place."""
         T = kv.shape[0]
         rot = self.rotary_emb
         q_a = q_or_a if self.q_lora_rank is not None else None
@@ -223,12 +229,14 @@ class MultiHeadLatentAttention(nn.Module):
                               self.kv_a_layernorm.eps, cache, fb.slot_mapping, q_a,
                               self.q_a_layernorm.weight if q_a is not None else None, index_k)
         q, q_idx = self._project_q_b(q_resid) if q_a is not None else (q_or_a, None)
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        if w_uk is None:  # the expanded form (every key selected with an indexer): only q_rope's RoPE
+            return rot(positions, q[..., self.nope_dim:], None)[0], None, q
         index_q = None
         if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
             index_q = self.indexer.query_prep(x, q_idx)
-        q_abs, iq = mla_q_prep(q.view(T, self.num_heads, self.qk_head_dim), positions, rot.cos_sin_cache,
+        q_abs, iq = mla_q_prep(q, positions, rot.cos_sin_cache,
                                self.rope_dim, rot.is_neox, w_uk, index_q)
-        q = q.view(T, self.num_heads, self.qk_head_dim)
         return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None), q
 
     def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
@@ -245,9 +253,12 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(T, H, self.qk_head_dim)
         latent = self.kv_a_layernorm(kv[:, :L])
         q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
-        # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
-        q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
-        q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
+        if w_uk is None:  # the expanded form: no absorbed query
+            q_abs = q_rope
+        else:
+            # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
+            q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
+            q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
         indices = None
         if self.indexer is not None:
             indices = self.indexer(positions, x, q_idx, k_idx, key_cache, fb)

@@ -2,15 +2,16 @@
 
 A step whose sequences run many query tokens (prompt prefills, long chunks) attends in the expanded form: every
 sequence's latent rows (its cached prefix and this step's tokens, read back from the latent cache after the step's
-write) go through kv_b_proj into per-head K_nope [N, H, nope] and V [N, H, v], and kernels/mla_attention's
-expanded kernel scores q = [q_nope | roped q_rope] against [K_nope | k_rope] (k_rope shared by the heads). The
-FLOPs of both forms are in kernels/mla_attention/expanded.py: expansion costs 2 L H (nope + v) per context row and
-saves 2 H (L + R + L - nope - R - v) per (query, key) pair, so ExpandedPrefillPlan.cheaper compares the two sums
-for the step and the whole step takes the cheaper form. Decode and verify steps never expand (a row of one or a
-few queries saves far less than its context's expansion costs); a mixed step expands its decode rows' contexts
-too when the prefill rows make the step cheaper that way (the arithmetic counts them). Steps inside a CUDA graph
-(decode, verify, mixed graphs of up to 512 tokens) keep the absorbed form: the expansion's shapes follow the host's
-lengths. V3.2 steps with a sparse selection stay absorbed (the selection is per query; the kernel here is dense).
+write) go through kv_b_proj into per-head K_nope [N, H, nope] and V [N, H, v], and kernels/mla_attention's expanded
+kernel scores q = [q_nope | roped q_rope] against [K_nope | k_rope] (k_rope shared by the heads). The FLOPs of both
+forms are in kernels/mla_attention/expanded.py: expansion costs 2 L H (nope + v) per context row and saves 2 H (L +
+R + L - nope - R - v) per (query, key) pair plus W_UK / W_UV per query token, so ExpandedPrefillPlan.flops sums both
+for the step and the whole step takes the cheaper form (MultiHeadLatentAttention decides before its prep, which then
+only ropes q_rope: no absorbed query). Decode and verify steps never expand (a row of one or a few queries saves far
+less than its context's expansion costs); a mixed step expands its decode rows' contexts too when the prefill rows
+make the step cheaper that way (the arithmetic counts them). Steps inside a CUDA graph (decode, verify, mixed graphs
+of up to 512 tokens) keep the absorbed form: the expansion's shapes follow the host's lengths. V3.2 steps with a
+sparse selection stay absorbed (the selection is per query; the kernel here is dense).
 
 Workspace: the context rows are expanded in rounds of at most max(T, MIN_WORKSPACE_ROWS) rows (T: the step's
 tokens), each round one gather, one kv_b_proj GEMM and one kernel launch, and rounds merge through their
@@ -58,12 +59,12 @@ class ExpandedPrefillPlan:
 
     def flops(self, kv_lora_rank: int, nope: int, rope: int, v: int) -> Tuple[float, float]:
         """(absorbed, expanded) FLOPs per head of the step's attention, the parts that differ between the forms
-        (kernels/mla_attention/expanded.py): pairs x scores and values, W_UV after the absorbed attention, kv_b_proj
-        over the expanded context."""
+        (kernels/mla_attention/expanded.py): pairs x scores and values, W_UK / W_UV around the absorbed attention,
+        kv_b_proj over the expanded context."""
         q, s = self.q_lens.astype(np.float64), self.seq_lens.astype(np.float64)
         pairs = float((q * (s - q) + q * (q + 1) / 2).sum())
         L = kv_lora_rank
-        absorbed = pairs * 2 * (2 * L + rope) + float(q.sum()) * 2 * L * v
+        absorbed = pairs * 2 * (2 * L + rope) + float(q.sum()) * 2 * L * (nope + v)
         expanded = pairs * 2 * (nope + rope + v) + float(s[q > 0].sum()) * 2 * L * (nope + v)
         return absorbed, expanded
 

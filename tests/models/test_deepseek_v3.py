@@ -263,7 +263,7 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch, form):
 
 def test_prefill_form_rule_at_the_real_dims():
     """layers/mla_expanded.py's FLOP rule at DeepSeek-V3's dims (L 512, nope 128, rope 64, v 128): an 8k prompt takes
-    the expanded form (~3.1x fewer FLOPs, kernels/mla_attention/expanded.py's arithmetic), one query over an 8k
+    the expanded form (~3.2x fewer FLOPs, kernels/mla_attention/expanded.py's arithmetic), one query over an 8k
     context (a decode row) and a 100-token chunk over it keep the absorbed form, a 1,000-token chunk over it expands."""
     import numpy as np
 

@@ -69,5 +69,7 @@ def mla_prefill_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: tor
     return fn(q_nope, q_rope, k_nope, k_rope, v, cu_q, meta, scale, out_dtype)
 
 
-__all__ = ["merge_partials", "mla_prefill_expanded", "mla_prefill_expanded_ref", "mla_prefill_expanded_triton", "gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
-           "mla_prefill_tiled_triton", "mla_prefill_triton", "store_latent", "store_latent_ref", "token_contexts"]
+__all__ = ["gather_latent_ref", "merge_partials", "mla_attention", "mla_attention_ref", "mla_decode_ref",
+           "mla_decode_triton", "mla_prefill_expanded", "mla_prefill_expanded_ref",
+           "mla_prefill_expanded_triton", "mla_prefill_tiled_triton", "mla_prefill_triton", "store_latent",
+           "store_latent_ref", "token_contexts"]

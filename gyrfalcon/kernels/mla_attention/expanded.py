@@ -5,10 +5,11 @@ accumulates 512-wide latent outputs. The expanded form first rebuilds per-head K
 (kv_b_proj), then scores over 128 + 64 = 192 dims and accumulates 128-wide values. FLOPs at the real dims (H = 128
 heads, L = 512, nope = 128, R = 64, v = 128) for one 8192-token prompt, P = 8192 * 8193 / 2 = 33.6M causal
 (query, key) pairs:
-    absorbed: P * 2H(L + R + L) = P * 278,528 = 9.35 TFLOP, + W_UV after attention 8192 * 2H * L * v = 0.14 TFLOP
+    absorbed: P * 2H(L + R + L) = P * 278,528 = 9.35 TFLOP, + the absorbed query q_nope W_UK and W_UV after
+              attention, 8192 * 2H * L * (nope + v) = 0.27 TFLOP
     expanded: P * 2H(nope + R + v) = P * 81,920 = 2.75 TFLOP, + kv_b_proj over the 8192 context rows
               8192 * 2 * L * H(nope + v) = 0.27 TFLOP
-(the absorbed query q_nope W_UK, 0.14 TFLOP, is computed by the q prep in both): ~9.5 vs ~3.0 TFLOP, 3.1x fewer.
+~9.6 vs ~3.0 TFLOP a layer: 3.2x fewer.
 The expansion costs 2 * L * H(nope + v) = 33.5 MFLOP per context row against 196,608 FLOP saved per pair, so it
 pays once a sequence runs more than ~170 query tokens over its context (layers/mla.py picks the form per step by
 this arithmetic); decode and verify rows keep the absorbed form.
@@ -118,8 +119,9 @@ if HAS_TRITON:
 
 
 def _expanded_tiles(head_dim: int):
-    """(BLOCK_M query tokens, BLOCK_N keys, num_warps) a program (untuned): at Dn + R = 192 and Dv = 128 a 64 x 192 query
-    tile, a 64 x 192 key tile and a 64 x 128 fp32 accumulator fit one SM with two stages."""
+    """(BLOCK_M query tokens, BLOCK_N keys, num_warps) a program (untuned): at Dn + R = 192 and Dv = 128 a 64 x 192
+    query tile, 64 x 192 key and 64 x 128 value tiles and a 64 x 128 fp32 accumulator: 104 KB of shared memory with
+    two stages on sm_90 (scripts/compile_check.py)."""
     if head_dim > 128:
         return 64, 64, 8
     return 64, 32, 4
