@@ -116,9 +116,10 @@ def attend_expanded(plan: ExpandedPrefillPlan, q_nope: torch.Tensor, q_rope: tor
     for slots, meta in rounds:
         rows = rows_all.index_select(0, slots)  # [n, L + R]
         kv = kv_b_proj(rows[:, :L].to(q_nope.dtype)).view(-1, num_heads, nope + v_head_dim)
+        # Partials in q's dtype (merged in fp32, as vLLM merges its bf16 prefix / suffix outputs): the kernel has one
+        # variant whether a step takes one round or several, so no step compiles a new one mid-run.
         part = mla_prefill_expanded(q_nope, q_rope, kv[..., :nope], rows[:, L:].to(q_nope.dtype), kv[..., nope:],
-                                    fb.query_start_loc, meta, scale,
-                                    None if len(rounds) == 1 else torch.float32)
+                                    fb.query_start_loc, meta, scale)
         o, lse = part if o is None else merge_partials(o, lse, *part)
     if o is None:  # no sequence has queries
         return q_nope.new_zeros(T, H * v_head_dim)
