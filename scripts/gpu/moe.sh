@@ -11,6 +11,8 @@
 #   ds_ttft8k ds3_ttft8k      TTFT of one 8,192-token prompt in one step, bf16 (issue 37's target: <= 80 ms; vLLM 0.26:
 #                             114 ms): DeepSeek-V3.2 (5 layers; past index_topk 2048 keys its prefill is sparse, in the
 #                             absorbed form) and DeepSeek-V3 (5 layers, dense MLA: prefill in the expanded form)
+#   mla_prefill               one MLA layer's prefill attention at the real dims, absorbed vs expanded form
+#                             (scripts/gpu/mla_prefill_bench.py): an 8k prompt, and a 2k chunk over a 6k prefix
 # Each row writes $OUT/results/latency_<model>_b<B>_row.json with the read roofline of the bytes a step reads
 # (attention, the selected experts, the LM head, K/V: bench/common.py step_weight_bytes).
 # Usage, from the repo root: GYRFALCON_COMMIT=<hash> OUT=/some/dir bash scripts/gpu/moe.sh [ROW...]
@@ -55,6 +57,10 @@ for r in $ROWS; do
     dsf_b1) row dsf deepseek-v3.2 5 1 --fp8 ;;
     ds_ttft8k) ttft8k ds deepseek-v3.2 ;;
     ds3_ttft8k) ttft8k ds3 deepseek-v3 ;;
+    mla_prefill)
+      step mla_prefill_8k 120 python3 scripts/gpu/mla_prefill_bench.py --output-json "$R/mla_prefill_8k.json"
+      step mla_prefill_chunk 120 python3 scripts/gpu/mla_prefill_bench.py --tokens 2048 --prefix 6144 \
+        --output-json "$R/mla_prefill_2k_over_6k.json" ;;
     *) echo "unknown row: $r" ;;
   esac
 done
