@@ -213,7 +213,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _prep_fused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
                     k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
-                    key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+                    key_cache: Optional[torch.Tensor], fb, w_uk: Optional[torch.Tensor]):
         """kernels/mla_prep's two launches around q_b_proj: the kv prep (both latent norms, k_rope's RoPE, the latent
         cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed query and
         q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
@@ -241,7 +241,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
                       k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
-                      key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+                      key_cache: Optional[torch.Tensor], fb, w_uk: Optional[torch.Tensor]):
         """GYRFALCON_DISABLE_FUSION=1: the same as _prep_fused with every norm, RoPE, bmm and cache write its own
         op (the fused path's baseline)."""
         T, H, L = kv.shape[0], self.num_heads, self.kv_lora_rank

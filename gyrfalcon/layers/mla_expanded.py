@@ -110,11 +110,10 @@ def attend_expanded(plan: ExpandedPrefillPlan, q_nope: torch.Tensor, q_rope: tor
     v)]."""
     T, H, nope = q_nope.shape
     L = kv_lora_rank
-    rows_all = cache.flatten(0, 2)  # [num_blocks * block_size, L + R]
+    block_size = cache.shape[1]
     o = lse = None
-    rounds = plan.rounds(fb.block_tables, cache.shape[1])
-    for slots, meta in rounds:
-        rows = rows_all.index_select(0, slots)  # [n, L + R]
+    for slots, meta in plan.rounds(fb.block_tables, block_size):
+        rows = cache[slots // block_size, slots % block_size, 0]  # [n, L + R] (any cache strides: no flatten copy)
         kv = kv_b_proj(rows[:, :L].to(q_nope.dtype)).view(-1, num_heads, nope + v_head_dim)
         # Partials in q's dtype (merged in fp32, as vLLM merges its bf16 prefix / suffix outputs): the kernel has one
         # variant whether a step takes one round or several, so no step compiles a new one mid-run.
