@@ -282,11 +282,13 @@ def test_ref_expanded_chunks_merge():
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16), dict()], ids=["16x16", "default"])
-def test_triton_expanded_matches_ref(dtype, tiles):
+@pytest.mark.parametrize("dims", [(24, 8, 12), (16, 16, 16)], ids=["odd_dims", "pow2_dims"])
+def test_triton_expanded_matches_ref(dtype, tiles, dims):
     """The Triton expanded prefill against its reference: the ragged batch with prefixes (strided K_nope / V views
-    of one projection, head dims off the power of two: nope 24, rope 8, v 12), then a later key chunk (negative
-    delta: early queries see nothing, lse -inf and zeros) and 3 padding tokens past cu_q[-1] left zero."""
-    H, nope, R, V = 3, 24, 8, 12
+    of one projection; head dims (nope, rope, v) off the power of two, and powers of two: the unmasked full-tile
+    loads; 16-key tiles put whole tiles below the causal bound), then a later key chunk (negative delta: early
+    queries see nothing, lse -inf and zeros) and 3 padding tokens past cu_q[-1] left zero."""
+    H, (nope, R, V) = 3, dims
     q_nope, q_rope, k_nope, k_rope, v, cu_q, *_ = _expanded_inputs(EXPANDED, H, nope, R, V, dtype)
     meta = _whole_meta(EXPANDED)
     want, want_lse = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q, meta, 0.3)

@@ -39,6 +39,60 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _expanded_step(
+        acc, m_i, l_i, qn, qr, qi, kn_ptr, kr_ptr, v_ptr, start, k_start, k_end, delta, h, scale_log2,
+        s_knt, s_knh, s_krt, s_vt, s_vh,
+        DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        # One BLOCK_N-key step of online softmax for a BLOCK_M x one-head query tile. MASKED=False: a tile every row
+        # sees whole (below the causal bound of the tile's first query, inside k_len): no masks on loads or scores.
+        kj = start + tl.arange(0, BLOCK_N)
+        dn = tl.arange(0, BLOCK_DN)
+        dr = tl.arange(0, BLOCK_R)
+        dv = tl.arange(0, BLOCK_DV)
+        krow = (k_start + kj).to(tl.int64)
+        if MASKED:
+            kmask = kj < k_end
+            kn = tl.load(kn_ptr + krow[:, None] * s_knt + h * s_knh + dn[None, :],
+                         mask=kmask[:, None] & (dn[None, :] < DN), other=0.0)
+            kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :], mask=kmask[:, None] & (dr[None, :] < R),
+                         other=0.0)
+            vv = tl.load(v_ptr + krow[:, None] * s_vt + h * s_vh + dv[None, :],
+                         mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        elif (DN == BLOCK_DN) & (R == BLOCK_R) & (DV == BLOCK_DV):  # the real dims (128, 64, 128): no mask at all
+            kn = tl.load(kn_ptr + krow[:, None] * s_knt + h * s_knh + dn[None, :])
+            kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :])
+            vv = tl.load(v_ptr + krow[:, None] * s_vt + h * s_vh + dv[None, :])
+        else:
+            kn = tl.load(kn_ptr + krow[:, None] * s_knt + h * s_knh + dn[None, :], mask=dn[None, :] < DN, other=0.0)
+            kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :], mask=dr[None, :] < R, other=0.0)
+            vv = tl.load(v_ptr + krow[:, None] * s_vt + h * s_vh + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+        if UPCAST:
+            kn = kn.to(tl.float32)
+            kr = kr.to(tl.float32)
+            vv = vv.to(tl.float32)
+        else:
+            kn = kn.to(qn.dtype)
+            kr = kr.to(qn.dtype)
+            vv = vv.to(qn.dtype)
+        s = tl.dot(qn, tl.trans(kn), input_precision=DOT_PREC)
+        s += tl.dot(qr, tl.trans(kr), input_precision=DOT_PREC)
+        if MASKED:
+            visible = (kj[None, :] < k_end) & (kj[None, :] <= qi[:, None] + delta)
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+        else:
+            s = s * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: p = 0, not NaN
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PREC)
+        return acc, m_new, l_i
+
     # The sequence count changes from step to step: not specialized (paged_attention's prefill kernel does the same).
     @triton.jit(do_not_specialize=["num_seqs"])
     def _mla_prefill_expanded_kernel(
@@ -79,37 +133,20 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        # Keys past the tile's last query's bound are invisible to every row of it.
+        # Keys past the tile's last query's bound are invisible to every row of it; keys up to its first query's
+        # bound are visible to every row, so whole BLOCK_N tiles below that run without masks.
         k_end = tl.minimum(k_len, tl.maximum(local * BLOCK_M + BLOCK_M - 1 + delta + 1, 0))
-        for start in range(0, k_end, BLOCK_N):
-            kj = start + tl.arange(0, BLOCK_N)
-            kmask = kj < k_end
-            krow = (k_start + kj).to(tl.int64)
-            kn = tl.load(kn_ptr + krow[:, None] * s_knt + h * s_knh + dn[None, :],
-                         mask=kmask[:, None] & (dn[None, :] < DN), other=0.0)
-            kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :], mask=kmask[:, None] & (dr[None, :] < R),
-                         other=0.0)
-            vv = tl.load(v_ptr + krow[:, None] * s_vt + h * s_vh + dv[None, :],
-                         mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                kn = kn.to(tl.float32)
-                kr = kr.to(tl.float32)
-                vv = vv.to(tl.float32)
-            else:
-                kn = kn.to(qn.dtype)
-                kr = kr.to(qn.dtype)
-                vv = vv.to(qn.dtype)
-            s = tl.dot(qn, tl.trans(kn), input_precision=DOT_PREC)
-            s += tl.dot(qr, tl.trans(kr), input_precision=DOT_PREC)
-            visible = kmask[None, :] & (kj[None, :] <= qi[:, None] + delta)
-            s = tl.where(visible, s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: p = 0, not NaN
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PREC)
-            m_i = m_new
+        full_end = tl.minimum(k_len, tl.maximum(local * BLOCK_M + delta + 1, 0)) // BLOCK_N * BLOCK_N
+        for start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _expanded_step(
+                acc, m_i, l_i, qn, qr, qi, kn_ptr, kr_ptr, v_ptr, start, k_start, k_end, delta, h, scale_log2,
+                s_knt, s_knh, s_krt, s_vt, s_vh, DN, R, DV, BLOCK_DN, BLOCK_R, BLOCK_DV, BLOCK_N, DOT_PREC, UPCAST,
+                False)
+        for start in range(full_end, k_end, BLOCK_N):
+            acc, m_i, l_i = _expanded_step(
+                acc, m_i, l_i, qn, qr, qi, kn_ptr, kr_ptr, v_ptr, start, k_start, k_end, delta, h, scale_log2,
+                s_knt, s_knh, s_krt, s_vt, s_vh, DN, R, DV, BLOCK_DN, BLOCK_R, BLOCK_DV, BLOCK_N, DOT_PREC, UPCAST,
+                True)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(o_ptr + tok[:, None] * s_ot + h * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
