@@ -297,7 +297,7 @@ def cases(mods):
 def deepseek_cases(mods):
     """DeepSeek-V3.2's MLA launches at the real dims (128 heads, kv_lora_rank 512, rope 64, q_lora_rank 1536, 64 index
     heads of 128): the fused prep (kernels/mla_prep) at batch 1 under PDL and at an 8k-token prefill, the split-K
-    decode under PDL, the tiled prefill."""
+    decode under PDL, the tiled prefill, the expanded-form prefill."""
     P, A = mods["mla_prep"], mods["mla_attention"]
     bf = torch.bfloat16
     H, L, R, Q, NOPE, V, HI, DI = 128, 512, 64, 1536, 128, 128, 64, 128
@@ -332,6 +332,13 @@ def deepseek_cases(mods):
         return A.mla_prefill_tiled_triton(torch.zeros(512, H, L + R, dtype=bf), cache, bt,
                                           torch.full((4,), 128, dtype=torch.int32),
                                           torch.arange(0, 513, 128, dtype=torch.int32), 0.1, L)
+    def expanded_prefill():  # the expanded form: strided K_nope / V views of kv_b_proj's output, an 8k prompt
+        T = 8192
+        kv = torch.zeros(T, H, NOPE + V, dtype=bf)
+        return A.mla_prefill_expanded_triton(torch.zeros(T, H, NOPE, dtype=bf), torch.zeros(T, H, R, dtype=bf),
+                                             kv[..., :NOPE], torch.zeros(T, R, dtype=bf), kv[..., NOPE:],
+                                             torch.tensor([0, T], dtype=torch.int32),
+                                             torch.tensor([[0, T, 0]], dtype=torch.int32), 0.1)
     return [("deepseek MLA kv prep b1 pdl", lambda: kv_prep(1, True)),
             ("deepseek MLA kv prep, 8k-token prefill", lambda: kv_prep(8192, False)),
             ("deepseek MLA q prep b1 pdl", lambda: q_prep(1, True)),
@@ -339,7 +346,8 @@ def deepseek_cases(mods):
             ("deepseek MLA V projection b1 pdl", lambda: v_proj(1, True)),
             ("deepseek MLA V projection, 8k-token prefill", lambda: v_proj(8192, False)),
             ("deepseek MLA decode b1 pdl, 4 splits", decode),
-            ("deepseek MLA tiled prefill", tiled_prefill)]
+            ("deepseek MLA tiled prefill", tiled_prefill),
+            ("deepseek MLA expanded prefill, 8k-token prompt", expanded_prefill)]
 
 
 def main(argv=None) -> int:

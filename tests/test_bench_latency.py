@@ -193,6 +193,7 @@ def test_kernel_op_names():
     assert kernel_op("_decode_split_kernel") == "attention" and kernel_op("_qkv_prep_kernel") == "qkv_prep"
     assert kernel_op("_mla_kv_prep_kernel") == "mla_prep" and kernel_op("_mla_q_prep_kernel") == "mla_prep"
     assert kernel_op("_mla_decode_split_kernel") == "attention" and kernel_op("_indexer_scores_kernel") == "dsa_indexer"
+    assert kernel_op("_mla_prefill_tiled_kernel") == "attention" == kernel_op("_mla_prefill_expanded_kernel")
     assert kernel_op("some_new_kernel") == "other"
 
 

@@ -84,7 +84,7 @@ KERNEL_OPS = (
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
     # MLA's fused prep (kernels/mla_prep) and DeepSeek-V3.2's indexer scores, ahead of attention's broad pieces.
     ("mla_prep", ("_mla_kv_prep", "_mla_q_prep", "_mla_v_proj")), ("dsa_indexer", ("_indexer_scores",)),
-    ("attention", ("_decode_", "_paged_prefill", "attn", "flash")), ("qkv_prep", ("_qkv_prep",)),
+    ("attention", ("_decode_", "_paged_prefill", "_mla_prefill", "attn", "flash")), ("qkv_prep", ("_qkv_prep",)),
     ("rms_norm", ("_rms_norm",)), ("rotary", ("_rotary",)), ("store_kv", ("_store_kv",)),
     ("activation", ("_silu_and_mul",)), ("embedding", ("_embedding",)),
     ("sampling", ("_argmax", "_gumbel")),

@@ -185,7 +185,7 @@ KERNEL_MODULES = (
     "fused_moe.naive", "fused_moe.configs", "fused_moe.triton", "fused_moe",
     "fp8_gemm.naive", "fp8_gemm.configs", "fp8_gemm.triton", "fp8_gemm",
     "moe_router.naive", "moe_router.triton", "moe_router",
-    "mla_attention.naive", "mla_attention.triton", "mla_attention",
+    "mla_attention.naive", "mla_attention.triton", "mla_attention.expanded", "mla_attention",
     "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
     "mla_prep.naive", "mla_prep.triton", "mla_prep",
     "gated_delta.naive", "gated_delta.configs", "gated_delta.triton_decode", "gated_delta.triton_conv",

@@ -13,7 +13,10 @@ values instead of 2 x 128 heads x 192 in the real model. Attention runs in the l
 absorption"): per head, q_nope . (W_UK latent) = (q_nope W_UK) . latent, and sum_j p_j (W_UV latent_j) =
 W_UV (sum_j p_j latent_j), so the query becomes [q_nope W_UK | q_rope] [H, L + R], MQA over the cache rows
 gives o [H, L], and W_UV maps it to [H, v_head_dim] before o_proj. Every step (prefill chunks, decode, verify)
-writes its rows into the cache first and attends from the cache, causally by position.
+writes its rows into the cache first and attends from the cache, causally by position. Prefill steps where it needs
+fewer FLOPs (long prompts and chunks) attend in the expanded form instead: the context's latent rows through
+kv_b_proj into per-head keys and values (layers/mla_expanded.py, ~3x fewer FLOPs at an 8k prompt; the q prep then
+only ropes q_rope).
 
 Between the projections and attention, the default path runs two launches (kernels/mla_prep): the kv prep (both
 latent RMSNorms, k_rope's RoPE, the latent row into the cache; V3.2: the indexer key's LayerNorm + RoPE + cache
@@ -42,13 +45,14 @@ from torch import nn
 
 from gyrfalcon import envs
 from gyrfalcon.cache_spec import MLALatentSpec, SparseMLASpec
+from gyrfalcon.distributed import shard_size, tp_rank
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.fp8_gemm.naive import dequantize_weight
 from gyrfalcon.kernels.mla_attention import mla_attention, store_latent
 from gyrfalcon.kernels.mla_prep import mla_kv_prep, mla_q_prep, mla_v_proj
 from gyrfalcon.layers.dsa_indexer import LightningIndexer
-from gyrfalcon.distributed import shard_size, tp_rank
 from gyrfalcon.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear
+from gyrfalcon.layers.mla_expanded import ExpandedPrefillPlan, attend_expanded
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.norm_linear import NormLinear, project_out
 from gyrfalcon.layers.rotary import RotaryEmbedding
@@ -59,6 +63,10 @@ LATENT_NORM_EPS = 1e-6
 
 class MultiHeadLatentAttention(nn.Module):
     """x [T, hidden] -> o_proj(MLA(x)) [T, hidden] (module docstring). Parameter names follow the checkpoints."""
+
+    # Prefill steps' form (layers/mla_expanded.py): None picks per step by FLOPs; "absorbed" / "expanded" force one
+    # (tests hold both against transformers).
+    prefill_form: Optional[str] = None
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int,
@@ -164,7 +172,14 @@ class MultiHeadLatentAttention(nn.Module):
             cache, key_cache = cache
         w_uk, w_uv = self.absorbed_weights(qkv_a.dtype)
         prep = self._prep_fused if self.fused else self._prep_unfused
-        q_abs, indices = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb, w_uk)  # [T, H, L + R]
+        plan = self._expanded_plan(fb, key_cache)
+        # q_abs [T, H, L + R]; in the expanded form (w_uk None: no absorbed query) the roped q_rope [T, H, R]
+        q_abs, indices, q = prep(positions, x, q_or_a, k_idx, kv, cache, key_cache, fb,
+                                 w_uk if plan is None else None)
+        if plan is not None:  # q_nope straight from q_b_proj
+            o = attend_expanded(plan, q[..., :self.nope_dim], q_abs, cache, fb, self.kv_b_proj, self.num_heads,
+                                self.kv_lora_rank, self.v_head_dim, self.scale)
+            return project_out(self.o_proj, o, n)
         o_latent = mla_attention(q_abs, cache, fb.block_tables, fb.seq_lens, fb.query_start_loc, self.scale,
                                  self.kv_lora_rank, fb.is_decode, fb.decode_num_splits, indices)  # [T, H, L]
         if self.fused:  # one launch into o_proj's layout
@@ -172,6 +187,22 @@ class MultiHeadLatentAttention(nn.Module):
         else:  # [H, T, L] @ [H, L, v] -> [T, H, v], then its copy to [T, H * v]
             o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         return project_out(self.o_proj, o, n)
+
+    def _expanded_plan(self, fb, key_cache: Optional[torch.Tensor]) -> Optional[ExpandedPrefillPlan]:
+        """The step's plan when it attends in the expanded form (layers/mla_expanded.py: eager non-decode steps
+        without a sparse selection, where the expanded form needs fewer FLOPs), else None (the absorbed form)."""
+        if fb.is_decode or self.prefill_form == "absorbed":
+            return None
+        if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
+            return None  # a sparse selection: the absorbed sparse kernels
+        if fb.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a captured graph: shapes may not follow the host's lengths
+        plan = ExpandedPrefillPlan.for_batch(fb)
+        if self.prefill_form != "expanded":
+            absorbed, expanded = plan.flops(self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_head_dim)
+            if expanded >= absorbed:
+                return None
+        return plan
 
     def _split_qkv_a(self, qkv_a: torch.Tensor):
         """fused_qkv_a_proj's output [T, sum of shards] -> (q_a or q, the indexer's k_idx or None, kv), row views."""
@@ -196,13 +227,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _prep_fused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
                     k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
-                    key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+                    key_cache: Optional[torch.Tensor], fb, w_uk: Optional[torch.Tensor]):
         """kernels/mla_prep's two launches around q_b_proj: the kv prep (both latent norms, k_rope's RoPE, the latent
         cache write; V3.2: the indexer key's LayerNorm + RoPE + cache write) and the q prep (the absorbed query and
         q_rope's RoPE; V3.2: the index query's RoPE and weight scale) -> (q_abs [T, H, L + R], the indexer's
         selection or None). q_or_a: q_a_proj's output [T, q_lora_rank] (q_proj's [T, H * qk] without a q LoRA),
         kv: [T, L + R] and the indexer's k_idx [T, D]: views of fused_qkv_a_proj's output; x: the normed input (with an
-        indexer)."""
+        indexer). Also returns q [T, H, nope + R] as projected (its nope part is the expanded form's query). w_uk None
+        (the expanded form): no absorbed query, the roped q_rope [T, H, R] in q_abs's place."""
         T = kv.shape[0]
         rot = self.rotary_emb
         q_a = q_or_a if self.q_lora_rank is not None else None
@@ -211,16 +243,19 @@ class MultiHeadLatentAttention(nn.Module):
                               self.kv_a_layernorm.eps, cache, fb.slot_mapping, q_a,
                               self.q_a_layernorm.weight if q_a is not None else None, index_k)
         q, q_idx = self._project_q_b(q_resid) if q_a is not None else (q_or_a, None)
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        if w_uk is None:  # the expanded form (every key selected with an indexer): only q_rope's RoPE
+            return rot(positions, q[..., self.nope_dim:], None)[0], None, q
         index_q = None
         if self.indexer is not None and not self.indexer.every_key_selected(fb, key_cache):
             index_q = self.indexer.query_prep(x, q_idx)
-        q_abs, iq = mla_q_prep(q.view(T, self.num_heads, self.qk_head_dim), positions, rot.cos_sin_cache,
+        q_abs, iq = mla_q_prep(q, positions, rot.cos_sin_cache,
                                self.rope_dim, rot.is_neox, w_uk, index_q)
-        return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None)
+        return q_abs, (self.indexer.select(iq[0], iq[1], key_cache, fb) if iq is not None else None), q
 
     def _prep_unfused(self, positions: torch.Tensor, x: Optional[torch.Tensor], q_or_a: torch.Tensor,
                       k_idx: Optional[torch.Tensor], kv: torch.Tensor, cache: torch.Tensor,
-                      key_cache: Optional[torch.Tensor], fb, w_uk: torch.Tensor):
+                      key_cache: Optional[torch.Tensor], fb, w_uk: Optional[torch.Tensor]):
         """GYRFALCON_DISABLE_FUSION=1: the same as _prep_fused with every norm, RoPE, bmm and cache write its own
         op (the fused path's baseline)."""
         T, H, L = kv.shape[0], self.num_heads, self.kv_lora_rank
@@ -232,14 +267,17 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(T, H, self.qk_head_dim)
         latent = self.kv_a_layernorm(kv[:, :L])
         q_rope, k_rope = self.rotary_emb(positions, q[..., self.nope_dim:], kv[:, None, L:])
-        # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
-        q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
-        q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
+        if w_uk is None:  # the expanded form: no absorbed query
+            q_abs = q_rope
+        else:
+            # [H, T, nope] @ [H, nope, L] -> the latent-space query [T, H, L], then its rope part beside it.
+            q_latent = torch.bmm(q[..., :self.nope_dim].transpose(0, 1), w_uk).transpose(0, 1)
+            q_abs = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, L + R]
         indices = None
         if self.indexer is not None:
             indices = self.indexer(positions, x, q_idx, k_idx, key_cache, fb)
         store_latent(latent, k_rope[:, 0], cache, fb.slot_mapping)
-        return q_abs, indices
+        return q_abs, indices, q
 
 
 class _UnfoldedNormLinear(NormLinear):

@@ -5,7 +5,8 @@ steps as one row per query token) against the reference, on ragged batches with 
 import pytest
 import torch
 
-from gyrfalcon.kernels.mla_attention import (mla_attention, mla_attention_ref, mla_decode_ref, mla_decode_triton,
+from gyrfalcon.kernels.mla_attention import (merge_partials, mla_attention, mla_attention_ref, mla_decode_ref,
+                                             mla_decode_triton, mla_prefill_expanded_ref, mla_prefill_expanded_triton,
                                              mla_prefill_tiled_triton, mla_prefill_triton, store_latent,
                                              store_latent_ref)
 from kernels_testutil import ATTN_TOL, DEVICE, requires_triton
@@ -205,3 +206,104 @@ def test_dispatch_uses_reference_off_cuda():
     want = mla_decode_ref(q, cache, bt, sl, 0.3, 16)
     torch.testing.assert_close(mla_attention(q.cpu(), cache.cpu(), bt.cpu(), sl, _qsl([1, 1]).cpu(), 0.3, 16,
                                              is_decode=True), want.cpu())
+
+
+# The expanded form (kernels/mla_attention/expanded.py). Ragged sequences as (q_len, prefix): a fresh prefill, a
+# chunk over a cached prefix (keys past the tile's queries), an empty query, a single query over a long prefix, and
+# lengths off the 16-row tiles.
+EXPANDED = [(7, 0), (5, 11), (0, 4), (1, 20), (19, 3)]
+
+
+def _expanded_inputs(seqs, H, nope, R, V, dtype, L=24):
+    """Latent rows per sequence expanded by a random kv_b_proj, packed contiguously: (q_nope [T, H, nope],
+    q_rope [T, H, R], k_nope [N, H, nope] and v [N, H, V] as strided views of one [N, H, nope + V] projection
+    (the layer's layout), k_rope [N, R], cu_q, per-sequence (latent rows, k_rope rows), w_uk, w_uv)."""
+    T = sum(q for q, _ in seqs)
+    q_nope = torch.randn(T, H, nope, device=DEVICE).to(dtype)
+    q_rope = torch.randn(T, H, R, device=DEVICE).to(dtype)
+    rows = [torch.randn(q + p, L + R, device=DEVICE) for q, p in seqs]
+    w_uk, w_uv = torch.randn(H, nope, L, device=DEVICE) / L ** 0.5, torch.randn(H, V, L, device=DEVICE) / L ** 0.5
+    allrows = torch.cat(rows)
+    kv = torch.einsum("nl,hdl->nhd", allrows[:, :L], torch.cat([w_uk, w_uv], dim=1)).to(dtype)
+    return (q_nope, q_rope, kv[..., :nope], allrows[:, L:].to(dtype), kv[..., nope:], _qsl([q for q, _ in seqs]),
+            rows, w_uk, w_uv, L)
+
+
+def _whole_meta(seqs):
+    """meta [B, 3] for every sequence's whole context in one call: keys from its row 0, delta = its prefix."""
+    meta, start = [], 0
+    for q, p in seqs:
+        meta.append([start, q + p, p])
+        start += q + p
+    return torch.tensor(meta, dtype=torch.int32, device=DEVICE)
+
+
+def test_ref_expanded_equals_mla():
+    """The expanded reference is MLA's attention (float64 oracle from the latent rows), with the same output as
+    the absorbed form; lse is the row's log2-sum-exp of the scaled scores."""
+    H, nope, R, V = 4, 16, 8, 12
+    q_nope, q_rope, k_nope, k_rope, v, cu_q, rows, w_uk, w_uv, L = _expanded_inputs(EXPANDED, H, nope, R, V,
+                                                                                     torch.float32)
+    o, lse = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q, _whole_meta(EXPANDED), 0.3)
+    qs = cu_q.tolist()
+    for i, (ql, _) in enumerate(EXPANDED):
+        s, e = qs[i], qs[i + 1]
+        if ql:
+            want = _expanded_attention(q_nope[s:e], q_rope[s:e], rows[i], w_uk, w_uv, L, 0.3)
+            torch.testing.assert_close(o[s:e].double(), want, atol=1e-5, rtol=1e-5)
+    # The last query of the fresh prefill sees all of its 7 keys.
+    k = torch.einsum("hnl,sl->shn", w_uk, rows[0][:, :L])
+    scores = (torch.einsum("hn,shn->hs", q_nope[6], k) + q_rope[6] @ rows[0][:, L:].T) * 0.3
+    torch.testing.assert_close(lse[6], torch.logsumexp(scores, -1) * 1.4426950408889634, atol=1e-5, rtol=1e-5)
+
+
+def test_ref_expanded_chunks_merge():
+    """A context split into key chunks (one call each: the later chunk hides keys from the early queries, the
+    first one leaves the fresh prefill's first row alone with its only key) merges exactly into one call's
+    output."""
+    H, nope, R, V = 3, 16, 8, 8
+    q_nope, q_rope, k_nope, k_rope, v, cu_q, *_ = _expanded_inputs(EXPANDED, H, nope, R, V, torch.float32)
+    whole, whole_lse = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q, _whole_meta(EXPANDED), 0.3)
+    o, lse, split = None, None, 6  # keys [0, 6) of each sequence, then the rest
+    for lo in (0, split):
+        meta, start = [], 0
+        for q, p in EXPANDED:
+            n = q + p
+            a, b = min(lo, n), (min(split, n) if lo == 0 else n)
+            meta.append([start + a, b - a, p - a])
+            start += n
+        part = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q,
+                                        torch.tensor(meta, dtype=torch.int32, device=DEVICE), 0.3)
+        o, lse = part if o is None else merge_partials(o, lse, *part)
+    torch.testing.assert_close(o, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16), dict()], ids=["16x16", "default"])
+@pytest.mark.parametrize("dims", [(24, 8, 12), (16, 16, 16)], ids=["odd_dims", "pow2_dims"])
+def test_triton_expanded_matches_ref(dtype, tiles, dims):
+    """The Triton expanded prefill against its reference: the ragged batch with prefixes (strided K_nope / V views
+    of one projection; head dims (nope, rope, v) off the power of two, and powers of two: the unmasked full-tile
+    loads; 16-key tiles put whole tiles below the causal bound), then a later key chunk (negative delta: early
+    queries see nothing, lse -inf and zeros) and 3 padding tokens past cu_q[-1] left zero."""
+    H, (nope, R, V) = 3, dims
+    q_nope, q_rope, k_nope, k_rope, v, cu_q, *_ = _expanded_inputs(EXPANDED, H, nope, R, V, dtype)
+    meta = _whole_meta(EXPANDED)
+    want, want_lse = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q, meta, 0.3)
+    got, got_lse = mla_prefill_expanded_triton(q_nope, q_rope, k_nope, k_rope, v, cu_q, meta, 0.3, **tiles)
+    torch.testing.assert_close(got.float(), want.float(), **ATTN_TOL[dtype])
+    torch.testing.assert_close(got_lse, want_lse, **ATTN_TOL[dtype])
+    late = meta.clone()
+    late[:, 0] += 6
+    late[:, 1] = (late[:, 1] - 6).clamp(min=0)
+    late[:, 2] -= 6
+    pad = lambda t: torch.cat([t, torch.zeros(3, *t.shape[1:], dtype=t.dtype, device=DEVICE)])  # noqa: E731
+    want, want_lse = mla_prefill_expanded_ref(q_nope, q_rope, k_nope, k_rope, v, cu_q, late, 0.3)
+    assert bool((want_lse == float("-inf")).any())
+    got, got_lse = mla_prefill_expanded_triton(pad(q_nope), pad(q_rope), k_nope, k_rope, v, cu_q, late, 0.3,
+                                               torch.float32, **tiles)
+    torch.testing.assert_close(got[:-3], want.float(), **ATTN_TOL[dtype])
+    torch.testing.assert_close(got_lse[:-3], want_lse, **ATTN_TOL[dtype])
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:])) and bool((got_lse[-3:] == float("-inf")).all())

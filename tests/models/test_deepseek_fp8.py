@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from checkpoints import make_deepseek_checkpoint
 from gyrfalcon import LLM
 from gyrfalcon.kernels.fp8_gemm import dequantize_weight, quantize_weight_blockwise
+from test_deepseek_v3 import expanded_prefill  # noqa: F401  (a fixture)
 from test_fp8_moe import (PROMPTS, STEPS, _copy_side_files, _greedy, _hf_logits, _prefill_logits, _tensors,
                           _weight_only)
 
@@ -93,6 +94,19 @@ def test_loads_fp8_and_matches_transformers_weight_only(ckpts, monkeypatch):
             seq = ids + tokens
             torch.testing.assert_close(_prefill_logits(llm, seq), _hf_logits(model, seq), rtol=1e-5, atol=2e-5)
         assert _greedy(llm, [r[0] for r in runs]) == [r[1] for r in runs]
+
+
+def test_expanded_prefill_fp8_weight_only(ckpts, monkeypatch, expanded_prefill):  # noqa: F811
+    """Prefill steps asked for the expanded form (layers/mla_expanded.py: kv_b_proj's FP8 block GEMM over the context's
+    latent rows) on the FP8 checkpoint, activation quantization off: transformers' logits on the dequantized one. V3
+    takes the expanded form; V3.2's prompts run past index_topk 4, so its sparse steps keep the absorbed path."""
+    fp8_dir, model, runs = ckpts
+    llm = LLM(str(fp8_dir), block_size=8)
+    with _weight_only(monkeypatch):
+        for ids, tokens in runs:
+            seq = ids + tokens
+            torch.testing.assert_close(_prefill_logits(llm, seq), _hf_logits(model, seq), rtol=1e-5, atol=2e-5)
+    assert (expanded_prefill["expanded"] > 0) == (getattr(model.config, "index_topk", None) is None)
 
 
 # The real path's bounds, in units of the reference logits' std sigma, with the routing (and V3.2's index selection)

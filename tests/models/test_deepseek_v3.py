@@ -24,6 +24,7 @@ from test_model_parity import (  # noqa: F401  (the shared suite, run here on th
     PROMPTS, _greedy, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
     family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
     test_prompts_span_several_blocks)
+from test_model_parity import test_greedy_parity as _suite_greedy_parity
 
 
 @pytest.fixture(scope="module")
@@ -168,21 +169,78 @@ def _triton_prep(monkeypatch, mla_layer, calls):
     monkeypatch.setattr(mla_layer, "mla_v_proj", v_proj)
 
 
-def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
+@pytest.fixture
+def expanded_prefill(monkeypatch):
+    """Every MLA layer attends its prefill steps in the expanded form (layers/mla_expanded.py; the tiny dims would
+    pick the absorbed one), its context expanded in rounds of at most the step's tokens (a chunk over a longer
+    prefix: several rounds merged). -> calls["expanded"]: the expanded attention launches."""
+    import gyrfalcon.layers.mla_expanded as mla_expanded
+
+    calls = {"expanded": 0}
+    real = mla_expanded.mla_prefill_expanded
+
+    def counted(*args):
+        calls["expanded"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(mla_expanded, "mla_prefill_expanded", counted)
+    monkeypatch.setattr(mla_expanded, "MIN_WORKSPACE_ROWS", 1)
+    monkeypatch.setattr(MultiHeadLatentAttention, "prefill_form", "expanded")
+    return calls
+
+
+def test_expanded_prefill_matches_transformers(tiny_ckpt, expanded_prefill):
+    """The expanded form on the reference path: prompt logprobs at every position within 1e-5 and greedy tokens
+    equal to transformers', prompts in 7-token chunks (later chunks over a cached prefix, in several rounds)."""
+    _prefill_logits_match(tiny_ckpt)
+    assert expanded_prefill["expanded"] > 0
+
+
+def test_expanded_prefill_unfused(tiny_ckpt, expanded_prefill, monkeypatch):
+    """The expanded form after the separate-op prep (GYRFALCON_DISABLE_FUSION=1): the same logits and tokens."""
+    monkeypatch.setenv("GYRFALCON_DISABLE_FUSION", "1")
+    _prefill_logits_match(tiny_ckpt)
+    assert expanded_prefill["expanded"] > 0
+
+
+def test_expanded_prefill_with_prefix_caching(tiny_ckpt, hf_refs, expanded_prefill):
+    """The expanded form through prefix-cache hits and chunked prefill with async scheduling: transformers'
+    greedy tokens (test_model_parity's suite)."""
+    _suite_greedy_parity(tiny_ckpt, hf_refs, True, 7, True)
+    assert expanded_prefill["expanded"] > 0
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch, form):
     """The GPU path's MLA kernels (the fused kv / q prep and V projection launches, the Triton split-K kernel for
-    decode rows and the tiled prefill kernel, under the interpreter here) in place of the references inside the
-    model: the same tokens and logprobs as transformers at every decode step, the first from a chunked prefill."""
+    decode rows and, for prefill steps, the tiled absorbed kernel or the expanded one, under the interpreter here)
+    in place of the references inside the model: the same tokens and logprobs as transformers at every decode
+    step, the first from a chunked prefill."""
     from gyrfalcon.kernels.common import HAS_TRITON
 
     if not HAS_TRITON:
         pytest.skip("triton (or its interpreter) is not available")
     import gyrfalcon.layers.mla as mla_layer
-    from gyrfalcon.kernels.mla_attention import mla_decode_triton, mla_prefill_tiled_triton
+    import gyrfalcon.layers.mla_expanded as mla_expanded
+    from gyrfalcon.kernels.mla_attention import (mla_decode_triton, mla_prefill_expanded_triton,
+                                                 mla_prefill_tiled_triton)
 
     calls = {"decode": 0, "prefill": 0, "kv_prep": 0, "q_prep": 0, "v_proj": 0}
+    if form == "expanded":
+        del calls["prefill"]  # every prefill step takes the expanded kernel
+        calls["expanded"] = 0
+
+        def expanded(*args):
+            calls["expanded"] += 1
+            return mla_prefill_expanded_triton(*args)
+
+        monkeypatch.setattr(mla_expanded, "mla_prefill_expanded", expanded)
+        monkeypatch.setattr(mla_expanded, "MIN_WORKSPACE_ROWS", 1)
+    monkeypatch.setattr(MultiHeadLatentAttention, "prefill_form", form)
 
     def triton_attention(q, cache, bt, sl, qsl, scale, L, is_decode=False, num_splits=None, indices=None):
         assert indices is None  # V3: dense MLA
+        assert is_decode or form == "absorbed"
         calls["decode" if is_decode else "prefill"] += 1
         if is_decode:
             return mla_decode_triton(q, cache, bt, sl, scale, L, num_splits)
@@ -201,3 +259,21 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
         for step, entry in enumerate(out.outputs[0].logprobs):
             got = torch.tensor([entry[t].logprob for t in range(vocab)])
             torch.testing.assert_close(got, ref_logits[step].log_softmax(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_form_rule_at_the_real_dims():
+    """layers/mla_expanded.py's FLOP rule at DeepSeek-V3's dims (L 512, nope 128, rope 64, v 128): an 8k prompt takes
+    the expanded form (~3.2x fewer FLOPs, kernels/mla_attention/expanded.py's arithmetic), one query over an 8k
+    context (a decode row) and a 100-token chunk over it keep the absorbed form, a 1,000-token chunk over it expands."""
+    import numpy as np
+
+    from gyrfalcon.layers.mla_expanded import ExpandedPrefillPlan
+
+    def ratio(q_lens, seq_lens):
+        absorbed, expanded = ExpandedPrefillPlan(np.array(q_lens), np.array(seq_lens)).flops(512, 128, 64, 128)
+        return absorbed / expanded
+
+    assert 3.0 < ratio([8192], [8192]) < 3.3
+    assert ratio([1], [8192]) < 1 and ratio([100], [8292]) < 1
+    assert ratio([1000], [9192]) > 1
+    assert ratio([8192, 1, 1], [8192, 4096, 4096]) > 1  # a mixed step's decode rows ride along

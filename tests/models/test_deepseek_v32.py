@@ -28,11 +28,12 @@ from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.models.deepseek_v3 import DeepseekV32ForCausalLM
 from gyrfalcon.runner.forward_batch import build_forward_batch
-from test_deepseek_v3 import _triton_prep
+from test_deepseek_v3 import _triton_prep, expanded_prefill  # noqa: F401  (a fixture)
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on this family's checkpoints)
     PROMPTS, MAX_NEW, _greedy, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
     family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
     test_prompts_span_several_blocks)
+from test_model_parity import test_greedy_parity as _suite_greedy_parity
 
 VARIANTS = {"topk_covers": dict(index_topk=256), "sparse16": dict(index_topk=4, index_n_heads=16)}
 
@@ -327,3 +328,13 @@ def test_unfused_path_parity(tiny_ckpt, hf_refs, monkeypatch):
     assert not any(layer.self_attn.fused for layer in llm.engine.runner.model.model.layers)
     outs = _greedy(llm, [r[0] for r in refs])
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+
+
+def test_expanded_prefill_parity(tiny_ckpt, hf_refs, expanded_prefill):  # noqa: F811
+    """Prefill steps asked for the expanded form (layers/mla_expanded.py): dense steps take it (topk_covers: every
+    prefill step), steps with a sparse selection keep the absorbed sparse path (sparse16: every prefill step here
+    runs over more than 4 keys); transformers' greedy tokens through 7-token chunks over cached prefixes and
+    prefix-cache hits."""
+    _suite_greedy_parity(tiny_ckpt, hf_refs, True, 7, False)
+    _, model, _ = hf_refs
+    assert (expanded_prefill["expanded"] > 0) == (model.config.index_topk > 4), expanded_prefill

@@ -18,6 +18,12 @@ DeepSeek-V3.2: the lightning indexer's top-k, kernels/dsa_indexer; -1: none) onl
   position, its own index row: the tokens' key lists differ, so no tile shares them); the reference elsewhere.
   (The MHA prefill kernel cannot take MLA's shape: all H heads share one kv head, so its tiles would hold
   H x (L + R) queries.)
+- mla_prefill_expanded(...): prefill in the expanded form (expanded.py: per-head K_nope / V rebuilt from the latent
+  by kv_b_proj, scores over nope + rope dims, ~3x fewer FLOPs than the absorbed form on long prompts) over contiguous
+  context rows the caller gathered, returning each query's log-sum-exp so chunks of a long context merge
+  (merge_partials). paged_attention's prefill kernel does not fit: its K has one head per kv head, here the rope
+  part is one head shared by every head and K_nope / V are per head (a broadcast copy of k_rope would cost 64 x H
+  values a context row).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from gyrfalcon.kernels.common import use_triton
-from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, mla_attention_ref, mla_decode_ref,
-                                                   store_latent_ref)
+from gyrfalcon.kernels.mla_attention.expanded import mla_prefill_expanded_triton
+from gyrfalcon.kernels.mla_attention.naive import (gather_latent_ref, merge_partials, mla_attention_ref,
+                                                   mla_decode_ref, mla_prefill_expanded_ref, store_latent_ref)
 from gyrfalcon.kernels.mla_attention.triton import (mla_decode_triton, mla_prefill_tiled_triton, mla_prefill_triton,
                                                     token_contexts)
 from gyrfalcon.kernels.store_kv import store_kv
@@ -53,5 +60,16 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                               indices=indices)
 
 
-__all__ = ["gather_latent_ref", "mla_attention", "mla_attention_ref", "mla_decode_ref", "mla_decode_triton",
-           "mla_prefill_tiled_triton", "mla_prefill_triton", "store_latent", "store_latent_ref", "token_contexts"]
+def mla_prefill_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                         v: torch.Tensor, cu_q: torch.Tensor, meta: torch.Tensor, scale: float,
+                         out_dtype: torch.dtype | None = None):
+    """Expanded-form causal MLA over contiguous context rows -> (o [T, H, Dv], lse [T, H] fp32, log2 units); the
+    contract in expanded.py's docstring. The Triton kernel on CUDA, the reference elsewhere."""
+    fn = mla_prefill_expanded_triton if use_triton(q_nope) else mla_prefill_expanded_ref
+    return fn(q_nope, q_rope, k_nope, k_rope, v, cu_q, meta, scale, out_dtype)
+
+
+__all__ = ["gather_latent_ref", "merge_partials", "mla_attention", "mla_attention_ref", "mla_decode_ref",
+           "mla_decode_triton", "mla_prefill_expanded", "mla_prefill_expanded_ref",
+           "mla_prefill_expanded_triton", "mla_prefill_tiled_triton", "mla_prefill_triton", "store_latent",
+           "store_latent_ref", "token_contexts"]

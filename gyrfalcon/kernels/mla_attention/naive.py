@@ -86,3 +86,51 @@ def mla_decode_ref(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Ten
     num_splits is the Triton kernel's knob; the reference has one split."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return mla_attention_ref(q, cache, block_tables, seq_lens, qsl, scale, kv_lora_rank, indices)
+
+
+def mla_prefill_expanded_ref(q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor,
+                             v: torch.Tensor, cu_q: torch.Tensor, meta: torch.Tensor, scale: float,
+                             out_dtype: torch.dtype | None = None):
+    """The expanded MLA prefill's contract (kernels/mla_attention/expanded.py): q_nope [T, H, Dn], q_rope [T, H, R],
+    k_nope [N, H, Dn], k_rope [N, R] (shared by the heads), v [N, H, Dv], cu_q [B + 1], meta [B, 3] = (k_start,
+    k_len, delta: query i sees key j iff j <= i + delta) -> (o [T, H, Dv] in out_dtype (default q's), lse [T, H]
+    fp32 in log2 units, -inf and zeros where a query sees no key). Loops over sequences on the host, queries in
+    chunks bounding the fp32 scores."""
+    T, H, _ = q_nope.shape
+    o = torch.zeros(T, H, v.shape[-1], dtype=out_dtype or q_nope.dtype, device=q_nope.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_nope.device)
+    cq = cu_q.tolist()
+    for b, (k_start, k_len, delta) in enumerate(meta.tolist()):
+        qs, qe = cq[b], cq[b + 1]
+        if qe == qs or k_len == 0:
+            continue
+        kn = k_nope[k_start:k_start + k_len].float()
+        kr = k_rope[k_start:k_start + k_len].float()
+        vf = v[k_start:k_start + k_len].float()
+        chunk = max(1, _REF_SCORE_BYTES // max(1, 4 * H * k_len))
+        for s in range(qs, qe, chunk):
+            e = min(qe, s + chunk)
+            scores = (torch.einsum("qhd,khd->qhk", q_nope[s:e].float(), kn)
+                      + torch.einsum("qhr,kr->qhk", q_rope[s:e].float(), kr)) * scale
+            qi = torch.arange(s - qs, e - qs, device=q_nope.device)
+            hidden = torch.arange(k_len, device=q_nope.device)[None, :] > qi[:, None] + delta  # [e - s, k_len]
+            scores.masked_fill_(hidden[:, None, :], float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)  # [e - s, H]; -inf where nothing is visible
+            seen = row_lse > float("-inf")
+            probs = torch.exp(scores - torch.where(seen, row_lse, torch.zeros_like(row_lse))[..., None])
+            o[s:e] = torch.einsum("qhk,khv->qhv", probs, vf).to(o.dtype)
+            lse[s:e] = row_lse * 1.4426950408889634
+    return o, lse
+
+
+def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Two attention partials of the same queries over disjoint key sets -> their union's: o [T, H, Dv] (each
+    normalized over its own keys), lse [T, H] log2 units (-inf: no key) -> (o fp32, lse). Exact: softmax over the
+    union reweights each part by 2^(lse_part - lse_union)."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp2(lse_a - m_safe), torch.exp2(lse_b - m_safe)
+    den = w_a + w_b
+    den_safe = torch.where(den == 0, torch.ones_like(den), den)
+    o = (o_a.float() * (w_a / den_safe)[..., None]) + (o_b.float() * (w_b / den_safe)[..., None])
+    return o, torch.where(den == 0, m, m_safe + torch.log2(den_safe))
