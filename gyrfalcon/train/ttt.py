@@ -35,9 +35,9 @@ def _rms(x: torch.Tensor, norm, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight
 
 
-def ttt_loss(draft, ids: torch.Tensor, aux: torch.Tensor, target_logp: torch.Tensor, lens: torch.Tensor,
-             prompt_lens: torch.Tensor, steps: int) -> Tuple[torch.Tensor, List[float]]:
-    """-> (the loss, summed over steps; per step the draft's top-1 agreement with the target on valid positions)."""
+def ttt_forward(draft, ids: torch.Tensor, aux: torch.Tensor, lens: torch.Tensor, steps: int) -> List[torch.Tensor]:
+    """-> per step j, the draft's log-probabilities [B, T, V_draft] at every chain position p (row p: the
+    prediction of the token at p + 2 + j; rows whose input token p + 1 + j is past the sequence are padding)."""
     s = draft.spec
     B, T = ids.shape
     dev = ids.device
@@ -54,12 +54,10 @@ def ttt_loss(draft, ids: torch.Tensor, aux: torch.Tensor, target_logp: torch.Ten
     causal = p[None, :] <= p[:, None]  # [T(query), T(key)]
     k0 = v0 = None
     chain: List[tuple] = []  # steps 1..j: (k, v) [B, h, T, d] at each chain position p
-    loss = aux.new_zeros(())
-    agree: List[float] = []
+    out_logp: List[torch.Tensor] = []
     for j in range(steps):
         tok_pos = p + 1 + j
         in_range = tok_pos < lens[:, None]                                       # [B, T]
-        valid = in_range & (tok_pos >= (prompt_lens[:, None] - 1))
         tok = torch.where(in_range, ids.gather(1, tok_pos.clamp(max=T - 1).expand(B, T)), torch.zeros_like(ids))
         with torch.no_grad():
             emb = draft.embed(tok).to(hidden.dtype)
@@ -84,19 +82,33 @@ def ttt_loss(draft, ids: torch.Tensor, aux: torch.Tensor, target_logp: torch.Ten
         scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
         scores += [(q * ck).sum(-1, keepdim=True) * scale for ck, _ in chain]
         prob = torch.cat(scores, dim=-1).softmax(-1)
-        out = prob[..., :T] @ v0
+        att = prob[..., :T] @ v0
         for i, (_, cv) in enumerate(chain):
-            out = out + prob[..., T + i:T + i + 1] * cv
-        x = residual + draft.o_proj(out.transpose(1, 2).reshape(B, T, h * d))
+            att = att + prob[..., T + i:T + i + 1] * cv
+        x = residual + draft.o_proj(att.transpose(1, 2).reshape(B, T, h * d))
         m = _rms(x, draft.post_attention_layernorm, s.eps)
         y = x + draft.down_proj(F.silu(draft.gate_proj(m)) * draft.up_proj(m))
         normed = _rms(y, draft.norm, s.eps)
-        logp = draft.lm_head(normed).float().log_softmax(-1)                    # [B, T, V_draft]
+        out_logp.append(draft.lm_head(normed).float().log_softmax(-1))
+        hidden = normed if s.norm_output else y
+    return out_logp
+
+
+def ttt_loss(draft, ids: torch.Tensor, aux: torch.Tensor, target_logp: torch.Tensor, lens: torch.Tensor,
+             prompt_lens: torch.Tensor, steps: int) -> Tuple[torch.Tensor, List[float]]:
+    """-> (the loss, summed over steps; per step the draft's top-1 agreement with the target on valid positions)."""
+    B, T = ids.shape
+    p = torch.arange(T, device=ids.device)
+    loss = aux.new_zeros((), dtype=torch.float32)
+    agree: List[float] = []
+    for j, logp in enumerate(ttt_forward(draft, ids, aux, lens, steps)):
+        tok_pos = p + 1 + j
+        # The predicted token (p + 2 + j) is a response token, and its input token (p + 1 + j) is in the sequence.
+        valid = (tok_pos < lens[:, None]) & (tok_pos >= (prompt_lens[:, None] - 1))
         tgt = target_logp.gather(1, tok_pos.clamp(max=T - 1)[None, :, None].expand(B, T, target_logp.shape[-1]))
         kl = (tgt.exp() * (tgt - logp)).sum(-1)                                  # [B, T]
         nvalid = valid.sum().clamp(min=1)
         loss = loss + (kl * valid).sum() / nvalid
         with torch.no_grad():
             agree.append(float(((logp.argmax(-1) == tgt.argmax(-1)) & valid).sum() / nvalid))
-        hidden = normed if s.norm_output else y
     return loss, agree

@@ -136,3 +136,38 @@ def test_draft_vocab_is_the_most_frequent_tokens():
     assert (torch.arange(3) + d2t).tolist() == [2, 5, 9] and torch.nonzero(t2d).flatten().tolist() == [2, 5, 9]
     with pytest.raises(ValueError, match="draft_vocab_size"):
         choose_draft_vocab([[1]], 12, 13)
+
+
+def test_capture_and_training_forward_match_the_references(tmp_path):
+    """The capture hook's aux states are transformers' hidden_states of the aux layers and its final states give the
+    target's logits; the training forward's step j at chain position p proposes what the inference reference head
+    (test_eagle3's, from transformers' layers and a KV cache) drafts j + 1 tokens ahead, when fed those drafts as the
+    chain's tokens: TTT trains the computation the proposer runs."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_checkpoints import make_eagle3_draft
+    from gyrfalcon import LLM
+    from gyrfalcon.train.ttt import ttt_forward
+    from test_eagle3 import _reference_drafts
+
+    target = make_checkpoint(tmp_path / "t", "llama", num_hidden_layers=4)
+    head = make_eagle3_draft(tmp_path / "d", target, "speculators", aux_ids=[1, 2, 3], draft_vocab=300,
+                             qk_norm=True, norm_before_residual=True, norm_before_fc=True)
+    llm = LLM(str(target), device="cpu", block_size=4)
+    model = llm.engine.runner.model
+    draft = load_eagle3_draft(str(head), None, model, "cpu", torch.float32, layer_idx=4)
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    seq = [5, 9, 13, 2, 7, 5, 9, 13, 11, 4, 4, 8]
+    aux, final = next(llm.capture_hidden_states([seq], [1, 2, 3], use_tqdm=False))
+    with torch.no_grad():
+        out = hf(torch.tensor([seq]), output_hidden_states=True)
+        torch.testing.assert_close(aux, torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], -1),
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.compute_logits(final), out.logits[0], rtol=1e-4, atol=1e-4)
+        for L in (3, 7, 12):
+            want = _reference_drafts(draft, hf, [1, 2, 3], seq[:L], 3, "qwen3")
+            ids = seq[:L] + want[:2]
+            a, _ = next(llm.capture_hidden_states([ids], [1, 2, 3], use_tqdm=False))
+            logp = ttt_forward(draft, torch.tensor([ids]), a[None], torch.tensor([len(ids)]), 3)
+            got = [int(draft.to_target_ids(lp[0, L - 2].argmax())) for lp in logp]
+            assert got == want, L
