@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if hasattr(args, "model_tag"):
             from gyrfalcon.engine_args import resolve_model_arg
             resolve_model_arg(args)
-        if args.command in ("serve", "generate", "chat") and args.model is None:
+        if args.command in ("serve", "generate", "chat", "train-draft") and args.model is None:
             _default_model(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -40,6 +40,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's weight decay")
     o.add_argument("--train-seed", type=int, default=0, help="the head's initialization and the data order")
     o.add_argument("--save-every", type=int, default=100, help="a checkpoint every N steps (0: at the end only)")
+    o.add_argument("--eval-prompts", default=None,
+                   help="held-out prompts (the --prompts formats): after training, print the draft's mean acceptance "
+                        "length on them (greedy, k = --num-speculative-tokens, --max-tokens each)")
     o.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
     o.add_argument("--stop-after-steps", type=int, default=None,
                    help="stop (checkpoint and export) after this many steps in all; --resume continues the schedule")
@@ -51,13 +54,12 @@ def main(args: argparse.Namespace) -> int:
     from gyrfalcon.cli import engine_kwargs
     from gyrfalcon.train.trainer import train_draft
 
-    if args.model is None:
-        raise ValueError("train-draft needs --model (the target).")
     out = train_draft(args.model, args.prompts, args.out, engine_kwargs(args), max_tokens=args.max_tokens,
                       temperature=args.temperature, raw_prompts=args.raw_prompts,
                       draft_vocab_size=args.draft_vocab_size, aux_layer_ids=args.aux_layers,
                       num_speculative_tokens=args.num_speculative_tokens, resume=args.resume,
-                      save_every=args.save_every, stop_after=args.stop_after_steps, batch_size=args.batch_size,
+                      save_every=args.save_every, stop_after=args.stop_after_steps, eval_prompts=args.eval_prompts,
+                      batch_size=args.batch_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, schedule=args.lr_schedule,
                       warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, seed=args.train_seed)
     print(f"EAGLE-3 draft saved in {out}")

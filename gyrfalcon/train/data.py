@@ -56,13 +56,11 @@ def load_prompts(path: str) -> List[object]:
     return out
 
 
-def generate_sequences(llm, prompts: Sequence[object], max_tokens: int, temperature: float = 0.0,
-                       raw: bool = False, seed: Optional[int] = None) -> List[tuple]:
-    """Regenerate responses with the target itself: [(prompt ids + response ids, prompt length)]."""
-    from gyrfalcon.sampling_params import SamplingParams
+def encode_prompts(tok, prompts: Sequence[object], raw: bool = False) -> List[List[int]]:
+    """Prompts (load_prompts' items) -> token ids: conversations, and plain prompts unless raw, through the
+    tokenizer's chat template with the generation prompt."""
     from gyrfalcon.tokenizer import encode, render_chat
 
-    tok = llm.get_tokenizer()
     use_chat = not raw and getattr(tok, "chat_template", None)
     encoded = []
     for p in prompts:
@@ -73,6 +71,15 @@ def generate_sequences(llm, prompts: Sequence[object], max_tokens: int, temperat
             encoded.append(encode(tok, render_chat(tok, conv, None, True), add_special_tokens=False))
         else:
             encoded.append(encode(tok, p))
+    return encoded
+
+
+def generate_sequences(llm, prompts: Sequence[object], max_tokens: int, temperature: float = 0.0,
+                       raw: bool = False, seed: Optional[int] = None) -> List[tuple]:
+    """Regenerate responses with the target itself: [(prompt ids + response ids, prompt length)]."""
+    from gyrfalcon.sampling_params import SamplingParams
+
+    encoded = encode_prompts(llm.get_tokenizer(), prompts, raw)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], params)
     return [(list(ids) + list(o.outputs[0].token_ids), len(ids)) for ids, o in zip(encoded, outs)]

@@ -150,9 +150,11 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
                 temperature: float = 0.0, raw_prompts: bool = False, draft_vocab_size: int = 32000,
                 aux_layer_ids: Optional[Sequence[int]] = None, num_speculative_tokens: int = 3,
                 resume: bool = False, save_every: int = 0, stop_after: Optional[int] = None,
-                use_tqdm: bool = True, **train_kw) -> Path:
+                eval_prompts: Optional[str] = None, use_tqdm: bool = True, **train_kw) -> Path:
     """The whole run: regenerate, capture, choose the vocabulary, train, save in the speculators layout under
-    `out`. train_kw: DraftTrainer's keywords (batch_size, ttt_steps, epochs, lr, schedule, ...)."""
+    `out`; with eval_prompts (a prompts file), then log the draft's mean acceptance length on them (greedy, k =
+    num_speculative_tokens, max_tokens each). train_kw: DraftTrainer's keywords (batch_size, ttt_steps, epochs, lr,
+    schedule, ...)."""
     from gyrfalcon.llm import LLM
     from gyrfalcon.models.eagle3 import default_aux_layer_ids
     from gyrfalcon.train import data as D
@@ -165,6 +167,8 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
     if not resume and (out_dir / STATE_FILE).exists():
         raise ValueError(f"{out_dir} holds a training checkpoint: pass --resume to continue it, or another --out.")
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The target runs plain (a speculative_config from the flags is for serving, not for regenerating the data).
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "speculative_config"}
     llm = LLM(model, **engine_kwargs)
     target = llm.engine.runner.model
     hf = target.config
@@ -189,4 +193,16 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
         logger.info("resumed at step %d of %d", trainer.step, trainer.total_steps)
     trainer.train(out_dir, save_every, stop_after, use_tqdm)
     trainer.export(out_dir, llm.config.model_config.torch_dtype)
+    if eval_prompts:
+        import gc
+
+        from gyrfalcon.train.evaluate import mean_acceptance_length
+        held = D.encode_prompts(llm.get_tokenizer(), D.load_prompts(eval_prompts), raw_prompts)
+        del trainer, llm, target  # the evaluation engine sizes its KV cache from the free device memory
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        mal = mean_acceptance_length(model, str(out_dir), held, num_speculative_tokens, max_tokens, **engine_kwargs)
+        print(f"held-out mean acceptance length (k={num_speculative_tokens}, greedy, {len(held)} prompts): "
+              f"{mal:.3f}")
     return out_dir

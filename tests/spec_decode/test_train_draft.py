@@ -11,8 +11,11 @@ real model's is in places, that an EAGLE-3 head can learn from a few hundred tok
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -52,6 +55,7 @@ def setup(tmp_path_factory):
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(24)]
     (root / "prompts.txt").write_text("\n".join(lines[:20]) + "\n")
+    (root / "heldout.txt").write_text("\n".join(lines[20:]) + "\n")
     tok = make_tokenizer()
     heldout = [tok.encode(line) for line in lines[20:]]
     return root, target, heldout
@@ -66,25 +70,34 @@ def _train(target, prompts, out, *extra, rc=0):
 
 @pytest.fixture(scope="module")
 def trained(setup):
+    """The trained head, and what the run printed (its --eval-prompts line)."""
     root, target, _ = setup
-    _train(target, root / "prompts.txt", root / "draft", "--epochs", "30", "--save-every", "0")
-    return root / "draft"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _train(target, root / "prompts.txt", root / "draft", "--epochs", "30", "--save-every", "0",
+               "--eval-prompts", str(root / "heldout.txt"))
+    return root / "draft", printed.getvalue()
 
 
 def test_training_raises_acceptance(setup, trained):
     """Held-out prompts, greedy, k = 3: the untrained head (the same run stopped before its first step) drafts
     nothing the target keeps; the trained one most of each chain."""
     root, target, heldout = setup
+    draft, printed = trained
     _train(target, root / "prompts.txt", root / "untrained", "--stop-after-steps", "0")
     kw = dict(device="cpu", block_size=16)
-    before = mean_acceptance_length(str(target), str(root / "untrained"), heldout, 3, 32, **kw)
-    after = mean_acceptance_length(str(target), str(trained), heldout, 3, 32, **kw)
+    before = mean_acceptance_length(str(target), str(root / "untrained"), heldout, 3, 32, ignore_eos=True, **kw)
+    after = mean_acceptance_length(str(target), str(draft), heldout, 3, 32, ignore_eos=True, **kw)
     assert before < 1.5, before
     assert after > 3.0, (before, after)
+    # The run's own --eval-prompts report (the same prompts, stopping at eos).
+    reported = re.search(r"held-out mean acceptance length \(k=3, greedy, 4 prompts\): ([0-9.]+)", printed)
+    assert reported and float(reported.group(1)) > 2.5, printed
 
 
 def test_saved_draft_is_the_speculators_layout(setup, trained):
     root, target, _ = setup
+    trained = trained[0]
     cfg = json.loads((trained / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
