@@ -169,6 +169,8 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     # The target runs plain (a speculative_config from the flags is for serving, not for regenerating the data).
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "speculative_config"}
+    if engine_kwargs.get("tensor_parallel_size", 1) != 1:
+        raise ValueError("train-draft runs the target in one process: use --tensor-parallel-size 1.")
     llm = LLM(model, **engine_kwargs)
     target = llm.engine.runner.model
     hf = target.config

@@ -60,7 +60,7 @@ def ttt_forward(draft, ids: torch.Tensor, aux: torch.Tensor, lens: torch.Tensor,
         in_range = tok_pos < lens[:, None]                                       # [B, T]
         tok = torch.where(in_range, ids.gather(1, tok_pos.clamp(max=T - 1).expand(B, T)), torch.zeros_like(ids))
         with torch.no_grad():
-            emb = draft.embed(tok).to(hidden.dtype)
+            emb = draft.embed(tok.reshape(-1)).view(B, T, -1).to(hidden.dtype)  # (the embedding takes [N] ids)
         e = _rms(emb, draft.input_layernorm, s.eps)
         n = _rms(hidden, draft.hidden_norm, s.eps)
         residual = n if s.norm_before_residual else hidden
