@@ -46,7 +46,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
     o.add_argument("--stop-after-steps", type=int, default=None,
                    help="stop (checkpoint and export) after this many steps in all; --resume continues the schedule")
-    p.set_defaults(func=main)
+    # The engine only regenerates and captures; the rest of the GPU is the training's (activations, the target's
+    # logits over a batch, AdamW's state), and the evaluation engine starts after the first one is gone.
+    p.set_defaults(func=main, gpu_memory_utilization=0.4)
     return p
 
 
