@@ -184,3 +184,25 @@ def test_capture_and_training_forward_match_the_references(tmp_path):
             logp = ttt_forward(draft, torch.tensor([ids]), a[None], torch.tensor([len(ids)]), 3)
             got = [int(draft.to_target_ids(lp[0, L - 2].argmax())) for lp in logp]
             assert got == want, L
+
+
+def test_prompt_files(tmp_path):
+    """.jsonl lines are prompts or conversations; other files one prompt per line; bad lines are named; chat
+    prompts go through the chat template unless raw."""
+    from gyrfalcon.train.data import encode_prompts, load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello there"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    prompts = load_prompts(str(f))
+    assert prompts == ["hello there", [{"role": "user", "content": "hi"}]]
+    tok = make_tokenizer()
+    chat, raw = encode_prompts(tok, prompts[:1]), encode_prompts(tok, prompts[:1], raw=True)
+    assert raw == [tok.encode("hello there")] and len(chat[0]) > len(raw[0])
+    (tmp_path / "p.txt").write_text("one\n\n two \n")
+    assert load_prompts(str(tmp_path / "p.txt")) == ["one", "two"]
+    f.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected"):
+        load_prompts(str(f))
+    (tmp_path / "e.txt").write_text("\n")
+    with pytest.raises(ValueError, match="No prompts"):
+        load_prompts(str(tmp_path / "e.txt"))
