@@ -44,8 +44,9 @@ class DraftTrainer:
         self.batch_size, self.ttt_steps, self.epochs, self.seed = batch_size, ttt_steps, epochs, seed
         self.draft_ids = draft_ids.to(self.device)
         spec = parse_eagle3_config(cfg, target_model.config)
-        torch.manual_seed(seed)
-        self.draft = Eagle3Draft(spec, target_model.model.embed_tokens, 0, max_positions)
+        with torch.random.fork_rng(devices=[]):  # the seed fixes the head's initialization, and nothing else
+            torch.manual_seed(seed)
+            self.draft = Eagle3Draft(spec, target_model.model.embed_tokens, 0, max_positions)
         d2t, self.t2d = d2t_t2d(draft_ids.cpu(), spec.target_vocab_size)
         self.draft.d2t.copy_(d2t)
         self.draft = self.draft.to(self.device, torch.float32)
