@@ -1,4 +1,4 @@
-"""The `gyrfalcon` command: serve | generate | chat | bench.
+"""The `gyrfalcon` command: serve | generate | chat | bench | train-draft.
 
 Flags keep vLLM's names where the meaning is the same. Each subcommand's heavy imports happen
 inside its handler so `gyrfalcon --help` stays fast.
@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands that live with their feature; each module's import is argparse-only.
     import importlib
     import importlib.util
-    for module, fn in (("gyrfalcon.server.cli", "add_serve_parser"), ("gyrfalcon.bench.cli", "add_bench_parser")):
+    for module, fn in (("gyrfalcon.server.cli", "add_serve_parser"), ("gyrfalcon.bench.cli", "add_bench_parser"),
+                       ("gyrfalcon.train.cli", "add_train_parser")):
         if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
             getattr(importlib.import_module(module), fn)(sub)
     _use_formatter(parser)
@@ -215,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if hasattr(args, "model_tag"):
             from gyrfalcon.engine_args import resolve_model_arg
             resolve_model_arg(args)
-        if args.command in ("serve", "generate", "chat") and args.model is None:
+        if args.command in ("serve", "generate", "chat", "train-draft") and args.model is None:
             _default_model(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -107,6 +107,31 @@ class LLM:
             o.prompt = self.tokenizer.decode(p["prompt_token_ids"])
         return outs
 
+    def capture_hidden_states(self, sequences: Sequence[Sequence[int]], aux_layer_ids: Sequence[int],
+                              use_tqdm: bool = True) -> Iterator[tuple]:
+        """Per token sequence (prompt + response ids), one prefill of it through the engine's own model, outside
+        the scheduler (ModelRunner.capture_hidden_states): yields (aux [T, len(aux_layer_ids) * hidden], final
+        [T, hidden]) on the CPU in the model's dtype. aux: the residual stream entering each of aux_layer_ids
+        (ascending; 0: the embedding output), what an EAGLE-3 draft reads; final: the final-normed hidden state,
+        whose compute_logits are the target's logits. For draft training (gyrfalcon/train/)."""
+        runner = self.engine.runner
+        if not callable(getattr(runner, "capture_hidden_states", None)):
+            raise ValueError("capture_hidden_states needs the in-process runner (tensor_parallel_size 1).")
+        max_len = self.config.model_config.max_model_len
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(sequences), desc="Capturing hidden states", dynamic_ncols=True)
+        for ids in sequences:
+            if len(ids) > max_len:
+                raise ValueError(f"A sequence of {len(ids)} tokens is longer than max_model_len {max_len}.")
+            aux, final = runner.capture_hidden_states(list(ids), aux_layer_ids)
+            if bar is not None:
+                bar.update(1)
+            yield aux.cpu(), final.cpu()
+        if bar is not None:
+            bar.close()
+
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
         """One prompt's completion as it is generated: the new text of each engine step that added some (stop
         strings held back until they cannot match). n must be 1. Closing the iterator early (break, an

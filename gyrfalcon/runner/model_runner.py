@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -361,6 +361,39 @@ class ModelRunner:
             # The allocator must not hand the tokens' memory to the compute stream before the copy ran.
             handle.sampled.record_stream(self._d2h_stream)
         return handle
+
+    @torch.inference_mode()
+    def capture_hidden_states(self, token_ids: Sequence[int], aux_layers: Sequence[int]) -> tuple:
+        """One eager prefill of a whole sequence outside the scheduler (draft training: gyrfalcon/train/) ->
+        (aux [T, len(aux_layers) * hidden]: the residual stream entering each of aux_layers, ascending, as the
+        EAGLE-3 proposer reads it; final [T, hidden]: the final-normed hidden state, compute_logits' input).
+        It runs in caches of its own (profile_step's pattern), so the requests' blocks and the prefix cache stay
+        untouched; the target's own aux layers (a running EAGLE-3 proposer) are restored after."""
+        n = len(token_ids)
+        layers = tuple(sorted(set(int(i) for i in aux_layers)))
+        if n == 0 or not layers:
+            raise ValueError("capture_hidden_states needs a non-empty sequence and at least one aux layer.")
+        blocks = -(-n // self.block_size)
+        caches = self.cache_plan.allocate(blocks, 1 if self.cache_plan.has_state else 0, self.device)
+        dev = self.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(list(token_ids), dtype=torch.int64, device=dev),
+            positions=torch.arange(n, device=dev), slot_mapping=torch.arange(n, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            logits_indices=torch.arange(n, device=dev), is_decode=False, max_query_len=n, max_seq_len=n,
+            num_seqs=1, state_slots=torch.zeros(1, dtype=torch.int32, device=dev))
+        inner = self.model.model
+        saved = (inner.aux_hidden_layers, inner.aux_hidden)
+        inner.aux_hidden_layers = layers
+        try:
+            with forward_context(fb, caches):
+                final = self.model(fb.input_ids, fb.positions)
+            aux = inner.aux_hidden
+        finally:
+            inner.aux_hidden_layers, inner.aux_hidden = saved
+        return aux, final
 
     def complete(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and logprobs) per scheduled request; the tokens
