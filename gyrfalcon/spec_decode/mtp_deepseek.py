@@ -71,6 +71,9 @@ class DeepseekMtpLayer(nn.Module):
                 yield (name if name.startswith(_OWN) else "layer." + name), t
 
         loaded: Set[str] = CausalLM.load_weights(self, own())
+        if not loaded:  # (transformers' DeepseekV3Config says num_nextn_predict_layers 1 for any checkpoint)
+            raise ValueError(f"speculative_config method 'mtp': the checkpoint has no {prefix}* tensors: it ships no "
+                             "MTP layers; use eagle3 or ngram.")
         expected = CausalLM.expected_weights(self)
         if "shared_head.head.weight" not in loaded:  # the target's LM head serves
             self.shared_head.head = None
@@ -125,8 +128,8 @@ def load_deepseek_mtp(path: str, target: nn.Module, device, dtype: torch.dtype, 
     cfg = target.config
     n, N = num_mtp_layers(cfg), cfg.num_hidden_layers
     if n < 1:
-        raise ValueError("speculative_config method 'mtp': the model's config has no num_nextn_predict_layers "
-                         "(its checkpoint ships no MTP layers); use eagle3 or ngram.")
+        raise ValueError("speculative_config method 'mtp': the model's config has no num_nextn_predict_layers: it "
+                         "ships no MTP layers; use eagle3 or ngram.")
     layers = []
     for i in range(n):
         with _default_dtype(dtype), torch.device(device):

@@ -12,18 +12,18 @@ from safetensors.torch import save_file
 from checkpoints import make_deepseek_checkpoint
 
 
-def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, **overrides) -> Path:
+def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bool = False, **overrides) -> Path:
     """make_deepseek_checkpoint's target plus `model.layers.<N>.*` (N = num_hidden_layers): a full decoder layer
     (MLA, MoE) taken from an (N + 1)-layer transformers model of the same config under another seed (so in
     transformers' saved names, per-expert tensors included), enorm, hnorm, eh_proj [H, 2H], shared_head.norm,
-    shared_head.head (head=False: absent, the target's lm_head serves) and embed_tokens (the target's copy), every
+    shared_head.head (v32: DeepSeek-V3.2's, the layer with its indexer; head=False: absent, the target's lm_head serves) and embed_tokens (the target's copy), every
     new tensor random. config.json gets num_nextn_predict_layers = 1."""
     path = Path(path)
-    make_deepseek_checkpoint(path, seed, num_nextn_predict_layers=1, **overrides)
+    make_deepseek_checkpoint(path, seed, v32=v32, num_nextn_predict_layers=1, **overrides)
     cfg = json.loads((path / "config.json").read_text())
     N, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     donor = make_deepseek_checkpoint(path.parent / (path.name + "-mtp-donor"), seed + 7,
-                                     num_hidden_layers=N + 1, **overrides)
+                                     v32=v32, num_hidden_layers=N + 1, **overrides)
     files = sorted(path.glob("*.safetensors"))
     assert len(files) == 1, files
     tensors = {}
