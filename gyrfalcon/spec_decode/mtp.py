@@ -35,6 +35,9 @@ class MtpProposer(Eagle3Proposer):
         if not callable(getattr(target_model, "build_mtp_layer", None)) or not hasattr(inner, "aux_hidden_layers"):
             raise ValueError(f"speculative_config method 'mtp': {type(target_model).__name__} has no MTP layers "
                              "gyrfalcon can run (DeepSeek-V3 / V3.2 do); use eagle3 or ngram.")
+        if getattr(config.model_config, "quant_config", None) is not None:
+            raise ValueError("speculative_config method 'mtp' with a quantized target (FP8) is not supported yet; "
+                             "use eagle3 or ngram.")
         from gyrfalcon.spec_decode.mtp_deepseek import load_deepseek_mtp
         self.layers = load_deepseek_mtp(sc.model, target_model, device, config.model_config.torch_dtype, layer_idx,
                                         max_position=config.model_config.max_model_len + self.k)
