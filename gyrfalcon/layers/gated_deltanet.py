@@ -15,6 +15,13 @@ of in_proj_qkvz, in_proj_b and in_proj_a [HV, hidden] those of in_proj_ba: the s
 pool [num_slots, K - 1, C] in the model's dtype and a recurrent pool [num_slots, HV, dk, dv] in fp32; the step's
 rows find their slot in ForwardBatch.state_slots. A request whose step starts at position 0 starts from zeros
 (its slot may hold a finished request's state), later prefill chunks and decode steps from the slot.
+
+Speculative decoding (verify_len = 1 + k, set by the runner): a verify row runs its 1 + k tokens like a short
+prefill chunk, which leaves the slot at the state after the last draft. For every continuing sequence of
+2..verify_len tokens the step also keeps the conv window and recurrent state after each of its tokens
+(position_states, by slot: [L, K - 1, C] and [L, HV, dk, dv]), from the slot's state before the step and the
+step's own conv inputs and q / k / v / a / b; rollback(slot, n) then sets the slot to the state after its n-th
+token once the runner knows how many drafts were accepted. The scratch lives until the next step.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
+                                           conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill, gated_rms_norm)
 from gyrfalcon.layers.linear import Linear, MergedLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -100,6 +108,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size)
         self.norm_in: Optional[NormLinear] = None
+        self.verify_len = 0  # 1 + k under speculative decoding (module docstring)
+        self.position_states: dict = {}
 
     def kv_cache_spec(self, cache_dtype: str) -> LinearStateSpec:
         """Per request: the conv window [K - 1, C] in the model's dtype (cache_dtype, the KV cache's, may be FP8:
@@ -128,6 +138,10 @@ class GatedDeltaNet(nn.Module):
         # [B]: a step that starts past position 0 continues the request's state (its earlier chunks' or tokens');
         # one at position 0 (a new or recomputed request, a one-token prompt's decode-shaped step) starts at zero.
         has_initial = batch.seq_lens > (qsl[1:] - qsl[:-1])
+        self.position_states = {}
+        tracked = self._tracked(batch, has_initial) if self.verify_len > 1 and not batch.is_decode else []
+        before = [(conv_states[slot].clone(), states[slot].clone()) for _, slot, _, _ in tracked]
+        raw = mixed
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, w, conv_states, slots, has_initial)
         else:
@@ -140,5 +154,28 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_decode(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, has_initial)
         else:
             o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial)
+        for (_, slot, s0, e0), (conv0, state0) in zip(tracked, before):
+            self.position_states[slot] = (
+                conv_position_windows_ref(raw[s0:e0], conv0),
+                gated_delta_position_states_ref(q[s0:e0], k[s0:e0], v[s0:e0], a[s0:e0], b[s0:e0], self.A_log,
+                                                self.dt_bias, state0))
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)
+
+    def _tracked(self, batch, has_initial: torch.Tensor):
+        """[(sequence, slot, first row, end row)] of the continuing sequences of 2..verify_len tokens (a host read:
+        speculating hybrid models run their multi-token steps eagerly)."""
+        bounds = batch.query_start_loc.tolist()
+        slots, init = batch.state_slots.tolist(), has_initial.tolist()
+        return [(i, slots[i], bounds[i], bounds[i + 1]) for i in range(len(slots))
+                if init[i] and 2 <= bounds[i + 1] - bounds[i] <= self.verify_len]
+
+    def rollback(self, kv_caches, slot: int, n: int) -> None:
+        """Set `slot` to the state after the first n tokens of its last step (a verify row whose later drafts were
+        rejected); no-op when the step kept all of them or did not track the slot."""
+        got = self.position_states.get(slot)
+        if got is None or n >= got[0].shape[0]:
+            return
+        conv_states, states = kv_caches[self.layer_idx]
+        conv_states[slot] = got[0][n - 1].to(conv_states.dtype)
+        states[slot] = got[1][n - 1].to(states.dtype)
