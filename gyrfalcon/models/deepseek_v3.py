@@ -49,6 +49,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self._build_layer(config, layer_idx, self._rotary(config, max_position),
                                  self._is_sparse_mlp(config, layer_idx))
 
+    mtp_format = "deepseek"
+
     def build_mtp_layer(self, config, cache_idx: int, max_position: int) -> DecoderLayer:
         """The decoder layer of an MTP module (MLA, the V3.2 indexer, MoE: the released MTP layers sit past
         first_k_dense_replace), caching at cache_idx; its own RoPE table of max_position rows (the draft's chained

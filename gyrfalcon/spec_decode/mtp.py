@@ -1,5 +1,6 @@
 """MtpProposer: k drafts per sequence from the target's own multi-token-prediction layers (DeepSeek-V3 / V3.2:
-spec_decode/mtp_deepseek.py), the EAGLE-3 proposer's scheme (spec_decode/eagle3.py) with the MTP layer as the
+spec_decode/mtp_deepseek.py; Qwen3-Next: spec_decode/mtp_qwen3_next.py, its hybrid target rolled back by the
+runner after rejected drafts: layers/gated_deltanet.py), the EAGLE-3 proposer's scheme (spec_decode/eagle3.py) with the MTP layer as the
 draft head:
 
 1. after each step, one pass of MTP layer 0 over every position the step verified or prefilled: position p takes
@@ -38,9 +39,12 @@ class MtpProposer(Eagle3Proposer):
         if getattr(config.model_config, "quant_config", None) is not None:
             raise ValueError("speculative_config method 'mtp' with a quantized target (FP8) is not supported yet; "
                              "use eagle3 or ngram.")
-        from gyrfalcon.spec_decode.mtp_deepseek import load_deepseek_mtp
-        self.layers = load_deepseek_mtp(sc.model, target_model, device, config.model_config.torch_dtype, layer_idx,
-                                        max_position=config.model_config.max_model_len + self.k)
+        if target_model.mtp_format == "qwen3_next":
+            from gyrfalcon.spec_decode.mtp_qwen3_next import load_qwen3_next_mtp as load
+        else:
+            from gyrfalcon.spec_decode.mtp_deepseek import load_deepseek_mtp as load
+        self.layers = load(sc.model, target_model, device, config.model_config.torch_dtype, layer_idx,
+                           max_position=config.model_config.max_model_len + self.k)
         self.draft = self.layers[0]
         self.aux_layer_ids = [len(inner.layers)]
         inner.aux_hidden_layers = (len(inner.layers),)

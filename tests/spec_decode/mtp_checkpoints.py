@@ -45,3 +45,36 @@ def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bo
     tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
     return path
+
+
+def make_qwen3_next_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """make_qwen3_next_checkpoint's hybrid target plus its MTP module in the released layout: mtp.layers.0.* (a
+    gated full-attention layer with MoE) taken from a same-config transformers model under another seed (its layer
+    3, full attention in the tiny config), mtp.fc [H, 2H] and the zero-centred mtp.pre_fc_norm_embedding,
+    mtp.pre_fc_norm_hidden and mtp.norm, every new tensor random. config.json gets num_nextn_predict_layers = 1."""
+    from checkpoints import make_qwen3_next_checkpoint
+
+    path = Path(path)
+    make_qwen3_next_checkpoint(path, seed, **overrides)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    H = cfg["hidden_size"]
+    donor = make_qwen3_next_checkpoint(path.parent / (path.name + "-mtp-donor"), seed + 7, **overrides)
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1, files
+    tensors = {}
+    with safe_open(str(files[0]), "pt") as sf:
+        for k in sf.keys():
+            tensors[k] = sf.get_tensor(k)
+    src = "model.layers.3."
+    with safe_open(str(next(donor.glob("*.safetensors"))), "pt") as sf:
+        for k in sf.keys():
+            if k.startswith(src):
+                tensors["mtp.layers.0." + k[len(src):]] = sf.get_tensor(k)
+    g = torch.Generator().manual_seed(seed + 11)
+    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
+    return path
