@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_next_checkpoint
+from mtp_checkpoints import make_qwen3_next_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.kernels.gated_delta import (conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill_ref)
@@ -83,3 +84,82 @@ def test_hybrid_greedy_parity_with_rejections(hybrid, k):
     assert llm.engine.block_manager.prefix_hits > 0
     s = llm.engine.spec_stats
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some drafts rejected, some kept
+
+
+# ---- Qwen3-Next MTP ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def q3n_mtp(tmp_path_factory):
+    path = make_qwen3_next_mtp_checkpoint(tmp_path_factory.mktemp("q3nmtp") / "t")
+    return path, _greedy(LLM(str(path), **KW))
+
+
+def _reference_drafts(path, tokens, k, models):
+    """The k drafts after `tokens`, from scratch: the target's final-normed hidden states from transformers, and
+    the MTP module around transformers' Qwen3NextDecoderLayer (the donor's layer 3 holds the checkpoint's
+    mtp.layers.0 tensors), (1 + w) norms, a DynamicCache for the chained steps."""
+    from safetensors import safe_open
+    from transformers import DynamicCache
+
+    hf, donor = models
+    eps = hf.config.rms_norm_eps
+    with safe_open(str(next(path.glob("*.safetensors"))), "pt") as sf:
+        w = {n: sf.get_tensor(f"mtp.{n}.weight") for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden",
+                                                           "norm")}
+    layer, rope = donor.model.layers[3], donor.model.rotary_emb
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+    def run(ids, hidden, pos, cache):
+        e = hf.model.embed_tokens(ids)
+        x = torch.nn.functional.linear(torch.cat([rms(e, w["pre_fc_norm_embedding"]),
+                                                  rms(hidden, w["pre_fc_norm_hidden"])], -1), w["fc"])[None]
+        y = layer(x, position_embeddings=rope(x, pos[None]), attention_mask=None, position_ids=pos[None],
+                  past_key_values=cache)
+        y = rms((y[0] if isinstance(y, tuple) else y)[0], w["norm"])
+        return y, int(hf.lm_head(y)[-1].argmax())
+
+    with torch.no_grad():
+        L = len(tokens)
+        h = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        cache = DynamicCache(config=donor.config)
+        y, d = run(torch.tensor(tokens[1:]), h, torch.arange(L - 1), cache)
+        out = [d]
+        for j in range(1, k):
+            y, d = run(torch.tensor([out[-1]]), y[-1:], torch.tensor([L - 2 + j]), cache)
+            out.append(d)
+    return out
+
+
+def test_qwen3_next_mtp_drafts_match_a_transformers_reference(q3n_mtp):
+    from transformers import AutoModelForCausalLM
+
+    path, ref = q3n_mtp
+    k = 2
+    llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    prop = llm.engine.runner.proposer
+    seen = []
+    propose = prop.propose
+
+    def spy(rows, sampled):
+        out = propose(rows, sampled)
+        for r, toks, d in zip(rows, sampled, out):
+            if toks:
+                seen.append((list(r.request.prompt_token_ids) + list(r.request.output_token_ids), d))
+        return out
+    prop.propose = spy
+    assert _greedy(llm, rounds=2) == ref
+    assert llm.engine.block_manager.prefix_hits > 0
+    assert len(seen) >= 2 * len(PROMPTS) * 4
+    models = tuple(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+                   for d in (path, path.parent / (path.name + "-mtp-donor")))
+    for tokens, drafts in {tuple(t): d for t, d in seen}.items():
+        assert drafts == _reference_drafts(path, list(tokens), k, models), tokens
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_qwen3_next_greedy_parity_with_mtp(q3n_mtp, k):
+    path, ref = q3n_mtp
+    llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    assert _greedy(llm, rounds=2) == ref
+    assert llm.engine.spec_stats.num_drafts > 0
