@@ -5,7 +5,7 @@ gyrfalcon serves the language model and skips the vision tower.
 
 What differs from Qwen3-Next:
 - the checkpoint: text weights under `model.language_model.*` (here `model.*`), the vision tower's `model.visual.*`
-  and the MTP head's `mtp.*` skipped, lm_head at the top; config.json nests the text settings under text_config
+  and the MTP head's `mtp.*` skipped (mtp_weights hands them to the MTP proposer), lm_head at the top; config.json nests the text settings under text_config
   (config.py language_model_config serves those);
 - the GDN input projections flat, in four tensors: in_proj_qkv and in_proj_z land as the shards of in_proj_qkvz,
   in_proj_b and in_proj_a as those of in_proj_ba (layers/gated_deltanet.py flat_projections);
@@ -54,21 +54,26 @@ def text_weights(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[
             continue
         if name.startswith(_TEXT_PREFIX):
             name = "model." + name[len(_TEXT_PREFIX):]
-        packed = _PACKED_EXPERTS.match(name)
-        if packed is None:
-            yield name, tensor
-            continue
-        prefix, kind = packed.groups()
-        if tensor.dim() != 3:
-            raise ValueError(f"Checkpoint tensor {name!r}: packed experts must be 3-D [experts, rows, cols], got "
-                             f"shape {tuple(tensor.shape)}.")
-        for e in range(tensor.shape[0]):
-            if kind == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                yield f"{prefix}.{e}.gate_proj.weight", gate
-                yield f"{prefix}.{e}.up_proj.weight", up
+        yield from unpack_experts(name, tensor)
+
+
+def unpack_experts(name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """One checkpoint tensor as the loader takes it: packed experts cut into per-expert views, others as they are."""
+    packed = _PACKED_EXPERTS.match(name)
+    if packed is None:
+        yield name, tensor
+        return
+    prefix, kind = packed.groups()
+    if tensor.dim() != 3:
+        raise ValueError(f"Checkpoint tensor {name!r}: packed experts must be 3-D [experts, rows, cols], got "
+                         f"shape {tuple(tensor.shape)}.")
+    for e in range(tensor.shape[0]):
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+        else:
+            gate, up = tensor[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3NextForCausalLM):
@@ -77,6 +82,14 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3NextForCausalLM):
 
     stacked_params = FLAT_GDN_PARAMS + Qwen3NextForCausalLM.stacked_params
     flat_gdn_projections = True
+
+    @staticmethod
+    def mtp_weights(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The MTP module's tensors (`mtp.*`, which load_weights drops) for the MTP proposer
+        (spec_decode/mtp_qwen3_next.py), packed experts cut as the language model's are."""
+        for name, tensor in weights:
+            if name.startswith("mtp."):
+                yield from unpack_experts(name, tensor)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         # The loader routes FP8 linears' weight_scale_inv by their checkpoint names before this sees them, which

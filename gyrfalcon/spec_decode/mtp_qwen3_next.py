@@ -1,5 +1,5 @@
-"""Qwen3NextMtpLayer: the multi-token-prediction module of a Qwen3-Next checkpoint (`mtp.*`), read from the
-target's own checkpoint.
+"""Qwen3NextMtpLayer: the multi-token-prediction module of a Qwen3-Next or Qwen3.5 checkpoint (`mtp.*`; Qwen3.5
+counts its layers in mtp_num_hidden_layers and may pack the experts), read from the target's own checkpoint.
 
 Forward of one draft position p (the target's position: its hidden state, and the token at p + 1):
   x = fc(cat[pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(h)])   fc [H, 2H]; h: [T, H] the target's
@@ -103,6 +103,9 @@ def load_qwen3_next_mtp(path: str, target: nn.Module, device, dtype: torch.dtype
     for i in range(n):
         with _default_dtype(dtype), torch.device(device):
             m = Qwen3NextMtpLayer(target, cache_idx + i, max_position)
-        m.load_weights(iterate_safetensors(path), f"mtp.layers.{i}.")
+        weights = iterate_safetensors(path)
+        if callable(getattr(target, "mtp_weights", None)):  # Qwen3.5: packed experts (models/qwen3_5.py)
+            weights = target.mtp_weights(weights)
+        m.load_weights(weights, f"mtp.layers.{i}.")
         layers.append(m.eval())
     return layers

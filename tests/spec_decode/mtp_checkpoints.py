@@ -78,3 +78,32 @@ def make_qwen3_next_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
         tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
     return path
+
+
+def make_qwen3_5_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
+    """make_qwen3_5_checkpoint's MoE release (packed experts) plus its MTP module as the releases ship it: mtp.layers.0.*
+    from a same-config donor's language-model layer 3 (full attention; experts packed), mtp.fc and the zero-centred
+    pre-fc norms and mtp.norm, random; text_config.mtp_num_hidden_layers = 1."""
+    from checkpoints import make_qwen3_5_checkpoint
+
+    path = Path(path)
+    make_qwen3_5_checkpoint(path, seed=seed, **overrides)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    H = cfg["text_config"]["hidden_size"]
+    donor = make_qwen3_5_checkpoint(path.parent / (path.name + "-mtp-donor"), seed=seed + 7, **overrides)
+    (file,) = path.glob("*.safetensors")
+    with safe_open(str(file), "pt") as sf:
+        tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+    src = "model.language_model.layers.3."
+    with safe_open(str(next(donor.glob("*.safetensors"))), "pt") as sf:
+        for k in sf.keys():
+            if k.startswith(src):
+                tensors["mtp.layers.0." + k[len(src):]] = sf.get_tensor(k)
+    g = torch.Generator().manual_seed(seed + 11)
+    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+    return path

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_next_checkpoint
-from mtp_checkpoints import make_qwen3_next_mtp_checkpoint
+from mtp_checkpoints import make_qwen3_5_mtp_checkpoint, make_qwen3_next_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.kernels.gated_delta import (conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill_ref)
@@ -162,4 +162,14 @@ def test_qwen3_next_greedy_parity_with_mtp(q3n_mtp, k):
     path, ref = q3n_mtp
     llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": k})
     assert _greedy(llm, rounds=2) == ref
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_qwen3_5_mtp_loads_packed_experts_and_keeps_greedy_outputs(tmp_path):
+    """Qwen3.5's release layout (mtp_num_hidden_layers in text_config, the MTP layer's experts packed)."""
+    path = make_qwen3_5_mtp_checkpoint(tmp_path / "t")
+    ref = _greedy(LLM(str(path), **KW))
+    llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert len(llm.engine.runner.proposer.layers) == 1
+    assert _greedy(llm) == ref
     assert llm.engine.spec_stats.num_drafts > 0
