@@ -5,8 +5,8 @@ gyrfalcon serves the language model and skips the vision tower.
 
 What differs from Qwen3-Next:
 - the checkpoint: text weights under `model.language_model.*` (here `model.*`), the vision tower's `model.visual.*`
-  and the MTP head's `mtp.*` skipped (mtp_weights hands them to the MTP proposer), lm_head at the top; config.json nests the text settings under text_config
-  (config.py language_model_config serves those);
+  and the MTP head's `mtp.*` skipped (mtp_weights hands the latter to the MTP proposer), lm_head at the top;
+  config.json nests the text settings under text_config (config.py language_model_config serves those);
 - the GDN input projections flat, in four tensors: in_proj_qkv and in_proj_z land as the shards of in_proj_qkvz,
   in_proj_b and in_proj_a as those of in_proj_ba (layers/gated_deltanet.py flat_projections);
 - the RoPE is multimodal (rope_parameters' mrope_section: each rotary frequency reads the temporal, height or width
