@@ -173,3 +173,16 @@ def test_qwen3_5_mtp_loads_packed_experts_and_keeps_greedy_outputs(tmp_path):
     assert len(llm.engine.runner.proposer.layers) == 1
     assert _greedy(llm) == ref
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_qwen3_next_mtp_under_preemption(q3n_mtp):
+    """A cache far too small for the batch: requests are preempted mid-speculation (their state slot and MTP K/V
+    recomputed from the prompt) and still finish with the tokens of the run without drafts; async scheduling."""
+    path, ref = q3n_mtp
+    longest = max(len(p) for p in PROMPTS) + 16
+    llm = LLM(str(path), device="cpu", block_size=4, num_gpu_blocks_override=-(-longest // 4) + 2,
+              max_model_len=longest + 4, enable_prefix_caching=True, max_num_batched_tokens=8,
+              async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert _greedy(llm) == ref
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert llm.engine.spec_stats.num_drafts > 0
