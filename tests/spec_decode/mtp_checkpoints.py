@@ -12,18 +12,20 @@ from safetensors.torch import save_file
 from checkpoints import make_deepseek_checkpoint
 
 
-def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bool = False, **overrides) -> Path:
+def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bool = False, n_mtp: int = 1,
+                                 **overrides) -> Path:
     """make_deepseek_checkpoint's target plus `model.layers.<N>.*` (N = num_hidden_layers): a full decoder layer
     (MLA, MoE) taken from an (N + 1)-layer transformers model of the same config under another seed (so in
     transformers' saved names, per-expert tensors included), enorm, hnorm, eh_proj [H, 2H], shared_head.norm,
     shared_head.head (v32: DeepSeek-V3.2's, the layer with its indexer; head=False: absent, the target's lm_head serves) and embed_tokens (the target's copy), every
-    new tensor random. config.json gets num_nextn_predict_layers = 1."""
+    new tensor random; n_mtp such modules (model.layers.N .. N + n_mtp - 1). config.json gets
+    num_nextn_predict_layers = n_mtp."""
     path = Path(path)
-    make_deepseek_checkpoint(path, seed, v32=v32, num_nextn_predict_layers=1, **overrides)
+    make_deepseek_checkpoint(path, seed, v32=v32, num_nextn_predict_layers=n_mtp, **overrides)
     cfg = json.loads((path / "config.json").read_text())
     N, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     donor = make_deepseek_checkpoint(path.parent / (path.name + "-mtp-donor"), seed + 7,
-                                     v32=v32, num_hidden_layers=N + 1, **overrides)
+                                     v32=v32, num_hidden_layers=N + n_mtp, **overrides)
     files = sorted(path.glob("*.safetensors"))
     assert len(files) == 1, files
     tensors = {}
@@ -32,17 +34,19 @@ def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bo
             tensors[k] = sf.get_tensor(k)
     with safe_open(str(next(donor.glob("*.safetensors"))), "pt") as sf:
         for k in sf.keys():
-            if k.startswith(f"model.layers.{N}."):
+            layer = k.split(".")[2] if k.startswith("model.layers.") else None
+            if layer is not None and int(layer) >= N:
                 tensors[k] = sf.get_tensor(k)
     g = torch.Generator().manual_seed(seed + 11)
-    p = f"model.layers.{N}."
-    tensors[p + "enorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-    tensors[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-    tensors[p + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
-    tensors[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-    if head:
-        tensors[p + "shared_head.head.weight"] = torch.randn(V, H, generator=g) / H ** 0.5
-    tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    for i in range(n_mtp):
+        p = f"model.layers.{N + i}."
+        tensors[p + "enorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        tensors[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        tensors[p + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+        tensors[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        if head:
+            tensors[p + "shared_head.head.weight"] = torch.randn(V, H, generator=g) / H ** 0.5
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
     return path
 

@@ -145,6 +145,22 @@ def test_mtp_layouts(tmp_path, v32, head):
     _check_drafted(llm)
 
 
+def test_two_mtp_layers_alternate(tmp_path):
+    """num_nextn_predict_layers = 2 at k = 3: drafts 1 and 3 from MTP layer 0, draft 2 from layer 1 (step % 2), each
+    layer its own paged cache layer; outputs equal the run without drafts."""
+    path = make_deepseek_mtp_checkpoint(tmp_path / "t", n_mtp=2)
+    ref = _greedy(LLM(str(path), **KW))
+    llm = LLM(str(path), **KW, **_spec(3))
+    prop = llm.engine.runner.proposer
+    assert [m.layer.self_attn.layer_idx for m in prop.layers] == [3, 4]
+    used = []
+    for m in prop.layers:
+        m.register_forward_hook(lambda mod, *_: used.append(prop.layers.index(mod)))
+    assert _greedy(llm) == ref
+    _check_drafted(llm)
+    assert {0, 1} <= set(used) and used.count(0) > used.count(1)
+
+
 def test_mtp_needs_mtp_layers(tmp_path):
     path = make_deepseek_checkpoint(tmp_path / "t")
     with pytest.raises(ValueError, match="ships no MTP layers"):
