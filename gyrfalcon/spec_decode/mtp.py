@@ -1,7 +1,7 @@
 """MtpProposer: k drafts per sequence from the target's own multi-token-prediction layers (DeepSeek-V3 / V3.2:
-spec_decode/mtp_deepseek.py; Qwen3-Next: spec_decode/mtp_qwen3_next.py, its hybrid target rolled back by the
-runner after rejected drafts: layers/gated_deltanet.py), the EAGLE-3 proposer's scheme (spec_decode/eagle3.py) with the MTP layer as the
-draft head:
+spec_decode/mtp_deepseek.py; Qwen3-Next / Qwen3.5: spec_decode/mtp_qwen3_next.py, the hybrid target's state rolled
+back by the runner after rejected drafts: layers/gated_deltanet.py), the EAGLE-3 proposer's scheme
+(spec_decode/eagle3.py) with the MTP layer as the draft head:
 
 1. after each step, one pass of MTP layer 0 over every position the step verified or prefilled: position p takes
    the target's final-normed hidden state of p and the token at p + 1, so the layer's K/V covers every verified

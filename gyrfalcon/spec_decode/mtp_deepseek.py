@@ -17,8 +17,7 @@ loaded through the target class's fused-weight mapping (CausalLM.load_weights)."
 
 from __future__ import annotations
 
-import re
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Iterable, List, Set, Tuple
 
 import torch
 from torch import nn
@@ -117,13 +116,27 @@ class DeepseekMtpLayer(nn.Module):
         return ids  # the MTP predicts over the target's vocabulary
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+def iterate_prefixed(path: str, prefixes: Tuple[str, ...]) -> Iterable[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint's tensors whose names start with one of `prefixes`, reading no other
+    tensor (a released DeepSeek checkpoint is hundreds of GB; its MTP layer a few)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors weight files in {path}.")
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                if name.startswith(prefixes):
+                    yield name, sf.get_tensor(name)
 
 
 def load_deepseek_mtp(path: str, target: nn.Module, device, dtype: torch.dtype, cache_idx: int,
                       max_position: int) -> List[DeepseekMtpLayer]:
     """The checkpoint's MTP layers (model.layers.N .. N + n - 1), each caching at cache_idx + i."""
-    from gyrfalcon.models.loader import _default_dtype, iterate_safetensors
+    from gyrfalcon.models.loader import _default_dtype
 
     cfg = target.config
     n, N = num_mtp_layers(cfg), cfg.num_hidden_layers
@@ -134,6 +147,6 @@ def load_deepseek_mtp(path: str, target: nn.Module, device, dtype: torch.dtype, 
     for i in range(n):
         with _default_dtype(dtype), torch.device(device):
             m = DeepseekMtpLayer(target, cache_idx + i, max_position)
-        m.load_weights(iterate_safetensors(path), f"model.layers.{N + i}.")
+        m.load_weights(iterate_prefixed(path, (f"model.layers.{N + i}.",)), f"model.layers.{N + i}.")
         layers.append(m.eval())
     return layers

@@ -96,14 +96,15 @@ def load_qwen3_next_mtp(path: str, target: nn.Module, device, dtype: torch.dtype
                         max_position: int) -> List[Qwen3NextMtpLayer]:
     """The checkpoint's MTP layers (mtp.layers.0 .. n - 1, sharing mtp.fc and the norms), each caching at
     cache_idx + i."""
-    from gyrfalcon.models.loader import _default_dtype, iterate_safetensors
+    from gyrfalcon.models.loader import _default_dtype
+    from gyrfalcon.spec_decode.mtp_deepseek import iterate_prefixed
 
     n = max(num_mtp_layers(target.config), 1)
     layers = []
     for i in range(n):
         with _default_dtype(dtype), torch.device(device):
             m = Qwen3NextMtpLayer(target, cache_idx + i, max_position)
-        weights = iterate_safetensors(path)
+        weights = iterate_prefixed(path, ("mtp.",))
         if callable(getattr(target, "mtp_weights", None)):  # Qwen3.5: packed experts (models/qwen3_5.py)
             weights = target.mtp_weights(weights)
         m.load_weights(weights, f"mtp.layers.{i}.")

@@ -14,11 +14,11 @@ from checkpoints import make_deepseek_checkpoint
 
 def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bool = False, n_mtp: int = 1,
                                  **overrides) -> Path:
-    """make_deepseek_checkpoint's target plus `model.layers.<N>.*` (N = num_hidden_layers): a full decoder layer
-    (MLA, MoE) taken from an (N + 1)-layer transformers model of the same config under another seed (so in
-    transformers' saved names, per-expert tensors included), enorm, hnorm, eh_proj [H, 2H], shared_head.norm,
-    shared_head.head (v32: DeepSeek-V3.2's, the layer with its indexer; head=False: absent, the target's lm_head serves) and embed_tokens (the target's copy), every
-    new tensor random; n_mtp such modules (model.layers.N .. N + n_mtp - 1). config.json gets
+    """make_deepseek_checkpoint's target plus n_mtp MTP modules `model.layers.<N + i>.*` (N = num_hidden_layers):
+    each a full decoder layer (MLA, MoE; v32: DeepSeek-V3.2's, with its indexer) taken from an (N + n_mtp)-layer
+    transformers model of the same config under another seed (so in transformers' saved names, per-expert tensors
+    included), enorm, hnorm, eh_proj [H, 2H], shared_head.norm, shared_head.head (head=False: absent, the target's
+    lm_head serves) and embed_tokens (the target's copy), every new tensor random. config.json gets
     num_nextn_predict_layers = n_mtp."""
     path = Path(path)
     make_deepseek_checkpoint(path, seed, v32=v32, num_nextn_predict_layers=n_mtp, **overrides)
@@ -85,9 +85,9 @@ def make_qwen3_next_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
 
 
 def make_qwen3_5_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
-    """make_qwen3_5_checkpoint's MoE release (packed experts) plus its MTP module as the releases ship it: mtp.layers.0.*
-    from a same-config donor's language-model layer 3 (full attention; experts packed), mtp.fc and the zero-centred
-    pre-fc norms and mtp.norm, random; text_config.mtp_num_hidden_layers = 1."""
+    """make_qwen3_5_checkpoint's MoE release (packed experts) plus its MTP module as the releases ship it:
+    mtp.layers.0.* from a same-config donor's language-model layer 3 (full attention; experts packed), mtp.fc and
+    the zero-centred pre-fc norms and mtp.norm, random; text_config.mtp_num_hidden_layers = 1."""
     from checkpoints import make_qwen3_5_checkpoint
 
     path = Path(path)
