@@ -457,7 +457,7 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
     longest suffix n-gram, n in prompt_lookup_min..prompt_lookup_max), "eagle3" (a draft head in `model`:
     the original EAGLE, SpecForge or speculators layout) or "mtp" (the target's own multi-token-prediction
-    layers; not built yet). None with a `model`: read from the draft's config (a speculators config names its
+    layers: DeepSeek-V3 / V3.2's model.layers.<num_hidden_layers + i>; `model` defaults to the target). None with a `model`: read from the draft's config (a speculators config names its
     algorithm). num_speculative_tokens None: the speculators config's speculative_tokens. (Tests that set a
     proposer on the runner by hand set num_speculative_tokens on a resolved config, for the verify graphs.)"""
 
@@ -530,8 +530,6 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max are the ngram method's.")
         if self.method in ("eagle3", "mtp") and self.model is None:
             raise ValueError(f"speculative_config: method {self.method!r} needs a draft 'model' (a directory).")
-        if self.method == "mtp":
-            raise ValueError("speculative_config: the mtp method is not supported yet; use eagle3 or ngram.")
         self.num_speculative_tokens = self.num_speculative_tokens or 0
         self.verify()
 

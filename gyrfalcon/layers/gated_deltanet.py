@@ -22,6 +22,13 @@ stays on one rank and nothing is communicated until out_proj (row-parallel, the 
 every projection (q, k, v, z, b, a), its conv channels (q | k | v of its heads), A_log / dt_bias of its value heads;
 the output norm's weight is per head dim, replicated. Its state pools hold its heads only (kv_cache_spec is built
 from the local counts), and snapshot copies move whole slots, the same on every rank.
+
+Speculative decoding (verify_len = 1 + k, set by the runner): a verify row runs its 1 + k tokens like a short
+prefill chunk, which leaves the slot at the state after the last draft. For every continuing sequence of
+2..verify_len tokens the step also keeps the conv window and recurrent state after each of its tokens
+(position_states, by slot: [L, K - 1, C] and [L, HV, dk, dv]), from the slot's state before the step and the
+step's own conv inputs and q / k / v / a / b; rollback(slot, n) then sets the slot to the state after its n-th
+token once the runner knows how many drafts were accepted. The scratch lives until the next step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch import nn
 from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
+                                           conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill, gated_rms_norm)
 from gyrfalcon.distributed import as_tensor, shard_size, tp_rank, tp_size
 from gyrfalcon.layers.linear import Linear, MergedLinear, RowParallelLinear
@@ -154,6 +162,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = RowParallelLinear(full_value_dim, hidden_size)
         self.norm_in: Optional[NormLinear] = None
+        self.verify_len = 0  # 1 + k under speculative decoding (module docstring)
+        self.position_states: dict = {}
 
     def _load_conv_weight(self, param: nn.Parameter, loaded) -> None:
         """The checkpoint's conv1d.weight [C, 1, K] (every head's q | k | v channels) -> this rank's channels."""
@@ -193,6 +203,10 @@ class GatedDeltaNet(nn.Module):
         # into the snapshot pools (a one-token chunk that ends on a boundary takes that path too).
         saves, (conv_snaps, state_snaps) = ctx.state_saves(self.layer_idx)
         decode = batch.is_decode and saves is None
+        self.position_states = {}
+        tracked = self._tracked(batch, has_initial) if self.verify_len > 1 and not batch.is_decode else []
+        before = [(conv_states[slot].clone(), states[slot].clone()) for _, slot, _, _ in tracked]
+        raw = mixed
         if decode:
             mixed = causal_conv1d_update(mixed, w, conv_states, slots, has_initial)
         else:
@@ -206,8 +220,31 @@ class GatedDeltaNet(nn.Module):
         else:
             o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial,
                                     state_snaps, saves)
+        for (_, slot, s0, e0), (conv0, state0) in zip(tracked, before):
+            self.position_states[slot] = (
+                conv_position_windows_ref(raw[s0:e0], conv0),
+                gated_delta_position_states_ref(q[s0:e0], k[s0:e0], v[s0:e0], a[s0:e0], b[s0:e0], self.A_log,
+                                                self.dt_bias, state0))
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)
+
+    def _tracked(self, batch, has_initial: torch.Tensor):
+        """[(sequence, slot, first row, end row)] of the continuing sequences of 2..verify_len tokens (a host read:
+        speculating hybrid models run their multi-token steps eagerly)."""
+        bounds = batch.query_start_loc.tolist()
+        slots, init = batch.state_slots.tolist(), has_initial.tolist()
+        return [(i, slots[i], bounds[i], bounds[i + 1]) for i in range(len(slots))
+                if init[i] and 2 <= bounds[i + 1] - bounds[i] <= self.verify_len]
+
+    def rollback(self, kv_caches, slot: int, n: int) -> None:
+        """Set `slot` to the state after the first n tokens of its last step (a verify row whose later drafts were
+        rejected); no-op when the step kept all of them or did not track the slot."""
+        got = self.position_states.get(slot)
+        if got is None or n >= got[0].shape[0]:
+            return
+        conv_states, states = kv_caches[self.layer_idx]
+        conv_states[slot] = got[0][n - 1].to(conv_states.dtype)
+        states[slot] = got[1][n - 1].to(states.dtype)
 
 
 def _load_value_head_param(param: nn.Parameter, loaded) -> None:

@@ -12,7 +12,8 @@ beside the latent.
 Checkpoint names as transformers saves them: `mlp.experts.<e>.{gate,up,down}_proj.weight` (stacked into w13 / w2),
 `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.{gate,up,down}_proj.weight`,
 `self_attn.indexer.*` (V3.2). Multi-token-prediction layers (`model.layers.<num_hidden_layers + i>.*` in the released
-checkpoints) are skipped."""
+checkpoints) are kept out of the target: the MTP proposer (spec_decode/mtp.py) builds its layer with
+build_mtp_layer and reads those tensors itself."""
 
 from __future__ import annotations
 
@@ -48,16 +49,31 @@ class DeepseekV3ForCausalLM(CausalLM):
     supports_tensor_parallel = True
 
     def build_layer(self, config, layer_idx: int, max_position: int) -> DecoderLayer:
+        return self._build_layer(config, layer_idx, self._rotary(config, max_position),
+                                 self._is_sparse_mlp(config, layer_idx))
+
+    mtp_format = "deepseek"
+
+    def build_mtp_layer(self, config, cache_idx: int, max_position: int) -> DecoderLayer:
+        """The decoder layer of an MTP module (MLA, the V3.2 indexer, MoE: the released MTP layers sit past
+        first_k_dense_replace), caching at cache_idx; its own RoPE table of max_position rows (the draft's chained
+        passes write up to k - 1 positions past max_model_len, beyond the target's shared table)."""
+        rope_dim = config.qk_rope_head_dim
+        rotary = RotaryEmbedding(rope_dim, rope_dim, max_position, rope_parameters_of(config),
+                                 config.max_position_embeddings, is_neox=not getattr(config, "rope_interleave", True))
+        return self._build_layer(config, cache_idx, rotary, sparse=bool(getattr(config, "n_routed_experts", 0)))
+
+    def _build_layer(self, config, layer_idx: int, rotary: RotaryEmbedding, sparse: bool) -> DecoderLayer:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r}: gyrfalcon's MLPs and experts are SwiGLU (silu).")
         attn = MultiHeadLatentAttention(
             config.hidden_size, config.num_attention_heads, getattr(config, "q_lora_rank", None),
             config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, layer_idx,
-            self._rotary(config, max_position), self._softmax_scale(config),
+            rotary, self._softmax_scale(config),
             bias=bool(getattr(config, "attention_bias", False)), index=self._index(config))
         n_experts = getattr(config, "n_routed_experts", None) or 0
-        if n_experts and self._is_sparse_mlp(config, layer_idx):
+        if n_experts and sparse:
             n_shared = getattr(config, "n_shared_experts", None) or 0
             mlp = SparseMoE(config.hidden_size, n_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                             shared_intermediate_size=config.moe_intermediate_size * n_shared,

@@ -245,6 +245,7 @@ class Eagle3Draft(nn.Module):
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """aux: [T, 3 * H_target] -> [T, H] (fc, with the optional norms around it)."""
+        aux = aux.to(self.fc.weight.dtype)
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         h = self.fc(aux)

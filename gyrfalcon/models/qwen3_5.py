@@ -5,8 +5,8 @@ gyrfalcon serves the language model and skips the vision tower.
 
 What differs from Qwen3-Next:
 - the checkpoint: text weights under `model.language_model.*` (here `model.*`), the vision tower's `model.visual.*`
-  and the MTP head's `mtp.*` skipped, lm_head at the top; config.json nests the text settings under text_config
-  (config.py language_model_config serves those);
+  and the MTP head's `mtp.*` skipped (mtp_weights hands the latter to the MTP proposer), lm_head at the top;
+  config.json nests the text settings under text_config (config.py language_model_config serves those);
 - the GDN input projections flat, in four tensors: in_proj_qkv and in_proj_z land as the shards of in_proj_qkvz,
   in_proj_b and in_proj_a as those of in_proj_ba (layers/gated_deltanet.py flat_projections);
 - the RoPE is multimodal (rope_parameters' mrope_section: each rotary frequency reads the temporal, height or width
@@ -55,25 +55,30 @@ def text_weights(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[
             continue
         if name.startswith(_TEXT_PREFIX):
             name = "model." + name[len(_TEXT_PREFIX):]
-        packed = _PACKED_EXPERTS.match(name)
-        if packed is None:
-            yield name, tensor
-            continue
-        prefix, kind = packed.groups()
-        if tensor.dim() != 3:
-            raise ValueError(f"Checkpoint tensor {name!r}: packed experts must be 3-D [experts, rows, cols], got "
-                             f"shape {tuple(tensor.shape)}.")
-        half = tensor.shape[1] // 2
-        for e in range(tensor.shape[0]):
-            # (under tensor parallelism a CheckpointSlice: picked lazily, so a rank reads only its part of each
-            # expert, and with expert parallelism none of another rank's experts)
-            lazy = isinstance(tensor, CheckpointSlice)
-            if kind == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", tensor.pick(e) if lazy else tensor[e]
-            else:
-                gate, up = (tensor.pick(e, 0, half), tensor.pick(e, half, half)) if lazy else tensor[e].chunk(2, dim=0)
-                yield f"{prefix}.{e}.gate_proj.weight", gate
-                yield f"{prefix}.{e}.up_proj.weight", up
+        yield from unpack_experts(name, tensor)
+
+
+def unpack_experts(name: str, tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """One checkpoint tensor as the loader takes it: packed experts cut into per-expert views, others as they are."""
+    packed = _PACKED_EXPERTS.match(name)
+    if packed is None:
+        yield name, tensor
+        return
+    prefix, kind = packed.groups()
+    if tensor.dim() != 3:
+        raise ValueError(f"Checkpoint tensor {name!r}: packed experts must be 3-D [experts, rows, cols], got "
+                         f"shape {tuple(tensor.shape)}.")
+    half = tensor.shape[1] // 2
+    for e in range(tensor.shape[0]):
+        # (under tensor parallelism a CheckpointSlice: picked lazily, so a rank reads only its part of each
+        # expert, and with expert parallelism none of another rank's experts)
+        lazy = isinstance(tensor, CheckpointSlice)
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", tensor.pick(e) if lazy else tensor[e]
+        else:
+            gate, up = (tensor.pick(e, 0, half), tensor.pick(e, half, half)) if lazy else tensor[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3NextForCausalLM):
@@ -82,6 +87,14 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3NextForCausalLM):
 
     stacked_params = FLAT_GDN_PARAMS + Qwen3NextForCausalLM.stacked_params
     flat_gdn_projections = True
+
+    @staticmethod
+    def mtp_weights(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The MTP module's tensors (`mtp.*`, which load_weights drops) for the MTP proposer
+        (spec_decode/mtp_qwen3_next.py), packed experts cut as the language model's are."""
+        for name, tensor in weights:
+            if name.startswith("mtp."):
+                yield from unpack_experts(name, tensor)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         # The loader routes FP8 linears' weight_scale_inv by their checkpoint names before this sees them, which

@@ -10,7 +10,8 @@ and RoPE on the first partial_rotary_factor (0.25) of each head. The linear-atte
 per request (the "state" cache group); the attention layers the paged K/V.
 
 The checkpoint names a GDN layer's block `linear_attn`; here it sits in the decoder layer's attention slot
-(`self_attn`), and load_weights maps the name. MTP weights (`mtp.*`) are skipped.
+(`self_attn`), and load_weights maps the name. MTP weights (`mtp.*`) are kept out of the target: the MTP proposer
+(spec_decode/mtp_qwen3_next.py) builds its layer with build_mtp_layer and reads those tensors itself.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ class Qwen3NextForCausalLM(CausalLM):
         layer = DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
         # Zero-centred norms; the blocks bind them again, so that each NormLinear plans with the offset (an offset
         # norm is never folded into a weight nor fused into the GEMV).
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight_offset = 1.0
+        attn.bind_input_norm(layer.input_layernorm)
+        mlp.bind_input_norm(layer.post_attention_layernorm)
+        return layer
+
+    mtp_format = "qwen3_next"
+
+    def build_mtp_layer(self, config, cache_idx: int, max_position: int) -> DecoderLayer:
+        """The MTP module's decoder layer (`mtp.layers.<i>`): gated full attention caching at cache_idx (RoPE over
+        max_position rows: the draft's chained passes reach k - 1 positions past max_model_len) and the MLP slot
+        of the target's layers (MoE in Qwen3-Next), with the zero-centred norms."""
+        attn = rotary_attention(config, cache_idx, max_position, qk_norm=True, output_gate=True, qk_norm_offset=1.0)
+        mlp = self.build_mlp(config, config.num_hidden_layers - 1)
+        layer = DecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight_offset = 1.0
         attn.bind_input_norm(layer.input_layernorm)

@@ -118,9 +118,13 @@ class ModelRunner:
         self.cache_plan = CachePlan.from_specs(specs, max(specs, default=-1) + 1, self.block_size)
         # One state slot per request that can run at once (linear-attention layers), reserved before the blocks.
         self.num_state_slots = config.scheduler_config.max_num_seqs if self.cache_plan.has_state else 0
+        # A verify step advances the linear-attention state past drafts that may be rejected: those layers keep
+        # their state after each verify token, and complete() rolls each slot back to the last accepted one.
+        self._rollback_layers = []
         if self.cache_plan.has_state and config.speculative_config.num_speculative_tokens:
-            # A verify step would advance the linear-attention state past drafts that get rejected.
-            raise ValueError("Speculative decoding is not supported yet for models with linear-attention layers.")
+            self._rollback_layers = [m for m in self.model.modules() if callable(getattr(m, "rollback", None))]
+            for m in self._rollback_layers:
+                m.verify_len = 1 + config.speculative_config.num_speculative_tokens
         # Prefix caching for such layers restores their state from snapshots at block boundaries (a share of the cache
         # memory; engine/snapshot_pool.py decides what they hold).
         snapshots = self.cache_plan.has_state and config.cache_config.enable_prefix_caching
@@ -166,7 +170,8 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
-                query_lens=(1, 1 + k) if k else (1,),
+                # (hybrid models' verify steps run eagerly: their per-token state tracking reads the host)
+                query_lens=(1, 1 + k) if k and not self._rollback_layers else (1,),
                 state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
                 else None)
             self.graph_runner.capture()
@@ -175,7 +180,7 @@ class ModelRunner:
         # A draft over the target's hidden states needs every prompt token's, which the mixed graphs do not keep
         # (they return the sampled rows): prefills then run eagerly; decode and verify graphs return aux outputs.
         if (graphs and getattr(self.model, "supports_mixed_graphs", True)
-                and not getattr(self.proposer, "uses_target_hidden", False)):
+                and not getattr(self.proposer, "uses_target_hidden", False) and not self._rollback_layers):
             self.mixed_graph_runner = self._mixed_graph_runner()
             self.mixed_graph_runner.capture()
             clock("prefill_graphs")
@@ -446,6 +451,10 @@ class ModelRunner:
             while n_keep < len(drafts) and drafts[n_keep] == tokens[row + n_keep]:
                 n_keep += 1
             kept = tokens[row:row + n_keep + 1]
+            if drafts and n_keep < len(drafts) and self._rollback_layers:  # the state after the last kept token
+                slot = st.state_slots["state"]
+                for m in self._rollback_layers:
+                    m.rollback(self.kv_caches, slot, 1 + n_keep)
             sampled[i] = kept
             st.output_token_ids.extend(kept)
             self.structured.accept(st, kept)

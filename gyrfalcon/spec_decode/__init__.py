@@ -15,4 +15,7 @@ def build_proposer(config, model, device, next_layer_idx: int):
     if sc.method == "eagle3":
         from gyrfalcon.spec_decode.eagle3 import Eagle3Proposer
         return Eagle3Proposer(config, model, device, next_layer_idx)
+    if sc.method == "mtp":
+        from gyrfalcon.spec_decode.mtp import MtpProposer
+        return MtpProposer(config, model, device, next_layer_idx)
     return None

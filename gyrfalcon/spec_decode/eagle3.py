@@ -143,7 +143,7 @@ class Eagle3Proposer:
             t0 += n
         if not ids:
             return out
-        aux_rows = aux[torch.tensor(take, device=dev)].to(self.draft.fc.weight.dtype)
+        aux_rows = aux[torch.tensor(take, device=dev)]
         hidden, normed = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), self.draft.combine(aux_rows),
                                     spans)
         if not last:  # prefill chunks only: the draft's cache now covers them

@@ -292,15 +292,19 @@ def test_reused_slot_starts_from_zero(tiny_ckpt, hf_refs):
     assert out.outputs[0].token_ids == refs[order[-1]][1]
 
 
-def test_speculative_decoding_refused(tiny_ckpt):
-    """A verify step would run rejected drafts through the recurrent state: refused at startup for now."""
+def test_speculative_decoding_tracks_the_linear_state(tiny_ckpt):
+    """Speculation on a hybrid model: every Gated DeltaNet layer keeps its state per verify token (1 + k of them)
+    for the runner's rollback, and verify steps run eagerly (tests/spec_decode/test_mtp_hybrid.py: parity)."""
     from gyrfalcon.config import EngineConfig
+    from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
     from gyrfalcon.runner.model_runner import ModelRunner
 
     cfg = EngineConfig.create(str(tiny_ckpt), block_size=8, device="cpu")
     cfg.speculative_config.num_speculative_tokens = 2
-    with pytest.raises(ValueError, match="linear-attention"):
-        ModelRunner(cfg)
+    runner = ModelRunner(cfg)
+    gdn = [m for m in runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert gdn and runner._rollback_layers == gdn
+    assert all(m.verify_len == 3 for m in gdn)
 
 
 def test_bfloat16_state_dtypes(tiny_ckpt, hf_refs):

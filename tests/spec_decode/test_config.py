@@ -45,10 +45,10 @@ def test_bad_configs_are_refused_clearly(value, match):
         _resolved(value)
 
 
-def test_mtp_defaults_to_the_target_and_is_refused_for_now(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
-    with pytest.raises(ValueError, match="mtp method is not supported yet"):
-        _resolved({"method": "mtp", "num_speculative_tokens": 1}, target=str(tmp_path))
+def test_mtp_defaults_to_the_target(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    sc = _resolved({"method": "mtp", "num_speculative_tokens": 1}, target=str(tmp_path))
+    assert (sc.method, sc.model, sc.num_speculative_tokens) == ("mtp", str(tmp_path), 1)
 
 
 def test_method_and_k_read_from_a_speculators_config(tmp_path):

@@ -1,12 +1,12 @@
 """Speculation on the families past the dense ones (their verify steps through MoE and MLA layers; EAGLE-3 over
 their residual streams): greedy outputs equal the same engine's without drafts, which tests/models holds against
-transformers. Hybrid (linear-attention) targets are refused until their state rolls back."""
+transformers. Hybrid (linear-attention) targets: test_mtp_hybrid.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from checkpoints import make_deepseek_checkpoint, make_moe_checkpoint, make_qwen3_next_checkpoint
+from checkpoints import make_deepseek_checkpoint, make_moe_checkpoint
 from eagle3_checkpoints import make_eagle3_draft
 from gyrfalcon import LLM, SamplingParams
 
@@ -37,9 +37,3 @@ def test_moe_and_mla_families(tmp_path, family):
     assert _greedy(eagle) == ref
     assert eagle.engine.spec_stats.num_drafts > 0
 
-
-def test_hybrid_targets_are_refused(tmp_path):
-    target = make_qwen3_next_checkpoint(tmp_path / "t")
-    with pytest.raises(ValueError, match="linear-attention"):
-        LLM(str(target), device="cpu", max_model_len=128,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -17,6 +17,9 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
 - gated_delta_decode: the same for one token per sequence, the state updated in place (on the GPU one launch:
   gating, norm, update and output).
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
+- gated_delta_position_states_ref / conv_position_windows_ref: one sequence's recurrent state and conv window
+  after each of its tokens (a speculative verify row of 1 + k tokens: the runner rolls a slot back to the state
+  after the last accepted token, layers/gated_deltanet.py). Plain torch for now: L <= 17 tokens of a few rows.
 
 The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
 in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
@@ -33,7 +36,8 @@ import torch
 
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, causal_conv1d_update_ref,
-                                                 chunk_gated_delta_rule_ref, gated_delta_decode_ref,
+                                                 chunk_gated_delta_rule_ref, conv_position_windows_ref,
+                                                 gated_delta_decode_ref, gated_delta_position_states_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
 from gyrfalcon.kernels.gated_delta.saves import StateSaves, save_table, state_saves_from_table
@@ -84,7 +88,8 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 __all__ = ["CHUNK_SIZE", "StateSaves", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton",
            "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_update_triton",
-           "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_decode_triton",
-           "gated_delta_prefill", "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm",
-           "gated_rms_norm_ref", "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref",
-           "save_table", "state_saves_from_table"]
+           "chunk_gated_delta_rule_ref", "conv_position_windows_ref", "gated_delta_decode", "gated_delta_decode_ref",
+           "gated_delta_decode_triton", "gated_delta_position_states_ref", "gated_delta_prefill",
+           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
+           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref", "save_table",
+           "state_saves_from_table"]

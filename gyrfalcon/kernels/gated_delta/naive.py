@@ -227,3 +227,28 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * F.silu(z.float())).to(x.dtype)
+
+
+def gated_delta_position_states_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor) -> torch.Tensor:
+    """The recurrent state after each token of ONE sequence (a speculative verify row: 1 + k tokens), so a
+    rejected draft's state can be undone by picking an earlier one. q, k [L, H, dk]; v [L, HV, dv]; a, b [L, HV];
+    state [HV, dk, dv] fp32 (before the first token) -> [L, HV, dk, dv] fp32, entry j the state after token j
+    (the token-by-token recurrence of recurrent_gated_delta_rule_ref; entry L - 1 is the step's final state)."""
+    g, beta = gdn_gating_ref(a, b, A_log, dt_bias)
+    qn, kn = _prep_qk(q, k, v.shape[1])
+    S = state.float()
+    out = torch.empty((v.shape[0],) + tuple(S.shape), dtype=torch.float32, device=v.device)
+    for t in range(v.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        delta = (v[t].float() - (S * kn[t][..., None]).sum(-2)) * beta[t][:, None]  # [HV, dv]
+        S = S + kn[t][..., None] * delta[:, None, :]
+        out[t] = S
+    return out
+
+
+def conv_position_windows_ref(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The conv window after each token of ONE sequence: x [L, C] (the conv's raw input rows), window [K - 1, C]
+    (before the first token) -> [L, K - 1, C], entry j the last K - 1 inputs up to token j."""
+    K1 = window.shape[0]
+    full = torch.cat([window.to(x.dtype), x], dim=0)  # [K - 1 + L, C]
+    return torch.stack([full[j + 1:j + 1 + K1] for j in range(x.shape[0])])
