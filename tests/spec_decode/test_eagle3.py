@@ -16,6 +16,7 @@ from gyrfalcon.models.eagle3 import load_eagle3_draft
 from test_model_parity import hf_refs  # noqa: F401
 from test_model_parity import test_greedy_parity as greedy_parity
 from test_model_parity import test_greedy_parity_under_preemption as greedy_parity_under_preemption
+from spec_testutil import record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3]]
 
@@ -168,17 +169,7 @@ def test_drafts_match_a_transformers_reference_head(deep_llama, tmp_path, layer_
     path = make_eagle3_draft(tmp_path / "d", deep_llama, "speculators", aux_ids=[1, 2, 3], draft_vocab=300,
                              qk_norm=layer_type == "qwen3", **options)
     llm = LLM(str(deep_llama), device="cpu", block_size=4, max_num_batched_tokens=6, **_spec(path, k))
-    prop = llm.engine.runner.proposer
-    seen = []
-    propose = prop.propose
-
-    def spy(rows, sampled):
-        out = propose(rows, sampled)
-        for r, toks, d in zip(rows, sampled, out):
-            if toks:
-                seen.append((list(r.request.prompt_token_ids) + list(r.request.output_token_ids), d))
-        return out
-    prop.propose = spy
+    seen = record_drafts(llm)
     # Twice: the second round starts from prefix-cache hits, whose blocks carry the draft's K/V too.
     for _ in range(2):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10,
@@ -187,7 +178,7 @@ def test_drafts_match_a_transformers_reference_head(deep_llama, tmp_path, layer_
     hf = AutoModelForCausalLM.from_pretrained(str(deep_llama), dtype=torch.float32).eval()
     assert len(seen) >= 2 * 3 * 4
     for tokens, drafts in seen:
-        assert drafts == _reference_drafts(prop.draft, hf, [1, 2, 3], tokens, k, layer_type), tokens
+        assert drafts == _reference_drafts(llm.engine.runner.proposer.draft, hf, [1, 2, 3], tokens, k, layer_type), tokens
 
 
 # ---- lossless greedy outputs ---------------------------------------------------------------------------

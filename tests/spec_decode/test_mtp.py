@@ -14,6 +14,7 @@ import torch
 from checkpoints import make_deepseek_checkpoint
 from mtp_checkpoints import make_deepseek_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
+from spec_testutil import record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13, 2], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3, 21, 3, 21]]
 KW = dict(device="cpu", block_size=4, max_model_len=128, max_num_batched_tokens=8, enable_prefix_caching=True)
@@ -97,17 +98,7 @@ def test_drafts_match_a_transformers_reference_mtp(ds_mtp):
     in a lookahead slot, a prefix-cache hit's positions from the cached blocks) equal the reference's."""
     k = 2
     llm = LLM(str(ds_mtp), **KW, **_spec(k))
-    prop = llm.engine.runner.proposer
-    seen = []
-    propose = prop.propose
-
-    def spy(rows, sampled):
-        out = propose(rows, sampled)
-        for r, toks, d in zip(rows, sampled, out):
-            if toks:
-                seen.append((list(r.request.prompt_token_ids) + list(r.request.output_token_ids), d))
-        return out
-    prop.propose = spy
+    seen = record_drafts(llm)
     _greedy(llm, rounds=2)
     assert llm.engine.block_manager.prefix_hits > 0
     assert len(seen) >= 2 * len(PROMPTS) * 4

@@ -12,6 +12,7 @@ from mtp_checkpoints import make_qwen3_5_mtp_checkpoint, make_qwen3_next_mtp_che
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.kernels.gated_delta import (conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill_ref)
+from spec_testutil import record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13, 2], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3, 21, 3, 21]]
 KW = dict(device="cpu", block_size=4, max_model_len=128, max_num_batched_tokens=8, enable_prefix_caching=True)
@@ -137,17 +138,7 @@ def test_qwen3_next_mtp_drafts_match_a_transformers_reference(q3n_mtp):
     path, ref = q3n_mtp
     k = 2
     llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-    prop = llm.engine.runner.proposer
-    seen = []
-    propose = prop.propose
-
-    def spy(rows, sampled):
-        out = propose(rows, sampled)
-        for r, toks, d in zip(rows, sampled, out):
-            if toks:
-                seen.append((list(r.request.prompt_token_ids) + list(r.request.output_token_ids), d))
-        return out
-    prop.propose = spy
+    seen = record_drafts(llm)
     assert _greedy(llm, rounds=2) == ref
     assert llm.engine.block_manager.prefix_hits > 0
     assert len(seen) >= 2 * len(PROMPTS) * 4
