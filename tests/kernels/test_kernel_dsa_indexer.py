@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyrfalcon.kernels.dsa_indexer import (indexer_scores, indexer_scores_ref, indexer_scores_triton, indexer_topk,
-                                           indexer_topk_ref, indexer_topk_triton, store_index_keys,
+                                           indexer_topk_ref, indexer_topk_triton, select_topk, store_index_keys,
                                            store_index_keys_ref)
 from gyrfalcon.kernels.mla_attention import (mla_attention_ref, mla_decode_ref, mla_decode_triton,
                                              mla_prefill_triton)
@@ -48,8 +48,8 @@ def test_ref_scores_are_the_indexer_formula():
 
 
 def test_ref_topk_selects_the_best_causal_keys(monkeypatch):
-    """index_topk of the causal keys per query (all of them while fewer), -1 in the columns left over; chunking the
-    queries to bound memory changes nothing."""
+    """index_topk of the causal keys per query (all of them while fewer; equal scores: the lower positions), -1 in
+    the columns left over; chunking the queries to bound memory changes nothing."""
     import sys
 
     naive = sys.modules["gyrfalcon.kernels.dsa_indexer.naive"]
@@ -68,10 +68,42 @@ def test_ref_topk_selects_the_best_causal_keys(monkeypatch):
             p = s - ql + r
             n = min(k, p + 1)
             row = got[bounds[i] + r].tolist()
-            assert sorted(row[:n]) == sorted(want_scores[r].topk(n).indices.tolist()), (i, r)
+            # Ties (exact zeros after the relu) go to the lower position.
+            best = sorted(range(p + 1), key=lambda j: (-want_scores[r, j].item(), j))[:n]
+            assert sorted(row[:n]) == sorted(best), (i, r)
             assert row[n:] == [-1] * (k - n)
     monkeypatch.setattr(naive, "_REF_SCORE_BYTES", 4 * 4 * 53 * 3)  # 3 queries per chunk for the longest sequence
     assert torch.equal(indexer_topk_ref(q, w, cache, bt, sl, qsl, k), got)
+
+
+def test_select_topk_breaks_ties_by_position_whatever_the_row_width(monkeypatch):
+    """Equal scores (the relu's exact zeros, -0.0 among them) go to the lower position, so a row's selection is the
+    same with -inf columns after it (a verify step's or the Triton path's layout) or beside other rows, in row
+    chunks too; the order is by score, then position."""
+    import sys
+
+    naive = sys.modules["gyrfalcon.kernels.dsa_indexer.naive"]
+    g = torch.Generator().manual_seed(3)
+    S, k = 37, 8
+    rows = torch.randn(16, S, generator=g).relu() * (torch.rand(16, S, generator=g) < 0.3)  # ~80 % exact zeros
+    rows[0, ::2] = -0.0
+    rows[1] = 0.5  # every key tied
+    rows[2, 5:] = float("-inf")  # 5 candidates for 8 columns
+    want = []
+    for r in rows:
+        order = sorted(range(S), key=lambda j: (-r[j].item(), j))[:k]
+        want.append([j if r[j] > float("-inf") else -1 for j in order])
+    want = torch.tensor(want, dtype=torch.int32)
+    assert torch.equal(select_topk(rows, k), want)
+    assert torch.equal(select_topk(rows.to(DEVICE), k).cpu(), want)
+    padded = torch.cat([rows, torch.full((16, 91), float("-inf"))], dim=-1)
+    assert torch.equal(select_topk(padded, k), want)
+    for i in range(16):
+        assert torch.equal(select_topk(rows[i:i + 1], k), want[i:i + 1])
+    monkeypatch.setattr(naive, "_TOPK_KEY_BYTES", 8 * S * 3)  # 3 rows per chunk
+    assert torch.equal(select_topk(rows, k), want)
+    assert torch.equal(select_topk(rows[:2, :3], 5), torch.tensor([[0, 1, 2, -1, -1], [0, 1, 2, -1, -1]],
+                                                                   dtype=torch.int32))
 
 
 def test_store_index_keys():

@@ -13,8 +13,9 @@ positions seq_lens[i] - q_len_i ... seq_lens[i] - 1.
   store_kv on the two halves of the row (one launch).
 - indexer_topk(...) -> int32 [T, index_topk]: the selected key positions (within the sequence), -1 in the columns
   beyond a query's candidates. On CUDA: the Triton score kernel (triton.py) into a [T, W] fp32 matrix (W = the
-  block table's width x block_size; -inf at non-candidates) and torch.topk on it, no host sync; elsewhere the
-  reference, query chunk by query chunk.
+  block table's width x block_size; -inf at non-candidates) and select_topk on it, no host sync; elsewhere the
+  reference, query chunk by query chunk. Equal scores go to the lower position (select_topk: exact zeros tie often),
+  so a query's selection does not depend on how its step laid out the rows (one-token, verify, prefill chunk).
 - indexer_scores(...) -> [T, W] fp32: the scores before top-k (tests, and the Triton path's first half).
 """
 

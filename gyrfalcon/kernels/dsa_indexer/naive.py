@@ -59,15 +59,42 @@ def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, bl
     return out
 
 
+def _order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """scores [t, S] fp32 -> int64 [t, S], one distinct key per entry ordered as (score, then LOWER position first):
+    the score's bits mapped to an int32 that sorts as the float does (negative floats' magnitude bits flipped; -0.0
+    made +0.0 first so it ties with +0.0 as the floats do) in the high word, S - 1 - position in the low word."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    pos = torch.arange(scores.shape[-1] - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    return (ordered << 32) | pos
+
+
+# Bound on the int64 keys select_topk builds at once (bytes): rows go in chunks.
+_TOPK_KEY_BYTES = 1 << 28
+
+
 def select_topk(scores: torch.Tensor, index_topk: int) -> torch.Tensor:
     """scores [t, S] (-inf: not a candidate) -> int32 [t, index_topk]: the key positions of the min(index_topk,
-    candidates) highest scores, -1 in the remaining columns. Ties go to torch.topk's order."""
+    candidates) highest scores, -1 in the remaining columns. Equal scores go to the LOWER position, whatever S is.
+
+    Why not torch.topk on the scores: exact ties are common (a key whose dot with every index head's query is <= 0
+    scores exactly 0 after the relu; with few index heads a good share of a sequence's keys do), and torch.topk's
+    choice among equal values depends on the row's layout: a one-token step's row has position + 1 columns, a verify
+    step's (1 + k rows of one sequence, speculative decoding) or a chunked-prefill step's row has the whole context
+    with -inf after the position, the Triton path's has the block table's width. A different tied key changes MLA's
+    output, so speculative decoding and chunked prefill would not reproduce one-token steps. Ranking by (score,
+    position) as one distinct int64 key makes the selection a function of the scores alone."""
     k = min(index_topk, scores.shape[-1])
-    vals, idx = scores.topk(k, dim=-1)
-    idx = torch.where(vals == float("-inf"), torch.full_like(idx, -1), idx).to(torch.int32)
-    if k < index_topk:
-        idx = torch.cat([idx, idx.new_full((idx.shape[0], index_topk - k), -1)], dim=-1)
-    return idx
+    out = torch.full((scores.shape[0], index_topk), -1, dtype=torch.int32, device=scores.device)
+    if k == 0:
+        return out
+    step = max(1, _TOPK_KEY_BYTES // max(1, 8 * scores.shape[-1]))
+    for s in range(0, scores.shape[0], step):
+        rows = scores[s:s + step]
+        idx = _order_keys(rows).topk(k, dim=-1).indices
+        none = rows.gather(-1, idx) == float("-inf")
+        out[s:s + step, :k] = torch.where(none, torch.full_like(idx, -1), idx).to(torch.int32)
+    return out
 
 
 def indexer_topk_ref(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

@@ -5,7 +5,8 @@ scores them against every index head, BLOCK_H heads per tl.dot ([BLOCK_H, D] x [
 heads' weights, summed over heads -> one row segment of the [T, W] fp32 score matrix (W = the block table's width x
 block_size, -inf past the token's position). A tile wholly past the position skips the head loop. Each token's
 sequence and context come from query_start_loc on the device (mla_attention's token_contexts), so there is no host
-sync and padded graph tokens (context 0) score nothing. torch.topk then picks index_topk columns per row.
+sync and padded graph tokens (context 0) score nothing. select_topk then picks index_topk columns per row (ties to
+the lower position, naive.py), in row chunks of int64 keys twice the scores' bytes.
 
 The [T, W] matrix is materialized: T x W x 4 bytes (an 8k-token prefill over 8k keys: 256 MiB). A fused per-tile
 top-k that keeps only index_topk candidates per row is the next step for long contexts.
