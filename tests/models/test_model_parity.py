@@ -27,10 +27,16 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def hf_refs(tiny_ckpt):
     """transformers' greedy continuations and their per-step logits, per prompt."""
-    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    return greedy_refs(tiny_ckpt, PROMPTS)
+
+
+def greedy_refs(ckpt, prompts):
+    """(tokenizer, transformers' fp32 model, [(prompt ids, greedy continuation of MAX_NEW tokens, per-step logits
+    [MAX_NEW, V])] per prompt) for the checkpoint `ckpt`."""
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     refs = []
-    for p in PROMPTS:
+    for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from checkpoints import make_qwen3_next_checkpoint, step_row
 from gyrfalcon import LLM, SamplingParams
@@ -27,7 +26,7 @@ from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.layers.self_attention import RotarySelfAttention
 from gyrfalcon.runner.forward_batch import build_forward_batch
 from test_model_parity import (  # noqa: F401  (the shared suite where it applies to a state model)
-    MAX_NEW, PROMPTS, _assert_all_blocks_free, _greedy, test_decode_logits_parity,
+    MAX_NEW, PROMPTS, _assert_all_blocks_free, _greedy, greedy_refs, test_decode_logits_parity,
     family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prompts_span_several_blocks)
 
 LONG_PROMPT = (
@@ -49,17 +48,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_refs(tiny_ckpt):
     """transformers' greedy continuations and their per-step logits, per prompt (this family's prompts)."""
-    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
-    refs = []
-    for p in QN_PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        refs.append((ids[0].tolist(), out.sequences[0, ids.shape[1]:].tolist(),
-                     torch.stack(out.logits, 0)[:, 0].float()))
-    return tok, model, refs
-
+    return greedy_refs(tiny_ckpt, QN_PROMPTS)
 
 def _assert_all_slots_free(llm):
     sm = llm.engine.scheduler.state_manager
