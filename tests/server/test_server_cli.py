@@ -181,9 +181,9 @@ def test_unknown_vllm_flag_is_named(server_ckpt):
              "10")
     assert p.returncode == 2
     assert "--swap-space is a vLLM flag that gyrfalcon does not support" in p.stderr, p.stderr
-    p = _cli("serve", str(server_ckpt), "--pipeline-parallel-size=2", "--tokenizer-mode", "slow")
+    p = _cli("serve", str(server_ckpt), "--cpu-offload-gb=2", "--tokenizer-mode", "slow")
     assert p.returncode == 2
-    assert "--pipeline-parallel-size, --tokenizer-mode are vLLM flags that gyrfalcon does not support" in p.stderr
+    assert "--cpu-offload-gb, --tokenizer-mode are vLLM flags that gyrfalcon does not support" in p.stderr
     p = _cli("serve", str(server_ckpt), "--no-such-flag-anywhere")
     assert p.returncode == 2 and "unrecognized arguments: --no-such-flag-anywhere" in p.stderr
     assert "vLLM" not in p.stderr
