@@ -12,8 +12,10 @@ Router variants (`scoring`):
 
 Tensor parallelism (gyrfalcon/distributed; docs/parallelism.md): the router is replicated, so every rank routes
 every token the same way. FusedExperts then holds either a slice of every expert's intermediate dim (the default)
-or, with expert parallelism, tp-th of the experts whole; either way each rank's output is a partial sum over
-its share of the work, added to the shared expert's partial, and SparseMoE all-reduces that once.
+or, with expert parallelism, tp-th of the experts whole (running only the pairs routed to them); either way each
+rank's output is a partial sum over its share of the work, added to the shared expert's partial, and SparseMoE
+all-reduces that once. The shared expert is split by its intermediate dim on every rank (expert parallelism or not),
+so its partials too sum to it exactly once.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ class FusedExperts(nn.Module):
     layout, quantized at load. Either runs kernels/fused_moe's FP8 mode.
 
     Tensor parallel: each rank holds I / tp of every expert's intermediate rows (w13's gate and up rows, w2's
-    columns); with expert parallelism it holds experts [r * E / tp, (r + 1) * E / tp) whole and tokens routed
-    elsewhere weigh 0 here. Either way forward returns this rank's partial sum (SparseMoE reduces it). Expert
-    indices in shards and topk_ids stay global."""
+    columns); with expert parallelism it holds experts [r * E / tp, (r + 1) * E / tp) whole and computes only the
+    (token, expert) pairs routed to them (~T * k / tp rows through its GEMMs). Either way forward returns this rank's
+    partial sum (SparseMoE reduces it). Expert indices in shards and topk_ids stay global."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -123,11 +125,11 @@ class FusedExperts(nn.Module):
         expert, half = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} out of range: this layer has {self.num_experts} experts.")
-        if self.quant_block is not None and param is not self.w13 and param is not self.w2:
-            return _fp8.load_expert_scale(self, param, as_tensor(loaded), expert, half)
         expert -= self.expert_start
         if not 0 <= expert < self.num_local_experts:
             return None  # another rank's expert (expert parallelism)
+        if self.quant_block is not None and param is not self.w13 and param is not self.w2:
+            return _fp8.load_expert_scale(self, param, as_tensor(loaded), expert, half)
         dst = param.data[expert]
         if half is not None:
             dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
@@ -147,18 +149,13 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; topk_weights [T, k] fp32; topk_ids [T, k] (global) -> [T, hidden] (this rank's partial
         sum under tensor parallelism)."""
-        if self.expert_parallel:
-            # Local indices; another rank's experts weigh 0 and point at local expert 0 (computed, then dropped:
-            # the first correct expert parallelism, docs/parallelism.md; skipping them needs an expert map in
-            # kernels/fused_moe's token sort).
-            local = topk_ids - self.expert_start
-            remote = (local < 0) | (local >= self.num_local_experts)
-            topk_ids = local.masked_fill(remote, 0)
-            topk_weights = topk_weights.masked_fill(remote, 0.0)
+        # Expert parallelism: the op computes only the pairs routed to this rank's experts (kernels/fused_moe's
+        # expert_start: the others get no row in its sort); at world size 1 every expert is local (the default).
+        ep = {"expert_start": self.expert_start} if self.expert_parallel else {}
         if self.quant_block is not None:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_weight_scale_inv,
-                             self.w2_weight_scale_inv, self.quant_block)
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+                             self.w2_weight_scale_inv, self.quant_block, **ep)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **ep)
 
 
 class SharedExpert(nn.Module):

@@ -6,6 +6,11 @@ indices, each in 0..E-1). out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) *
 e = topk_ids[t, j]. The expert GEMMs run in x's dtype with fp32 accumulation (as a GEMM does), the activation and
 the weighted sum in fp32; the result in x's dtype.
 
+Expert parallelism (expert_start): w13 / w2 hold E experts, global ids [expert_start, expert_start + E); topk_ids
+stay global and the sum runs over the pairs whose expert is among those (w13[e - expert_start]); the others belong
+to another rank and contribute nothing here (their rows are never computed). expert_start 0 with every expert held
+is the plain op.
+
 FP8 experts (w13_scale / w2_scale given): w13 / w2 are float8_e4m3fn with block scales (kernels/fp8_gemm's
 format, one [ceil(N / bn), ceil(K / bk)] grid per expert): w13_scale fp32 [E, ceil(2I / bn), ceil(H / bk)],
 w2_scale fp32 [E, ceil(H / bn), ceil(I / bk)], block = (bn, bk). Each expert GEMM is then fp8_block_gemm_ref:
@@ -45,7 +50,8 @@ def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor, w13_scale: Optional[t
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128)) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128),
+                  expert_start: int = 0) -> torch.Tensor:
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -54,8 +60,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
     token_of = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])
-    for e in torch.unique(flat_ids).tolist():
-        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+    for g in torch.unique(flat_ids).tolist():
+        e = g - expert_start
+        if not 0 <= e < E:
+            continue  # another rank's expert
+        sel = (flat_ids == g).nonzero(as_tuple=True)[0]
         tok = token_of[sel]
         if fp8:
             h = fp8_block_gemm_ref(x[tok], w13[e], w13_scale[e], block).float()

@@ -14,6 +14,13 @@ captured in a CUDA graph):
 A decode batch reads only the selected experts' weights: an expert with no pairs owns no tile, and a tile past the
 used ones reads its expert id (-1) and returns before touching any weight.
 
+Expert parallelism (expert_start; layers/moe.py): w13 / w2 hold only this rank's E experts, global ids
+[expert_start, expert_start + E), and topk_ids stay global. The sort drops every pair routed outside that range (it
+gets no row), so the grouped GEMMs run this rank's pairs only, ~P / ep rows, and the top-k sum skips the dropped
+pairs' y rows (never written). The grids keep their shape-only worst case (every pair local), so nothing reads the
+local count back to the host and the op stays capturable; the tiles the dropped pairs would have filled are past the
+used ones (-1) and exit at once.
+
 FP8 experts (FP8 constexpr of both GEMM kernels; w13 / w2 float8_e4m3fn with (bn, bk) block scales, naive.py): the
 K loop steps by BLOCK_K = bk, so one step meets one activation scale per row and one weight scale per output
 column. Each step loads the A tile (x rows, or act rows for the down GEMM, in x's dtype), quantizes it to e4m3 per
@@ -46,13 +53,17 @@ def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              one_launch: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: Optional[bool] = None,
+              expert_start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int -> (sorted_ids [R] int32, tile_expert [R / block_m] int32), R = max_sorted_rows.
 
     sorted_ids: pair ids (t * k + j) grouped by expert in ascending expert order, pairs of one expert in ascending
     pair order, each expert's group starting at a multiple of block_m; padding rows hold P = T * k. tile_expert[b]:
-    the expert of rows b * block_m ..., or -1 for a tile past the last used row. No host sync.
+    the (local) expert of rows b * block_m ..., or -1 for a tile past the last used row. No host sync.
+
+    Only the pairs whose expert id lies in [expert_start, expert_start + num_experts) get rows (local expert id -
+    expert_start); the rest (another expert-parallel rank's) are dropped. R's bound still assumes every pair local:
+    the worst case, from shapes alone.
 
     one_launch (default: P <= ALIGN_KERNEL_MAX_PAIRS, on Triton): one single-program kernel (_moe_align_kernel)
     instead of moe_align_torch's ~30 small torch kernels: in a decode step's CUDA graph each launch costs ~2 us,
@@ -61,7 +72,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if one_launch is None:
         one_launch = HAS_TRITON and (topk_ids.is_cuda or interpreting()) and P <= ALIGN_KERNEL_MAX_PAIRS
     if not one_launch:
-        return moe_align_torch(topk_ids, num_experts, block_m)
+        return moe_align_torch(topk_ids, num_experts, block_m, expert_start)
     rows = max_sorted_rows(P, num_experts, block_m)
     dev = topk_ids.device
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
@@ -73,53 +84,61 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ids = topk_ids.reshape(-1)
     if ids.stride(0) != 1:
         ids = ids.contiguous()
-    _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, cursor, P, num_experts, rows, BLOCK_M=block_m,
+    _moe_align_kernel[(1,)](ids, sorted_ids, tile_expert, cursor, P, num_experts, expert_start, rows, BLOCK_M=block_m,
                             E_BLOCK=e_block, CHUNK=chunk, FILL=min(1024, next_pow2(rows)), num_warps=4)
     return sorted_ids, tile_expert
 
 
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    expert_start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """moe_align's layout with torch ops (any P; the path of prefill-sized batches, where the sort's launches are
     lost in the GEMMs' time). No host sync: scatter_add_ rather than bincount, whose CUDA path reads the max back to
-    size its output."""
+    size its output; the dropped pairs (outside the local experts) go to one extra bucket past the local experts,
+    sort last and are scattered into a spare row past R instead of being selected out (which would sync)."""
     P = topk_ids.numel()
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    flat = topk_ids.reshape(-1).to(torch.int64) - expert_start
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0  # the dropped bucket: no rows
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
     cnt_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
     sorted_exp = flat[order]
-    dest = pad_start[sorted_exp] + torch.arange(P, device=dev) - cnt_start[sorted_exp]
     rows = max_sorted_rows(P, num_experts, block_m)
-    sorted_ids = torch.full((rows,), P, dtype=torch.int32, device=dev)
+    dest = pad_start[sorted_exp] + torch.arange(P, device=dev) - cnt_start[sorted_exp]
+    dest = torch.where(sorted_exp < num_experts, dest, rows)
+    sorted_ids = torch.full((rows + 1,), P, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     starts = torch.arange(0, rows, block_m, device=dev)
     # Experts whose padded group ends at or before a tile's first row: that tile's expert (empty experts end where
     # they start, so they are counted before the expert that owns the tile, never as its owner).
-    tile_expert = torch.searchsorted(pad_end, starts, right=True)
+    tile_expert = torch.searchsorted(pad_end[:num_experts], starts, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return sorted_ids, tile_expert
+    return sorted_ids[:rows], tile_expert
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _moe_align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, cursor_ptr, P, E, R,
+    def _moe_align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, cursor_ptr, P, E, START, R,
                           BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                           FILL: tl.constexpr):
         # Grid: (1,). One program does the whole sort (a decode batch has at most a few hundred pairs): per-expert
         # counts, padded group starts (cursor_ptr [E_BLOCK], scratch), the tile -> expert map, the padding fill,
         # then the pairs in CHUNKs in pair order, each placed at its expert's cursor + its rank among the chunk's
-        # pairs of that expert. Barriers order the program's own global writes and reads between phases.
+        # pairs of that expert. Barriers order the program's own global writes and reads between phases. Pairs
+        # whose expert id - START falls outside [0, E) (another expert-parallel rank's) are counted nowhere and
+        # placed nowhere.
         es = tl.arange(0, E_BLOCK)
         cs = tl.arange(0, CHUNK)
         counts = tl.zeros([E_BLOCK], dtype=tl.int32)
         for p0 in range(0, P, CHUNK):
             ps = p0 + cs
-            e = tl.load(ids_ptr + ps, mask=ps < P, other=E_BLOCK).to(tl.int32)
+            e = tl.load(ids_ptr + ps, mask=ps < P, other=0).to(tl.int32) - START
+            e = tl.where((ps < P) & (e >= 0) & (e < E), e, E_BLOCK)
             counts += tl.sum((e[:, None] == es[None, :]).to(tl.int32), axis=0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, 0)
@@ -136,8 +155,9 @@ if HAS_TRITON:
         tl.debug_barrier()
         for p0 in range(0, P, CHUNK):
             ps = p0 + cs
-            valid = ps < P
-            e = tl.load(ids_ptr + ps, mask=valid, other=0).to(tl.int32)
+            e = tl.load(ids_ptr + ps, mask=ps < P, other=0).to(tl.int32) - START
+            valid = (ps < P) & (e >= 0) & (e < E)
+            e = tl.where(valid, e, 0)
             same = (e[:, None] == e[None, :]) & (cs[None, :] < cs[:, None]) & valid[None, :]
             rank = tl.sum(same.to(tl.int32), axis=1)
             base = tl.load(cursor_ptr + e, mask=valid, other=0)
@@ -296,24 +316,29 @@ if HAS_TRITON:
         tl.store(ptrs, y, mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _moe_sum_kernel(y_ptr, out_ptr, H, stride_y, stride_out, TOPK: tl.constexpr, RTNE: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        # Grid: (T, cdiv(H, BLOCK)). Adds a token's k rows j = 0..k-1 in that order: the same bits every run.
+    def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, START, stride_y, stride_out, TOPK: tl.constexpr,
+                        RTNE: tl.constexpr, BLOCK: tl.constexpr):
+        # Grid: (T, cdiv(H, BLOCK)). Adds a token's k rows j = 0..k-1 in that order: the same bits every run. A pair
+        # whose expert is not among the local [START, START + E) got no row in the sort: its y row was never
+        # written, so it is skipped (contributes 0).
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TOPK):
-            acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + cols, mask=mask, other=0.0)
+            e = tl.load(ids_ptr + t * TOPK + j) - START + tl.zeros([BLOCK], dtype=tl.int64)
+            keep = mask & (e >= 0) & (e < E)
+            acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + cols, mask=keep, other=0.0)
         tl.store(out_ptr + t * stride_out + cols, _cast(acc, out_ptr.dtype.element_ty, RTNE), mask=mask)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                      w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128),
-                     config: Optional[MoeConfig] = None) -> torch.Tensor:
+                     config: Optional[MoeConfig] = None, expert_start: int = 0) -> torch.Tensor:
     """Same contract as fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (fp32),
-    topk_ids [T, k] int (each row's experts distinct) -> [T, H] in x's dtype. FP8 experts: w13 / w2
+    topk_ids [T, k] int (each row's experts distinct; global ids, w13 / w2 holding experts [expert_start,
+    expert_start + E), pairs outside contributing 0) -> [T, H] in x's dtype. FP8 experts: w13 / w2
     float8_e4m3fn, w13_scale fp32 [E, ceil(2I / bn), ceil(H / bk)], w2_scale fp32 [E, ceil(H / bn), ceil(I / bk)],
     block (bn, bk) with bk a power of two >= 16. No host sync. config overrides default_config / fp8_config
     (tests, sweeps); in FP8 mode its block_k must be bk."""
@@ -355,7 +380,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         cfg = config or default_config(P, E, H, inter, x.element_size())
         s13, s2 = w13, w2  # unused by the unquantized kernels (FP8 False): any pointer, zero strides
     bm = cfg.block_m
-    sorted_ids, tile_expert = moe_align(topk_ids, E, bm)
+    ids = topk_ids.reshape(-1)
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
+    sorted_ids, tile_expert = moe_align(ids.view(T, k), E, bm, expert_start=expert_start)
     n_tiles = tile_expert.numel()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
@@ -384,6 +412,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         num_warps=down.num_warps, num_stages=down.num_stages,
     )
     block_sum = min(1024, max(16, next_pow2(H)))
-    _moe_sum_kernel[(T, triton.cdiv(H, block_sum))](y, out, H, y.stride(0), out.stride(0), TOPK=k, RTNE=rtne,
-                                                    BLOCK=block_sum, num_warps=4)
+    _moe_sum_kernel[(T, triton.cdiv(H, block_sum))](y, ids, out, H, E, expert_start, y.stride(0), out.stride(0),
+                                                    TOPK=k, RTNE=rtne, BLOCK=block_sum, num_warps=4)
     return out
