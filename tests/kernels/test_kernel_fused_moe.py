@@ -208,6 +208,96 @@ def test_prefill_sized_batch_takes_the_torch_sort(dtype):
     _check(40, 16, 8, 32, 16, dtype, "skewed")
 
 
+# --- expert parallelism: w13 / w2 hold experts [start, start + E / ep), topk_ids stay global ---------------------
+
+def _align_local_reference(ids, start, n_local, block_m):
+    """moe_align's layout restricted to the experts [start, start + n_local), as plain loops: (the used rows, the
+    used tiles' local experts); every row past them is padding (P) and every tile past them -1."""
+    flat = ids.reshape(-1).tolist()
+    P = len(flat)
+    rows, tiles = [], []
+    for e in range(n_local):
+        mine = [p for p, g in enumerate(flat) if g == start + e]
+        if mine:
+            n = -(-len(mine) // block_m) * block_m
+            rows += mine + [P] * (n - len(mine))
+            tiles += [e] * (n // block_m)
+    return rows, tiles
+
+
+@pytest.mark.parametrize("one_launch", ALIGN_PATHS)
+@pytest.mark.parametrize("T,E,k,ep,block_m", [(1, 8, 2, 2, 16), (17, 8, 3, 2, 16), (24, 64, 8, 4, 16),
+                                              (9, 6, 6, 3, 32)])
+def test_align_keeps_only_local_pairs(one_launch, T, E, k, ep, block_m):
+    """Each rank's sort (expert_start = r E / ep, E / ep local experts) equals the reference restricted to its
+    experts: its pairs only, each once, local expert ids; the rows its grouped GEMMs run (the used tiles) are its
+    pairs padded per expert, and the ranks' pairs together are every pair exactly once. Skewed loads (some ranks'
+    experts mostly empty); k = E (every rank gets every token)."""
+    g = torch.Generator().manual_seed(T * E + ep)
+    p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+    ids = torch.stack([torch.multinomial(p, k, replacement=False, generator=g) for _ in range(T)]).to(DEV)
+    P, n = T * k, E // ep
+    seen = []
+    for r in range(ep):
+        sorted_ids, tile_expert = moe_align(ids, n, block_m, one_launch=one_launch, expert_start=r * n)
+        rows, tiles = _align_local_reference(ids.cpu(), r * n, n, block_m)
+        assert sorted_ids.numel() == max_sorted_rows(P, n, block_m) == block_m * tile_expert.numel()
+        assert sorted_ids[:len(rows)].tolist() == rows and (sorted_ids[len(rows):] == P).all()
+        assert tile_expert[:len(tiles)].tolist() == tiles and (tile_expert[len(tiles):] == -1).all()
+        mine = sorted_ids[sorted_ids < P].cpu()
+        local = ((ids >= r * n) & (ids < (r + 1) * n)).reshape(-1).cpu()
+        assert sorted(mine.tolist()) == local.nonzero().reshape(-1).tolist()
+        assert block_m * int((tile_expert >= 0).sum()) == len(rows) < P + n * block_m
+        seen += mine.tolist()
+    assert sorted(seen) == list(range(P))
+
+
+def _ep_slices(E, ep):
+    return [(r * (E // ep), (r + 1) * (E // ep)) for r in range(ep)]
+
+
+@requires_triton
+@pytest.mark.parametrize("T,k,ep,dtype", [(1, 2, 2, torch.float32), (17, 3, 2, torch.bfloat16),
+                                          (5, 2, 4, torch.float32), (40, 8, 2, torch.float32)])
+def test_expert_parallel_partials(T, k, ep, dtype):
+    """Each rank's op over its experts equals the reference over the same experts (and that, the whole op with the
+    other ranks' pairs weighted 0); the ranks' partials sum to the whole op. 40 x 8 pairs take the torch sort."""
+    E, H, I = 8, 32, 16  # noqa: E741
+    g, w13, w2 = _weights(E, H, I, dtype, seed=T * 10 + ep)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEV)
+    tw, ids = _routing(T, E, k, "random", g)
+    parts = []
+    for a, b in _ep_slices(E, ep):
+        want = fused_moe_ref(x, w13[a:b], w2[a:b], tw, ids, expert_start=a)
+        masked = fused_moe_ref(x, w13, w2, tw.masked_fill((ids < a) | (ids >= b), 0.0), ids)
+        torch.testing.assert_close(want, masked, rtol=0, atol=0)
+        got = fused_moe_triton(x, w13[a:b], w2[a:b], tw, ids, expert_start=a)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        parts.append(got.float())
+    torch.testing.assert_close(sum(parts), fused_moe_ref(x, w13, w2, tw, ids).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("triton_path", [pytest.param(True, marks=requires_triton, id="triton"),
+                                         pytest.param(False, id="ref")])
+def test_expert_parallel_never_computes_remote_pairs(triton_path):
+    """A token whose every expert is another rank's, given NaN inputs, leaves exactly 0 in this rank's output (its
+    rows are never computed: computing them as some local expert with weight 0 would give NaN), while the
+    tokens with a local expert are unchanged."""
+    E, H, I, T, k = 8, 32, 16, 6, 2  # noqa: E741
+    g, w13, w2 = _weights(E, H, I, torch.float32, seed=4)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    tw, ids = _routing(T, E, k, "random", g)
+    ids[0] = torch.tensor([5, 6], device=DEV)  # both on rank 1 of 2
+    ids[1] = torch.tensor([1, 7], device=DEV)  # one on each rank
+    x_nan = x.clone()
+    x_nan[0] = float("nan")
+    op = fused_moe_triton if triton_path else fused_moe_ref
+    got = op(x_nan, w13[:4], w2[:4], tw, ids, expert_start=0)
+    assert torch.isfinite(got).all() and not got[0].any()
+    want = fused_moe_ref(x, w13[:4], w2[:4], tw, ids, expert_start=0)
+    torch.testing.assert_close(got[1:], want[1:], **TOL[torch.float32])
+
+
 # --- FP8 experts: e4m3 weights with (bn, bk) block scales, activations quantized per token and bk columns -------
 
 from gyrfalcon.kernels.fp8_gemm import quantize_weight_blockwise  # noqa: E402
@@ -414,3 +504,20 @@ def test_fp8_config_follows_the_weight_block():
             for t in (cfg.up, cfg.down):
                 assert t.block_k == block[1] and block[0] % t.block_n == 0 and 16 <= t.block_n <= block[0]
     assert fp8_config(8, 128, 2048, 768).block_m == default_config(8, 128, 2048, 768).block_m == 16
+
+
+@requires_triton
+def test_fp8_expert_parallel_partials():
+    """FP8 experts split over two ranks (their scales with them): each rank's op equals the FP8 reference over its
+    experts, and the partials sum to the whole FP8 reference."""
+    E, H, I, T, k = 8, 136, 128, 9, 3  # noqa: E741
+    g, q13, s13, q2, s2 = _fp8_experts(E, H, I, seed=21)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    tw, ids = _routing(T, E, k, "random", g)
+    parts = []
+    for a, b in _ep_slices(E, 2):
+        want = fused_moe_ref(x, q13[a:b], q2[a:b], tw, ids, s13[a:b], s2[a:b], expert_start=a)
+        got = fused_moe_triton(x, q13[a:b], q2[a:b], tw, ids, s13[a:b], s2[a:b], expert_start=a)
+        _fp8_close(got, want, torch.float32)
+        parts.append(want)
+    torch.testing.assert_close(sum(parts), fused_moe_ref(x, q13, q2, tw, ids, s13, s2), rtol=1e-5, atol=1e-5)
