@@ -151,7 +151,7 @@ class FusedExperts(nn.Module):
         sum under tensor parallelism)."""
         # Expert parallelism: the op computes only the pairs routed to this rank's experts (kernels/fused_moe's
         # expert_start: the others get no row in its sort); at world size 1 every expert is local (the default).
-        ep = {"expert_start": self.expert_start} if self.expert_parallel else {}
+        ep = {"expert_start": self.expert_start, "total_experts": self.num_experts} if self.expert_parallel else {}
         if self.quant_block is not None:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_weight_scale_inv,
                              self.w2_weight_scale_inv, self.quant_block, **ep)

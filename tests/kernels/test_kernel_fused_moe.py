@@ -271,10 +271,23 @@ def test_expert_parallel_partials(T, k, ep, dtype):
         want = fused_moe_ref(x, w13[a:b], w2[a:b], tw, ids, expert_start=a)
         masked = fused_moe_ref(x, w13, w2, tw.masked_fill((ids < a) | (ids >= b), 0.0), ids)
         torch.testing.assert_close(want, masked, rtol=0, atol=0)
-        got = fused_moe_triton(x, w13[a:b], w2[a:b], tw, ids, expert_start=a)
+        got = fused_moe_triton(x, w13[a:b], w2[a:b], tw, ids, expert_start=a, total_experts=E)
         torch.testing.assert_close(got, want, **TOL[dtype])
         parts.append(got.float())
     torch.testing.assert_close(sum(parts), fused_moe_ref(x, w13, w2, tw, ids).float(), **TOL[dtype])
+
+
+def test_expert_parallel_launch_follows_the_local_share():
+    """A prefill of 256 tokens x 8 over Qwen3-30B-A3B's 128 experts at ep 8 (16 held here): 16 pairs per expert
+    on average, as without expert parallelism, so 16-row tiles; counting all 2048 pairs over the 16 local experts
+    would pick 64-row tiles a quarter full."""
+    from gyrfalcon.kernels.fused_moe.triton import tuning_pairs
+
+    assert tuning_pairs(2048, 16, 128) == 256 and tuning_pairs(2048, 128) == tuning_pairs(2048, 128, 128) == 2048
+    assert tuning_pairs(8, 16, 128) == 1  # a batch-1 decode step: never 0
+    local = default_config(tuning_pairs(2048, 16, 128), 16, 2048, 768)
+    assert local.block_m == default_config(2048, 128, 2048, 768).block_m == 16
+    assert default_config(2048, 16, 2048, 768).block_m == 64
 
 
 @pytest.mark.parametrize("triton_path", [pytest.param(True, marks=requires_triton, id="triton"),

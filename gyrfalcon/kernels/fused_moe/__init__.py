@@ -23,11 +23,12 @@ from gyrfalcon.kernels.fused_moe.triton import fused_moe_triton, moe_align
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
               w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128),
-              expert_start: int = 0) -> torch.Tensor:
-    """fused_moe_triton on CUDA tensors, else the reference (same contract)."""
+              expert_start: int = 0, total_experts: Optional[int] = None) -> torch.Tensor:
+    """fused_moe_triton on CUDA tensors, else the reference (same contract; total_experts, the model's expert count
+    under expert parallelism, only tunes the Triton launch)."""
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block,
-                                expert_start=expert_start)
+                                expert_start=expert_start, total_experts=total_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, expert_start)
 
 

@@ -19,7 +19,8 @@ Expert parallelism (expert_start; layers/moe.py): w13 / w2 hold only this rank's
 gets no row), so the grouped GEMMs run this rank's pairs only, ~P / ep rows, and the top-k sum skips the dropped
 pairs' y rows (never written). The grids keep their shape-only worst case (every pair local), so nothing reads the
 local count back to the host and the op stays capturable; the tiles the dropped pairs would have filled are past the
-used ones (-1) and exit at once.
+used ones (-1) and exit at once. The launch shape is chosen for the rank's expected share of the pairs
+(tuning_pairs, given total_experts).
 
 FP8 experts (FP8 constexpr of both GEMM kernels; w13 / w2 float8_e4m3fn with (bn, bk) block scales, naive.py): the
 K loop steps by BLOCK_K = bk, so one step meets one activation scale per row and one weight scale per output
@@ -51,6 +52,16 @@ def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     block_m - 1 rows, and at most min(E, P) experts have pairs. A multiple of block_m."""
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return cdiv(bound, block_m) * block_m
+
+
+def tuning_pairs(num_pairs: int, num_experts: int, total_experts: Optional[int] = None) -> int:
+    """The pair count the launch shape is chosen for: all P pairs, or under expert parallelism (num_experts of
+    total_experts held here) the share the router sends to them on average, P * E / total. The configs size tiles
+    from pairs per expert; P over the local experts alone would count ep times too many (a prefill's 64-row tiles a
+    quarter full at ep 4). From shapes only; the grids still cover every pair."""
+    if total_experts is None or total_experts <= num_experts:
+        return num_pairs
+    return max(1, num_pairs * num_experts // total_experts)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: Optional[bool] = None,
@@ -335,13 +346,15 @@ if HAS_TRITON:
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                      w2_scale: Optional[torch.Tensor] = None, block: Tuple[int, int] = (128, 128),
-                     config: Optional[MoeConfig] = None, expert_start: int = 0) -> torch.Tensor:
+                     config: Optional[MoeConfig] = None, expert_start: int = 0,
+                     total_experts: Optional[int] = None) -> torch.Tensor:
     """Same contract as fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (fp32),
     topk_ids [T, k] int (each row's experts distinct; global ids, w13 / w2 holding experts [expert_start,
     expert_start + E), pairs outside contributing 0) -> [T, H] in x's dtype. FP8 experts: w13 / w2
     float8_e4m3fn, w13_scale fp32 [E, ceil(2I / bn), ceil(H / bk)], w2_scale fp32 [E, ceil(H / bn), ceil(I / bk)],
     block (bn, bk) with bk a power of two >= 16. No host sync. config overrides default_config / fp8_config
-    (tests, sweeps); in FP8 mode its block_k must be bk."""
+    (tests, sweeps); in FP8 mode its block_k must be bk. total_experts: the model's expert count under expert
+    parallelism (None: E), which sizes the launch from this rank's expected share of the pairs (tuning_pairs)."""
     T, H = x.shape
     E, two_i, H2 = w13.shape
     inter = two_i // 2
@@ -368,7 +381,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if w2.stride(-1) != 1:
         w2 = w2.contiguous()
     if fp8:
-        cfg = config or fp8_config(P, E, H, inter, (bn, bk), x.element_size())
+        cfg = config or fp8_config(tuning_pairs(P, E, total_experts), E, H, inter, (bn, bk), x.element_size())
         if cfg.up.block_k != bk or cfg.down.block_k != bk:
             raise ValueError(f"FP8 experts step K by the weight block's width {bk}; config has "
                              f"{cfg.up.block_k} / {cfg.down.block_k}")
@@ -377,7 +390,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                              f"{cfg.up.block_n} / {cfg.down.block_n}")
         s13, s2 = w13_scale, w2_scale
     else:
-        cfg = config or default_config(P, E, H, inter, x.element_size())
+        cfg = config or default_config(tuning_pairs(P, E, total_experts), E, H, inter, x.element_size())
         s13, s2 = w13, w2  # unused by the unquantized kernels (FP8 False): any pointer, zero strides
     bm = cfg.block_m
     ids = topk_ids.reshape(-1)
