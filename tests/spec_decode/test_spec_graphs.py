@@ -38,10 +38,31 @@ def ds_mtp(tmp_path_factory):
     return make_deepseek_mtp_checkpoint(tmp_path_factory.mktemp("dsmtp") / "t")
 
 
-def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False):
+class _Oracle:
+    """The drafts the scheduler gets: the reference continuation with one token spoiled at a position that cycles
+    with the output length, so verify steps keep 0..k drafts (a random head's own drafts are all rejected, which
+    would leave every row one kept position). The head's drafts are still computed and recorded."""
+
+    def __init__(self, refs, k):
+        self.refs, self.k = {tuple(p): r for p, r in zip(PROMPTS, refs)}, k
+
+    def propose(self, rows, sampled):
+        out = []
+        for r, toks in zip(rows, sampled):
+            n = len(r.request.output_token_ids)
+            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k]) if toks else []
+            bad = (n * 7 // 3) % (self.k + 1)
+            if bad < len(d):
+                d[bad] = d[bad] - 1 if d[bad] > 0 else 1
+            out.append(d)
+        return out
+
+
+def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False, refs=None):
     """Two rounds of greedy generation (the second from prefix-cache hits) plus a max_tokens=2 round (its second
-    step is a decode step of every row: the q = 1 catch-up); returns (outputs, drafts seen, the draft's K/V
-    caches, the DraftGraphRunner's calls)."""
+    step is a decode step of every row: the q = 1 catch-up); refs: the outputs without speculation, for the
+    _Oracle's drafts. Returns (outputs, the head's drafts seen, the draft's K/V caches, the DraftGraphRunner's
+    calls)."""
     llm = LLM(str(path), max_num_batched_tokens=budget, **KW, **({"speculative_config": spec} if spec else {}))
     r = llm.engine.runner
     calls = []
@@ -56,6 +77,13 @@ def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False):
         r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, MAX_NUM_SEQS, KW["max_model_len"], r.block_size,
                                          r.device, r.last_sampled, query_lens=(1, 1 + k))
     seen = record_drafts(llm) if spec else []
+    if refs is not None:
+        head, oracle = r.proposer.propose, _Oracle(refs, spec["num_speculative_tokens"])
+
+        def propose(rows, sampled):
+            head(rows, sampled)  # (recorded)
+            return oracle.propose(rows, sampled)
+        r.proposer.propose = propose
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     outs = []
     for max_tokens in (10, 10, 2):
@@ -66,17 +94,17 @@ def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False):
         for idx in r.proposer.cache_specs("float32"):
             c = r.kv_caches[idx]
             caches.extend(t.clone() for t in (c if isinstance(c, (tuple, list)) else (c,)))
-    if spec:
+    if refs is not None:  # verify steps kept some drafts and rejected others
         s = llm.engine.spec_stats
-        assert s.num_drafts > 0 and s.num_draft_tokens > 0
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     return outs, seen, caches, calls
 
 
 def _check(path, spec, budget):
     k = spec["num_speculative_tokens"]
     ref, _, _, _ = _run(path, None, False, budget)
-    eager, eager_seen, eager_kv, _ = _run(path, spec, False, budget)
-    graphed, seen, kv, calls = _run(path, spec, True, budget, target_graphs=True)
+    eager, eager_seen, eager_kv, _ = _run(path, spec, False, budget, refs=ref[0])
+    graphed, seen, kv, calls = _run(path, spec, True, budget, target_graphs=True, refs=ref[0])
     assert graphed == eager == ref
     assert seen == eager_seen and len(seen) > 3 * len(PROMPTS)
     # The draft's K/V of every position is what the eager passes wrote (rejected positions left alone, padding
