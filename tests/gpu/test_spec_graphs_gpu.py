@@ -162,7 +162,6 @@ def test_graph_drafts_equal_eager_drafts(setups, method, k):
     # The graphs ran: verify-shaped catch-ups, and the chain after the prefills' eager catch-up.
     assert ("catch_up", 1 + k) in replays, replays
     assert k == 1 or ("chain",) in replays, replays
-    del llm
 
 
 def test_enforce_eager_keeps_the_draft_eager(setups):
@@ -170,4 +169,3 @@ def test_enforce_eager_keeps_the_draft_eager(setups):
     llm = LLM(str(path), **{**KW, "enforce_eager": True}, speculative_config={**spec, "num_speculative_tokens": 3})
     assert llm.engine.runner.graph_runner is None and llm.engine.runner.proposer.graphs is None
     assert _greedy(llm, 3) == refs[3]
-    del llm
