@@ -231,7 +231,9 @@ class DraftGraphRunner:
             h64[ids0 + n * q:ids0 + b * q] = 0
             h64[pos0 + n * q:pos0 + b * q] = 0
             h64[slot0 + n * q:slot0 + b * q] = -1
-            h64[last0 + n:last0 + b] = np.arange(n, b) * q
+            # (a padding row's "last" is row 0's first token, a real query: the varlen kernel leaves the output of
+            # tokens that belong to no sequence unwritten, which must not feed the chain's padding rows)
+            h64[last0 + n:last0 + b] = 0
             h32[seq0 + n:seq0 + b] = 0
             h32[qsl0:qsl0 + n + 1] = np.arange(n + 1) * q
             h32[qsl0 + n + 1:qsl0 + b + 1] = n * q

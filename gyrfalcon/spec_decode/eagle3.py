@@ -104,7 +104,8 @@ class Eagle3Proposer:
         """Capture the draft's graphs next to the target's decode graphs (runner/cuda_graph.py CudaGraphRunner,
         already captured): the same batch-size ladder, memory pool and batch-1 PDL choice."""
         g = self.make_graph_runner(graph_runner.sizes[-1], graph_runner.max_model_len)
-        g.capture(graph_runner.pool, graph_runner.pdl_choice.get("batch1_pdl"))
+        with torch.no_grad():  # (an MTP layer's own nn.Linear weights require grad: no autograd tape in a graph)
+            g.capture(graph_runner.pool, graph_runner.pdl_choice.get("batch1_pdl"))
         graph_runner.capture_seconds += g.capture_seconds
         self.graphs = g
 
