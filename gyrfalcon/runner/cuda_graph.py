@@ -331,6 +331,7 @@ class CudaGraphRunner:
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.query_lens = sorted(set(query_lens) | {1})
         # Verify steps: up to MAX_VERIFY_TOKENS tokens a graph (larger ones take the eager / mixed path).
@@ -353,6 +354,7 @@ class CudaGraphRunner:
         self.short_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.short_outputs: Dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.pool = None  # the graphs' shared memory pool once captured (a draft's graphs join it)
         self.pdl_choice: dict = {}  # batch-1 replay times with / without PDL and the choice (capture_ladder)
 
     def views(self, b: int, short: bool = False, q: int = 1) -> ForwardBatch:
@@ -375,7 +377,7 @@ class CudaGraphRunner:
         graphs, outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, self.prepare,
                                                                self.pdl_choice, at_context)
         self._keep(graphs, outputs, 1)
-        pool = graphs[self.sizes[-1]].pool()
+        pool = self.pool = graphs[self.sizes[-1]].pool()
         for q in self.query_lens[1:]:
             graphs, outputs, secs = capture_ladder(self.sizes_by_q[q], self.kv_caches,
                                                    lambda b, q=q: self.prepare(b, q=q), pool=pool)

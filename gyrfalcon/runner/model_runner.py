@@ -176,6 +176,9 @@ class ModelRunner:
                 else None)
             self.graph_runner.capture()
             clock("decode_graphs")
+            if callable(getattr(self.proposer, "capture_graphs", None)):  # a draft model's passes (spec_decode/)
+                self.proposer.capture_graphs(self.graph_runner)
+                clock("draft_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
         # A draft over the target's hidden states needs every prompt token's, which the mixed graphs do not keep
         # (they return the sampled rows): prefills then run eagerly; decode and verify graphs return aux outputs.

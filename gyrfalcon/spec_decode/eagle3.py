@@ -16,8 +16,10 @@ write k - 1 positions past the sequence: the scheduler allocates that many looka
 (num_lookahead_tokens). Each pass is one batched paged-attention call over all rows (the attention backend the
 target uses); the argmax of one pass feeds the next one's embedding lookup on the device, and the host reads the
 k drafts once at the end. The target's decode and verify graphs return their aux hidden states
-(runner/cuda_graph.py); its prefill steps run eagerly (the mixed graphs keep only the sampled rows). The passes
-themselves are eager: their shapes are those of a decode step, so they can be captured the same way.
+(runner/cuda_graph.py); its prefill steps run eagerly (the mixed graphs keep only the sampled rows). With CUDA graphs
+(capture_graphs: the runner's decode graphs are on) the k - 1 chained passes replay as one graph, and so does the
+catch-up pass after a decode or verify step (spec_decode/draft_graph.py); after a prefill or mixed step the catch-up
+runs eagerly and the chain still replays.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Eagle3Proposer:
         self.device = torch.device(device)
         self.kv_caches = None
         self.block_size = 0
+        self.graphs = None  # a DraftGraphRunner once capture_graphs / use_graphs ran
 
     # ---- the runner's side ----------------------------------------------------------------------
     @property
@@ -74,6 +77,37 @@ class Eagle3Proposer:
 
     def set_step(self, aux: Optional[torch.Tensor]) -> None:
         self.aux = aux
+
+    @property
+    def draft_hidden_size(self) -> int:
+        """Width of the hidden state a pass feeds the next one."""
+        return self.draft.fc.out_features
+
+    @property
+    def aux_width(self) -> int:
+        """Width of the target's aux hidden states the first pass reads."""
+        return self.draft.fc.in_features
+
+    def make_graph_runner(self, max_num_seqs: int, max_model_len: int):
+        """A DraftGraphRunner over this proposer's bound caches (its graphs not captured yet)."""
+        from gyrfalcon.spec_decode.draft_graph import DraftGraphRunner
+        dtype = next(self.draft.parameters()).dtype
+        return DraftGraphRunner(self, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
+                                self.aux_width, self.draft_hidden_size, dtype)
+
+    def use_graphs(self, graphs) -> None:
+        """Run the passes through `graphs` (a DraftGraphRunner; on a CPU its steps run eagerly: tests), or eagerly
+        (None)."""
+        self.graphs = graphs
+
+    def capture_graphs(self, graph_runner) -> None:
+        """Capture the draft's graphs next to the target's decode graphs (runner/cuda_graph.py CudaGraphRunner,
+        already captured): the same batch-size ladder, memory pool and batch-1 PDL choice."""
+        g = self.make_graph_runner(graph_runner.sizes[-1], graph_runner.max_model_len)
+        with torch.no_grad():  # (an MTP layer's own nn.Linear weights require grad: no autograd tape in a graph)
+            g.capture(graph_runner.pool, graph_runner.pdl_choice.get("batch1_pdl"))
+        graph_runner.capture_seconds += g.capture_seconds
+        self.graphs = g
 
     # ---- one step's drafts ------------------------------------------------------------------------
     def _batch(self, spans) -> ForwardBatch:
@@ -118,11 +152,9 @@ class Eagle3Proposer:
         out: List[List[int]] = [[] for _ in rows]
         if aux is None:
             return out
-        dev = aux.device
-        ids: List[int] = []
-        take: List[int] = []  # rows of `aux` the pass reads
-        spans = []
-        last = []  # per proposing row: (row index, its last token's index in the pass, that position, its state)
+        spans = []  # per sequence the pass covers: (its state, first position, number of positions)
+        offsets = []  # each span's first row in `aux`
+        last = []  # per proposing row: (row index, its span's index, its last kept position, its state)
         t0 = 0
         for i, r in enumerate(rows):
             n = r.num_new_tokens
@@ -134,38 +166,67 @@ class Eagle3Proposer:
                 n_valid = 0  # (a sampling row always yields a token; nothing to cover otherwise)
             if n_valid > 0:
                 st = r.request
-                p0 = r.start
-                ids.extend(st.token_ids(p0 + 1, p0 + n_valid + 1))
-                take.extend(range(t0, t0 + n_valid))
-                spans.append((st, p0, n_valid))
                 if r.sample and toks:
-                    last.append((i, len(ids) - 1, p0 + n_valid - 1, st))
+                    last.append((i, len(spans), r.start + n_valid - 1, st))
+                spans.append((st, r.start, n_valid))
+                offsets.append(t0)
             t0 += n
-        if not ids:
+        if not spans:
             return out
+        g = self.graphs
+        q = g.catch_up_len(rows, sampled, aux.shape[0]) if g is not None else 0
+        if q:  # a decode / verify step's shape: the catch-up and the chain replay their graphs
+            for (i, _, _, _), d in zip(last, g.catch_up(spans, aux, q)):
+                out[i] = d
+            return out
+        dev = aux.device
+        ids: List[int] = []
+        take: List[int] = []  # rows of `aux` the pass reads
+        ends = []  # each span's last token's index in the pass
+        for (st, p0, n), a in zip(spans, offsets):
+            ids.extend(st.token_ids(p0 + 1, p0 + n + 1))
+            take.extend(range(a, a + n))
+            ends.append(len(ids) - 1)
         aux_rows = aux[torch.tensor(take, device=dev)]
-        hidden, normed = self._pass(torch.tensor(ids, dtype=torch.int64, device=dev), self.draft.combine(aux_rows),
+        hidden, normed = self._pass(0, torch.tensor(ids, dtype=torch.int64, device=dev), self._combine(aux_rows),
                                     spans)
         if not last:  # prefill chunks only: the draft's cache now covers them
             return out
-        sel = torch.tensor([j for _, j, _, _ in last], device=dev)
+        sel = torch.tensor([ends[j] for _, j, _, _ in last], device=dev)
         h = hidden[sel]
-        tok = self._argmax(normed[sel])
-        drafts = [tok]
-        for step in range(1, self.k):
-            h, normed = self._pass(tok, h, [(st, p_last + step, 1) for _, _, p_last, st in last])
-            tok = self._argmax(normed)
-            drafts.append(tok)
-        d = torch.stack(drafts, dim=1).tolist()
+        tok = self._tokens(0, normed[sel])
+        if g is not None and self.k > 1 and g.fits_chain(len(last)):
+            d = g.chain([(st, p_last, 1) for _, _, p_last, st in last], tok, h)
+        else:
+            drafts = [tok]
+            for step in range(1, self.k):
+                h, normed = self._pass(step, tok, h, [(st, p_last + step, 1) for _, _, p_last, st in last])
+                tok = self._tokens(step, normed)
+                drafts.append(tok)
+            d = torch.stack(drafts, dim=1).tolist()
         for (i, _, _, _), row in zip(last, d):
             out[i] = row
         return out
 
-    def _argmax(self, normed: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> the draft's greedy tokens as target ids [N] (on the device)."""
-        return self.draft.to_target_ids(self.draft.logits(normed).argmax(dim=-1))
+    # ---- one pass: what the graphs capture too ----------------------------------------------------
+    def _head(self, step: int):
+        """The module that runs draft pass `step` (0: the catch-up pass)."""
+        return self.draft
 
-    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, spans):
+    def _combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux hidden states [T, aux_width] -> the first pass's hidden input [T, H]."""
+        return self.draft.combine(aux)
+
+    def _forward(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """Pass `step` inside a forward context -> (the hidden state fed back [T, H], the normed output [T, H])."""
+        return self._head(step)(ids, hidden, positions)
+
+    def _tokens(self, step: int, normed: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> pass `step`'s greedy tokens as target ids [N] (on the device)."""
+        head = self._head(step)
+        return head.to_target_ids(head.logits(normed).argmax(dim=-1))
+
+    def _pass(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, spans):
         fb = self._batch(spans)
         with forward_context(fb, self.kv_caches):
-            return self.draft(ids, hidden, fb.positions)
+            return self._forward(step, ids, hidden, fb.positions)

@@ -19,7 +19,6 @@ checkpoints have one MTP layer; with more, layers past the first see K/V only fr
 
 from __future__ import annotations
 
-from gyrfalcon.forward_context import forward_context
 from gyrfalcon.spec_decode.eagle3 import Eagle3Proposer
 
 
@@ -52,7 +51,8 @@ class MtpProposer(Eagle3Proposer):
         self.device = torch.device(device)
         self.kv_caches = None
         self.block_size = 0
-        self._step = 0
+        self.graphs = None
+        self._hidden_size = target_model.config.hidden_size
 
     def cache_specs(self, cache_dtype: str) -> dict:
         specs = {}
@@ -60,21 +60,15 @@ class MtpProposer(Eagle3Proposer):
             specs.update(m.cache_specs(cache_dtype))
         return specs
 
-    # Eagle3Proposer.propose calls _pass then _argmax once per draft position: _step counts them, so draft s
-    # (0-based) runs and reads MTP layer s % n_mtp.
-    def propose(self, rows, sampled):
-        self._step = 0
-        return super().propose(rows, sampled)
+    # Draft pass s (0: the catch-up pass) runs and reads MTP layer s % n_mtp: fixed per pass, so a captured chain
+    # (spec_decode/draft_graph.py) holds the same layers as the eager one.
+    def _head(self, step: int):
+        return self.layers[step % len(self.layers)]
 
-    def _layer(self):
-        return self.layers[self._step % len(self.layers)]
+    @property
+    def draft_hidden_size(self) -> int:
+        return self._hidden_size
 
-    def _argmax(self, normed):
-        tok = self._layer().logits(normed).argmax(dim=-1)
-        self._step += 1
-        return tok
-
-    def _pass(self, ids, hidden, spans):
-        fb = self._batch(spans)
-        with forward_context(fb, self.kv_caches):
-            return self._layer()(ids, hidden, fb.positions)
+    @property
+    def aux_width(self) -> int:
+        return self._hidden_size  # (the residual stream after the target's last layer)
