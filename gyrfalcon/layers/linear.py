@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.distributed import as_tensor, shard_size, tp_all_reduce, tp_rank, tp_size
+from gyrfalcon.distributed import as_tensor, shard_size, tp_all_reduce, tp_collectives, tp_rank, tp_size
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.fp8_gemm import fp8_block_gemm
 from gyrfalcon.kernels.gemv import linear_gemv_rows, norm_gemv_triton
@@ -53,8 +53,7 @@ class Linear(nn.Module):
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
         beta = 1, or the GEMV's epilogue; folded norms, layers/norm_linear.py)."""
         if self.quant_block is not None:
-            y = fp8_block_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.quant_block)
-            y = y.view(*x.shape[:-1], self.out_features)
+            y = self._fp8_product(x)
             if self.bias is not None:
                 y = y + self.bias
             return y if add_to is None else add_to.add_(y)
@@ -65,6 +64,11 @@ class Linear(nn.Module):
         if self.bias is not None:
             return add_to.add_(F.linear(x, self.weight, self.bias))
         return add_to.addmm_(x, self.weight.t())
+
+    def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T of the FP8 weight, without the bias."""
+        y = fp8_block_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.quant_block)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _fp8.check_weight_dtype(self, param, loaded)
@@ -208,12 +212,12 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features / tp] -> [num_tokens, out_features]; add_to: as Linear's, after the sum."""
-        if tp_size() == 1:
+        if not tp_collectives():
             return super().forward(x, add_to)
         if self.bias is None:
             y = super().forward(x)
-        else:
-            y = F.linear(x, self.weight)
+        else:  # (the bias after the sum, once)
+            y = F.linear(x, self.weight) if self.quant_block is None else self._fp8_product(x)
         if self.reduce:
             y = tp_all_reduce(y)
             if self.bias is not None:
