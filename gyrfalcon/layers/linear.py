@@ -11,7 +11,9 @@ land at row offsets in blocks. quant_block None: the plain weight in the model d
 Tensor parallelism (gyrfalcon/distributed): the fused MergedLinear / QKVLinear are column-parallel (each rank holds
 its rows of every shard: its heads, its slice of the intermediate dim) and RowParallelLinear takes the matching
 input slice and all-reduces its partial products. Each weight_loader narrows the checkpoint tensor to the rank's
-slice, so the same loading code runs at every world size (at 1 the slice is the whole tensor).
+slice, so the same loading code runs at every world size (at 1 the slice is the whole tensor). An FP8 weight's
+block scales narrow alike, to the blocks of the rank's rows or columns: a shard must start and end on the block
+grid (a multiple of 128 rows or columns; refused before loading otherwise: layers/quantization/fp8.py check_tp_shards).
 """
 
 from __future__ import annotations
@@ -123,10 +125,12 @@ class MergedLinear(Linear):
         if shard_id is None:
             if tp_size() == 1:
                 return super().weight_loader(param, loaded)
-            # One checkpoint tensor holding every shard, stacked in order: each shard's slice of it.
+            # One checkpoint tensor holding every shard, stacked in order: each shard's slice of it (of an FP8
+            # weight's scales: its block rows, every shard but the last a whole number of blocks).
+            bn = self.quant_block[0] if self.quant_block is not None and param is self.weight_scale_inv else 1
             off = 0
             for sid, (_, full) in self.tp_slices.items():
-                self.weight_loader(param, loaded.narrow(0, off, full), sid)
+                self.weight_loader(param, loaded.narrow(0, off // bn, -(-full // bn)), sid)
                 off += full
             return None
         if self.quant_block is not None and param is self.weight_scale_inv:
@@ -196,6 +200,8 @@ class ColumnParallelLinear(Linear):
                 raise ValueError(f"Shape mismatch: a column-parallel weight of {self.full_out_features} output rows "
                                  f"vs checkpoint {tuple(loaded.shape)}.")
             loaded = loaded.narrow(0, tp_rank() * self.out_features, self.out_features)
+        elif tp_size() > 1 and self.quant_block is not None and param is self.weight_scale_inv:
+            loaded = _fp8.narrow_scales(self, loaded, 0, self.full_out_features)
         super().weight_loader(param, loaded, shard_id)
 
 
@@ -232,4 +238,6 @@ class RowParallelLinear(Linear):
                 raise ValueError(f"Shape mismatch: a row-parallel weight of {self.full_in_features} input columns "
                                  f"vs checkpoint {tuple(loaded.shape)}.")
             loaded = loaded.narrow(1, tp_rank() * self.in_features, self.in_features)
+        elif tp_size() > 1 and self.quant_block is not None and param is self.weight_scale_inv:
+            loaded = _fp8.narrow_scales(self, loaded, 1, self.full_in_features)
         super().weight_loader(param, loaded, shard_id)
