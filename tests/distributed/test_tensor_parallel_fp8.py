@@ -131,3 +131,6 @@ def test_shards_off_the_block_grid_are_refused(rank_1_of_2):
         check_tp_shards(_fp8_layer(RowParallelLinear, 128, 64), "o")
     with pytest.raises(ValueError, match="192 intermediate rows.*expert parallelism"):
         check_expert_alignment(_fp8_layer(FusedExperts, 4, 64, 192))
+    from gyrfalcon.layers.gated_deltanet import FlatQKVZLinear
+    with pytest.raises(ValueError, match="FlatQKVZLinear in_proj takes its shard from several parts"):
+        check_tp_shards(_fp8_layer(FlatQKVZLinear, 64, (256, 256, 512), 512), "in_proj")

@@ -114,8 +114,16 @@ def check_tp_shards(linear, name: str = "") -> None:
     checkpoint blocks under two scales). ValueError naming the layer otherwise."""
     if tp_size() == 1 or linear.quant_block is None or linear.quant_block[0] == 1:  # (per-channel: any split)
         return
+    from gyrfalcon.layers.linear import MergedLinear
+
     bn, bk = linear.quant_block
     where = f" {name}" if name else ""
+    if isinstance(linear, MergedLinear) and type(linear)._rank_slice is not MergedLinear._rank_slice:
+        # (a shard gathered from several blocks of its checkpoint tensor, e.g. Qwen3.5's flat in_proj_qkv: its
+        # scales would need the same gathering, which load_scale_shard does not do)
+        raise ValueError(f"FP8 block quantization with tensor_parallel_size {tp_size()}: {type(linear).__name__}"
+                         f"{where} takes its shard from several parts of the checkpoint tensor, whose block scales "
+                         "do not shard yet; list it in modules_to_not_convert or use tensor_parallel_size 1.")
     parts = []
     if hasattr(linear, "tp_slices"):  # MergedLinear / QKVLinear: each projection split (not replicated whole)
         parts = [(f"projection {sid!r}'s rows", linear.shards[sid][1], bn)
