@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -108,6 +109,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str =
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":  # (under Ray each rank sees only its own GPU: device 0)
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        # NCCL >= 2.19 allocates through cuMem by default, which makes every collective captured in a CUDA graph
+        # cost memory of its own (NVIDIA/nccl issue 1234: dozens of graphs of dozens of all-reduces each ran
+        # out of memory); vLLM turns it off for the same reason. Read by NCCL when it starts, so set before the
+        # group's first collective; one set by the user stays.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     total = world_size * pipeline_parallel_size
     grouped = total > 1 or force_collectives
     if grouped:
