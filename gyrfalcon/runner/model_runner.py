@@ -221,9 +221,8 @@ class ModelRunner:
         try:
             graph_runner.capture()
         except GraphCaptureFailed as err:
+            # (its graphs' memory goes back to the allocator's cache when the caller drops the runner)
             logger.warning("%s: %s steps run eagerly on every rank", err, type(graph_runner).__name__)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
             return False
         return True
 
