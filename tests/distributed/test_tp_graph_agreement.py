@@ -118,3 +118,24 @@ def test_forced_collectives_at_world_size_one():
     finally:
         destroy_distributed()
     assert not tp_collectives()
+
+
+def test_runner_falls_back_only_on_an_agreed_failure():
+    """ModelRunner._capture_or_fall_back: GraphCaptureFailed (every rank has it) -> False, the steps run eagerly;
+    any other capture error (one GPU, or a warm-up's) propagates."""
+    from gyrfalcon.runner.model_runner import ModelRunner
+
+    class Ladder:
+        def __init__(self, err=None):
+            self.err, self.captured = err, False
+
+        def capture(self):
+            if self.err is not None:
+                raise self.err
+            self.captured = True
+
+    ok = Ladder()
+    assert ModelRunner._capture_or_fall_back(None, ok) is True and ok.captured
+    assert ModelRunner._capture_or_fall_back(None, Ladder(GraphCaptureFailed("on another rank"))) is False
+    with pytest.raises(MemoryError):
+        ModelRunner._capture_or_fall_back(None, Ladder(MemoryError()))
