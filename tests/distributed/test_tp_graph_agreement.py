@@ -2,6 +2,7 @@
 themselves are tested on a GPU: tests/gpu/test_tp_graphs_gpu.py):
 - two gloo ranks agree per capture: one rank failing the second of a ladder's captures makes both raise
   GraphCaptureFailed there, neither going on to the third (which would run collectives the other never joins);
+- the runner falls back to eager steps on that agreed failure only;
 - the config: tensor parallelism on a GPU keeps the graphs, pipeline parallelism turns them off;
 - forced collectives at world size 1 (the GPU test's path): a row-parallel projection all-reduces through
   torch.distributed and still computes the plain product."""
