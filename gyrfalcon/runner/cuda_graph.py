@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from gyrfalcon.distributed import agreed_capture, capture_error_mode
+from gyrfalcon.distributed import agreed_capture, capture_error_mode, ranks_agree
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.layers.attention import get_backend
@@ -142,7 +142,7 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
             ms_pdl, ms_off = time_replays([g, g_off])
             if ctx:
                 at_context(0)
-            keep_pdl = ms_pdl < ms_off
+            keep_pdl = ranks_agree(ms_pdl < ms_off)  # (tensor parallel: every rank keeps the same kind)
             if report is not None:
                 report.update(batch1_ms_pdl=ms_pdl, batch1_ms_no_pdl=ms_off, batch1_pdl=keep_pdl,
                               batch1_context=ctx)
