@@ -1,10 +1,11 @@
 """FP8 block-quantized checkpoints under tensor_parallel_size=2 over gloo (two worker processes on the CPU) against one
-process on the same checkpoint: a tiny Qwen3-MoE with every decoder projection and expert in e4m3 with 128 x 128
-weight_scale_inv blocks (the real checkpoints' format), its experts split inside each expert (each rank's block rows
-of w13's scales, block columns of w2's) and by expert (each rank's experts' scales): the same greedy tokens and
-every step's distribution within fp32 tolerance. The rank shapes are whole blocks (q / k / v heads, o_proj's input,
-the dense MLP's and each expert's intermediate dim: 256 = 2 x 128); a shard off the block grid is refused before
-anything loads (the unit tests at the end, which set the rank by hand)."""
+process on the same checkpoint, every decoder projection and expert in e4m3 with 128 x 128 weight_scale_inv blocks
+(the real checkpoints' format): a tiny Qwen3-MoE with expert parallelism (each rank loads only its experts' scales;
+q / k / v, o_proj and the dense MLP split by block rows / columns) and a tiny DeepSeek-V3 with the experts split
+inside each expert (block rows of w13's scales, block columns of w2's; MLA's q_b / kv_b by head, the replicated
+q_a / kv_a fused projection whole, the shared expert). The same greedy tokens and every step's distribution within
+fp32 tolerance. The rank shapes are whole blocks (256 = 2 x 128 rows or columns wherever a tensor splits); a shard
+off the block grid is refused before anything loads (the unit tests at the end, which set the rank by hand)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import make_moe_checkpoint
+from checkpoints import make_deepseek_checkpoint, make_moe_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.distributed import parallel_state
 from gyrfalcon.kernels.fp8_gemm import quantize_weight_blockwise
@@ -24,16 +25,26 @@ KW = dict(block_size=8, max_model_len=128, device="cpu", dtype="float32", num_gp
           max_num_batched_tokens=32)
 PROMPTS = [list(range(3, 43)), [7], [90, 91, 92, 93, 94, 95]]
 MAX_NEW = 6
-# 4 query and 4 K/V heads of 64 (256 rows each, 128 a rank), a dense layer and experts of 256 intermediate rows.
-SHAPES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=64, intermediate_size=256,
-              moe_intermediate_size=256)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# config -> (checkpoint maker, extra engine arguments). Qwen3-MoE: 4 query and 4 K/V heads of 64 (256 rows each,
+# 128 a rank), a dense layer and experts of 256 intermediate rows. DeepSeek-V3: 4 MLA heads of 64 + 64 (q_b / kv_b
+# 512 rows, o_proj 256 columns), q_lora_rank 128 (the fused q_a / kv_a's first projection a whole block).
+CONFIGS = {
+    "qwen3moe-ep": (lambda p: make_moe_checkpoint(p, "qwen3_moe", hidden_size=64, num_attention_heads=4,
+                                                  num_key_value_heads=4, head_dim=64, intermediate_size=256,
+                                                  moe_intermediate_size=256),
+                    dict(enable_expert_parallel=True)),
+    "deepseek-v3-tp": (lambda p: make_deepseek_checkpoint(p, hidden_size=256, intermediate_size=256,
+                                                          moe_intermediate_size=256, q_lora_rank=128,
+                                                          qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64),
+                       {}),
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+               "kv_a_proj_with_mqa", "kv_b_proj")
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
 
-def _fp8_checkpoint(path: Path) -> Path:
-    """make_moe_checkpoint's Qwen3-MoE with its decoder projections (the experts' too) quantized in place."""
-    src = make_moe_checkpoint(path, "qwen3_moe", **SHAPES)
+def _quantize_in_place(src: Path) -> Path:
+    """src's decoder projections (the experts' too) quantized in place, with the quantization_config."""
     out = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
@@ -54,32 +65,21 @@ def _generate(llm, vocab):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def fp8_runs(tmp_path_factory):
-    """(one process's outputs, {split: tensor_parallel_size=2's outputs}, vocabulary size)."""
-    ckpt = _fp8_checkpoint(tmp_path_factory.mktemp("qwen3moe_fp8"))
-    one = LLM(str(ckpt), **KW)
-    runner = one.engine.runner
-    layer0 = runner.model.model.layers[0]
-    assert layer0.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    assert layer0.mlp.experts.w13.dtype == torch.float8_e4m3fn
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp8_tp2_matches_one_process(tmp_path, name):
+    make, kw = CONFIGS[name]
+    ckpt = _quantize_in_place(make(tmp_path / name))
+    one = LLM(str(ckpt), **KW, **kw)
+    experts = [m for m in one.engine.runner.model.modules() if hasattr(m, "w13")]
+    assert experts and all(m.w13.dtype == torch.float8_e4m3fn for m in experts)
     vocab = one.engine.vocab_size
     want = _generate(one, vocab)
-    del one, runner, layer0
-    got = {}
-    for split, kw in (("experts-split", {}), ("expert-parallel", dict(enable_expert_parallel=True))):
-        llm = LLM(str(ckpt), tensor_parallel_size=2, **KW, **kw)
-        try:
-            got[split] = _generate(llm, vocab)
-        finally:
-            llm.engine.shutdown()
-    return want, got, vocab
-
-
-@pytest.mark.parametrize("split", ["experts-split", "expert-parallel"])
-def test_fp8_tp2_matches_one_process(fp8_runs, split):
-    want, got, _ = fp8_runs
-    got = got[split]
+    del one, experts
+    llm = LLM(str(ckpt), tensor_parallel_size=2, **KW, **kw)
+    try:
+        got = _generate(llm, vocab)
+    finally:
+        llm.engine.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for w, g in zip(want, got):
         assert len(g.logprobs) == MAX_NEW
