@@ -601,11 +601,11 @@ class EngineConfig:
         self.cache_config.verify()
         self.parallel_config.verify()
         self.parallel_config.check_devices(self.device)
-        if self.parallel_config.world_size > 1 and self.device == "cuda" and not self.enforce_eager:
-            # Decode graphs do not capture the all-reduces nor the stages' send / recv yet (docs/parallelism.md):
-            # tensor- and pipeline-parallel steps run eagerly.
+        if self.parallel_config.pipeline_parallel_size > 1 and self.device == "cuda" and not self.enforce_eager:
+            # Tensor-parallel ranks capture their all-reduces in the graphs (distributed/graph_capture.py); a
+            # pipeline stage's send / recv of a step's token count is not captured: pipeline steps run eagerly.
             import logging
-            logging.getLogger("gyrfalcon").info("tensor / pipeline parallel: CUDA graphs off (enforce_eager).")
+            logging.getLogger("gyrfalcon").info("pipeline parallel: CUDA graphs off (enforce_eager).")
             self.enforce_eager = True
         self.speculative_config.resolve(self.model_config.model)
         if self.speculative_config.enabled and self.parallel_config.world_size > 1:

@@ -9,10 +9,14 @@ engine never touches torch.distributed and pays nothing.
 from gyrfalcon.distributed.checkpoint_slice import CheckpointSlice, as_tensor
 from gyrfalcon.distributed.communication import (pp_broadcast_from_last, pp_recv_prev, pp_send_next, tp_all_gather,
                                                  tp_all_reduce)
-from gyrfalcon.distributed.parallel_state import (ParallelState, destroy_distributed, expert_parallel, get_state,
-                                                  init_distributed, pp_layers, pp_rank, pp_size, shard_size, tp_rank,
-                                                  tp_size)
+from gyrfalcon.distributed.graph_capture import (GraphCaptureFailed, agreed_capture, capture_error_mode,
+                                                 ranks_agree, warm_up_collectives)
+from gyrfalcon.distributed.parallel_state import (ParallelState, cpu_group, destroy_distributed, expert_parallel,
+                                                  get_state, init_distributed, pp_layers, pp_rank, pp_size,
+                                                  shard_size, tp_collectives, tp_rank, tp_size)
 
-__all__ = ["CheckpointSlice", "ParallelState", "as_tensor", "destroy_distributed", "expert_parallel", "get_state",
+__all__ = ["CheckpointSlice", "GraphCaptureFailed", "ParallelState", "agreed_capture", "as_tensor",
+           "capture_error_mode", "cpu_group", "destroy_distributed", "expert_parallel", "get_state",
            "init_distributed", "pp_broadcast_from_last", "pp_layers", "pp_rank", "pp_recv_prev", "pp_send_next",
-           "pp_size", "shard_size", "tp_all_gather", "tp_all_reduce", "tp_rank", "tp_size"]
+           "pp_size", "ranks_agree", "shard_size", "tp_all_gather", "tp_all_reduce", "tp_collectives", "tp_rank",
+           "tp_size", "warm_up_collectives"]

@@ -1,15 +1,19 @@
-"""The collectives a layer calls, over the tensor-parallel group; the identity at world size 1."""
+"""The collectives a layer calls, over the tensor-parallel group; the identity at world size 1 (unless forced:
+ParallelState.force_collectives).
+
+Inside a CUDA graph capture (runner/cuda_graph.py) they are captured as NCCL kernels and run at every replay; every
+rank captures the same ladder, so the ranks' graphs hold the same collectives in the same order."""
 
 from __future__ import annotations
 
 import torch
 
-from gyrfalcon.distributed.parallel_state import get_state, tp_size
+from gyrfalcon.distributed.parallel_state import get_state, tp_collectives, tp_size
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the ranks, in place (x: each rank's partial result, e.g. a row-parallel GEMM's)."""
-    if tp_size() == 1:
+    if not tp_collectives():
         return x
     import torch.distributed as dist
 
@@ -20,7 +24,7 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [N, C] (2-D) on every rank -> [N, tp * C], rank r's columns at r * C (a vocab-parallel LM head's logits)."""
     tp = tp_size()
-    if tp == 1:
+    if not tp_collectives():
         return x
     import torch.distributed as dist
 

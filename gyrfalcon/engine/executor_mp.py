@@ -169,10 +169,14 @@ class MultiprocExecutor:
         self.bytes_per_block = ready[0][5]
         self.block_size = config.cache_config.block_size
         self.device = torch.device(config.device)
-        self.graph_runner = self.mixed_graph_runner = None  # (eager: config.py sets enforce_eager)
+        # The CUDA graphs live in the workers (every rank captures the same ladders, or none does:
+        # distributed/graph_capture.py); rank 0's captured sizes, [] where the steps run eagerly.
+        self.graph_runner = self.mixed_graph_runner = None
+        self.graph_sizes, self.mixed_graph_sizes = list(ready[0][6]), list(ready[0][7])
         self._model_view = None
-        logger.info("tensor parallel: %d worker processes ready (pids %s)", self.world_size,
-                    [p.pid for p in self._procs])
+        logger.info("tensor parallel: %d worker processes ready (pids %s); CUDA graphs: %s", self.world_size,
+                    [p.pid for p in self._procs],
+                    f"{len(self.graph_sizes)} decode sizes" if self.graph_sizes else "off")
 
     @property
     def load_seconds(self) -> float:

@@ -19,7 +19,7 @@ from typing import Optional
 
 # Messages, msgpack arrays. Core -> worker: [STEP, batch bytes] | [SHUTDOWN]. Worker -> core: [READY, rank,
 # [num_blocks, num_state_slots, {startup phase: seconds}, num_state_snapshots, state_snapshot_stride,
-# bytes_per_block]] |
+# bytes_per_block, [decode graph sizes], [prefill graph sizes]]] (graph sizes [] where the rank runs eagerly) |
 # [OUTPUT, rank, output bytes] (rank 0 only) |
 # [ERROR, rank, [exception type name, text]].
 STEP, SHUTDOWN, READY, OUTPUT, ERROR = 1, 2, 10, 11, 12
@@ -38,6 +38,11 @@ def _cpu_threads(device: str, world_size: int) -> None:
     except AttributeError:
         ncpu = os.cpu_count() or 1
     torch.set_num_threads(max(1, ncpu // world_size))
+
+
+def _graph_sizes(graph_runner) -> list:
+    """The sizes a runner's graph ladder captured ([] without one: eager)."""
+    return list(graph_runner.sizes) if graph_runner is not None else []
 
 
 def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr: str, parent_pid: Optional[int],
@@ -77,7 +82,9 @@ def worker_main(rank: int, config, init_method: str, step_addr: str, result_addr
         runner = ModelRunner(config)
         results.send(msgpack.packb([READY, rank, [runner.num_blocks, runner.num_state_slots,
                                                   runner.startup_phases, runner.num_state_snapshots,
-                                                  runner.state_snapshot_stride, runner.bytes_per_block]]))
+                                                  runner.state_snapshot_stride, runner.bytes_per_block,
+                                                  _graph_sizes(runner.graph_runner),
+                                                  _graph_sizes(runner.mixed_graph_runner)]]))
         while True:
             if not steps.poll(PARENT_POLL_MS):
                 if parent_pid is not None and os.getppid() != parent_pid:

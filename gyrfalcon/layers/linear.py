@@ -11,7 +11,9 @@ land at row offsets in blocks. quant_block None: the plain weight in the model d
 Tensor parallelism (gyrfalcon/distributed): the fused MergedLinear / QKVLinear are column-parallel (each rank holds
 its rows of every shard: its heads, its slice of the intermediate dim) and RowParallelLinear takes the matching
 input slice and all-reduces its partial products. Each weight_loader narrows the checkpoint tensor to the rank's
-slice, so the same loading code runs at every world size (at 1 the slice is the whole tensor).
+slice, so the same loading code runs at every world size (at 1 the slice is the whole tensor). An FP8 weight's
+block scales narrow alike, to the blocks of the rank's rows or columns: a shard must start and end on the block
+grid (a multiple of 128 rows or columns; refused before loading otherwise: layers/quantization/fp8.py check_tp_shards).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon import envs
-from gyrfalcon.distributed import as_tensor, shard_size, tp_all_reduce, tp_rank, tp_size
+from gyrfalcon.distributed import as_tensor, shard_size, tp_all_reduce, tp_collectives, tp_rank, tp_size
 from gyrfalcon.kernels.common import use_triton
 from gyrfalcon.kernels.fp8_gemm import fp8_block_gemm
 from gyrfalcon.kernels.gemv import linear_gemv_rows, norm_gemv_triton
@@ -53,8 +55,7 @@ class Linear(nn.Module):
         product is added to it in place and add_to returned (the residual add inside the GEMM: cuBLAS's
         beta = 1, or the GEMV's epilogue; folded norms, layers/norm_linear.py)."""
         if self.quant_block is not None:
-            y = fp8_block_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.quant_block)
-            y = y.view(*x.shape[:-1], self.out_features)
+            y = self._fp8_product(x)
             if self.bias is not None:
                 y = y + self.bias
             return y if add_to is None else add_to.add_(y)
@@ -65,6 +66,11 @@ class Linear(nn.Module):
         if self.bias is not None:
             return add_to.add_(F.linear(x, self.weight, self.bias))
         return add_to.addmm_(x, self.weight.t())
+
+    def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T of the FP8 weight, without the bias."""
+        y = fp8_block_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv, self.quant_block)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _fp8.check_weight_dtype(self, param, loaded)
@@ -119,10 +125,12 @@ class MergedLinear(Linear):
         if shard_id is None:
             if tp_size() == 1:
                 return super().weight_loader(param, loaded)
-            # One checkpoint tensor holding every shard, stacked in order: each shard's slice of it.
+            # One checkpoint tensor holding every shard, stacked in order: each shard's slice of it (of an FP8
+            # weight's scales: its block rows, every shard but the last a whole number of blocks).
+            bn = self.quant_block[0] if self.quant_block is not None and param is self.weight_scale_inv else 1
             off = 0
             for sid, (_, full) in self.tp_slices.items():
-                self.weight_loader(param, loaded.narrow(0, off, full), sid)
+                self.weight_loader(param, loaded.narrow(0, off // bn, -(-full // bn)), sid)
                 off += full
             return None
         if self.quant_block is not None and param is self.weight_scale_inv:
@@ -192,6 +200,8 @@ class ColumnParallelLinear(Linear):
                 raise ValueError(f"Shape mismatch: a column-parallel weight of {self.full_out_features} output rows "
                                  f"vs checkpoint {tuple(loaded.shape)}.")
             loaded = loaded.narrow(0, tp_rank() * self.out_features, self.out_features)
+        elif tp_size() > 1 and self.quant_block is not None and param is self.weight_scale_inv:
+            loaded = _fp8.narrow_scales(self, loaded, 0, self.full_out_features)
         super().weight_loader(param, loaded, shard_id)
 
 
@@ -208,12 +218,12 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_tokens, in_features / tp] -> [num_tokens, out_features]; add_to: as Linear's, after the sum."""
-        if tp_size() == 1:
+        if not tp_collectives():
             return super().forward(x, add_to)
         if self.bias is None:
             y = super().forward(x)
-        else:
-            y = F.linear(x, self.weight)
+        else:  # (the bias after the sum, once)
+            y = F.linear(x, self.weight) if self.quant_block is None else self._fp8_product(x)
         if self.reduce:
             y = tp_all_reduce(y)
             if self.bias is not None:
@@ -228,4 +238,6 @@ class RowParallelLinear(Linear):
                 raise ValueError(f"Shape mismatch: a row-parallel weight of {self.full_in_features} input columns "
                                  f"vs checkpoint {tuple(loaded.shape)}.")
             loaded = loaded.narrow(1, tp_rank() * self.in_features, self.in_features)
+        elif tp_size() > 1 and self.quant_block is not None and param is self.weight_scale_inv:
+            loaded = _fp8.narrow_scales(self, loaded, 1, self.full_in_features)
         super().weight_loader(param, loaded, shard_id)

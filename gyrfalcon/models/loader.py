@@ -173,15 +173,14 @@ def _load_dummy(model: torch.nn.Module, seed: int, device: str) -> None:
 def check_tensor_parallel(cls, quant, tp: int) -> None:
     """Under tensor parallelism (gyrfalcon/distributed: the worker set the group up before loading) every layer
     builds this rank's shard and each weight_loader narrows the checkpoint tensor it gets to that shard. Refuse
-    what does not shard yet, before building anything (the engine asks before it starts workers: executor.py)."""
+    what does not shard yet, before building anything (the engine asks before it starts workers: executor.py). FP8
+    weights shard with their block scales (layers/quantization/fp8.py: shards of whole blocks, refused otherwise
+    when the model is built)."""
     if tp == 1:
         return
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size={tp}); "
                          "docs/parallelism.md lists the families that do.")
-    if quant is not None:
-        raise ValueError("FP8 weights with tensor parallelism are not supported yet: their block scales would "
-                         "need the same narrowing as the weights.")
 
 
 def load_model(model_config, device: str) -> torch.nn.Module:

@@ -18,6 +18,10 @@ which a batch replays it; capture_metadata gives the batch such a graph captures
 Verify steps of speculative decoding (b sequences of 1 + k tokens, every row sampled) replay graphs of their
 own, keyed like the others by (number of tokens, query length), for each k the config asks for.
 
+Under tensor parallelism the steps' all-reduces are captured too (NCCL kernels in the graph): every rank captures
+the same ladder (from the config) and the ranks agree after each capture that all of them captured it
+(distributed/graph_capture.py).
+
 Models with linear-attention layers (Gated DeltaNet) find each row's state slot in a static state_slots input too
 (ForwardBatch.state_slots): the kernels gather and update the state pools through it inside the graph. Padding rows
 point at the pools' spare padding slot (runner/kv_cache.py allocates one past the slots requests hold): their
@@ -34,6 +38,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from gyrfalcon.distributed import agreed_capture, capture_error_mode, ranks_agree
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.common import pdl_disabled, pdl_mode, pdl_possible, pdl_warmup
 from gyrfalcon.layers.attention import get_backend
@@ -71,8 +76,12 @@ def _capture(fb, step, kv_caches, pool):
             step()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            out = step()
+
+        def capture():
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_error_mode()):
+                return step()
+        # Under tensor parallelism the ranks agree that each captured (distributed/graph_capture.py).
+        out = agreed_capture(capture)
     return g, out
 
 
@@ -133,7 +142,7 @@ def capture_ladder(sizes: List[int], kv_caches, prepare, report: Optional[dict] 
             ms_pdl, ms_off = time_replays([g, g_off])
             if ctx:
                 at_context(0)
-            keep_pdl = ms_pdl < ms_off
+            keep_pdl = ranks_agree(ms_pdl < ms_off)  # (tensor parallel: every rank keeps the same kind)
             if report is not None:
                 report.update(batch1_ms_pdl=ms_pdl, batch1_ms_no_pdl=ms_off, batch1_pdl=keep_pdl,
                               batch1_context=ctx)

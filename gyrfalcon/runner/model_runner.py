@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from gyrfalcon.distributed import GraphCaptureFailed, warm_up_collectives
 from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.kernels.gated_delta.saves import save_table, state_saves_from_table
@@ -166,6 +167,7 @@ class ModelRunner:
         graphs = (self.device.type == "cuda" and not config.enforce_eager
                   and getattr(self.model, "supports_cuda_graphs", True))
         if graphs:
+            warm_up_collectives(self.device)  # (tensor parallel: NCCL's communicator before any capture)
             k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
@@ -174,7 +176,9 @@ class ModelRunner:
                 query_lens=(1, 1 + k) if k and not self._rollback_layers else (1,),
                 state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
                 else None)
-            self.graph_runner.capture()
+            graphs = self._capture_or_fall_back(self.graph_runner)
+            if not graphs:
+                self.graph_runner = None
             clock("decode_graphs")
             if callable(getattr(self.proposer, "capture_graphs", None)):  # a draft model's passes (spec_decode/)
                 self.proposer.capture_graphs(self.graph_runner)
@@ -185,7 +189,8 @@ class ModelRunner:
         if (graphs and getattr(self.model, "supports_mixed_graphs", True)
                 and not getattr(self.proposer, "uses_target_hidden", False) and not self._rollback_layers):
             self.mixed_graph_runner = self._mixed_graph_runner()
-            self.mixed_graph_runner.capture()
+            if not self._capture_or_fall_back(self.mixed_graph_runner):
+                self.mixed_graph_runner = None
             clock("prefill_graphs")
         logger.info("model loaded in %.1f s; caches: %s; CUDA graphs: %s", self.load_seconds,
                     self.cache_plan.describe(self.num_blocks, self.num_state_slots,
@@ -211,6 +216,18 @@ class ModelRunner:
             last[0] = now
             return self.startup_phases[name]
         return clock
+
+    def _capture_or_fall_back(self, graph_runner) -> bool:
+        """graph_runner.capture(); False (its steps then run eagerly) when some tensor-parallel rank could not
+        capture a graph: every rank gets GraphCaptureFailed at the same point (distributed/graph_capture.py), so
+        all fall back together. Elsewhere a capture error propagates."""
+        try:
+            graph_runner.capture()
+        except GraphCaptureFailed as err:
+            # (its graphs' memory goes back to the allocator's cache when the caller drops the runner)
+            logger.warning("%s: %s steps run eagerly on every rank", err, type(graph_runner).__name__)
+            return False
+        return True
 
     def _mixed_graph_runner(self) -> MixedGraphRunner:
         sc = self.config.scheduler_config

@@ -11,6 +11,11 @@ checkpoint's `<module>.weight_scale_inv` tensors find it by name, with `quant_bl
   (block (1, K)); the activations get one scale per token. The same kernel runs both (kernels/fp8_gemm).
   Quantizing after the load keeps one unquantized weight per layer's worth of memory in flight only through
   the load itself: the whole model is in the model dtype until the pass (fine for what fits unquantized).
+Tensor parallelism (gyrfalcon/distributed): a sharded layer's checkpoint scales narrow with its weight, to the
+blocks of the rank's rows (column-parallel, each projection of a fused layer) or columns (row-parallel), and an
+expert's to the rank's slice of its intermediate rows; so each shard must be a whole number of blocks
+(check_tp_shards, check_expert_alignment: refused, naming the layer, before anything loads). Per-channel scales
+are computed after the load from the rank's own shard and need nothing.
 Linear modules and the MoE experts (layers/moe.py FusedExperts) convert: embeddings, the LM head, norms and MoE
 routers have their own modules and stay in the model dtype. A quantized Linear never takes the GEMV / folded-norm
 paths (layers/norm_linear.py): both read a plain weight.
@@ -33,6 +38,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from gyrfalcon.distributed import as_tensor, tp_rank, tp_size
 from gyrfalcon.kernels.fp8_gemm import FP8_DTYPE, quantize_weight_blockwise, quantize_weight_per_channel
 
 _SCOPE: List[Optional[Tuple[int, int]]] = [None]
@@ -101,10 +107,64 @@ def check_shard_alignment(linear, shards) -> None:
                 "cannot stack; list the module in modules_to_not_convert or use a checkpoint with aligned shapes.")
 
 
+def check_tp_shards(linear, name: str = "") -> None:
+    """Under tensor parallelism a checkpoint-quantized Linear's shard must start and end on the scales' block grid:
+    a ColumnParallelLinear's output rows and each sharded projection of a MergedLinear a multiple of bn, a
+    RowParallelLinear's input columns a multiple of bk (else one of the rank's blocks would hold parts of two
+    checkpoint blocks under two scales). ValueError naming the layer otherwise."""
+    if tp_size() == 1 or linear.quant_block is None or linear.quant_block[0] == 1:  # (per-channel: any split)
+        return
+    from gyrfalcon.layers.linear import MergedLinear
+
+    bn, bk = linear.quant_block
+    where = f" {name}" if name else ""
+    if isinstance(linear, MergedLinear) and type(linear)._rank_slice is not MergedLinear._rank_slice:
+        # (a shard gathered from several blocks of its checkpoint tensor, e.g. Qwen3.5's flat in_proj_qkv: its
+        # scales would need the same gathering, which load_scale_shard does not do)
+        raise ValueError(f"FP8 block quantization with tensor_parallel_size {tp_size()}: {type(linear).__name__}"
+                         f"{where} takes its shard from several parts of the checkpoint tensor, whose block scales "
+                         "do not shard yet; list it in modules_to_not_convert or use tensor_parallel_size 1.")
+    parts = []
+    if hasattr(linear, "tp_slices"):  # MergedLinear / QKVLinear: each projection split (not replicated whole)
+        parts = [(f"projection {sid!r}'s rows", linear.shards[sid][1], bn)
+                 for sid, (_, full) in linear.tp_slices.items() if linear.shards[sid][1] != full]
+    elif hasattr(linear, "full_out_features"):  # ColumnParallelLinear
+        parts = [("output rows", linear.out_features, bn)]
+    elif hasattr(linear, "full_in_features"):  # RowParallelLinear
+        parts = [("input columns", linear.in_features, bk)]
+    for what, n, block in parts:
+        if n % block:
+            raise ValueError(
+                f"FP8 block quantization with tensor_parallel_size {tp_size()}: each rank's shard of the "
+                f"{what} of {type(linear).__name__}{where} is {n}, not a multiple of the {block}-wide scale "
+                "block, so the checkpoint's block scales cannot be split between the ranks; choose a "
+                "tensor_parallel_size whose shards are whole blocks (or expert parallelism for MoE experts).")
+
+
+def narrow_scales(linear, loaded, dim: int, full: int):
+    """This rank's blocks along `dim` (0: rows, 1: columns) of a sharded layer's checkpoint scales, `full` rows
+    or columns of weight in all (check_tp_shards made the shard a whole number of blocks)."""
+    block = linear.quant_block[dim]
+    n = linear.weight.shape[dim] // block
+    if loaded.shape[dim] != -(-full // block):
+        raise ValueError(f"Shape mismatch: weight_scale_inv of {-(-full // block)} blocks along dim {dim} expected, "
+                         f"checkpoint {tuple(loaded.shape)}.")
+    return loaded.narrow(dim, tp_rank() * n, n)
+
+
 def load_scale_shard(linear, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
-    """A shard's weight_scale_inv rows [ceil(size / bn), ceil(K / bk)] into the fused scales (offsets in blocks)."""
+    """A shard's weight_scale_inv rows [ceil(size / bn), ceil(K / bk)] into the fused scales (offsets in blocks);
+    under tensor parallelism the rank's block rows of the checkpoint's (the slice MergedLinear._rank_slice takes of
+    the weight)."""
     bn = linear.quant_block[0]
     off, size = linear.shards[shard_id]
+    index, full = linear.tp_slices[shard_id]
+    if size != full:
+        if loaded.shape[0] != -(-full // bn):
+            raise ValueError(f"Shape mismatch for the weight_scale_inv of shard {shard_id!r}: {-(-full // bn)} "
+                             f"block rows expected, checkpoint {tuple(loaded.shape)}.")
+        loaded = loaded.narrow(0, index * (size // bn), size // bn)
+    loaded = as_tensor(loaded)
     dst = param.data.narrow(0, off // bn, -(-size // bn))
     if dst.shape != loaded.shape:
         raise ValueError(f"Shape mismatch for the weight_scale_inv of shard {shard_id!r}: {tuple(dst.shape)} vs "
@@ -143,6 +203,7 @@ def prepare_model(model: nn.Module, modules_to_not_convert: Iterable[str], dtype
         elif any(hits[1:]):
             raise ValueError(f"modules_to_not_convert lists some but not all projections fused into {name}.")
         else:
+            check_tp_shards(m, name)
             n += 1
     return n
 
@@ -219,10 +280,17 @@ def check_expert_alignment(experts, name: str = "") -> None:
     """Checkpoint FP8 experts: gate_proj and up_proj were quantized apart, each with its own
     [ceil(I / bn), ceil(H / bk)] scales; stacked into w13 they stay per-block exact only when I is a multiple
     of bn (else one block of w13 rows would hold gate rows and up rows under two different scales)."""
-    bn = experts.quant_block[0]
+    bn, bk = experts.quant_block
     inter = experts.intermediate_size
+    where = f" {name}" if name else ""
+    if inter != experts.full_intermediate_size and inter % bk:  # each rank's slice of every expert (tensor parallel)
+        raise ValueError(
+            f"FP8 block quantization with tensor_parallel_size {tp_size()}: each rank's slice of the MoE experts"
+            f"{where} is {inter} of their {experts.full_intermediate_size} intermediate rows, not a multiple of the "
+            f"{bk}-wide scale block, so the checkpoint's block scales cannot be split between the ranks; use expert "
+            "parallelism (--enable-expert-parallel: each rank holds whole experts) or a smaller "
+            "tensor_parallel_size.")
     if inter % bn:
-        where = f" {name}" if name else ""
         raise ValueError(
             f"FP8 block quantization: the MoE experts{where} have intermediate size {inter}, not a multiple of the "
             f"{bn}-row weight block, so each expert's separately quantized gate_proj and up_proj scale blocks "
@@ -234,11 +302,20 @@ def load_expert_scale(experts, param: nn.Parameter, loaded: torch.Tensor, expert
     """One checkpoint projection's weight_scale_inv into the stacked scales: half 0 / 1 (gate / up) the
     [I / bn, ceil(H / bk)] rows at block row half * I / bn of w13_weight_scale_inv[expert]; None the whole
     w2_weight_scale_inv[expert] [ceil(H / bn), ceil(I / bk)]."""
+    expert -= experts.expert_start
+    if not 0 <= expert < experts.num_local_experts:
+        return  # another rank's expert (expert parallelism)
     dst = param.data[expert]
+    bn, bk = experts.quant_block
+    inter, full = experts.intermediate_size, experts.full_intermediate_size
     if half is not None:
         check_expert_alignment(experts)
-        rows = experts.intermediate_size // experts.quant_block[0]
+        rows = inter // bn
         dst = dst.narrow(0, half * rows, rows)
+        if inter != full and loaded.shape[0] == full // bn:  # this rank's slice of each expert: its block rows
+            loaded = loaded.narrow(0, tp_rank() * rows, rows)
+    elif inter != full and loaded.dim() == 2 and loaded.shape[1] == -(-full // bk):  # w2: its block columns
+        loaded = loaded.narrow(1, tp_rank() * (inter // bk), inter // bk)
     if dst.shape != loaded.shape:
         raise ValueError(f"Shape mismatch for the weight_scale_inv of expert {expert} shard {half}: "
                          f"{tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}.")
