@@ -20,7 +20,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="the draft's directory (config.json, model.safetensors) and the "
                    "run's checkpoint and captured data")
     g.add_argument("--max-tokens", type=int, default=256, help="the longest regenerated response")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the responses")
+    g.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                   help="sampling temperature of the responses; several values: one response per prompt and value "
+                        "(e.g. 0 0.8 0.8: the greedy one and two samples)")
     g.add_argument("--raw-prompts", action="store_true",
                    help="tokenize prompts as they are, without the tokenizer's chat template")
     t = p.add_argument_group("draft")

@@ -74,15 +74,28 @@ def encode_prompts(tok, prompts: Sequence[object], raw: bool = False) -> List[Li
     return encoded
 
 
-def generate_sequences(llm, prompts: Sequence[object], max_tokens: int, temperature: float = 0.0,
+def generate_sequences(llm, prompts: Sequence[object], max_tokens: int, temperature=0.0,
                        raw: bool = False, seed: Optional[int] = None) -> List[tuple]:
-    """Regenerate responses with the target itself: [(prompt ids + response ids, prompt length)]."""
+    """Regenerate responses with the target itself: [(prompt ids + response ids, prompt length)], one response per
+    prompt and temperature (a float or a sequence of them), grouped by temperature. A greedy response is what
+    verification keeps; sampled ones show the head more contexts of the same prompts at no cost in prompts. Response
+    j of a prompt draws from seed + j, so two sampled responses at one temperature differ."""
     from gyrfalcon.sampling_params import SamplingParams
 
+    temps = [float(temperature)] if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if not temps or any(t < 0 for t in temps):
+        raise ValueError(f"temperatures must be >= 0, got {temps}.")
+    if temps.count(0.0) > 1:
+        raise ValueError("two greedy responses per prompt would be the same sequence twice.")
     encoded = encode_prompts(llm.get_tokenizer(), prompts, raw)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], params)
-    return [(list(ids) + list(o.outputs[0].token_ids), len(ids)) for ids, o in zip(encoded, outs)]
+    reqs, params = [], []
+    for j, t in enumerate(temps):
+        sp = SamplingParams(temperature=t, max_tokens=max_tokens, seed=None if seed is None else seed + j)
+        reqs += [{"prompt_token_ids": ids} for ids in encoded]
+        params += [sp] * len(encoded)
+    outs = llm.generate(reqs, params)
+    return [(list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids), len(r["prompt_token_ids"]))
+            for r, o in zip(reqs, outs)]
 
 
 def capture(llm, sequences: Sequence[tuple], aux_layer_ids: Sequence[int]) -> List[CapturedSequence]:

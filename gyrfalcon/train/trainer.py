@@ -148,7 +148,7 @@ class DraftTrainer:
 
 
 def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *, max_tokens: int = 256,
-                temperature: float = 0.0, raw_prompts: bool = False, draft_vocab_size: int = 32000,
+                temperature=0.0, raw_prompts: bool = False, draft_vocab_size: int = 32000,
                 aux_layer_ids: Optional[Sequence[int]] = None, num_speculative_tokens: int = 3,
                 resume: bool = False, save_every: int = 0, stop_after: Optional[int] = None,
                 eval_prompts: Optional[str] = None, use_tqdm: bool = True, **train_kw) -> Path:

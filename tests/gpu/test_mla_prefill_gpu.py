@@ -59,8 +59,8 @@ def _absorbed(fb, cache, q_nope, q_rope, kv_b, scale, tiled):
 
 @pytest.mark.parametrize("rounds", ["one", "several"])
 def test_expanded_equals_absorbed_bf16(monkeypatch, rounds):
-    if rounds == "several":
-        monkeypatch.setattr(mla_expanded, "MIN_WORKSPACE_ROWS", 1)  # rounds of T = 1,300 rows: 3 over 3,000
+    # 2,800 context rows: one round under a 4,096-row floor; rounds of T = 1,300 rows (floor 1): 3
+    monkeypatch.setattr(mla_expanded, "MIN_WORKSPACE_ROWS", 4096 if rounds == "one" else 1)
     fb, cache, q_nope, q_rope, kv_b, scale = _step(torch.bfloat16)
     plan = mla_expanded.ExpandedPrefillPlan.for_batch(fb)
     assert len(plan.rounds(fb.block_tables, BS)) == (1 if rounds == "one" else 3)
