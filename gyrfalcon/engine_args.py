@@ -133,7 +133,8 @@ ENGINE_ARGS: Tuple[EngineArg, ...] = (
     EngineArg("num_gpu_blocks_override", "cache_config.num_gpu_blocks",
               "this many KV-cache blocks instead of what the memory budget gives (default: the budget's)", type=int),
     EngineArg("cpu_kv_cache_gb", "cache_config.cpu_kv_cache_gb",
-              "the KV cache's GiB on a CPU device when --num-gpu-blocks-override is not given", type=float),
+              "the KV cache's GiB on a CPU device when --num-gpu-blocks-override is not given (at most the blocks that "
+              "--max-num-seqs requests of --max-model-len tokens can hold)", type=float),
     # ---- the scheduler --------------------------------------------------------------------------------------
     EngineArg("max_num_seqs", "scheduler_config.max_num_seqs", "the most requests running in one batch", type=int),
     EngineArg("max_num_batched_tokens", "scheduler_config.max_num_batched_tokens",

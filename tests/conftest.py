@@ -12,6 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # triton, and the root conftest loads before any test module.
 if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # And one intra-op thread per process: scripts/test.sh runs one pytest-xdist worker per core, the tiny models'
+    # ops gain nothing from more threads, and two workers' OpenMP pools of nproc threads each, spinning on the same
+    # cores, made sampling-heavy tests 10-20x slower (tests/spec_decode/test_sampled.py: 138 s a case, 7 s with
+    # one thread). Set before torch loads; the servers and ranks the tests spawn inherit it. An explicit value wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch  # noqa: E402
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
 
 from checkpoints import make_checkpoint  # noqa: E402
 

@@ -242,6 +242,22 @@ def test_startup_reports_kv_blocks_and_max_concurrency(qwen3_ckpt, caplog):
     assert m and int(m.group(1)) == 64 and float(m.group(2)) == 64 * 8 / 128, msg
 
 
+def test_cpu_cache_stops_at_what_the_scheduler_can_hold(qwen3_ckpt):
+    """cpu_kv_cache_gb (1 GiB: ~100k of this tiny model's blocks) is cut to max_num_seqs requests of max_model_len
+    tokens (one spare block each); a smaller budget still bounds it; generation still works at that size."""
+    llm = LLM(str(qwen3_ckpt), max_model_len=128, block_size=8, max_num_seqs=3, device="cpu")
+    runner = llm.engine.runner
+    assert runner.num_blocks == 3 * (128 // 8 + 1) == llm.engine.block_manager.num_blocks
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks
+    assert (1 << 30) // runner.bytes_per_block > 100 * runner.num_blocks  # the budget alone would give far more
+    small = LLM(str(qwen3_ckpt), max_model_len=128, block_size=8, max_num_seqs=3, device="cpu",
+                cpu_kv_cache_gb=20 * runner.bytes_per_block / (1 << 30))
+    assert small.engine.runner.num_blocks == 20
+    outs = llm.generate(["def f(x):"] * 3, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [100] * 3
+
+
 def test_logit_bias(llm):
     base = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids

@@ -258,7 +258,16 @@ class ModelRunner:
             return cc.num_gpu_blocks, self.cache_plan.snapshots_beside(cc.num_gpu_blocks) if snapshots else 0
         state_bytes = (self.num_state_slots + 1) * self.cache_plan.bytes_per_slot if self.num_state_slots else 0
         if self.device.type == "cpu":
-            return self.cache_plan.split_budget(int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
+            num_blocks, num_snapshots = self.cache_plan.split_budget(
+                int(cc.cpu_kv_cache_gb * (1 << 30) - state_bytes), snapshots)
+            # No more blocks than max_num_seqs requests of max_model_len tokens (and their drafts) hold at once: a
+            # tiny model's 1 GiB would be ~500k blocks, zeroed (~1 s) and queued (~0.5 s) at every engine start
+            # for nothing but a longer-lived prefix cache. A real model's 1 GiB is far below this bound.
+            per_seq = self.config.model_config.max_model_len + self.num_lookahead_tokens \
+                + (self.config.speculative_config.num_speculative_tokens or 0)
+            per_seq_blocks = -(-per_seq // self.block_size) + 1  # + 1: a verify step's rows past a hand-set proposer
+            num_blocks = min(num_blocks, self.config.scheduler_config.max_num_seqs * per_seq_blocks)
+            return num_blocks, min(num_snapshots, num_blocks)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak(snapshots)

@@ -147,6 +147,17 @@ def test_variants_match_transformers(tmp_path, variant):
     _prefill_logits_match(ckpt)
 
 
+def kernel_path_refs(model, refs, prefix_len, max_new):
+    """The prompts the interpreted kernels run (their cost grows with the tokens): the two short prompts and the
+    first prefix_len tokens of the long one (chunks of a 16-token budget over a growing cached prefix), with
+    transformers' greedy tokens and logits for that prefix."""
+    prompt = refs[2][0][:prefix_len]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return refs[:2] + [(prompt, out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 0)[:, 0].float())]
+
+
 def _triton_prep(monkeypatch, mla_layer, calls):
     """Routes the MLA layer's fused prep through the Triton kernels (on CPU tensors, under the interpreter),
     counting launches into calls["kv_prep"] / calls["q_prep"] / calls["v_proj"]."""
@@ -250,9 +261,10 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch, form):
     _triton_prep(monkeypatch, mla_layer, calls)
     _, model, refs = hf_refs
     vocab = model.config.vocab_size
+    refs = kernel_path_refs(model, refs, 32, 8)
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=vocab)
-    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs[:3]], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs], sp, use_tqdm=False)
     assert all(calls.values()), calls
     for out, (_, ref_tokens, ref_logits) in zip(outs, refs):
         assert out.outputs[0].token_ids == ref_tokens[:8]

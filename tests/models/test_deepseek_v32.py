@@ -28,7 +28,7 @@ from gyrfalcon.layers.mlp import GatedMLP
 from gyrfalcon.layers.moe import SparseMoE
 from gyrfalcon.models.deepseek_v3 import DeepseekV32ForCausalLM
 from gyrfalcon.runner.forward_batch import build_forward_batch
-from test_deepseek_v3 import _triton_prep, expanded_prefill  # noqa: F401  (a fixture)
+from test_deepseek_v3 import _triton_prep, expanded_prefill, kernel_path_refs  # noqa: F401  (a fixture)
 from test_model_parity import (  # noqa: F401  (the shared suite, run here on this family's checkpoints)
     PROMPTS, MAX_NEW, _greedy, hf_refs, test_decode_logits_parity, family_greedy_parity as test_greedy_parity,
     family_greedy_parity_under_preemption as test_greedy_parity_under_preemption, test_prefill_logits_parity,
@@ -308,9 +308,10 @@ def test_gpu_kernels_in_the_model(tiny_ckpt, hf_refs, monkeypatch):
     monkeypatch.setattr(dsa_layer, "indexer_topk", triton_topk)
     _triton_prep(monkeypatch, mla_layer, calls)
     vocab = model.config.vocab_size
+    refs = kernel_path_refs(model, refs, 24, 6)  # the second chunk over a cached prefix longer than index_topk
     llm = LLM(str(tiny_ckpt), block_size=8, max_num_batched_tokens=16)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab)
-    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs[:3]], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": r[0]} for r in refs], sp, use_tqdm=False)
     assert all(calls.values()), calls
     for out, (_, ref_tokens, ref_logits) in zip(outs, refs):
         assert out.outputs[0].token_ids == ref_tokens[:6]

@@ -74,13 +74,14 @@ def test_verify_step_logits_match_one_token_at_a_time(model_and_prefix, backend,
     else:
         be = ReferenceBackend()
     monkeypatch.setattr(attention_layer, "get_backend", lambda device: be)
+    # One set of 5 tokens per sequence, run one at a time once; the verify step of k drafts takes each sequence's
+    # first 1 + k of them (k = 0 is itself the first one-token step).
     g = torch.Generator().manual_seed(1)
-    for k in range(5):
+    ids = torch.randint(1, vocab, (3, 5), generator=g)
+    caches = [tuple(t.clone() for t in c) for c in prefix_caches]
+    singles = torch.stack([_run(model, caches, _batch([p + j for p in PREFIX], 1), ids[:, j]) for j in range(5)], 1)
+    for k in range(1, 5):
         n = 1 + k
-        ids = torch.randint(1, vocab, (3 * n,), generator=g)
         caches = [tuple(t.clone() for t in c) for c in prefix_caches]
-        verify = _run(model, caches, _batch(PREFIX, n), ids)
-        caches = [tuple(t.clone() for t in c) for c in prefix_caches]
-        singles = [_run(model, caches, _batch([p + j for p in PREFIX], 1), ids[torch.arange(3) * n + j])
-                   for j in range(n)]
-        torch.testing.assert_close(verify, torch.stack(singles, 1).reshape(3 * n, -1), rtol=1e-4, atol=1e-4)
+        verify = _run(model, caches, _batch(PREFIX, n), ids[:, :n].reshape(-1))
+        torch.testing.assert_close(verify, singles[:, :n].reshape(3 * n, -1), rtol=1e-4, atol=1e-4)

@@ -18,14 +18,15 @@ def test_rejects_unknown_kv_cache_dtype(qwen3_ckpt):
 def test_fp8_cache_holds_more_blocks_and_generates_close_to_full_precision(qwen3_ckpt):
     from gyrfalcon import LLM
 
-    kw = dict(max_model_len=64, max_num_seqs=4)
+    # A budget small enough that the blocks, not max_num_seqs x max_model_len (the CPU cap), bound the cache.
+    kw = dict(max_model_len=64, max_num_seqs=4, cpu_kv_cache_gb=2 ** -14)
     full = LLM(str(qwen3_ckpt), **kw)
     fp8 = LLM(str(qwen3_ckpt), kv_cache_dtype="fp8", **kw)
     r_full, r_fp8 = full.engine.runner, fp8.engine.runner
     assert r_full.kv_caches[0][0].dtype == torch.float32  # the CPU's model dtype
     assert r_fp8.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert r_fp8.bytes_per_block * 4 == r_full.bytes_per_block
-    assert abs(r_fp8.num_blocks - 4 * r_full.num_blocks) <= 3  # the same bytes (1 GiB on a CPU)
+    assert abs(r_fp8.num_blocks - 4 * r_full.num_blocks) <= 3  # the same bytes (64 KiB)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [40, 41, 42]}]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     a = full.generate(prompts, sp, use_tqdm=False)
