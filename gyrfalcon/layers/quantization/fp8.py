@@ -301,10 +301,8 @@ def check_expert_alignment(experts, name: str = "") -> None:
 def load_expert_scale(experts, param: nn.Parameter, loaded: torch.Tensor, expert: int, half) -> None:
     """One checkpoint projection's weight_scale_inv into the stacked scales: half 0 / 1 (gate / up) the
     [I / bn, ceil(H / bk)] rows at block row half * I / bn of w13_weight_scale_inv[expert]; None the whole
-    w2_weight_scale_inv[expert] [ceil(H / bn), ceil(I / bk)]."""
-    expert -= experts.expert_start
-    if not 0 <= expert < experts.num_local_experts:
-        return  # another rank's expert (expert parallelism)
+    w2_weight_scale_inv[expert] [ceil(H / bn), ceil(I / bk)]. expert: the local index (FusedExperts.weight_loader
+    has subtracted expert_start and skipped other ranks' experts under expert parallelism)."""
     dst = param.data[expert]
     bn, bk = experts.quant_block
     inter, full = experts.intermediate_size, experts.full_intermediate_size
