@@ -40,6 +40,13 @@ def smollm2_path() -> Optional[str]:
     return None
 
 
+def smollm2_draft_path() -> Optional[str]:
+    """The EAGLE-3 draft of SmolLM2-135M-Instruct shipped inside the package (trained by
+    scripts/spec_decode/train_smollm2_draft.sh; docs/spec_decode.md), if present."""
+    p = Path(__file__).parent / "assets" / "smollm2-135m-instruct-eagle3"
+    return str(p) if (p / "model.safetensors").exists() else None
+
+
 def demo_model_path() -> Optional[str]:
     """The small code model shipped inside the package, if present."""
     p = Path(__file__).parent / "assets" / "demo-model"
@@ -504,6 +511,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {self.method!r}.")
         if self.method == "mtp" and self.model is None:
             self.model = target_model
+        if (self.method == "eagle3" and self.model is None and target_model is not None
+                and target_model == smollm2_path()):
+            self.model = smollm2_draft_path()  # the default model's own draft ships with gyrfalcon
         if self.model is not None and self.method != "ngram":
             self.model = resolve_hub_model(str(self.model))
             self._read_draft_config()
