@@ -51,7 +51,7 @@ def test_ties_at_chunk_boundaries_go_to_the_lower_index():
     x[4, -1] = 5  # the max is the last element
     x[5] = torch.arange(V, dtype=torch.float32)  # increasing: the last element again
     _check(x, **SMALL)
-    assert greedy_argmax_triton(x, **SMALL).tolist() == [chunk - 1, chunk, 3 * chunk + 5, 7 * chunk, V - 1, V - 1]
+    assert greedy_argmax_triton(x.to(DEVICE), **SMALL).tolist() == [chunk - 1, chunk, 3 * chunk + 5, 7 * chunk, V - 1, V - 1]
 
 
 @requires_triton
@@ -74,7 +74,7 @@ def test_special_values(dtype):
     x = x.to(dtype)
     _check(x, **SMALL)
     _check(x)  # one program per row: stage 1 writes the answer
-    assert greedy_argmax_triton(x, **SMALL).tolist()[:6] == [0, 400, 10, 50, 650, 20]
+    assert greedy_argmax_triton(x.to(DEVICE), **SMALL).tolist()[:6] == [0, 400, 10, 50, 650, 20]
     # NaNs with a sign bit (x86's 0/0) and other payloads count too.
     y = torch.zeros(2, V)
     y[0, 123] = -NAN
