@@ -3,7 +3,7 @@ eagerly over the padded static inputs the CUDA graphs capture, so these tests ho
 size: slot -1, seq_len 0), the in-graph gathers (each row's last kept position, the chained argmax -> embedding) and
 the rejected positions' slots against the proposer's eager path: the same drafts at every step, the same draft K/V
 in the cache, and greedy outputs equal to the engine's without speculation. EAGLE-3 (a random head on a 4-layer
-Llama) and DeepSeek-V3 MTP. tests/gpu/test_spec_graphs_gpu.py runs the captured graphs."""
+Llama), DeepSeek-V3 MTP and Qwen3-Next MTP. tests/gpu/test_spec_graphs_gpu.py runs the captured graphs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from checkpoints import make_checkpoint
 from eagle3_checkpoints import make_eagle3_draft
-from mtp_checkpoints import make_deepseek_mtp_checkpoint
+from mtp_checkpoints import make_deepseek_mtp_checkpoint, make_qwen3_next_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from spec_testutil import record_drafts
@@ -100,11 +100,11 @@ def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False, ref
     return outs, seen, caches, calls
 
 
-def _check(path, spec, budget):
+def _check(path, spec, budget, target_graphs=True):
     k = spec["num_speculative_tokens"]
     ref, _, _, _ = _run(path, None, False, budget)
     eager, eager_seen, eager_kv, _ = _run(path, spec, False, budget, refs=ref[0])
-    graphed, seen, kv, calls = _run(path, spec, True, budget, target_graphs=True, refs=ref[0])
+    graphed, seen, kv, calls = _run(path, spec, True, budget, target_graphs=target_graphs, refs=ref[0])
     assert graphed == eager == ref
     assert seen == eager_seen and len(seen) > 3 * len(PROMPTS)
     # The draft's K/V of every position is what the eager passes wrote (rejected positions left alone, padding
@@ -128,6 +128,13 @@ def test_eagle3_draft_graphs_match_the_eager_passes(llama_target, eagle_head):
 def test_mtp_draft_graphs_match_the_eager_passes(ds_mtp):
     """k = 1: the catch-up alone (no chain)."""
     _check(ds_mtp, {"method": "mtp", "num_speculative_tokens": 1}, 64)
+
+
+def test_qwen3_next_mtp_draft_graphs_match_the_eager_passes(tmp_path):
+    """k = 2 (a chain of one pass) over a hybrid target, whose verify steps stay eager (the linear-attention state
+    rollback tracks tokens on the host); the draft's MTP layer is gated full attention."""
+    path = make_qwen3_next_mtp_checkpoint(tmp_path / "qn")
+    _check(path, {"method": "mtp", "num_speculative_tokens": 2}, 64, target_graphs=False)
 
 
 def test_a_batch_past_the_ladder_runs_eagerly(llama_target, eagle_head):
