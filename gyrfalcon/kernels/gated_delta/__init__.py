@@ -19,7 +19,10 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
 - gated_delta_position_states_ref / conv_position_windows_ref: one sequence's recurrent state and conv window
   after each of its tokens (a speculative verify row of 1 + k tokens: the runner rolls a slot back to the state
-  after the last accepted token, layers/gated_deltanet.py). Plain torch for now: L <= 17 tokens of a few rows.
+  after the last accepted token, layers/gated_deltanet.py). Plain torch: L <= 17 tokens of a few rows.
+- gated_delta_position_states / conv_position_windows (position_states.py): the same for B rows of one uniform
+  length L (a verify step), batched with no host read, into [B, L - 1, ...] buffers (a verify graph's static
+  scratch); gather_initial takes the rows' states before the step.
 
 The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
 in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
@@ -40,6 +43,8 @@ from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, 
                                                  gated_delta_decode_ref, gated_delta_position_states_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
+from gyrfalcon.kernels.gated_delta.position_states import (conv_position_windows, gated_delta_position_states,
+                                                           gather_initial)
 from gyrfalcon.kernels.gated_delta.saves import StateSaves, save_table, state_saves_from_table
 from gyrfalcon.kernels.gated_delta.triton_chunk import gated_delta_prefill_triton
 from gyrfalcon.kernels.gated_delta.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
@@ -88,8 +93,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 __all__ = ["CHUNK_SIZE", "StateSaves", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton",
            "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_update_triton",
-           "chunk_gated_delta_rule_ref", "conv_position_windows_ref", "gated_delta_decode", "gated_delta_decode_ref",
-           "gated_delta_decode_triton", "gated_delta_position_states_ref", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
-           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref", "save_table",
+           "chunk_gated_delta_rule_ref", "conv_position_windows", "conv_position_windows_ref", "gated_delta_decode",
+           "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_position_states",
+           "gated_delta_position_states_ref", "gated_delta_prefill", "gated_delta_prefill_ref",
+           "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref", "gated_rms_norm_triton",
+           "gather_initial", "gdn_gating_ref", "recurrent_gated_delta_rule_ref", "save_table",
            "state_saves_from_table"]

@@ -1,0 +1,105 @@
+"""Verify steps of hybrid targets through the verify graphs' static inputs (runner/cuda_graph.py): the Gated DeltaNet
+layers keep each row's conv window and recurrent state after each verify token in a static scratch, batched on the
+device (kernels/gated_delta/position_states.py), and the rollback gathers from it. On a CPU the graphs' steps run
+eagerly over the padded static inputs (rows padded to the ladder's size, padding rows on the pools' spare slot), so
+these tests hold that path to the token-by-token rule and to the engine's greedy outputs without speculation, with
+drafts partly rejected at every depth. tests/gpu/test_hybrid_verify_graphs_gpu.py replays the captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
+from gyrfalcon import LLM
+from gyrfalcon.kernels.gated_delta import (conv_position_windows, conv_position_windows_ref,
+                                           gated_delta_position_states, gated_delta_position_states_ref,
+                                           gather_initial)
+from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
+from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+from test_mtp_hybrid import KW, PROMPTS, _greedy, _Oracle
+
+MAX_NUM_SEQS = 6  # verify ladder 1, 2, 4, 8: the three prompts replay size 4 (one padding row)
+
+
+def test_batched_position_states_equal_the_token_by_token_rule():
+    """Rows of one length L (grouped value heads, r = 2), some starting from zeros (has_initial False): every row's
+    states and windows after tokens 1..L - 1 equal the one-row reference's, written into a larger buffer."""
+    g = torch.Generator().manual_seed(1)
+    B, L, H, HV, dk, dv, C, K, slots_n = 3, 4, 2, 4, 8, 8, 12, 4, 5
+    q, k = torch.randn(B, L, H, dk, generator=g), torch.randn(B, L, H, dk, generator=g)
+    v, a, b = torch.randn(B, L, HV, dv, generator=g), torch.randn(B, L, HV, generator=g), torch.randn(B, L, HV, generator=g)
+    A_log, dt_bias = torch.randn(HV, generator=g) * 0.5, torch.randn(HV, generator=g)
+    pool, conv_pool = torch.randn(slots_n, HV, dk, dv, generator=g), torch.randn(slots_n, K - 1, C, generator=g)
+    x = torch.randn(B, L, C, generator=g)
+    slots, init = torch.tensor([3, 0, 4], dtype=torch.int32), torch.tensor([True, False, True])
+    s0, w0 = gather_initial(pool, slots, init), gather_initial(conv_pool, slots, init)
+    assert torch.equal(s0[1], torch.zeros(HV, dk, dv)) and torch.equal(s0[2], pool[4])
+    states, wins = torch.full((4, L, HV, dk, dv), 7.0), torch.full((4, L, K - 1, C), 7.0)  # (a scratch's B rows)
+    gated_delta_position_states(k, v, a, b, A_log, dt_bias, s0, states[:B])
+    conv_position_windows(x, w0, wins[:B])
+    for i in range(B):
+        ref = gated_delta_position_states_ref(q[i], k[i], v[i], a[i], b[i], A_log, dt_bias, s0[i])
+        torch.testing.assert_close(states[i, :L - 1], ref[:L - 1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(wins[i, :L - 1], conv_position_windows_ref(x[i], w0[i])[:L - 1])
+    # nothing written past L - 1 entries or B rows
+    assert (states[:, L - 1] == 7).all() and (states[B:] == 7).all() and (wins[B:] == 7).all()
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    path = make_qwen3_next_checkpoint(tmp_path_factory.mktemp("q3n") / "t")
+    return path, _greedy(LLM(str(path), **KW))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    path = make_qwen3_5_checkpoint(tmp_path_factory.mktemp("q35") / "t", moe=False)
+    return path, _greedy(LLM(str(path), **KW))
+
+
+def _graph_parity(path, ref, k):
+    """Greedy generation (two rounds: the second from prefix-cache hits) with oracle drafts spoiled at a cycling
+    depth, the target's decode and verify steps through a CudaGraphRunner's static inputs, the GDN layers writing
+    the static scratch the runner would allocate for a GPU's verify ladder."""
+    kw = dict(KW, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=3 * (1 + k))
+    llm = LLM(str(path), **kw, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    r = llm.engine.runner
+    r.proposer = _Oracle(ref, k)
+    layers = [m for m in r.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert layers and all(m.verify_len == 1 + k for m in layers)
+    for m in layers:
+        m.allocate_verify_scratch(8, r.device)  # (the ladder's largest size)
+    assert r._verify_graphs_capturable()
+    g = CudaGraphRunner(r.model, r.kv_caches, MAX_NUM_SEQS, kw["max_model_len"], r.block_size, r.device,
+                        r.last_sampled, query_lens=(1, 1 + k),
+                        state_padding_slot=r.cache_plan.padding_slot(r.num_state_slots))
+    verify_rows = []
+    run = g.run
+
+    def spy(sched_reqs, last_rows=None):
+        out = run(sched_reqs, last_rows)
+        if g.query_len_of(sched_reqs) == 1 + k:
+            verify_rows.append(len(sched_reqs))
+            # The kept states are the static scratch's first rows (padded batch), not per-step tensors.
+            conv, state, row_map = layers[0].position_states
+            assert row_map is None and state.data_ptr() == layers[0].verify_scratch[1].data_ptr()
+        return out
+    g.run = spy
+    r.graph_runner = g
+    assert _greedy(llm, rounds=2) == ref
+    s = llm.engine.spec_stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some drafts rejected, some kept
+    # Verify steps of all three rows (padded to 4: a padding row on the spare slot) ran through the static inputs.
+    assert 3 in verify_rows, verify_rows
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_qwen3_next_verify_graph_path_keeps_greedy_outputs(qwen3_next, k):
+    _graph_parity(*qwen3_next, k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_qwen3_5_verify_graph_path_keeps_greedy_outputs(qwen3_5, k):
+    _graph_parity(*qwen3_5, k)
