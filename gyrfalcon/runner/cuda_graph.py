@@ -27,8 +27,8 @@ Models with linear-attention layers (Gated DeltaNet) find each row's state slot 
 point at the pools' spare padding slot (runner/kv_cache.py allocates one past the slots requests hold): their
 decode step writes a state like any row's, and must not write it into a request's slot. Their verify graphs also
 write each row's state after every verify token into the layers' static scratch (layers/gated_deltanet.py), from
-which the runner rolls rejected rows back after the step; padding rows (no tokens, has no initial state) fill
-their scratch rows from zeros, which no rollback reads.
+which the runner rolls rejected rows back after the step; padding rows (no tokens of their own) fill scratch
+rows that no rollback reads.
 """
 
 from __future__ import annotations
