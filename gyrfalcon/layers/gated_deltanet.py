@@ -49,8 +49,8 @@ from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
 from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, conv_position_windows,
                                            conv_position_windows_ref, gated_delta_decode,
-                                           gated_delta_position_states, gated_delta_position_states_ref,
-                                           gated_delta_prefill, gated_rms_norm, gather_initial)
+                                           gated_delta_position_states_ref, gated_delta_prefill, gated_rms_norm,
+                                           gather_initial, verify_position_states)
 from gyrfalcon.distributed import as_tensor, shard_size, tp_rank, tp_size
 from gyrfalcon.layers.linear import Linear, MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -232,8 +232,8 @@ class GatedDeltaNet(nn.Module):
         B, L = len(slots) if slots is not None else 0, self.verify_len
         tracking = L > 1 and not batch.is_decode
         uniform = tracking and batch.uniform_query_len == L and T == B * L
-        if uniform:  # the rows' states before the step, on the device (the ops below update the slots in place)
-            before = (gather_initial(conv_states, slots, has_initial), gather_initial(states, slots, has_initial))
+        if uniform:  # the rows' windows before the step (the conv below updates the slots in place)
+            conv0 = gather_initial(conv_states, slots, has_initial)
         else:
             tracked = self._tracked(batch, has_initial) if tracking else []
             before = [(conv_states[slot].clone(), states[slot].clone()) for _, slot, _, _ in tracked]
@@ -246,19 +246,19 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        if uniform:  # (from the slots' states before the prefill below writes the step's final ones)
+            conv_out, state_out = self._verify_buffers(B, conv_states.dtype)
+            conv_position_windows(raw.view(B, L, -1), conv0, conv_out)
+            verify_position_states(k.view(B, L, self.num_k_heads, -1), v.view(B, L, self.num_v_heads, -1),
+                                   a.view(B, L, -1), b.view(B, L, -1), self.A_log, self.dt_bias, states, slots,
+                                   has_initial, state_out)
+            self.position_states = (conv_out, state_out, None)
         if decode:
             o = gated_delta_decode(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, has_initial)
         else:
             o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial,
                                     state_snaps, saves)
-        if uniform:
-            conv_out, state_out = self._verify_buffers(B, conv_states.dtype)
-            conv_position_windows(raw.view(B, L, -1), before[0], conv_out)
-            gated_delta_position_states(k.view(B, L, self.num_k_heads, -1), v.view(B, L, self.num_v_heads, -1),
-                                        a.view(B, L, -1), b.view(B, L, -1), self.A_log, self.dt_bias, before[1],
-                                        state_out)
-            self.position_states = (conv_out, state_out, None)
-        elif tracked:
+        if not uniform and tracked:
             self.position_states = self._pack_tracked(tracked, before, raw, q, k, v, a, b, B, conv_states.dtype)
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)

@@ -13,8 +13,8 @@ import torch
 from checkpoints import make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
 from gyrfalcon import LLM
 from gyrfalcon.kernels.gated_delta import (conv_position_windows, conv_position_windows_ref,
-                                           gated_delta_position_states, gated_delta_position_states_ref,
-                                           gather_initial)
+                                           gated_delta_position_states_ref, gather_initial,
+                                           verify_position_states_ref, verify_position_states_triton)
 from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from test_mtp_hybrid import KW, PROMPTS, _greedy, _Oracle
@@ -22,28 +22,56 @@ from test_mtp_hybrid import KW, PROMPTS, _greedy, _Oracle
 MAX_NUM_SEQS = 6  # verify ladder 1, 2, 4, 8: the three prompts replay size 4 (one padding row)
 
 
-def test_batched_position_states_equal_the_token_by_token_rule():
-    """Rows of one length L (grouped value heads, r = 2), some starting from zeros (has_initial False): every row's
-    states and windows after tokens 1..L - 1 equal the one-row reference's, written into a larger buffer."""
-    g = torch.Generator().manual_seed(1)
-    B, L, H, HV, dk, dv, C, K, slots_n = 3, 4, 2, 4, 8, 8, 12, 4, 5
-    q, k = torch.randn(B, L, H, dk, generator=g), torch.randn(B, L, H, dk, generator=g)
+def _verify_inputs(B, L, H, HV, dk, dv, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # rows strided as the layer's are (column slices of a projection)
+    k = torch.randn(B, L, H, dk + 3, generator=g)[..., 3:]
     v, a, b = torch.randn(B, L, HV, dv, generator=g), torch.randn(B, L, HV, generator=g), torch.randn(B, L, HV, generator=g)
     A_log, dt_bias = torch.randn(HV, generator=g) * 0.5, torch.randn(HV, generator=g)
-    pool, conv_pool = torch.randn(slots_n, HV, dk, dv, generator=g), torch.randn(slots_n, K - 1, C, generator=g)
-    x = torch.randn(B, L, C, generator=g)
+    pool = torch.randn(5, HV, dk, dv, generator=g)
+    pool[0] = float("nan")  # (a row without an initial state must not read its slot)
+    return k, v, a, b, A_log, dt_bias, pool
+
+
+def test_batched_position_states_equal_the_token_by_token_rule():
+    """Rows of one length L (grouped value heads, r = 2), one starting from zeros (has_initial False): every row's
+    states and windows after tokens 1..L - 1 equal the one-row reference's, written into a larger buffer."""
+    B, L, H, HV, dk, dv, C, K = 3, 4, 2, 4, 8, 8, 12, 4
+    k, v, a, b, A_log, dt_bias, pool = _verify_inputs(B, L, H, HV, dk, dv)
+    g = torch.Generator().manual_seed(2)
+    conv_pool, x = torch.randn(5, K - 1, C, generator=g), torch.randn(B, L, C, generator=g)
     slots, init = torch.tensor([3, 0, 4], dtype=torch.int32), torch.tensor([True, False, True])
     s0, w0 = gather_initial(pool, slots, init), gather_initial(conv_pool, slots, init)
     assert torch.equal(s0[1], torch.zeros(HV, dk, dv)) and torch.equal(s0[2], pool[4])
     states, wins = torch.full((4, L, HV, dk, dv), 7.0), torch.full((4, L, K - 1, C), 7.0)  # (a scratch's B rows)
-    gated_delta_position_states(k, v, a, b, A_log, dt_bias, s0, states[:B])
+    verify_position_states_ref(k, v, a, b, A_log, dt_bias, pool, slots, init, states[:B])
     conv_position_windows(x, w0, wins[:B])
+    q = torch.randn(B, L, H, dk, generator=g)  # (the one-row rule takes q; the states do not depend on it)
     for i in range(B):
         ref = gated_delta_position_states_ref(q[i], k[i], v[i], a[i], b[i], A_log, dt_bias, s0[i])
         torch.testing.assert_close(states[i, :L - 1], ref[:L - 1], rtol=1e-5, atol=1e-5)
         assert torch.equal(wins[i, :L - 1], conv_position_windows_ref(x[i], w0[i])[:L - 1])
     # nothing written past L - 1 entries or B rows
     assert (states[:, L - 1] == 7).all() and (states[B:] == 7).all() and (wins[B:] == 7).all()
+
+
+@pytest.mark.parametrize("H, HV, dv, block_v", [(2, 4, 8, None), (1, 3, 40, 16)])
+def test_position_states_kernel_matches_reference(H, HV, dv, block_v):
+    """triton_position_states.py (the interpreter on a CPU) against the plain-torch reference: grouped value heads,
+    a dv that is not a power of two over several value tiles, a row from zeros, the slot pool left alone."""
+    pytest.importorskip("triton")
+    B, L, dk = 3, 4, 8
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (compiled kernels want CUDA tensors)
+    k, v, a, b, A_log, dt_bias, pool = (t.to(dev) for t in _verify_inputs(B, L, H, HV, dk, dv, seed=3))
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=dev)
+    init = torch.tensor([True, False, True], device=dev)
+    want = verify_position_states_ref(k, v, a, b, A_log, dt_bias, pool, slots, init,
+                                      torch.zeros(B, L - 1, HV, dk, dv, device=dev))
+    before = pool.clone()
+    got = verify_position_states_triton(k, v, a, b, A_log, dt_bias, pool, slots, init,
+                                        torch.zeros(B, L - 1, HV, dk, dv, device=dev), block_v=block_v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[1:], before[1:]) and pool[0].isnan().all()
 
 
 @pytest.fixture(scope="module")

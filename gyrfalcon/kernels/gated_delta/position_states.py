@@ -6,9 +6,10 @@ draft; if the target then rejects drafts, the runner sets the slot to the state 
 write the conv window and the recurrent state after tokens 1..L - 1 of every row into [B, L - 1, ...] buffers
 (the state after token L is the slot's own, so it is not kept), which a rollback gathers from on the device.
 
-Plain torch: L - 1 <= 3 or so elementwise passes over [B, HV, dk, dv] (the same token-by-token rule as
-naive.gated_delta_position_states_ref, which is the one-row oracle the tests hold these to). A Triton kernel
-fused into the chunked prefill would save the passes' memory traffic; the outputs would be the same.
+verify_position_states_ref is the plain-torch reference of triton_position_states.py's kernel (the one-row
+naive.gated_delta_position_states_ref is the oracle both are held to): L - 1 elementwise passes over
+[B, HV, dk, dv], each a few reads and writes of every row's state, where the kernel reads each state once and
+writes the L - 1 results. The conv windows are small ([K - 1, C] a token): plain torch on every device.
 """
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ def gather_initial(pool: torch.Tensor, slots: torch.Tensor, has_initial_state: t
     return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
 
 
-def gated_delta_position_states(k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                                A_log: torch.Tensor, dt_bias: torch.Tensor, state0: torch.Tensor,
-                                out: torch.Tensor) -> torch.Tensor:
-    """k [B, L, H, dk]; v [B, L, HV, dv]; a, b [B, L, HV]; A_log, dt_bias [HV]; state0 [B, HV, dk, dv] fp32 (each
-    row's state before its first token) -> out [B, >= L - 1, HV, dk, dv] fp32, entry j of row i the state after
-    its token j + 1 (q is not needed: it reads the state, it does not change it). Written in place and returned."""
+def verify_position_states_ref(k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                               A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                               state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                               out: torch.Tensor) -> torch.Tensor:
+    """k [B, L, H, dk]; v [B, L, HV, dv]; a, b [B, L, HV]; A_log, dt_bias [HV]; states [num_slots, HV, dk, dv] fp32
+    (each row's state before its first token at state_slots [B], zeros where not has_initial_state [B]; read only:
+    call it before the step's prefill updates the slots) -> out [B, >= L - 1, HV, dk, dv] fp32, entry j of row i
+    the state after its token j + 1 (q is not needed: it reads the state, it does not change it). Written in
+    place and returned."""
     L, HV = v.shape[1], v.shape[2]
     g, beta = gdn_gating_ref(a, b, A_log, dt_bias)  # [B, L, HV] fp32
     decay = g.exp()
     kn = _l2norm(_gva_expand(k.float(), HV))  # [B, L, HV, dk]
-    S = state0.float()
+    S = gather_initial(states, state_slots, has_initial_state).float()
     for t in range(L - 1):
         S = S * decay[:, t, :, None, None]
         # delta = beta (v - S^T k): [B, HV, dv]
