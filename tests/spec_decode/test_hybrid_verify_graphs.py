@@ -15,7 +15,10 @@ from gyrfalcon import LLM
 from gyrfalcon.kernels.gated_delta import (conv_position_windows, conv_position_windows_ref,
                                            gated_delta_position_states_ref, gather_initial,
                                            verify_position_states_ref, verify_position_states_triton)
+from gyrfalcon.forward_context import forward_context
 from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
 from test_mtp_hybrid import KW, PROMPTS, _greedy, _Oracle
 
@@ -72,6 +75,64 @@ def test_position_states_kernel_matches_reference(H, HV, dv, block_v):
                                         torch.zeros(B, L - 1, HV, dk, dv, device=dev), block_v=block_v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(pool[1:], before[1:]) and pool[0].isnan().all()
+
+
+def test_uniform_and_one_by_one_tracking_roll_back_alike():
+    """One Gated DeltaNet layer runs the same verify step of three rows (one starting at position 0) as a uniform
+    step (batched on the device, into the static scratch) and as a ragged one (one by one, a host read): the same
+    outputs and final slots; rolling rows 0 and 2 back to 1 and 3 kept tokens gives the same slots both ways, the
+    slots that a step of only those tokens leaves."""
+    torch.manual_seed(0)
+    hidden, H, HV, dk, dv, K, B, L = 32, 2, 4, 8, 8, 4, 3, 4
+    layer = GatedDeltaNet(hidden, H, HV, dk, dv, K, 1e-6, layer_idx=0)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer.bind_input_norm(RMSNorm(hidden))
+    layer.verify_len = L
+    layer.allocate_verify_scratch(4, torch.device("cpu"))
+    C = layer.conv_dim
+    pools = (torch.randn(5, K - 1, C), torch.randn(5, HV, dk, dv))
+    x = torch.randn(B * L, hidden)
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32)
+    rows, keep = torch.tensor([0, 2]), torch.tensor([1, 3])
+
+    seq_lens = [9, L, 6]
+
+    def run(caches, x, lens, seq_lens, slots, uniform_query_len=0):
+        T, n = x.shape[0], len(lens)
+        fb = ForwardBatch(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T),
+                          slot_mapping=torch.full((T,), -1), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                          query_start_loc=torch.tensor([0] + lens).cumsum(0).to(torch.int32),
+                          block_tables=torch.zeros(n, 1, dtype=torch.int32), logits_indices=torch.arange(T),
+                          is_decode=False, max_query_len=max(lens), max_seq_len=max(seq_lens), num_seqs=n,
+                          uniform_query_len=uniform_query_len, state_slots=slots)
+        with forward_context(fb, caches):
+            return layer(fb.positions, x, None)
+
+    def step(uniform_query_len):
+        caches = [tuple(t.clone() for t in pools)]
+        out = run(caches, x, [L] * B, seq_lens, slots, uniform_query_len)
+        final = tuple(t.clone() for t in caches[0])
+        # (both write the static scratch; only the one-by-one path needs a sequence -> entry map)
+        assert layer.position_states[1].data_ptr() == layer.verify_scratch[1].data_ptr()
+        batched = layer.position_states[2] is None
+        layer.rollback(caches, rows, slots[rows].long(), keep)
+        return out, final, caches[0], batched
+
+    out_u, final_u, rolled_u, batched_u = step(L)
+    out_r, final_r, rolled_r, batched_r = step(0)
+    assert batched_u and not batched_r
+    torch.testing.assert_close(out_u[0], out_r[0])
+    for a, b in zip(final_u + rolled_u, final_r + rolled_r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(rolled_u[1][3], final_u[1][3])  # (a rollback that changed the slot)
+    for i, n in zip(rows.tolist(), keep.tolist()):  # a step of the kept tokens only
+        caches = [tuple(t.clone() for t in pools)]
+        run(caches, x[i * L:i * L + n], [n], [seq_lens[i] - L + n], slots[i:i + 1])
+        slot = int(slots[i])
+        torch.testing.assert_close(rolled_u[0][slot], caches[0][0][slot], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rolled_u[1][slot], caches[0][1][slot], rtol=1e-4, atol=1e-4)
+    assert torch.equal(rolled_u[1][0], final_u[1][0])  # row 1 (slot 0) was not rolled back
 
 
 @pytest.fixture(scope="module")
