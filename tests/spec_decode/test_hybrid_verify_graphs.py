@@ -1,9 +1,11 @@
 """Verify steps of hybrid targets through the verify graphs' static inputs (runner/cuda_graph.py): the Gated DeltaNet
 layers keep each row's conv window and recurrent state after each verify token in a static scratch, batched on the
-device (kernels/gated_delta/position_states.py), and the rollback gathers from it. On a CPU the graphs' steps run
-eagerly over the padded static inputs (rows padded to the ladder's size, padding rows on the pools' spare slot), so
-these tests hold that path to the token-by-token rule and to the engine's greedy outputs without speculation, with
-drafts partly rejected at every depth. tests/gpu/test_hybrid_verify_graphs_gpu.py replays the captured graphs."""
+device (kernels/gated_delta/position_states.py; the states' kernel triton_position_states.py, here in the
+interpreter), and the rollback gathers from it. The batched tracking is held to the one-row rule, one layer's
+uniform and one-by-one tracking to each other and to a step of the kept tokens alone. On a CPU the graphs' steps run
+eagerly over the padded static inputs (rows padded to the ladder's size, padding rows on the pools' spare slot):
+Qwen3-Next and Qwen3.5 keep the engine's greedy outputs without speculation there, with drafts partly rejected at
+every depth. tests/gpu/test_hybrid_verify_graphs_gpu.py replays the captured graphs."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
-from test_mtp_hybrid import KW, PROMPTS, _greedy, _Oracle
+from test_mtp_hybrid import KW, _greedy, _Oracle
 
 MAX_NUM_SEQS = 6  # verify ladder 1, 2, 4, 8: the three prompts replay size 4 (one padding row)
 
@@ -29,7 +31,8 @@ def _verify_inputs(B, L, H, HV, dk, dv, seed=1):
     g = torch.Generator().manual_seed(seed)
     # rows strided as the layer's are (column slices of a projection)
     k = torch.randn(B, L, H, dk + 3, generator=g)[..., 3:]
-    v, a, b = torch.randn(B, L, HV, dv, generator=g), torch.randn(B, L, HV, generator=g), torch.randn(B, L, HV, generator=g)
+    v = torch.randn(B, L, HV, dv, generator=g)
+    a, b = torch.randn(B, L, HV, generator=g), torch.randn(B, L, HV, generator=g)
     A_log, dt_bias = torch.randn(HV, generator=g) * 0.5, torch.randn(HV, generator=g)
     pool = torch.randn(5, HV, dk, dv, generator=g)
     pool[0] = float("nan")  # (a row without an initial state must not read its slot)
