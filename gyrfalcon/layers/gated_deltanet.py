@@ -30,9 +30,10 @@ the slot's own), from the slot's state before the step and the step's own conv i
 then sets rows' slots to the state after their n-th token, a gather on the device, once the runner knows how many
 drafts were accepted. Two ways to keep them, chosen per step:
 - uniform verify steps (every row 1 + k tokens: ForwardBatch.uniform_query_len, what the verify graphs run):
-  batched over rows with no host read and static shapes (kernels/gated_delta/position_states.py), into the
-  static scratch that allocate_verify_scratch made for the verify graph ladder ([rows, k, ...]; a larger eager
-  step allocates its own), so the verify step can be a captured CUDA graph;
+  batched over rows with no host read and static shapes, between the conv and the prefill
+  (kernels/gated_delta/position_states.py; the states in one launch on CUDA, triton_position_states.py), into
+  the static scratch that allocate_verify_scratch made for the verify graph ladder ([rows, k, ...]; a larger
+  eager step allocates its own), so the verify step can be a captured CUDA graph;
 - other steps with verify rows (mixed with prefill chunks, eager): the continuing sequences of 2..1 + k tokens
   one by one (a host read of the sequence bounds), packed the same way with a map from sequence to entry.
 The kept states live until the next step (the runner rolls back before it launches one).
