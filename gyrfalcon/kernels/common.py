@@ -189,7 +189,8 @@ KERNEL_MODULES = (
     "dsa_indexer.naive", "dsa_indexer.triton", "dsa_indexer",
     "mla_prep.naive", "mla_prep.triton", "mla_prep",
     "gated_delta.naive", "gated_delta.configs", "gated_delta.triton_decode", "gated_delta.triton_conv",
-    "gated_delta.triton_norm", "gated_delta.triton_chunk", "gated_delta",
+    "gated_delta.triton_norm", "gated_delta.triton_chunk", "gated_delta.triton_position_states",
+    "gated_delta.position_states", "gated_delta",
 )
 
 

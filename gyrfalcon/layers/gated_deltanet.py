@@ -24,11 +24,19 @@ the output norm's weight is per head dim, replicated. Its state pools hold its h
 from the local counts), and snapshot copies move whole slots, the same on every rank.
 
 Speculative decoding (verify_len = 1 + k, set by the runner): a verify row runs its 1 + k tokens like a short
-prefill chunk, which leaves the slot at the state after the last draft. For every continuing sequence of
-2..verify_len tokens the step also keeps the conv window and recurrent state after each of its tokens
-(position_states, by slot: [L, K - 1, C] and [L, HV, dk, dv]), from the slot's state before the step and the
-step's own conv inputs and q / k / v / a / b; rollback(slot, n) then sets the slot to the state after its n-th
-token once the runner knows how many drafts were accepted. The scratch lives until the next step.
+prefill chunk, which leaves the slot at the state after the last draft. The step also keeps, for each row, the conv
+window [K - 1, C] and recurrent state [HV, dk, dv] after each of its first k tokens (the one after token 1 + k is
+the slot's own), from the slot's state before the step and the step's own conv inputs and k / v / a / b; rollback
+then sets rows' slots to the state after their n-th token, a gather on the device, once the runner knows how many
+drafts were accepted. Two ways to keep them, chosen per step:
+- uniform verify steps (every row 1 + k tokens: ForwardBatch.uniform_query_len, what the verify graphs run):
+  batched over rows with no host read and static shapes, between the conv and the prefill
+  (kernels/gated_delta/position_states.py; the states in one launch on CUDA, triton_position_states.py), into
+  the static scratch that allocate_verify_scratch made for the verify graph ladder ([rows, k, ...]; a larger
+  eager step allocates its own), so the verify step can be a captured CUDA graph;
+- other steps with verify rows (mixed with prefill chunks, eager): the continuing sequences of 2..1 + k tokens
+  one by one (a host read of the sequence bounds), packed the same way with a map from sequence to entry.
+The kept states live until the next step (the runner rolls back before it launches one).
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ from torch import nn
 
 from gyrfalcon.cache_spec import LinearStateSpec
 from gyrfalcon.forward_context import get_forward_context
-from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, gated_delta_decode,
-                                           conv_position_windows_ref, gated_delta_position_states_ref,
-                                           gated_delta_prefill, gated_rms_norm)
+from gyrfalcon.kernels.gated_delta import (causal_conv1d, causal_conv1d_update, conv_position_windows,
+                                           conv_position_windows_ref, gated_delta_decode,
+                                           gated_delta_position_states_ref, gated_delta_prefill, gated_rms_norm,
+                                           gather_initial, verify_position_states)
 from gyrfalcon.distributed import as_tensor, shard_size, tp_rank, tp_size
 from gyrfalcon.layers.linear import Linear, MergedLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -163,7 +172,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(full_value_dim, hidden_size)
         self.norm_in: Optional[NormLinear] = None
         self.verify_len = 0  # 1 + k under speculative decoding (module docstring)
-        self.position_states: dict = {}
+        # The last step's kept states: (conv windows [M, k, K - 1, C], states [M, k, HV, dk, dv] fp32, the step's
+        # sequence -> entry map [B] int64, or None where entry = sequence), or None when it kept none.
+        self.position_states: Optional[tuple] = None
+        # The static [rows, k, ...] pair the verify graphs write into (allocate_verify_scratch), or None.
+        self.verify_scratch: Optional[tuple] = None
 
     def _load_conv_weight(self, param: nn.Parameter, loaded) -> None:
         """The checkpoint's conv1d.weight [C, 1, K] (every head's q | k | v channels) -> this rank's channels."""
@@ -178,6 +191,19 @@ class GatedDeltaNet(nn.Module):
         dtype = str(self.conv1d.weight.dtype).replace("torch.", "")
         return LinearStateSpec((self.conv_kernel - 1, self.conv_dim),
                                (self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype, "float32")
+
+    def allocate_verify_scratch(self, rows: int, device: torch.device) -> int:
+        """The static [rows, k, K - 1, C] conv windows and [rows, k, HV, dk, dv] fp32 states that uniform verify
+        steps of up to `rows` rows write (rows: the verify graph ladder's largest size). Returns its bytes: k
+        states of HV * dk * dv * 4 bytes per row, e.g. 3 x 2 MiB per row for Qwen3-Next-80B's 32 x 128 x 128 at
+        k = 3, so 384 MiB per layer at 64 rows (13.5 GiB over its 36 GDN layers at tensor-parallel size 1)."""
+        k = self.verify_len - 1
+        conv = torch.empty((rows, k, self.conv_kernel - 1, self.conv_dim), dtype=self.conv1d.weight.dtype,
+                           device=device)
+        state = torch.empty((rows, k, self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=torch.float32,
+                            device=device)
+        self.verify_scratch = (conv, state)
+        return conv.numel() * conv.element_size() + state.numel() * state.element_size()
 
     def bind_input_norm(self, norm: RMSNorm) -> None:
         # The norm runs on its own: in_proj_qkvz and in_proj_ba both read its output.
@@ -203,9 +229,15 @@ class GatedDeltaNet(nn.Module):
         # into the snapshot pools (a one-token chunk that ends on a boundary takes that path too).
         saves, (conv_snaps, state_snaps) = ctx.state_saves(self.layer_idx)
         decode = batch.is_decode and saves is None
-        self.position_states = {}
-        tracked = self._tracked(batch, has_initial) if self.verify_len > 1 and not batch.is_decode else []
-        before = [(conv_states[slot].clone(), states[slot].clone()) for _, slot, _, _ in tracked]
+        self.position_states = None
+        B, L = len(slots) if slots is not None else 0, self.verify_len
+        tracking = L > 1 and not batch.is_decode
+        uniform = tracking and batch.uniform_query_len == L and T == B * L
+        if uniform:  # the rows' windows before the step (the conv below updates the slots in place)
+            conv0 = gather_initial(conv_states, slots, has_initial)
+        else:
+            tracked = self._tracked(batch, has_initial) if tracking else []
+            before = [(conv_states[slot].clone(), states[slot].clone()) for _, slot, _, _ in tracked]
         raw = mixed
         if decode:
             mixed = causal_conv1d_update(mixed, w, conv_states, slots, has_initial)
@@ -215,36 +247,67 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        if uniform:  # (from the slots' states before the prefill below writes the step's final ones)
+            conv_out, state_out = self._verify_buffers(B, conv_states.dtype)
+            conv_position_windows(raw.view(B, L, -1), conv0, conv_out)
+            verify_position_states(k.view(B, L, self.num_k_heads, -1), v.view(B, L, self.num_v_heads, -1),
+                                   a.view(B, L, -1), b.view(B, L, -1), self.A_log, self.dt_bias, states, slots,
+                                   has_initial, state_out)
+            self.position_states = (conv_out, state_out, None)
         if decode:
             o = gated_delta_decode(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, has_initial)
         else:
             o = gated_delta_prefill(q, k, v, a, b, self.A_log, self.dt_bias, states, slots, qsl, has_initial,
                                     state_snaps, saves)
-        for (_, slot, s0, e0), (conv0, state0) in zip(tracked, before):
-            self.position_states[slot] = (
-                conv_position_windows_ref(raw[s0:e0], conv0),
-                gated_delta_position_states_ref(q[s0:e0], k[s0:e0], v[s0:e0], a[s0:e0], b[s0:e0], self.A_log,
-                                                self.dt_bias, state0))
+        if not uniform and tracked:
+            self.position_states = self._pack_tracked(tracked, before, raw, q, k, v, a, b, B, conv_states.dtype)
         o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))  # [T, HV, dv]
         return project_out(self.out_proj, o.reshape(T, self.value_dim), n)
 
+    def _verify_buffers(self, rows: int, conv_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """[rows, k, ...] conv windows and states of a uniform verify step: the static scratch's first rows (what a
+        captured graph writes), or new tensors for a step larger than the scratch (eager)."""
+        if self.verify_scratch is not None and rows <= self.verify_scratch[0].shape[0]:
+            return self.verify_scratch[0][:rows], self.verify_scratch[1][:rows]
+        k = self.verify_len - 1
+        dev = self.A_log.device
+        return (torch.empty((rows, k, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev),
+                torch.empty((rows, k, self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=torch.float32,
+                            device=dev))
+
     def _tracked(self, batch, has_initial: torch.Tensor):
         """[(sequence, slot, first row, end row)] of the continuing sequences of 2..verify_len tokens (a host read:
-        speculating hybrid models run their multi-token steps eagerly)."""
+        only steps that are not uniform verify steps, which run eagerly)."""
         bounds = batch.query_start_loc.tolist()
         slots, init = batch.state_slots.tolist(), has_initial.tolist()
         return [(i, slots[i], bounds[i], bounds[i + 1]) for i in range(len(slots))
                 if init[i] and 2 <= bounds[i + 1] - bounds[i] <= self.verify_len]
 
-    def rollback(self, kv_caches, slot: int, n: int) -> None:
-        """Set `slot` to the state after the first n tokens of its last step (a verify row whose later drafts were
-        rejected); no-op when the step kept all of them or did not track the slot."""
-        got = self.position_states.get(slot)
-        if got is None or n >= got[0].shape[0]:
+    def _pack_tracked(self, tracked, before, raw, q, k, v, a, b, num_seqs: int, conv_dtype: torch.dtype) -> tuple:
+        """The one-by-one tracked sequences' states after each of their tokens but the last, packed as a uniform
+        step's ([M, k, ...], entry m's first L_m - 1 filled) with the sequence -> entry map rollback reads."""
+        conv_out, state_out = self._verify_buffers(len(tracked), conv_dtype)
+        row_map = torch.full((num_seqs,), -1, dtype=torch.int64)
+        for m, ((i, _, s0, e0), (conv0, state0)) in enumerate(zip(tracked, before)):
+            n = e0 - s0 - 1
+            conv_out[m, :n] = conv_position_windows_ref(raw[s0:e0], conv0)[:n].to(conv_dtype)
+            state_out[m, :n] = gated_delta_position_states_ref(q[s0:e0], k[s0:e0], v[s0:e0], a[s0:e0], b[s0:e0],
+                                                               self.A_log, self.dt_bias, state0)[:n]
+            row_map[i] = m
+        return conv_out, state_out, row_map.to(self.A_log.device)
+
+    def rollback(self, kv_caches, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        """Set each `slots[j]` to the state after the first keep[j] tokens (1..k) of sequence rows[j] of the last
+        step (a verify row whose drafts past keep[j] - 1 were rejected): one gather per pool on the device.
+        rows, slots, keep: [M] int64 on the pools' device. Every such row was kept by the step (a verify row
+        continues its request and has 2..1 + k tokens); a step that kept none leaves the slots alone."""
+        if self.position_states is None:
             return
+        conv_src, state_src, row_map = self.position_states
+        entries = rows if row_map is None else row_map[rows]
         conv_states, states = kv_caches[self.layer_idx]
-        conv_states[slot] = got[0][n - 1].to(conv_states.dtype)
-        states[slot] = got[1][n - 1].to(states.dtype)
+        conv_states[slots] = conv_src[entries, keep - 1].to(conv_states.dtype)
+        states[slots] = state_src[entries, keep - 1]
 
 
 def _load_value_head_param(param: nn.Parameter, loaded) -> None:

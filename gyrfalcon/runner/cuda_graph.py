@@ -25,7 +25,10 @@ the same ladder (from the config) and the ranks agree after each capture that al
 Models with linear-attention layers (Gated DeltaNet) find each row's state slot in a static state_slots input too
 (ForwardBatch.state_slots): the kernels gather and update the state pools through it inside the graph. Padding rows
 point at the pools' spare padding slot (runner/kv_cache.py allocates one past the slots requests hold): their
-decode step writes a state like any row's, and must not write it into a request's slot.
+decode step writes a state like any row's, and must not write it into a request's slot. Their verify graphs also
+write each row's state after every verify token into the layers' static scratch (layers/gated_deltanet.py), from
+which the runner rolls rejected rows back after the step; padding rows (no tokens of their own) fill scratch
+rows that no rollback reads.
 """
 
 from __future__ import annotations

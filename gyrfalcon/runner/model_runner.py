@@ -18,7 +18,7 @@ from gyrfalcon.forward_context import forward_context
 from gyrfalcon.kernels.argmax import greedy_argmax
 from gyrfalcon.kernels.gated_delta.saves import save_table, state_saves_from_table
 from gyrfalcon.models.loader import load_model
-from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+from gyrfalcon.runner.cuda_graph import MAX_VERIFY_TOKENS, CudaGraphRunner, capture_sizes
 from gyrfalcon.runner.forward_batch import ForwardBatch, build_forward_batch, pack_host_batch
 from gyrfalcon.runner.mixed_graph import MixedGraphRunner
 from gyrfalcon.runner.kv_cache import CachePlan, copy_states, model_cache_specs
@@ -126,6 +126,7 @@ class ModelRunner:
             self._rollback_layers = [m for m in self.model.modules() if callable(getattr(m, "rollback", None))]
             for m in self._rollback_layers:
                 m.verify_len = 1 + config.speculative_config.num_speculative_tokens
+            self._allocate_verify_scratch(config)
         # Prefix caching for such layers restores their state from snapshots at block boundaries (a share of the cache
         # memory; engine/snapshot_pool.py decides what they hold).
         snapshots = self.cache_plan.has_state and config.cache_config.enable_prefix_caching
@@ -164,16 +165,15 @@ class ModelRunner:
         self.graph_runner: Optional[CudaGraphRunner] = None
         # A model whose layers cannot run inside a captured graph yet (the linear-attention reference ops loop over
         # sequences on the host) runs every step eagerly.
-        graphs = (self.device.type == "cuda" and not config.enforce_eager
-                  and getattr(self.model, "supports_cuda_graphs", True))
+        graphs = self._graphs_wanted(config)
         if graphs:
             warm_up_collectives(self.device)  # (tensor parallel: NCCL's communicator before any capture)
             k = config.speculative_config.num_speculative_tokens
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
                 config.model_config.max_model_len, self.block_size, self.device, self.last_sampled,
-                # (hybrid models' verify steps run eagerly: their per-token state tracking reads the host)
-                query_lens=(1, 1 + k) if k and not self._rollback_layers else (1,),
+                # (hybrid models' verify steps keep their per-token states in the layers' static scratch)
+                query_lens=(1, 1 + k) if k and self._verify_graphs_capturable() else (1,),
                 state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
                 else None)
             graphs = self._capture_or_fall_back(self.graph_runner)
@@ -216,6 +216,29 @@ class ModelRunner:
             last[0] = now
             return self.startup_phases[name]
         return clock
+
+    def _graphs_wanted(self, config) -> bool:
+        """Whether decode (and verify) steps will try CUDA graphs (the capture may still fall back)."""
+        return (self.device.type == "cuda" and not config.enforce_eager
+                and getattr(self.model, "supports_cuda_graphs", True))
+
+    def _allocate_verify_scratch(self, config) -> None:
+        """The rollback layers' static scratch for verify graphs (layers/gated_deltanet.py), sized for the verify
+        ladder's largest batch and allocated before the KV cache is sized, so the cache leaves room for it; eager
+        runs (CPU, enforce_eager) allocate per step instead."""
+        if not self._graphs_wanted(config):
+            return
+        q = 1 + config.speculative_config.num_speculative_tokens
+        rows = capture_sizes(min(config.scheduler_config.max_num_seqs, MAX_VERIFY_TOKENS // q))[-1]
+        nbytes = sum(m.allocate_verify_scratch(rows, self.device) for m in self._rollback_layers
+                     if callable(getattr(m, "allocate_verify_scratch", None)))
+        logger.info("verify-step state scratch of the linear-attention layers: %d rows, %.2f GiB", rows,
+                    nbytes / 2**30)
+
+    def _verify_graphs_capturable(self) -> bool:
+        """Verify steps can replay graphs when no layer rolls back, or every rollback layer keeps its per-token
+        states in a static scratch."""
+        return all(getattr(m, "verify_scratch", None) is not None for m in self._rollback_layers)
 
     def _capture_or_fall_back(self, graph_runner) -> bool:
         """graph_runner.capture(); False (its steps then run eagerly) when some tensor-parallel rank could not
@@ -470,6 +493,7 @@ class ModelRunner:
             if out.top_ids is not None:
                 top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         row = 0
+        rollbacks = []  # (sequence in the step, state slot, tokens kept) of verify rows with rejected drafts
         for i, r in enumerate(rows):
             if not r.sample:
                 continue
@@ -481,9 +505,7 @@ class ModelRunner:
                 n_keep += 1
             kept = tokens[row:row + n_keep + 1]
             if drafts and n_keep < len(drafts) and self._rollback_layers:  # the state after the last kept token
-                slot = st.state_slots["state"]
-                for m in self._rollback_layers:
-                    m.rollback(self.kv_caches, slot, 1 + n_keep)
+                rollbacks.append((i, st.state_slots["state"], 1 + n_keep))
             sampled[i] = kept
             st.output_token_ids.extend(kept)
             self.structured.accept(st, kept)
@@ -492,6 +514,10 @@ class ModelRunner:
                 logprobs[i] = [(lp[x], rank[x], list(zip(top_ids[x][:n], top_lps[x][:n])) if n > 0 else [])
                                for x in range(row, row + len(kept))]
             row += r.num_sampled_rows
+        if rollbacks:  # one gather per layer's pool, before any later step reads the slots
+            idx = torch.tensor(rollbacks, dtype=torch.int64).t().to(self.device)
+            for m in self._rollback_layers:
+                m.rollback(self.kv_caches, idx[0], idx[1], idx[2])
         if handle.aux_hidden is not None:
             self.proposer.set_step(handle.aux_hidden)
         spec = self.proposer.propose(rows, sampled) if self.proposer is not None else None

@@ -19,7 +19,12 @@ conv channels, H key heads of dk, HV value heads of dv (HV a multiple of H), K t
 - gated_rms_norm: the output norm rms_norm(o) * w * silu(z).
 - gated_delta_position_states_ref / conv_position_windows_ref: one sequence's recurrent state and conv window
   after each of its tokens (a speculative verify row of 1 + k tokens: the runner rolls a slot back to the state
-  after the last accepted token, layers/gated_deltanet.py). Plain torch for now: L <= 17 tokens of a few rows.
+  after the last accepted token, layers/gated_deltanet.py). Plain torch: L <= 17 tokens of a few rows.
+- verify_position_states / conv_position_windows (position_states.py): the same for B rows of one uniform
+  length L (a verify step), batched with no host read, into [B, L - 1, ...] buffers (a verify graph's static
+  scratch): the recurrent states from the rows' slots (read before the step's prefill writes them), the windows
+  from the rows' windows before the step (gather_initial). On CUDA the states come from triton_position_states
+  (one launch).
 
 The plain-torch references (naive.py) loop over sequences on the host, so a step through them cannot be captured
 in a CUDA graph; on CUDA tensors the Triton kernels run instead (triton_*.py: shapes only, no host sync):
@@ -40,11 +45,14 @@ from gyrfalcon.kernels.gated_delta.naive import (CHUNK_SIZE, causal_conv1d_ref, 
                                                  gated_delta_decode_ref, gated_delta_position_states_ref,
                                                  gated_delta_prefill_ref, gated_rms_norm_ref, gdn_gating_ref,
                                                  recurrent_gated_delta_rule_ref)
+from gyrfalcon.kernels.gated_delta.position_states import (conv_position_windows, gather_initial,
+                                                           verify_position_states_ref)
 from gyrfalcon.kernels.gated_delta.saves import StateSaves, save_table, state_saves_from_table
 from gyrfalcon.kernels.gated_delta.triton_chunk import gated_delta_prefill_triton
 from gyrfalcon.kernels.gated_delta.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
 from gyrfalcon.kernels.gated_delta.triton_decode import gated_delta_decode_triton
 from gyrfalcon.kernels.gated_delta.triton_norm import gated_rms_norm_triton
+from gyrfalcon.kernels.gated_delta.triton_position_states import verify_position_states_triton
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_slots: torch.Tensor,
@@ -80,6 +88,13 @@ def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_i
     return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state)
 
 
+def verify_position_states(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state,
+                           out: torch.Tensor) -> torch.Tensor:
+    if use_triton(v):
+        return verify_position_states_triton(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state, out)
+    return verify_position_states_ref(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state, out)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return gated_rms_norm_triton(x, z, weight, eps)
@@ -88,8 +103,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 __all__ = ["CHUNK_SIZE", "StateSaves", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_triton",
            "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_update_triton",
-           "chunk_gated_delta_rule_ref", "conv_position_windows_ref", "gated_delta_decode", "gated_delta_decode_ref",
-           "gated_delta_decode_triton", "gated_delta_position_states_ref", "gated_delta_prefill",
-           "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm", "gated_rms_norm_ref",
-           "gated_rms_norm_triton", "gdn_gating_ref", "recurrent_gated_delta_rule_ref", "save_table",
-           "state_saves_from_table"]
+           "chunk_gated_delta_rule_ref", "conv_position_windows", "conv_position_windows_ref", "gated_delta_decode",
+           "gated_delta_decode_ref", "gated_delta_decode_triton", "gated_delta_position_states_ref",
+           "gated_delta_prefill", "gated_delta_prefill_ref", "gated_delta_prefill_triton", "gated_rms_norm",
+           "gated_rms_norm_ref", "gated_rms_norm_triton", "gather_initial", "gdn_gating_ref",
+           "recurrent_gated_delta_rule_ref", "save_table", "state_saves_from_table", "verify_position_states",
+           "verify_position_states_ref", "verify_position_states_triton"]
