@@ -192,6 +192,12 @@ class GatedDeltaNet(nn.Module):
         return LinearStateSpec((self.conv_kernel - 1, self.conv_dim),
                                (self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype, "float32")
 
+    def verify_scratch_row_bytes(self) -> int:
+        """One verify row's share of allocate_verify_scratch: k conv windows and k fp32 states."""
+        k = self.verify_len - 1
+        return k * ((self.conv_kernel - 1) * self.conv_dim * self.conv1d.weight.element_size()
+                    + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4)
+
     def allocate_verify_scratch(self, rows: int, device: torch.device) -> int:
         """The static [rows, k, K - 1, C] conv windows and [rows, k, HV, dk, dv] fp32 states that uniform verify
         steps of up to `rows` rows write (rows: the verify graph ladder's largest size). Returns its bytes: k

@@ -336,9 +336,10 @@ class CudaGraphRunner:
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, last_sampled: torch.Tensor, query_lens=(1,),
-                 state_padding_slot: Optional[int] = None) -> None:
+                 state_padding_slot: Optional[int] = None, max_verify_rows: Optional[int] = None) -> None:
         """state_padding_slot: for models with linear-attention layers, the state pools' spare slot that padding
-        rows write to (None: no such layers)."""
+        rows write to (None: no such layers). max_verify_rows: the largest verify graph (rows), where the linear
+        layers' static scratch holds no more (a ladder size; larger verify steps run eagerly)."""
         self.model = model
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
@@ -347,7 +348,8 @@ class CudaGraphRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.query_lens = sorted(set(query_lens) | {1})
         # Verify steps: up to MAX_VERIFY_TOKENS tokens a graph (larger ones take the eager / mixed path).
-        self.sizes_by_q = {q: capture_sizes(max_num_seqs if q == 1 else min(max_num_seqs, MAX_VERIFY_TOKENS // q))
+        verify_rows = min(max_num_seqs, max_verify_rows or max_num_seqs)
+        self.sizes_by_q = {q: capture_sizes(max_num_seqs if q == 1 else min(verify_rows, MAX_VERIFY_TOKENS // q))
                            for q in self.query_lens}
         self.sizes = self.sizes_by_q[1]
         self.inputs_by_q = {q: DecodeInputs(sizes[-1], self.max_blocks_per_seq, device, q, state_padding_slot)

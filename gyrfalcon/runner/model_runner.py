@@ -31,6 +31,16 @@ from gyrfalcon.step_io import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
+# The share of the GPU's memory the linear-attention layers' verify-graph scratch may take from the KV cache
+# (ModelRunner._allocate_verify_scratch).
+VERIFY_SCRATCH_SHARE = 0.04
+
+
+def verify_scratch_rows(ladder: List[int], row_bytes: int, budget: float) -> int:
+    """The largest verify-ladder size whose scratch (row_bytes a row) fits the budget; 0 when not even one row does."""
+    fits = [s for s in ladder if s * row_bytes <= budget]
+    return fits[-1] if fits else 0
+
 
 @dataclass
 class StepHandle:
@@ -122,6 +132,7 @@ class ModelRunner:
         # A verify step advances the linear-attention state past drafts that may be rejected: those layers keep
         # their state after each verify token, and complete() rolls each slot back to the last accepted one.
         self._rollback_layers = []
+        self.max_verify_rows: Optional[int] = None  # verify graphs' rows where a static scratch bounds them
         if self.cache_plan.has_state and config.speculative_config.num_speculative_tokens:
             self._rollback_layers = [m for m in self.model.modules() if callable(getattr(m, "rollback", None))]
             for m in self._rollback_layers:
@@ -175,7 +186,7 @@ class ModelRunner:
                 # (hybrid models' verify steps keep their per-token states in the layers' static scratch)
                 query_lens=(1, 1 + k) if k and self._verify_graphs_capturable() else (1,),
                 state_padding_slot=self.cache_plan.padding_slot(self.num_state_slots) if self.cache_plan.has_state
-                else None)
+                else None, max_verify_rows=self.max_verify_rows)
             graphs = self._capture_or_fall_back(self.graph_runner)
             if not graphs:
                 self.graph_runner = None
@@ -223,15 +234,28 @@ class ModelRunner:
                 and getattr(self.model, "supports_cuda_graphs", True))
 
     def _allocate_verify_scratch(self, config) -> None:
-        """The rollback layers' static scratch for verify graphs (layers/gated_deltanet.py), sized for the verify
-        ladder's largest batch and allocated before the KV cache is sized, so the cache leaves room for it; eager
-        runs (CPU, enforce_eager) allocate per step instead."""
+        """The rollback layers' static scratch for verify graphs (layers/gated_deltanet.py), allocated before the KV
+        cache is sized, so the cache leaves room for it; eager runs (CPU, enforce_eager) allocate per step instead.
+        Its rows: the largest verify-ladder size whose scratch fits VERIFY_SCRATCH_SHARE of the GPU's memory (one
+        row of Qwen3-Next-80B at k = 3 is 3 fp32 states of 2 MiB in each of 36 layers, 216 MiB: the full ladder's
+        128 rows would take 27 GiB from the KV cache); verify steps of more rows run eagerly, and a model whose
+        single row does not fit keeps all its verify steps eager."""
         if not self._graphs_wanted(config):
             return
+        layers = [m for m in self._rollback_layers if callable(getattr(m, "allocate_verify_scratch", None))]
+        if not layers:
+            return
         q = 1 + config.speculative_config.num_speculative_tokens
-        rows = capture_sizes(min(config.scheduler_config.max_num_seqs, MAX_VERIFY_TOKENS // q))[-1]
-        nbytes = sum(m.allocate_verify_scratch(rows, self.device) for m in self._rollback_layers
-                     if callable(getattr(m, "allocate_verify_scratch", None)))
+        ladder = capture_sizes(min(config.scheduler_config.max_num_seqs, MAX_VERIFY_TOKENS // q))
+        per_row = sum(m.verify_scratch_row_bytes() for m in layers)
+        budget = VERIFY_SCRATCH_SHARE * torch.cuda.get_device_properties(self.device).total_memory
+        rows = verify_scratch_rows(ladder, per_row, budget)
+        if rows == 0:
+            logger.info("verify steps run eagerly: one row's linear-attention state scratch (%.2f GiB) exceeds "
+                        "%.0f%% of the GPU's memory", per_row / 2**30, 100 * VERIFY_SCRATCH_SHARE)
+            return
+        nbytes = sum(m.allocate_verify_scratch(rows, self.device) for m in layers)
+        self.max_verify_rows = rows
         logger.info("verify-step state scratch of the linear-attention layers: %d rows, %.2f GiB", rows,
                     nbytes / 2**30)
 

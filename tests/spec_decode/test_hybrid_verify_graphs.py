@@ -80,6 +80,29 @@ def test_position_states_kernel_matches_reference(H, HV, dv, block_v):
     assert torch.equal(pool[1:], before[1:]) and pool[0].isnan().all()
 
 
+def test_dispatch_falls_back_to_the_reference_when_the_kernel_fails(monkeypatch):
+    """A kernel that cannot be built on this GPU: the step still gets the reference's states, and later steps go
+    straight to the reference."""
+    import gyrfalcon.kernels.gated_delta as gd
+
+    B, L, H, HV, dk, dv = 2, 3, 1, 2, 8, 8
+    k, v, a, b, A_log, dt_bias, pool = _verify_inputs(B, L, H, HV, dk, dv, seed=5)
+    slots, init = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([True, True])
+    calls = []
+
+    def broken(*args, **kw):
+        calls.append(1)
+        raise RuntimeError("no kernel image")
+    monkeypatch.setattr(gd, "use_triton", lambda t: True)
+    monkeypatch.setattr(gd, "verify_position_states_triton", broken)
+    monkeypatch.setattr(gd, "_POSITION_STATES_TRITON_FAILED", False)
+    want = verify_position_states_ref(k, v, a, b, A_log, dt_bias, pool, slots, init, torch.zeros(B, L - 1, HV, dk, dv))
+    for _ in range(2):
+        got = gd.verify_position_states(k, v, a, b, A_log, dt_bias, pool, slots, init, torch.zeros(B, L - 1, HV, dk, dv))
+        assert torch.equal(got, want)
+    assert calls == [1] and gd._POSITION_STATES_TRITON_FAILED
+
+
 def test_uniform_and_one_by_one_tracking_roll_back_alike():
     """One Gated DeltaNet layer runs the same verify step of three rows (one starting at position 0) as a uniform
     step (batched on the device, into the static scratch) and as a ragged one (one by one, a host read): the same
@@ -195,3 +218,24 @@ def test_qwen3_next_verify_graph_path_keeps_greedy_outputs(qwen3_next, k):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_qwen3_5_verify_graph_path_keeps_greedy_outputs(qwen3_5, k):
     _graph_parity(*qwen3_5, k)
+
+
+def test_the_scratch_budget_bounds_the_verify_ladder(qwen3_next):
+    """The scratch takes at most VERIFY_SCRATCH_SHARE of the GPU: the largest ladder size that fits (Qwen3-Next-80B
+    at k = 3, 216 MiB a row, on a 141 GB card: 24 rows, not the ladder's 128), none when one row does not fit;
+    the verify graphs stop at those rows while decode graphs keep their ladder."""
+    from gyrfalcon.runner.cuda_graph import capture_sizes
+    from gyrfalcon.runner.model_runner import VERIFY_SCRATCH_SHARE, verify_scratch_rows
+
+    ladder = capture_sizes(128)
+    assert verify_scratch_rows(ladder, 3 * 36 * 2 * 2**20, VERIFY_SCRATCH_SHARE * 141e9) == 24
+    assert verify_scratch_rows(ladder, 1, 1e12) == 128 and verify_scratch_rows(ladder, 10, 5) == 0
+    path, _ = qwen3_next
+    r = LLM(str(path), **dict(KW, max_num_seqs=16),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}).engine.runner
+    g = CudaGraphRunner(r.model, r.kv_caches, 16, KW["max_model_len"], r.block_size, r.device, r.last_sampled,
+                        query_lens=(1, 3), state_padding_slot=r.cache_plan.padding_slot(r.num_state_slots),
+                        max_verify_rows=4)
+    assert g.sizes_by_q[3] == [1, 2, 4] and g.sizes_by_q[1][-1] == 16
+    layer = next(m for m in r.model.modules() if isinstance(m, GatedDeltaNet))
+    assert layer.allocate_verify_scratch(4, r.device) == 4 * layer.verify_scratch_row_bytes()

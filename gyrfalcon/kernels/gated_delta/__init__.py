@@ -35,6 +35,7 @@ batch in one launch). Launch shapes in configs.py.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -88,10 +89,24 @@ def gated_delta_decode(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_i
     return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state)
 
 
+_POSITION_STATES_TRITON_FAILED = False
+
+
 def verify_position_states(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state,
                            out: torch.Tensor) -> torch.Tensor:
-    if use_triton(v):
-        return verify_position_states_triton(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state, out)
+    """Every uniform verify step of a speculating hybrid model goes through here: if the Triton kernel cannot be
+    built or launched on this GPU, the batched plain-torch reference (no host read either, so verify graphs still
+    capture it) takes over with a warning rather than failing the step. The first call is the eager warm-up before
+    any capture, so a failure never happens inside one."""
+    global _POSITION_STATES_TRITON_FAILED
+    if use_triton(v) and not _POSITION_STATES_TRITON_FAILED:
+        try:
+            return verify_position_states_triton(k, v, a, b, A_log, dt_bias, states, state_slots,
+                                                 has_initial_state, out)
+        except Exception as e:  # compilation / launch failure, not a data error
+            _POSITION_STATES_TRITON_FAILED = True
+            logging.getLogger(__name__).warning("Triton verify-position-states kernel unavailable (%s: %s); using "
+                                                "the torch reference", type(e).__name__, e)
     return verify_position_states_ref(k, v, a, b, A_log, dt_bias, states, state_slots, has_initial_state, out)
 
 
