@@ -10,6 +10,8 @@ Run through scripts/gpu/test.sh or `pytest tests/gpu/test_hybrid_verify_graphs_g
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "spec_decode"))
+
 from checkpoints import make_qwen3_5_checkpoint, make_qwen3_next_checkpoint  # noqa: E402
+from spec_testutil import OracleDrafts  # noqa: E402
 from gyrfalcon import LLM, SamplingParams  # noqa: E402
 from gyrfalcon.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
 
@@ -61,25 +66,8 @@ def target(request, tmp_path_factory):
     return path, refs
 
 
-class _Oracle:
-    """The reference continuation as drafts, one token spoiled at a position that cycles with the output length."""
-
-    def __init__(self, refs, k):
-        self.refs, self.k = {tuple(p): r for p, r in zip(_prompts(), refs)}, k
-
-    def propose(self, rows, sampled):
-        out = []
-        for r, toks in zip(rows, sampled):
-            if not toks:
-                out.append([])
-                continue
-            n = len(r.request.output_token_ids)
-            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k])
-            bad = (n * 7 // 3) % (self.k + 1)
-            if bad < len(d):
-                d[bad] = (d[bad] + 1) % 500
-            out.append(d)
-        return out
+def _oracle(refs, k):
+    return OracleDrafts(_prompts(), refs, k, lambda d: (d + 1) % 500)
 
 
 def _run(path, refs, k, b, enforce_eager):
@@ -87,7 +75,7 @@ def _run(path, refs, k, b, enforce_eager):
               speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 2})
     r = llm.engine.runner
-    r.proposer = _Oracle(refs[max(BATCHES)], k)
+    r.proposer = _oracle(refs[max(BATCHES)], k)
     replays = []
     if not enforce_eager:
         g = r.graph_runner

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "spec_decode"))
 from checkpoints import make_checkpoint  # noqa: E402
 from eagle3_checkpoints import make_eagle3_draft  # noqa: E402
 from mtp_checkpoints import make_deepseek_mtp_checkpoint  # noqa: E402
-from spec_testutil import record_drafts  # noqa: E402
+from spec_testutil import OracleDrafts, record_drafts  # noqa: E402
 from gyrfalcon import LLM, SamplingParams  # noqa: E402
 
 BATCHES = (1, 3, 8)
@@ -77,31 +77,16 @@ def _greedy(llm, b):
                                                          use_tqdm=False)]
 
 
-class _Oracle:
-    """Scheduled drafts: the reference continuation with one token spoiled at a position cycling with the output
-    length (verify steps keep 0..k drafts)."""
-
-    def __init__(self, refs, k):
-        self.refs, self.k = {tuple(p): r for p, r in zip(_prompts(), refs)}, k
-
-    def propose(self, rows, sampled):
-        out = []
-        for r, toks in zip(rows, sampled):
-            n = len(r.request.output_token_ids)
-            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k]) if toks else []
-            bad = (n * 7 // 3) % (self.k + 1)
-            if bad < len(d):
-                d[bad] = d[bad] - 1 if d[bad] > 0 else 1
-            out.append(d)
-        return out
-
-
 def _flipped(a, b):
     """Drafts of `a` (graph) that differ from `b`'s (eager) after the same sequence, plus those whose sequence `b`
     never drafted after (a flipped draft that a verify step would have kept changes the later steps)."""
     da, db = {tuple(t): d for t, d in a}, {tuple(t): d for t, d in b}
     common = da.keys() & db.keys()
     return sum(da[t] != db[t] for t in common) + len(da) - len(common)
+
+
+def _oracle(refs, k):
+    return OracleDrafts(_prompts(), refs, k, lambda d: d - 1 if d > 0 else 1)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -143,7 +128,7 @@ def test_graph_drafts_equal_eager_drafts(setups, method, k):
         total += len(dg)
     # Oracle-scheduled drafts (the head still drafts and is recorded): partial acceptance at every depth.
     head = prop.propose
-    oracle = _Oracle(refs[8], k)
+    oracle = _oracle(refs[8], k)
 
     def propose(rows, sampled):
         head(rows, sampled)

@@ -51,6 +51,23 @@ def make_deepseek_mtp_checkpoint(path, seed: int = 0, head: bool = True, v32: bo
     return path
 
 
+def _graft_qwen_mtp(file: Path, donor_file: Path, src: str, H: int, seed: int) -> None:
+    """Qwen3-Next / Qwen3.5's MTP module into `file`: mtp.layers.0.* from the donor's layer under `src` (a full
+    attention layer), a random mtp.fc [H, 2H] and zero-centred mtp.pre_fc_norm_embedding / pre_fc_norm_hidden /
+    norm."""
+    with safe_open(str(file), "pt") as sf:
+        tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+    with safe_open(str(donor_file), "pt") as sf:
+        for k in sf.keys():
+            if k.startswith(src):
+                tensors["mtp.layers.0." + k[len(src):]] = sf.get_tensor(k)
+    g = torch.Generator().manual_seed(seed + 11)
+    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+
+
 def make_qwen3_next_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
     """make_qwen3_next_checkpoint's hybrid target plus its MTP module in the released layout: mtp.layers.0.* (a
     gated full-attention layer with MoE) taken from a same-config transformers model under another seed (its layer
@@ -65,22 +82,8 @@ def make_qwen3_next_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     H = cfg["hidden_size"]
     donor = make_qwen3_next_checkpoint(path.parent / (path.name + "-mtp-donor"), seed + 7, **overrides)
-    files = sorted(path.glob("*.safetensors"))
-    assert len(files) == 1, files
-    tensors = {}
-    with safe_open(str(files[0]), "pt") as sf:
-        for k in sf.keys():
-            tensors[k] = sf.get_tensor(k)
-    src = "model.layers.3."
-    with safe_open(str(next(donor.glob("*.safetensors"))), "pt") as sf:
-        for k in sf.keys():
-            if k.startswith(src):
-                tensors["mtp.layers.0." + k[len(src):]] = sf.get_tensor(k)
-    g = torch.Generator().manual_seed(seed + 11)
-    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
-    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
+    (file,) = path.glob("*.safetensors")
+    _graft_qwen_mtp(file, next(donor.glob("*.safetensors")), "model.layers.3.", H, seed)
     return path
 
 
@@ -98,16 +101,5 @@ def make_qwen3_5_mtp_checkpoint(path, seed: int = 0, **overrides) -> Path:
     H = cfg["text_config"]["hidden_size"]
     donor = make_qwen3_5_checkpoint(path.parent / (path.name + "-mtp-donor"), seed=seed + 7, **overrides)
     (file,) = path.glob("*.safetensors")
-    with safe_open(str(file), "pt") as sf:
-        tensors = {k: sf.get_tensor(k) for k in sf.keys()}
-    src = "model.language_model.layers.3."
-    with safe_open(str(next(donor.glob("*.safetensors"))), "pt") as sf:
-        for k in sf.keys():
-            if k.startswith(src):
-                tensors["mtp.layers.0." + k[len(src):]] = sf.get_tensor(k)
-    g = torch.Generator().manual_seed(seed + 11)
-    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
-    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{n}.weight"] = 0.1 * torch.randn(H, generator=g)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+    _graft_qwen_mtp(file, next(donor.glob("*.safetensors")), "model.language_model.layers.3.", H, seed)
     return path

@@ -20,3 +20,27 @@ def record_drafts(llm) -> List[Tuple[List[int], List[int]]]:
         return out
     prop.propose = spy
     return seen
+
+
+class OracleDrafts:
+    """A proposer whose drafts are the reference continuation (greedy outputs without speculation) with one token
+    spoiled at a position that cycles with the output length, so verify steps keep 0..k drafts (every rollback
+    depth) and sometimes all of them; a random head's own drafts would all be rejected. spoil(token) -> another
+    token id inside the vocabulary."""
+
+    def __init__(self, prompts, refs, k: int, spoil) -> None:
+        self.refs, self.k, self.spoil = {tuple(p): r for p, r in zip(prompts, refs)}, k, spoil
+
+    def propose(self, rows, sampled) -> List[List[int]]:
+        out = []
+        for r, toks in zip(rows, sampled):
+            if not toks:
+                out.append([])
+                continue
+            n = len(r.request.output_token_ids)
+            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k])
+            bad = (n * 7 // 3) % (self.k + 1)
+            if bad < len(d):
+                d[bad] = self.spoil(d[bad])
+            out.append(d)
+        return out

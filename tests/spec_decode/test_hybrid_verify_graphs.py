@@ -22,7 +22,7 @@ from gyrfalcon.layers.gated_deltanet import GatedDeltaNet
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.runner.forward_batch import ForwardBatch
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
-from test_mtp_hybrid import KW, _greedy, _Oracle
+from test_mtp_hybrid import KW, _greedy, _oracle
 
 MAX_NUM_SEQS = 6  # verify ladder 1, 2, 4, 8: the three prompts replay size 4 (one padding row)
 
@@ -181,7 +181,7 @@ def _graph_parity(path, ref, k):
     llm = LLM(str(path), **kw, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     r = llm.engine.runner
-    r.proposer = _Oracle(ref, k)
+    r.proposer = _oracle(ref, k)
     layers = [m for m in r.model.modules() if isinstance(m, GatedDeltaNet)]
     assert layers and all(m.verify_len == 1 + k for m in layers)
     for m in layers:

@@ -12,7 +12,7 @@ from mtp_checkpoints import make_qwen3_5_mtp_checkpoint, make_qwen3_next_mtp_che
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.kernels.gated_delta import (conv_position_windows_ref, gated_delta_position_states_ref,
                                            gated_delta_prefill_ref)
-from spec_testutil import record_drafts
+from spec_testutil import OracleDrafts, record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13, 2], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3, 21, 3, 21]]
 KW = dict(device="cpu", block_size=4, max_model_len=128, max_num_batched_tokens=8, enable_prefix_caching=True)
@@ -53,26 +53,8 @@ def _greedy(llm, rounds: int = 1):
     return out
 
 
-class _Oracle:
-    """Drafts the reference continuation with one token spoiled at a position that cycles with the output length,
-    so verify steps accept 0..k drafts (every rollback depth) and sometimes all of them."""
-
-    def __init__(self, refs, k):
-        self.refs, self.k = {tuple(p): r for p, r in zip(PROMPTS, refs)}, k
-
-    def propose(self, rows, sampled):
-        out = []
-        for r, toks in zip(rows, sampled):
-            if not toks:
-                out.append([])
-                continue
-            n = len(r.request.output_token_ids)
-            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k])
-            bad = (n * 7 // 3) % (self.k + 1)
-            if bad < len(d):
-                d[bad] = (d[bad] + 1) % 512
-            out.append(d)
-        return out
+def _oracle(refs, k):
+    return OracleDrafts(PROMPTS, refs, k, lambda d: (d + 1) % 512)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -80,7 +62,7 @@ def test_hybrid_greedy_parity_with_rejections(hybrid, k):
     path, ref = hybrid
     llm = LLM(str(path), **KW, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2})
-    llm.engine.runner.proposer = _Oracle(ref, k)
+    llm.engine.runner.proposer = _oracle(ref, k)
     assert _greedy(llm, rounds=2) == ref  # (the second round from prefix-cache hits: restored state snapshots)
     assert llm.engine.block_manager.prefix_hits > 0
     s = llm.engine.spec_stats

@@ -15,7 +15,7 @@ from eagle3_checkpoints import make_eagle3_draft
 from mtp_checkpoints import make_deepseek_mtp_checkpoint, make_qwen3_next_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
-from spec_testutil import record_drafts
+from spec_testutil import OracleDrafts, record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3, 21, 3, 21]]
 MAX_NUM_SEQS = 6  # ladder 1, 2, 4, 8: three requests replay size 4 (one padding row)
@@ -38,30 +38,14 @@ def ds_mtp(tmp_path_factory):
     return make_deepseek_mtp_checkpoint(tmp_path_factory.mktemp("dsmtp") / "t")
 
 
-class _Oracle:
-    """The drafts the scheduler gets: the reference continuation with one token spoiled at a position that cycles
-    with the output length, so verify steps keep 0..k drafts (a random head's own drafts are all rejected, which
-    would leave every row one kept position). The head's drafts are still computed and recorded."""
-
-    def __init__(self, refs, k):
-        self.refs, self.k = {tuple(p): r for p, r in zip(PROMPTS, refs)}, k
-
-    def propose(self, rows, sampled):
-        out = []
-        for r, toks in zip(rows, sampled):
-            n = len(r.request.output_token_ids)
-            d = list(self.refs[tuple(r.request.prompt_token_ids)][n:n + self.k]) if toks else []
-            bad = (n * 7 // 3) % (self.k + 1)
-            if bad < len(d):
-                d[bad] = d[bad] - 1 if d[bad] > 0 else 1
-            out.append(d)
-        return out
+def _oracle(refs, k):
+    return OracleDrafts(PROMPTS, refs, k, lambda d: d - 1 if d > 0 else 1)
 
 
 def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False, refs=None):
     """Two rounds of greedy generation (the second from prefix-cache hits) plus a max_tokens=2 round (its second
     step is a decode step of every row: the q = 1 catch-up); refs: the outputs without speculation, for the
-    _Oracle's drafts. Returns (outputs, the head's drafts seen, the draft's K/V caches, the DraftGraphRunner's
+    _oracle's drafts. Returns (outputs, the head's drafts seen, the draft's K/V caches, the DraftGraphRunner's
     calls)."""
     llm = LLM(str(path), max_num_batched_tokens=budget, **KW, **({"speculative_config": spec} if spec else {}))
     r = llm.engine.runner
@@ -78,7 +62,7 @@ def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False, ref
                                          r.device, r.last_sampled, query_lens=(1, 1 + k))
     seen = record_drafts(llm) if spec else []
     if refs is not None:
-        head, oracle = r.proposer.propose, _Oracle(refs, spec["num_speculative_tokens"])
+        head, oracle = r.proposer.propose, _oracle(refs, spec["num_speculative_tokens"])
 
         def propose(rows, sampled):
             head(rows, sampled)  # (recorded)
