@@ -111,7 +111,9 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     flat = topk_ids.reshape(-1).to(torch.int64) - expert_start
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    counts[num_experts] = 0  # the dropped bucket: no rows
+    # The dropped bucket holds no rows. (A narrowed zero_, not `counts[num_experts] = 0`: a Python scalar stored by
+    # indexing is copied from the host, which CUDA graph capture refuses.)
+    counts.narrow(0, num_experts, 1).zero_()
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
