@@ -302,6 +302,13 @@ class GatedDeltaNet(nn.Module):
             row_map[i] = m
         return conv_out, state_out, row_map.to(self.A_log.device)
 
+    def replayed_verify(self) -> None:
+        """A uniform verify step replayed as a CUDA graph: its kernels wrote the per-token states into the static
+        scratch's first rows (row i: the step's sequence i), but this forward's Python, which points rollback at
+        them, ran only at capture (and every eager step since reset it). Point rollback there again."""
+        if self.verify_scratch is not None:
+            self.position_states = (self.verify_scratch[0], self.verify_scratch[1], None)
+
     def rollback(self, kv_caches, rows: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
         """Set each `slots[j]` to the state after the first keep[j] tokens (1..k) of sequence rows[j] of the last
         step (a verify row whose drafts past keep[j] - 1 were rejected): one gather per pool on the device.

@@ -341,6 +341,8 @@ class CudaGraphRunner:
         rows write to (None: no such layers). max_verify_rows: the largest verify graph (rows), where the linear
         layers' static scratch holds no more (a ladder size; larger verify steps run eagerly)."""
         self.model = model
+        # Layers that roll back rejected drafts from per-token states a verify step writes (GatedDeltaNet).
+        self._verify_layers = [m for m in model.modules() if callable(getattr(m, "replayed_verify", None))]
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -450,14 +452,21 @@ class CudaGraphRunner:
         if inputs.raw.device.type != "cuda":
             fb = self.views(b, short, q)
             with forward_context(fb, self.kv_caches):
-                return self._rows(self._forward(fb, inputs.src(b)), n * q)
-        if short:
-            self.short_graphs[b].replay()
-            out = self.short_outputs[b]
+                out = self._forward(fb, inputs.src(b))
         else:
-            self.graphs[(b * q, q)].replay()
-            out = self.outputs[(b * q, q)]
-        inputs.replayed()
+            if short:
+                self.short_graphs[b].replay()
+                out = self.short_outputs[b]
+            else:
+                self.graphs[(b * q, q)].replay()
+                out = self.outputs[(b * q, q)]
+            inputs.replayed()
+        if q > 1:
+            # A replay runs the layers' kernels, not their Python: a linear-attention layer's rollback source (set
+            # by its forward during capture, and reset by every eager step since) must be pointed at the scratch
+            # the graph wrote.
+            for m in self._verify_layers:
+                m.replayed_verify()
         return self._rows(out, n * q)
 
     def _rows(self, out, n: int) -> torch.Tensor:

@@ -176,7 +176,8 @@ def qwen3_5(tmp_path_factory):
 def _graph_parity(path, ref, k):
     """Greedy generation (two rounds: the second from prefix-cache hits) with oracle drafts spoiled at a cycling
     depth, the target's decode and verify steps through a CudaGraphRunner's static inputs, the GDN layers writing
-    the static scratch the runner would allocate for a GPU's verify ladder."""
+    the static scratch the runner would allocate for a GPU's verify ladder, and their forward's rollback pointer
+    dropped as a replay would."""
     kw = dict(KW, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=3 * (1 + k))
     llm = LLM(str(path), **kw, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2})
@@ -190,6 +191,17 @@ def _graph_parity(path, ref, k):
     g = CudaGraphRunner(r.model, r.kv_caches, MAX_NUM_SEQS, kw["max_model_len"], r.block_size, r.device,
                         r.last_sampled, query_lens=(1, 1 + k),
                         state_padding_slot=r.cache_plan.padding_slot(r.num_state_slots))
+    # On a GPU a replay runs no Python: what GatedDeltaNet.forward points rollback at during the step is not set
+    # then. Emulate that here (the CPU runs the padded step's forward): the runner itself must point rollback at the
+    # scratch after each verify step.
+    forward = g._forward
+
+    def forward_like_a_replay(fb, src):
+        out = forward(fb, src)
+        for m in layers:
+            m.position_states = None
+        return out
+    g._forward = forward_like_a_replay
     verify_rows = []
     run = g.run
 
