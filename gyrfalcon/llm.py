@@ -118,17 +118,25 @@ class LLM:
         if not callable(getattr(runner, "capture_hidden_states", None)):
             raise ValueError("capture_hidden_states needs the in-process runner (tensor_parallel_size 1).")
         max_len = self.config.model_config.max_model_len
+        # Sequences go in varlen batches of up to the engine's prefill budget (a longer one alone): the memory
+        # profile sized the activations for that many tokens.
+        budget = self.config.scheduler_config.max_num_batched_tokens
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(sequences), desc="Capturing hidden states", dynamic_ncols=True)
-        for ids in sequences:
+        batch: List[List[int]] = []
+        for n, ids in enumerate(sequences):
             if len(ids) > max_len:
                 raise ValueError(f"A sequence of {len(ids)} tokens is longer than max_model_len {max_len}.")
-            aux, final = runner.capture_hidden_states(list(ids), aux_layer_ids)
-            if bar is not None:
-                bar.update(1)
-            yield aux.cpu(), final.cpu()
+            batch.append(list(ids))
+            last = n + 1 == len(sequences)
+            if last or sum(map(len, batch)) + len(sequences[n + 1]) > budget:
+                for aux, final in runner.capture_hidden_states(batch, aux_layer_ids):
+                    yield aux.cpu(), final.cpu()
+                if bar is not None:
+                    bar.update(len(batch))
+                batch = []
         if bar is not None:
             bar.close()
 

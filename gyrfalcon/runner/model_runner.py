@@ -444,27 +444,41 @@ class ModelRunner:
         return handle
 
     @torch.inference_mode()
-    def capture_hidden_states(self, token_ids: Sequence[int], aux_layers: Sequence[int]) -> tuple:
-        """One eager prefill of a whole sequence outside the scheduler (draft training: gyrfalcon/train/) ->
-        (aux [T, len(aux_layers) * hidden]: the residual stream entering each of aux_layers, ascending, as the
-        EAGLE-3 proposer reads it; final [T, hidden]: the final-normed hidden state, compute_logits' input).
-        It runs in caches of its own (profile_step's pattern), so the requests' blocks and the prefix cache stay
-        untouched; the target's own aux layers (a running EAGLE-3 proposer) are restored after."""
-        n = len(token_ids)
+    def capture_hidden_states(self, sequences: Sequence[Sequence[int]], aux_layers: Sequence[int]) -> List[tuple]:
+        """One eager prefill of whole sequences outside the scheduler (draft training: gyrfalcon/train/), all of
+        them in one varlen batch -> per sequence (aux [T, len(aux_layers) * hidden]: the residual stream entering
+        each of aux_layers, ascending, as the EAGLE-3 proposer reads it; final [T, hidden]: the final-normed hidden
+        state, compute_logits' input), on the device. Sequence i owns blocks of its own and state slot i, so
+        sequences see nothing of each other; batching them only saves launches (a 300-token sequence alone is a
+        few milliseconds of launch-bound layers). It runs in caches of its own (profile_step's pattern), so the
+        requests' blocks and the prefix cache stay untouched; the target's own aux layers (a running EAGLE-3
+        proposer) are restored after."""
+        seqs = [list(s) for s in sequences]
         layers = tuple(sorted(set(int(i) for i in aux_layers)))
-        if n == 0 or not layers:
-            raise ValueError("capture_hidden_states needs a non-empty sequence and at least one aux layer.")
-        blocks = -(-n // self.block_size)
-        caches = self.cache_plan.allocate(blocks, 1 if self.cache_plan.has_state else 0, self.device)
-        dev = self.device
+        if not seqs or any(not s for s in seqs) or not layers:
+            raise ValueError("capture_hidden_states needs non-empty sequences and at least one aux layer.")
+        lens = [len(s) for s in seqs]
+        bs, dev = self.block_size, self.device
+        nblocks = [-(-n // bs) for n in lens]
+        first = [0]
+        for b in nblocks:
+            first.append(first[-1] + b)
+        caches = self.cache_plan.allocate(first[-1], len(seqs) if self.cache_plan.has_state else 0, dev)
+        width = max(nblocks)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, b in enumerate(nblocks):
+            table[i, :b] = torch.arange(first[i], first[i] + b, dtype=torch.int32)
+        # Sequence i's token t sits in its own blocks, which are contiguous: slot first[i] * bs + t.
+        slots = torch.cat([torch.arange(n) + first[i] * bs for i, n in enumerate(lens)])
+        cu = torch.tensor([0] + lens).cumsum(0)
+        total = int(cu[-1])
         fb = ForwardBatch(
-            input_ids=torch.tensor(list(token_ids), dtype=torch.int64, device=dev),
-            positions=torch.arange(n, device=dev), slot_mapping=torch.arange(n, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).unsqueeze(0),
-            logits_indices=torch.arange(n, device=dev), is_decode=False, max_query_len=n, max_seq_len=n,
-            num_seqs=1, state_slots=torch.zeros(1, dtype=torch.int32, device=dev))
+            input_ids=torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=dev),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(dev), slot_mapping=slots.to(dev),
+            query_start_loc=cu.to(dev, torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev), logits_indices=torch.arange(total, device=dev), is_decode=False,
+            max_query_len=max(lens), max_seq_len=max(lens), num_seqs=len(seqs),
+            state_slots=torch.arange(len(seqs), dtype=torch.int32, device=dev))
         inner = self.model.model
         saved = (inner.aux_hidden_layers, inner.aux_hidden)
         inner.aux_hidden_layers = layers
@@ -474,7 +488,7 @@ class ModelRunner:
             aux = inner.aux_hidden
         finally:
             inner.aux_hidden_layers, inner.aux_hidden = saved
-        return aux, final
+        return list(zip(aux.split(lens), final.split(lens)))
 
     def complete(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and logprobs) per scheduled request; the tokens

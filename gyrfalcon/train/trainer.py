@@ -52,6 +52,17 @@ class DraftTrainer:
         self.draft = self.draft.to(self.device, torch.float32)
         for p in self.draft.parameters():
             p.requires_grad_(True)
+        # On a GPU the head's matmuls run in bf16 under autocast (fp32 weights, AdamW state and loss: the
+        # log-softmaxes and the KL stay fp32), and the captured states move onto the GPU when they take under half
+        # of its free memory: padding a batch there instead of on the host keeps the host's copies out of each step.
+        self.autocast = self.device.type == "cuda"
+        self.data_device = torch.device("cpu")
+        if self.device.type == "cuda":
+            need = sum(d.aux.nbytes + d.final.nbytes for d in data)
+            if need < 0.5 * torch.cuda.mem_get_info(self.device)[0]:
+                self.data = [CapturedSequence(d.ids, d.prompt_len, d.aux.to(self.device), d.final.to(self.device))
+                             for d in data]
+                self.data_device = self.device
         self.batches_per_epoch = math.ceil(len(data) / batch_size)
         self.total_steps = self.batches_per_epoch * epochs
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=lr, weight_decay=weight_decay)
@@ -77,13 +88,13 @@ class DraftTrainer:
         idx = self._order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
         seqs = [self.data[j] for j in idx]
         T = max(len(s.ids) for s in seqs)
-        B, dev = len(seqs), self.device
+        B, dev, ddev = len(seqs), self.device, self.data_device
         ids = torch.zeros(B, T, dtype=torch.int64)
-        aux = torch.zeros(B, T, seqs[0].aux.shape[-1])
-        final = torch.zeros(B, T, seqs[0].final.shape[-1], dtype=seqs[0].final.dtype)
+        aux = torch.zeros(B, T, seqs[0].aux.shape[-1], device=ddev)
+        final = torch.zeros(B, T, seqs[0].final.shape[-1], dtype=seqs[0].final.dtype, device=ddev)
         for b, s in enumerate(seqs):
             n = len(s.ids)
-            ids[b, :n], aux[b, :n], final[b, :n] = s.ids, s.aux.float(), s.final
+            ids[b, :n], aux[b, :n], final[b, :n] = s.ids, s.aux, s.final
         with torch.no_grad():  # (not inference_mode: the loss multiplies these into tensors that need grad)
             logits = self.target.compute_logits(final.to(dev).view(B * T, -1))
             logp = logits[:, self.draft_ids].float().log_softmax(-1).view(B, T, -1)
@@ -93,7 +104,8 @@ class DraftTrainer:
 
     # ---- training -------------------------------------------------------------------------------
     def train_step(self) -> tuple:
-        loss, agree = ttt_loss(self.draft, *self.batch(self.step), steps=self.ttt_steps)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            loss, agree = ttt_loss(self.draft, *self.batch(self.step), steps=self.ttt_steps)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)

@@ -186,6 +186,35 @@ def test_capture_and_training_forward_match_the_references(tmp_path):
             assert got == want, L
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32"])
+def test_batched_capture_equals_one_sequence_at_a_time(tmp_path, arch):
+    """Capture runs sequences in varlen batches (up to the prefill budget); each sequence's states equal those of
+    a capture of it alone: own blocks, own linear-attention state slot (Qwen3-Next), own sparse-attention
+    index (DeepSeek-V3.2)."""
+    from checkpoints import make_deepseek_v32_checkpoint, make_qwen3_next_checkpoint
+    from gyrfalcon import LLM
+
+    make = {"llama": lambda p: make_checkpoint(p, "llama"), "qwen3_next": make_qwen3_next_checkpoint,
+            "deepseek_v32": make_deepseek_v32_checkpoint}[arch]
+    llm = LLM(str(make(tmp_path / arch)), device="cpu", block_size=4, max_num_batched_tokens=40)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 13, 1, 22, 9, 30)]
+    layers = [0, 1, 2]
+    batched = list(llm.capture_hidden_states(seqs, layers, use_tqdm=False))
+    assert [a.shape[0] for a, _ in batched] == [len(s) for s in seqs]
+    for s, (aux, final) in zip(seqs, batched):
+        a1, f1 = next(llm.capture_hidden_states([s], layers, use_tqdm=False))
+        torch.testing.assert_close(aux, a1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final, f1, rtol=1e-5, atol=1e-5)
+    # The budget of 40 tokens split the six sequences (82 tokens) into batches of several; a longer one runs alone.
+    calls = []
+    runner = llm.engine.runner
+    orig = runner.capture_hidden_states
+    runner.capture_hidden_states = lambda b, a: calls.append([len(x) for x in b]) or orig(b, a)
+    list(llm.capture_hidden_states(seqs + [[5] * 50], layers, use_tqdm=False))
+    assert calls == [[7, 13, 1], [22, 9], [30], [50]]
+
+
 def test_prompt_files(tmp_path):
     """.jsonl lines are prompts or conversations; other files one prompt per line; bad lines are named; chat
     prompts go through the chat template unless raw."""
