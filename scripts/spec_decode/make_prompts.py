@@ -1,7 +1,7 @@
 """Writes the prompt files of the SmolLM2-135M-Instruct EAGLE-3 draft (train_smollm2_draft.sh): chat prompts built
 from instruction templates over topics, plus summarization prompts over paragraphs of this repository's docs.
-Training and held-out evaluation prompts use disjoint topics and disjoint paragraphs. Deterministic: rerunning it
-rewrites the same files.
+Training and held-out evaluation prompts use disjoint topics and disjoint paragraphs. The held-out file, once written, is
+kept (the shipped draft was measured on it); rerunning the script rewrites the training file from docs/ as they are.
 
 usage: python scripts/spec_decode/make_prompts.py [OUT_DIR]   (default: this script's directory)
 """
@@ -41,6 +41,33 @@ TOPICS = [
     "machine learning", "the French Revolution", "tea", "earthquakes", "libraries", "the color blue", "robots",
     "gardening", "the speed of light", "whales", "board games", "the Renaissance", "public transport", "snow",
 ]
+# Training-only topics (more contexts for the head: the 50 above gave 903 prompts, and held-out acceptance still rose
+# with data); none is a held-out topic.
+MORE_TOPICS = [
+    "the Great Wall of China", "butterflies", "thunderstorms", "the Amazon rainforest", "pyramids", "octopuses",
+    "the periodic table", "wind turbines", "cheese making", "the trumpet", "hot air balloons",
+    "the Silk Road", "antibiotics", "rivers", "sunflowers", "the Industrial Revolution", "submarines", "elephants",
+    "the human brain", "podcasts", "tornadoes", "the Eiffel Tower", "ancient Egypt", "maps", "chocolate",
+    "the immune system", "trains", "the metric system", "ants", "DNA", "skateboarding", "the Moon landing",
+    "rice farming", "nuclear energy", "wolves", "the Vikings", "smartphones", "yoga", "the Sahara", "clocks",
+    "frogs", "the Milky Way", "pottery", "email", "mushrooms", "the Great Barrier Reef", "kites", "salt",
+    "the alphabet", "bridges", "comets", "the Pacific Ocean", "sharks", "video games", "sundials", "camels",
+    "the Wright brothers", "batteries", "opera", "tigers", "the ozone layer", "spices", "skyscrapers", "fossils",
+    "hurricanes", "the Aztecs", "microscopes", "dolphins", "the guitar", "sculpture", "the Arctic", "compost",
+    "rockets", "the postal service", "parrots", "the Sun", "knitting", "the Nile", "magnets", "kangaroos",
+    "ancient Greece", "writing letters", "bats", "soap", "volunteering", "the rainforest canopy",
+    "semiconductors", "the bicycle chain", "maple syrup", "the Internet of Things", "sea turtles", "mathematics",
+    "the Pythagorean theorem", "prime numbers", "cooking pasta", "the Cold War", "blockchains", "hiking",
+    "the Himalayas", "windmills", "ballet", "seeds", "the first computers", "architecture", "spiders",
+    "the Titanic", "cloud computing", "camping", "the Mona Lisa", "airplanes", "the microwave oven", "lions",
+    "chairs", "poetry", "the census", "insulin", "geysers", "the Statue of Liberty",
+    "cryptography", "photography", "the Great Depression", "the moon's phases", "honey", "open source software",
+    "the Northern Lights", "rain", "the bicycle helmet", "language learning", "the Mayan calendar", "horses",
+    "city parks", "the ancient Olympics", "sand", "the speed of sound", "carbon dioxide", "oak trees",
+    "public speaking", "the Arctic fox", "recipes", "the harmonica", "weather forecasts", "time zones",
+    "the stethoscope", "fireworks", "railways in India", "the Andes", "firefighters", "the human skeleton",
+    "pizza", "museums", "wildfires", "the Mars rovers", "bees' dances", "glass making", "the compass",
+]
 HELD_OUT_TOPICS = ["lighthouses", "coral reefs", "the violin", "autumn", "paper money", "owls", "glaciers",
                    "the telescope", "soccer", "bamboo"]
 
@@ -59,17 +86,29 @@ def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
     root = Path(__file__).resolve().parents[2]
     rng = random.Random(0)
-    train = [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+    train = [tpl.format(t=t) for t in TOPICS + MORE_TOPICS for tpl in TEMPLATES]
     train += [f"Write a {lang} function that {task}." for task in CODE_TASKS[:16] for lang in LANGS]
     held = [tpl.format(t=t) for t in HELD_OUT_TOPICS for tpl in rng.sample(TEMPLATES, 3)]
     held += [f"Write a {lang} function that {task}." for task in CODE_TASKS[16:] for lang in LANGS[:2]]
     paras = doc_paragraphs(root)
     rng.shuffle(paras)
-    n_held = max(1, len(paras) // 10)
-    held += [f"Summarize this in two sentences:\n\n{p}" for p in paras[:n_held]]
-    train += [f"Summarize this in two sentences:\n\n{p}" for p in paras[n_held:]]
+    summary = "Summarize this in two sentences:\n\n"
+    held_file = out / "smollm2_eval_prompts.jsonl"
+    if held_file.exists():
+        # The held-out set stays what it was when the shipped draft was measured (docs/ changes, and with it the
+        # paragraphs); its paragraphs stay out of training.
+        kept = [json.loads(line)["messages"][0]["content"] for line in held_file.read_text("utf-8").splitlines()]
+        held = None
+        held_paras = {c[len(summary):] for c in kept if c.startswith(summary)}
+        train += [summary + p for p in paras if p not in held_paras]
+    else:
+        n_held = max(1, len(paras) // 10)
+        held += [summary + p for p in paras[:n_held]]
+        train += [summary + p for p in paras[n_held:]]
     rng.shuffle(train)
-    for name, prompts in (("smollm2_train_prompts.jsonl", train), ("smollm2_eval_prompts.jsonl", held)):
+    for name, prompts in (("smollm2_train_prompts.jsonl", train), (held_file.name, held)):
+        if prompts is None:
+            continue
         with open(out / name, "w", encoding="utf-8") as f:
             for p in prompts:
                 f.write(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n")

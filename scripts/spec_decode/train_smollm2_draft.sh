@@ -22,10 +22,10 @@ HELDOUT=scripts/spec_decode/smollm2_eval_prompts.jsonl
 [ -f "$PROMPTS" ] && [ -f "$HELDOUT" ] || python scripts/spec_decode/make_prompts.py
 
 # Regenerate <= 512 tokens per prompt three times (greedy, and sampled at 0.7 and 1.0: more contexts from the
-# same prompts), capture the stream entering layers 2, 15, 27 of the 30, train 3 unrolled TTT steps over a
-# 4096-token draft vocabulary, 12 epochs of batches of 8 (~4,070 steps), then evaluate: the shipped draft.
+# same prompts), capture the stream entering layers 2, 15, 27 of the 30, train 3 unrolled TTT steps over an
+# 8192-token draft vocabulary, 10 epochs of batches of 8, then evaluate: the shipped draft.
 python -m gyrfalcon.cli train-draft --model "$MODEL" --prompts "$PROMPTS" --out "$OUT" \
   --max-model-len 2048 --max-tokens 512 --temperature 0 0.7 1.0 \
-  --draft-vocab-size 4096 --num-speculative-tokens 3 \
-  --ttt-steps 3 --epochs 12 --batch-size 8 --lr 1e-3 --lr-schedule cosine --warmup-steps 20 \
-  --save-every 50 --eval-prompts "$HELDOUT" "$@"
+  --draft-vocab-size 8192 --num-speculative-tokens 3 \
+  --ttt-steps 3 --epochs 10 --batch-size 8 --lr 1e-3 --lr-schedule cosine --warmup-steps 20 \
+  --save-every 500 --eval-prompts "$HELDOUT" "$@"

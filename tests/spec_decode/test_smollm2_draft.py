@@ -1,12 +1,14 @@
 """The EAGLE-3 draft that ships for the default model (gyrfalcon/assets/smollm2-135m-instruct-eagle3, trained by
 scripts/spec_decode/train_smollm2_draft.sh on the project's own prompts; docs/spec_decode.md) keeps its held-out
-acceptance. Acceptance is a property of the draft and the target, not of the hardware: this CPU run (fp32) and a
-GPU's (bf16) differ only where a near-tie breaks the other way. The draft is found without naming it: method eagle3
-with no model on the default model takes the shipped one.
+acceptance. Acceptance is a property of the draft and the target, up to arithmetic: where a near-tie of the target
+breaks the other way (fp32 on this CPU, bf16 on a GPU), its greedy text goes on differently. The draft is found
+without naming it: method eagle3 with no model on the default model takes the shipped one.
 
-The floor is what the shipped draft holds, not the goal: the first 96 tokens of 8 held-out prompts give 1.91 here
-(1 + 0.49 + 0.26 + 0.15 per position); the whole held-out set (42 prompts, 512 tokens) gave 2.15 on an H100. The
-target for the default model's draft is 2.5 (docs/spec_decode.md says what the training runs so far reached)."""
+The floor is what the shipped draft holds, not the goal: the first 96 tokens of 8 held-out prompts give 2.21 here
+(1 + 0.60 + 0.37 + 0.23 per position). The whole held-out set (42 prompts, 512 tokens) gave 2.59 on an H100 (bf16,
+the training script's evaluation), 2.50 on this CPU in bf16 and 2.49 in fp32: the target's greedy text itself
+differs with the arithmetic, and with it the drafts' contexts. The goal for the default model's draft is 2.5
+(docs/spec_decode.md says what the training runs reached)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from gyrfalcon.train import data as D
 
 HELD_OUT = "scripts/spec_decode/smollm2_eval_prompts.jsonl"
 N_PROMPTS, MAX_TOKENS, K = 8, 96, 3
-FLOOR = 1.8
+FLOOR = 2.1
 
 
 def test_shipped_draft_keeps_its_held_out_acceptance_at_k3():
