@@ -28,8 +28,7 @@ def create_executor(config):
     from gyrfalcon.models.loader import check_tensor_parallel
     from gyrfalcon.models.registry import resolve_model_class
     mc = config.model_config
-    check_tensor_parallel(resolve_model_class(mc.hf_config), getattr(mc, "quant_config", None),
-                          pc.tensor_parallel_size)
+    check_tensor_parallel(resolve_model_class(mc.hf_config), pc.tensor_parallel_size)
     if pc.distributed_executor_backend == "ray":
         from gyrfalcon.engine.executor_ray import RayExecutor
         return RayExecutor(config)

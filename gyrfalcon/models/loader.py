@@ -170,7 +170,7 @@ def _load_dummy(model: torch.nn.Module, seed: int, device: str) -> None:
     logger.info("dummy weights: %d parameters (%.2f GB) filled in %.2f s", n, nbytes / 1e9, time.perf_counter() - t0)
 
 
-def check_tensor_parallel(cls, quant, tp: int) -> None:
+def check_tensor_parallel(cls, tp: int) -> None:
     """Under tensor parallelism (gyrfalcon/distributed: the worker set the group up before loading) every layer
     builds this rank's shard and each weight_loader narrows the checkpoint tensor it gets to that shard. Refuse
     what does not shard yet, before building anything (the engine asks before it starts workers: executor.py). FP8
@@ -189,7 +189,7 @@ def load_model(model_config, device: str) -> torch.nn.Module:
     cls = resolve_model_class(model_config.hf_config)
     quant = getattr(model_config, "quant_config", None)
     block = quant.weight_block_size if quant is not None and quant.from_checkpoint else None
-    check_tensor_parallel(cls, quant, tp_size())
+    check_tensor_parallel(cls, tp_size())
     with _default_dtype(model_config.torch_dtype), torch.device(device), fp8_scope(block):
         model = cls(model_config.hf_config, max_position=model_config.max_model_len)
     if block is not None:

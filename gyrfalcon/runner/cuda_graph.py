@@ -341,8 +341,9 @@ class CudaGraphRunner:
         rows write to (None: no such layers). max_verify_rows: the largest verify graph (rows), where the linear
         layers' static scratch holds no more (a ladder size; larger verify steps run eagerly)."""
         self.model = model
-        # Layers that roll back rejected drafts from per-token states a verify step writes (GatedDeltaNet).
-        self._verify_layers = [m for m in model.modules() if callable(getattr(m, "replayed_verify", None))]
+        # Layers that roll back rejected drafts from per-token states a verify step writes (GatedDeltaNet): found at
+        # the first verify step.
+        self._verify_layers: Optional[list] = None
         self.last_sampled = last_sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -465,6 +466,9 @@ class CudaGraphRunner:
             # A replay runs the layers' kernels, not their Python: a linear-attention layer's rollback source (set
             # by its forward during capture, and reset by every eager step since) must be pointed at the scratch
             # the graph wrote.
+            if self._verify_layers is None:
+                self._verify_layers = [m for m in self.model.modules()
+                                       if callable(getattr(m, "replayed_verify", None))]
             for m in self._verify_layers:
                 m.replayed_verify()
         return self._rows(out, n * q)

@@ -1,7 +1,8 @@
 """Writes the prompt files of the SmolLM2-135M-Instruct EAGLE-3 draft (train_smollm2_draft.sh): chat prompts built
 from instruction templates over topics, plus summarization prompts over paragraphs of this repository's docs.
-Training and held-out evaluation prompts use disjoint topics and disjoint paragraphs. The held-out file, once written, is
-kept (the shipped draft was measured on it); rerunning the script rewrites the training file from docs/ as they are.
+Training and held-out evaluation prompts use disjoint topics and disjoint paragraphs. The held-out file, once
+written, is kept (the shipped draft was measured on it); rerunning the script rewrites the training file from docs/
+as they are.
 
 usage: python scripts/spec_decode/make_prompts.py [OUT_DIR]   (default: this script's directory)
 """

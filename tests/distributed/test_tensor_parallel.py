@@ -133,8 +133,8 @@ def test_unsupported_family_refused_before_workers_start():
     from gyrfalcon.models.loader import check_tensor_parallel
 
     with pytest.raises(ValueError, match="does not support tensor parallelism"):
-        check_tensor_parallel(CausalLM, None, 2)
-    check_tensor_parallel(CausalLM, None, 1)
+        check_tensor_parallel(CausalLM, 2)
+    check_tensor_parallel(CausalLM, 1)
 
 
 def test_parallel_config_errors():
