@@ -141,10 +141,16 @@ class MixedGraphRunner:
     def capture(self) -> None:
         self.graphs, self.outputs, self.capture_seconds = capture_ladder(self.sizes, self.kv_caches, self.prepare)
 
-    def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor) -> torch.Tensor:
-        """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding)."""
+    def _forward(self, fb: ForwardBatch, src: torch.Tensor, li: torch.Tensor):
+        """-> hidden states of the sampled rows, [b, hidden] (rows past the batch's samples: padding); with (that,
+        aux hidden states of every token [t, n_aux * hidden]) when the model keeps them for a draft (EAGLE-3 reads
+        every prompt position's, MTP the last layer's): each graph keeps its own aux output."""
         # Tokens still on the device come from last_sampled inside the embedding lookup (one launch).
-        return self.model(fb.input_ids, fb.positions, src, self.last_sampled)[li]
+        hidden = self.model(fb.input_ids, fb.positions, src, self.last_sampled)
+        inner = getattr(self.model, "model", None)
+        if getattr(inner, "aux_hidden_layers", ()):
+            return hidden[li], inner.aux_hidden
+        return hidden[li]
 
     def size_for(self, num_tokens: int, num_seqs: int) -> Optional[int]:
         """The graph a step of these counts replays (None: it runs eagerly): the smallest ladder size that
@@ -163,7 +169,8 @@ class MixedGraphRunner:
 
     def run(self, hb: HostBatch) -> torch.Tensor:
         """Replay (on a CPU: run eagerly) the padded step; returns the sampled rows' hidden states
-        [S, hidden] (a view)."""
+        [S, hidden] (a view). Aux hidden states, where the model keeps them, go where the eager path leaves them:
+        the model's aux_hidden, the step's T real rows (valid until the next step)."""
         t = self.size_for(hb.num_tokens, max(hb.num_seqs, len(hb.sample_rows)))
         b = self.seqs_for(t)
         self.inputs.fill(hb, t, b)
@@ -171,6 +178,11 @@ class MixedGraphRunner:
         if self.device.type != "cuda":
             fb, src, li = self.inputs.views(t, b)
             with forward_context(fb, self.kv_caches):
-                return self._forward(fb, src, li)[:S]
-        self.graphs[t].replay()
-        return self.outputs[t][:S]
+                out = self._forward(fb, src, li)
+        else:
+            self.graphs[t].replay()
+            out = self.outputs[t]
+        if isinstance(out, tuple):
+            self.model.model.aux_hidden = out[1][:hb.num_tokens]
+            out = out[0]
+        return out[:S]

@@ -195,10 +195,9 @@ class ModelRunner:
                 self.proposer.capture_graphs(self.graph_runner)
                 clock("draft_graphs")
         self.mixed_graph_runner: Optional[MixedGraphRunner] = None
-        # A draft over the target's hidden states needs every prompt token's, which the mixed graphs do not keep
-        # (they return the sampled rows): prefills then run eagerly; decode and verify graphs return aux outputs.
-        if (graphs and getattr(self.model, "supports_mixed_graphs", True)
-                and not getattr(self.proposer, "uses_target_hidden", False) and not self._rollback_layers):
+        # A draft over the target's hidden states reads every prompt token's: the mixed graphs, like the decode and
+        # verify graphs, then return each token's aux hidden states beside the sampled rows.
+        if graphs and getattr(self.model, "supports_mixed_graphs", True) and not self._rollback_layers:
             self.mixed_graph_runner = self._mixed_graph_runner()
             if not self._capture_or_fall_back(self.mixed_graph_runner):
                 self.mixed_graph_runner = None
@@ -395,6 +394,8 @@ class ModelRunner:
         elif not eager and self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(rows):
             # A prefill (maybe with decodes) small enough for a captured graph: the sampled rows only.
             hidden = self.mixed_graph_runner.run(pack_host_batch(rows, self.block_size, self.last_rows))
+            if getattr(self.proposer, "uses_target_hidden", False):
+                handle.aux_hidden = self.model.model.aux_hidden
         else:
             fb = build_forward_batch(rows, self.block_size, self.device, self.last_rows, self.last_sampled,
                                      batch.state_saves)

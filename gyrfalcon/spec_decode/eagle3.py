@@ -15,8 +15,8 @@ K/V of the cached positions along, and a preempted request recomputes it with th
 write k - 1 positions past the sequence: the scheduler allocates that many lookahead slots to every sampling row
 (num_lookahead_tokens). Each pass is one batched paged-attention call over all rows (the attention backend the
 target uses); the argmax of one pass feeds the next one's embedding lookup on the device, and the host reads the
-k drafts once at the end. The target's decode and verify graphs return their aux hidden states
-(runner/cuda_graph.py); its prefill steps run eagerly (the mixed graphs keep only the sampled rows). With CUDA graphs
+k drafts once at the end. The target's decode, verify and mixed (prefill) graphs return their aux hidden states
+(runner/cuda_graph.py, runner/mixed_graph.py: every token's, beside the sampled rows). With CUDA graphs
 (capture_graphs: the runner's decode graphs are on) the k - 1 chained passes replay as one graph, and so does the
 catch-up pass after a decode or verify step (spec_decode/draft_graph.py); after a prefill or mixed step the catch-up
 runs eagerly and the chain still replays.

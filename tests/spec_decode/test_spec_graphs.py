@@ -2,7 +2,8 @@
 eagerly over the padded static inputs the CUDA graphs capture, so these tests hold the padding (rows to the ladder's
 size: slot -1, seq_len 0), the in-graph gathers (each row's last kept position, the chained argmax -> embedding) and
 the rejected positions' slots against the proposer's eager path: the same drafts at every step, the same draft K/V
-in the cache, and greedy outputs equal to the engine's without speculation. EAGLE-3 (a random head on a 4-layer
+in the cache, and greedy outputs equal to the engine's without speculation; the target's prefills through the mixed
+graphs' static path (their aux hidden states included). EAGLE-3 (a random head on a 4-layer
 Llama), DeepSeek-V3 MTP and Qwen3-Next MTP. tests/gpu/test_spec_graphs_gpu.py runs the captured graphs."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from eagle3_checkpoints import make_eagle3_draft
 from mtp_checkpoints import make_deepseek_mtp_checkpoint, make_qwen3_next_mtp_checkpoint
 from gyrfalcon import LLM, SamplingParams
 from gyrfalcon.runner.cuda_graph import CudaGraphRunner
+from gyrfalcon.runner.mixed_graph import MixedGraphRunner
 from spec_testutil import OracleDrafts, record_drafts
 
 PROMPTS = [[5, 9, 13, 2, 7, 5, 9, 13], [11, 4, 4, 8, 30, 6, 1, 3, 17], [21, 3, 21, 3, 21]]
@@ -56,10 +58,15 @@ def _run(path, spec, graphs: bool, budget: int, target_graphs: bool = False, ref
         g.catch_up = lambda entries, aux, q: calls.append(("catch_up", q, len(entries))) or catch_up(entries, aux, q)
         g.chain = lambda entries, tok, h: calls.append(("chain", len(entries))) or chain(entries, tok, h)
         r.proposer.use_graphs(g)
-    if target_graphs:  # the target's decode / verify steps through its own static inputs as well
+    if target_graphs:  # the target's decode / verify steps, and its prefills, through its own static inputs as well
         k = spec["num_speculative_tokens"]
         r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, MAX_NUM_SEQS, KW["max_model_len"], r.block_size,
                                          r.device, r.last_sampled, query_lens=(1, 1 + k))
+        m = MixedGraphRunner(r.model, r.kv_caches, budget, MAX_NUM_SEQS, KW["max_model_len"], r.block_size,
+                             r.device, r.last_sampled)
+        mixed_run = m.run
+        m.run = lambda hb: calls.append(("mixed", hb.num_tokens)) or mixed_run(hb)
+        r.mixed_graph_runner = m
     seen = record_drafts(llm) if spec else []
     if refs is not None:
         head, oracle = r.proposer.propose, _oracle(refs, spec["num_speculative_tokens"])
@@ -102,6 +109,9 @@ def _check(path, spec, budget, target_graphs=True):
     assert {1, 1 + k} <= qs, calls
     assert any(c[0] == "chain" for c in calls) or k == 1, calls
     assert any(c[0] == "catch_up" and c[2] == 3 for c in calls)
+    # The target's prefill steps went through the mixed graphs' static path, which hands the draft every token's
+    # aux hidden states.
+    assert any(c[0] == "mixed" for c in calls) or not target_graphs, calls
 
 
 def test_eagle3_draft_graphs_match_the_eager_passes(llama_target, eagle_head):
