@@ -39,13 +39,6 @@ def _prompts():
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _greedy(llm, b):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()[:b]], sp,

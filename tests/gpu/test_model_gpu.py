@@ -29,15 +29,6 @@ STEPS = 32
 BLOCKS = dict(num_gpu_blocks_override=256)
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    """Each engine takes a share of the card; the previous test's must be gone before the next."""
-    yield
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module", params=[("llama-3.1-8b", 2), ("qwen3-0.6b", 4)], ids=lambda p: p[0])
 def ckpt(request, tmp_path_factory):
     preset, layers = request.param

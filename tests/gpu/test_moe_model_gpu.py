@@ -32,14 +32,6 @@ FP8_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weigh
                 "up_proj.weight", "down_proj.weight", "w1.weight", "w2.weight", "w3.weight")
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _prompts():
     p = random_prompts(4, 80, 100000, 0)
     p[1], p[2] = p[1][:29], p[2][:5]

@@ -44,14 +44,6 @@ def _prompts():
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module")
 def setups(tmp_path_factory):
     """{method: (target path, speculative_config without k, {batch size: greedy outputs without speculation})}."""

@@ -40,14 +40,6 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     return {name: make(tmp_path_factory.mktemp(name)) for name, make in CHECKPOINTS.items()}
