@@ -10,7 +10,7 @@ that belong to the process rather than to one engine: debugging switches, loggin
 | GYRFALCON_KERNELS | triton (default), ref | `ref` runs the plain-torch reference of every kernel, also on a GPU |
 | GYRFALCON_DISABLE_FUSION | 0 (default), 1 | `1`: unfused layers (separate norm, RoPE, K/V store launches), for fused-vs-unfused benchmarks |
 | GYRFALCON_PDL | auto (default), 1, 0, serial | programmatic dependent launch in batch-1 decode graphs: `auto` times both at startup and keeps the faster; `serial`: the PDL kernel variants launched without the attribute (the reference for PDL races) |
-| GYRFALCON_GC_FREEZE | unset (default), 1, 0 | freeze the startup objects out of the garbage collector's sight (default: the server's engine core does, the offline LLM does not) |
+| GYRFALCON_GC_FREEZE | unset (default), 1, 0 | freeze the startup objects out of the garbage collector's sight (default: the server's engine core does, the offline LLM freezes only for the length of each generate call); `0`: never |
 | GYRFALCON_LOG_LEVEL | INFO (default), DEBUG, ... | the server's and engine core's log level |
 | GYRFALCON_LOG_STATS_INTERVAL | seconds, 10 (default) | how often the server logs throughput and cache use |
 | GYRFALCON_API_KEY | a key | the server requires `Authorization: Bearer KEY` (the `--api-key` flag wins) |

@@ -6,7 +6,7 @@ import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from gyrfalcon.config import EngineConfig
-from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup
+from gyrfalcon.engine.engine import Engine, freeze_gc_after_startup, gc_frozen_while_running
 from gyrfalcon.engine_args import check_kwargs, llm_signature
 from gyrfalcon.output_processor import OutputProcessor
 from gyrfalcon.outputs import RequestOutput
@@ -183,15 +183,16 @@ class LLM:
             if use_tqdm:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
-            while self.engine.has_unfinished_requests():
-                touched, to_finish = processor.process(self.engine.step())
-                for eid in to_finish:
-                    self.engine.finish_request(eid)
-                for st in touched:
-                    if st.finished:
-                        results[st.request_id] = st.request_output()
-                        if bar is not None:
-                            bar.update(1)
+            with gc_frozen_while_running():
+                while self.engine.has_unfinished_requests():
+                    touched, to_finish = processor.process(self.engine.step())
+                    for eid in to_finish:
+                        self.engine.finish_request(eid)
+                    for st in touched:
+                        if st.finished:
+                            results[st.request_id] = st.request_output()
+                            if bar is not None:
+                                bar.update(1)
             if bar is not None:
                 bar.close()
             return [results[rid] for rid in order]
