@@ -43,10 +43,10 @@ def freeze_gc_after_startup(default: bool) -> bool:
 @contextlib.contextmanager
 def gc_frozen_while_running():
     """For the length of one offline run (LLM.generate's loop): what is alive when it starts (the engine, the model,
-    the caller's objects) leaves the cyclic collector's sight and comes back when it ends. Without it, the
-    collections that a step's allocations trigger walk all of it: ~3 ms of every step of 384 running requests on a
-    2-core CPU (~20% of the step, a tiny model), at 0.1 ms with it. Unlike freeze_gc_after_startup nothing stays
-    frozen after the run, so an LLM that is dropped later is still freed. Only when nothing is frozen already
+    the caller's objects) leaves the cyclic collector's sight and comes back when it ends. Without it, a full
+    collection that the steps' allocations trigger walks all of it, a pause of a whole step or more between two
+    steps of every running request (benchmarks/host_step.py counts them). Unlike freeze_gc_after_startup nothing
+    stays frozen after the run, so an LLM that is dropped later is still freed. Only when nothing is frozen already
     (a startup freeze, or the caller's own, is left alone), and not with GYRFALCON_GC_FREEZE=0."""
     if envs.get().gc_freeze is False or gc.get_freeze_count():
         yield
