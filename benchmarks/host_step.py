@@ -73,9 +73,9 @@ def _tiny_checkpoint(tokenizer_from: str) -> str:
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
-    for f in ("generation_config.json",):
-        if os.path.exists(os.path.join(tokenizer_from, f)):
-            shutil.copy(os.path.join(tokenizer_from, f), out)
+    gen = os.path.join(tokenizer_from, "generation_config.json")
+    if os.path.exists(gen):
+        shutil.copy(gen, out)
     return out
 
 

@@ -126,17 +126,18 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(sequences), desc="Capturing hidden states", dynamic_ncols=True)
         batch: List[List[int]] = []
+        tokens = 0  # in batch
         for n, ids in enumerate(sequences):
             if len(ids) > max_len:
                 raise ValueError(f"A sequence of {len(ids)} tokens is longer than max_model_len {max_len}.")
             batch.append(list(ids))
-            last = n + 1 == len(sequences)
-            if last or sum(map(len, batch)) + len(sequences[n + 1]) > budget:
+            tokens += len(ids)
+            if n + 1 == len(sequences) or tokens + len(sequences[n + 1]) > budget:
                 for aux, final in runner.capture_hidden_states(batch, aux_layer_ids):
                     yield aux.cpu(), final.cpu()
                 if bar is not None:
                     bar.update(len(batch))
-                batch = []
+                batch, tokens = [], 0
         if bar is not None:
             bar.close()
 

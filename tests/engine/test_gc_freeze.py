@@ -21,14 +21,19 @@ def unfrozen():
     gc.unfreeze()  # give the objects back to the collector for the rest of the suite
 
 
-@pytest.mark.parametrize("env, default, frozen", [(None, True, True), (None, False, False), ("0", True, False),
-                                                  ("1", False, True)])
-def test_freeze_gc_after_startup(unfrozen, monkeypatch, env, default, frozen):
+def _gc_env(monkeypatch, env) -> None:
+    """GYRFALCON_GC_FREEZE set to env (None: unset), read again."""
     if env is None:
         monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
     else:
         monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
     envs.refresh()
+
+
+@pytest.mark.parametrize("env, default, frozen", [(None, True, True), (None, False, False), ("0", True, False),
+                                                  ("1", False, True)])
+def test_freeze_gc_after_startup(unfrozen, monkeypatch, env, default, frozen):
+    _gc_env(monkeypatch, env)
     keep = [{"a": [i]} for i in range(100)]  # tracked containers alive now
     assert freeze_gc_after_startup(default) == frozen
     assert (gc.get_freeze_count() >= len(keep)) == frozen
@@ -36,11 +41,7 @@ def test_freeze_gc_after_startup(unfrozen, monkeypatch, env, default, frozen):
 
 @pytest.mark.parametrize("env, frozen", [(None, False), ("1", True), ("0", False)])
 def test_offline_llm_freezes_only_when_asked(qwen3_ckpt, unfrozen, monkeypatch, env, frozen):
-    if env is None:
-        monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
-    else:
-        monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
-    envs.refresh()
+    _gc_env(monkeypatch, env)
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=2)
     assert (gc.get_freeze_count() > 0) == frozen
     if frozen:  # the engine and its model are among the frozen objects, not left for the collector
@@ -54,11 +55,7 @@ def test_generate_freezes_only_for_its_run(qwen3_ckpt, unfrozen, monkeypatch, en
     """LLM.generate's loop runs with what was alive at its start frozen (engine.gc_frozen_while_running: the step's
     collections then walk only what the run creates), and gives it back after, so a dropped LLM is still freed;
     GYRFALCON_GC_FREEZE=0 turns it off."""
-    if env is None:
-        monkeypatch.delenv("GYRFALCON_GC_FREEZE", raising=False)
-    else:
-        monkeypatch.setenv("GYRFALCON_GC_FREEZE", env)
-    envs.refresh()
+    _gc_env(monkeypatch, env)
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=2)
     assert gc.get_freeze_count() == 0
     seen = []
@@ -74,8 +71,7 @@ def test_generate_freezes_only_for_its_run(qwen3_ckpt, unfrozen, monkeypatch, en
 def test_a_startup_freeze_is_left_alone(qwen3_ckpt, unfrozen, monkeypatch):
     """With GYRFALCON_GC_FREEZE=1 the offline LLM froze its startup objects: a run neither adds to that freeze nor
     undoes it."""
-    monkeypatch.setenv("GYRFALCON_GC_FREEZE", "1")
-    envs.refresh()
+    _gc_env(monkeypatch, "1")
     llm = LLM(str(qwen3_ckpt), max_model_len=64, max_num_seqs=2)
     frozen = gc.get_freeze_count()
     assert frozen > 0
