@@ -45,6 +45,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--eval-prompts", default=None,
                    help="held-out prompts (the --prompts formats): after training, print the draft's mean acceptance "
                         "length on them (greedy, k = --num-speculative-tokens, --max-tokens each)")
+    o.add_argument("--init-draft", default=None, metavar="DIR",
+                   help="start from this draft's weights (the speculators layout, e.g. an earlier train-draft "
+                        "output) instead of a fresh head: its vocabulary, aux layers and config are kept, "
+                        "--draft-vocab-size is not used")
     o.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
     o.add_argument("--stop-after-steps", type=int, default=None,
                    help="stop (checkpoint and export) after this many steps in all; --resume continues the schedule")
@@ -63,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
                       draft_vocab_size=args.draft_vocab_size, aux_layer_ids=args.aux_layers,
                       num_speculative_tokens=args.num_speculative_tokens, resume=args.resume,
                       save_every=args.save_every, stop_after=args.stop_after_steps, eval_prompts=args.eval_prompts,
-                      batch_size=args.batch_size,
+                      init_draft=args.init_draft, batch_size=args.batch_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, schedule=args.lr_schedule,
                       warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, seed=args.train_seed)
     print(f"EAGLE-3 draft saved in {out}")

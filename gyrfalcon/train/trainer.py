@@ -30,9 +30,11 @@ class DraftTrainer:
     def __init__(self, target_model, data: List[CapturedSequence], draft_ids: torch.Tensor, cfg: dict,
                  device, *, batch_size: int = 8, ttt_steps: int = 3, epochs: int = 1, lr: float = 1e-3,
                  schedule: str = "cosine", warmup_steps: int = 0, weight_decay: float = 0.0, seed: int = 0,
-                 max_positions: Optional[int] = None) -> None:
+                 max_positions: Optional[int] = None, init_draft: Optional[str] = None) -> None:
         """target_model: the engine's loaded CausalLM (its embedding feeds the head; its LM head gives the target's
-        logits); cfg: the draft's speculators config.json (export.draft_config); draft_ids: [V_draft] ascending."""
+        logits); cfg: the draft's speculators config.json (export.draft_config); draft_ids: [V_draft] ascending.
+        init_draft: a speculators-layout draft directory whose weights the head starts from instead of the seed's
+        initialization (its config must be `cfg` and its vocabulary `draft_ids`: init_draft_setup gives both)."""
         from gyrfalcon.models.eagle3 import Eagle3Draft, parse_eagle3_config
         from gyrfalcon.train.vocab import d2t_t2d
 
@@ -49,6 +51,11 @@ class DraftTrainer:
             self.draft = Eagle3Draft(spec, target_model.model.embed_tokens, 0, max_positions)
         d2t, self.t2d = d2t_t2d(draft_ids.cpu(), spec.target_vocab_size)
         self.draft.d2t.copy_(d2t)
+        if init_draft is not None:
+            from gyrfalcon.models.loader import iterate_safetensors
+            self.draft.load_weights(iterate_safetensors(init_draft))
+            if not torch.equal(self.draft.d2t, d2t):
+                raise ValueError(f"The draft in {init_draft} maps another vocabulary than the one given.")
         self.draft = self.draft.to(self.device, torch.float32)
         for p in self.draft.parameters():
             p.requires_grad_(True)
@@ -159,15 +166,53 @@ class DraftTrainer:
         save_speculators(out_dir, self.cfg, self.draft, self.t2d, dtype)
 
 
+def init_draft_setup(path: str, target_hf_config) -> tuple:
+    """A speculators-layout draft to continue training (train-draft --init-draft): -> (its config.json, its
+    aux layer ids, its draft vocabulary [V_draft] ascending target ids, from d2t). Fine-tuning keeps the head's
+    shape, vocabulary and aux layers: those are what its weights mean."""
+    import json
+
+    from safetensors import safe_open
+
+    from gyrfalcon.models.eagle3 import default_aux_layer_ids, detect_format, parse_eagle3_config
+
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"--init-draft: no config.json in {path}.")
+    cfg = json.loads(cfg_path.read_text())
+    if detect_format(cfg) != "speculators":
+        raise ValueError(f"--init-draft takes a draft in the speculators layout (what train-draft saves); {path} "
+                         f"is in the {detect_format(cfg)} layout.")
+    spec = parse_eagle3_config(cfg, target_hf_config)
+    files = sorted(Path(path).glob("*.safetensors"))
+    d2t = None
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            if "d2t" in h.keys():
+                d2t = h.get_tensor("d2t").to(torch.int64)
+            if any(k.endswith("embed_tokens.weight") for k in h.keys()):
+                raise ValueError(f"--init-draft: the draft in {path} brings its own embedding; train-draft trains "
+                                 "heads that read the target's.")
+    if d2t is None:
+        if spec.draft_vocab_size != spec.target_vocab_size:
+            raise ValueError(f"--init-draft: the draft in {path} has a draft vocabulary but no d2t.")
+        d2t = torch.zeros(spec.draft_vocab_size, dtype=torch.int64)
+    draft_ids = torch.arange(len(d2t), dtype=torch.int64) + d2t
+    aux = spec.aux_layer_ids or default_aux_layer_ids(target_hf_config.num_hidden_layers)
+    return cfg, sorted(int(i) for i in aux), draft_ids
+
+
 def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *, max_tokens: int = 256,
                 temperature=0.0, raw_prompts: bool = False, draft_vocab_size: int = 32000,
                 aux_layer_ids: Optional[Sequence[int]] = None, num_speculative_tokens: int = 3,
                 resume: bool = False, save_every: int = 0, stop_after: Optional[int] = None,
-                eval_prompts: Optional[str] = None, use_tqdm: bool = True, **train_kw) -> Path:
+                eval_prompts: Optional[str] = None, use_tqdm: bool = True, init_draft: Optional[str] = None,
+                **train_kw) -> Path:
     """The whole run: regenerate, capture, choose the vocabulary, train, save in the speculators layout under
     `out`; with eval_prompts (a prompts file), then log the draft's mean acceptance length on them (greedy, k =
-    num_speculative_tokens, max_tokens each). train_kw: DraftTrainer's keywords (batch_size, ttt_steps, epochs, lr,
-    schedule, ...)."""
+    num_speculative_tokens, max_tokens each). init_draft: start from that draft's weights, keeping its
+    vocabulary, aux layers and config (init_draft_setup). train_kw: DraftTrainer's keywords (batch_size,
+    ttt_steps, epochs, lr, schedule, ...)."""
     from gyrfalcon.llm import LLM
     from gyrfalcon.models.eagle3 import default_aux_layer_ids
     from gyrfalcon.train import data as D
@@ -188,6 +233,11 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
     target = llm.engine.runner.model
     hf = target.config
     aux_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(hf.num_hidden_layers)
+    if init_draft is not None:
+        init_cfg, init_aux, init_ids = init_draft_setup(init_draft, hf)
+        if aux_layer_ids and sorted(aux_layer_ids) != init_aux:
+            raise ValueError(f"--aux-layers {list(aux_layer_ids)}: the draft in {init_draft} reads {init_aux}.")
+        aux_ids = init_aux
     if len(set(aux_ids)) != 3 or any(not 0 <= i <= hf.num_hidden_layers for i in aux_ids):
         raise ValueError(f"EAGLE-3 reads three distinct aux layers in [0, {hf.num_hidden_layers}], got {aux_ids}.")
     aux_ids = sorted(aux_ids)
@@ -198,11 +248,15 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
         seqs = D.generate_sequences(llm, prompts, max_tokens, temperature, raw_prompts, seed=train_kw.get("seed"))
         captured = D.capture(llm, seqs, aux_ids)
         D.save_captured(captured, out_dir / DATA_FILE)
-    vocab = hf.vocab_size
-    draft_ids = choose_draft_vocab((s.ids for s in captured), vocab, min(draft_vocab_size, vocab))
-    cfg = draft_config(hf, model, len(draft_ids), aux_ids, num_speculative_tokens)
+    if init_draft is not None:
+        draft_ids, cfg = init_ids, init_cfg
+    else:
+        vocab = hf.vocab_size
+        draft_ids = choose_draft_vocab((s.ids for s in captured), vocab, min(draft_vocab_size, vocab))
+        cfg = draft_config(hf, model, len(draft_ids), aux_ids, num_speculative_tokens)
     trainer = DraftTrainer(target, captured, draft_ids, cfg, llm.config.device,
-                           max_positions=llm.config.model_config.max_model_len + num_speculative_tokens, **train_kw)
+                           max_positions=llm.config.model_config.max_model_len + num_speculative_tokens,
+                           init_draft=init_draft, **train_kw)
     if resume:
         trainer.load_state(out_dir)
         logger.info("resumed at step %d of %d", trainer.step, trainer.total_steps)

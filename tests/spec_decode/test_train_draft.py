@@ -142,6 +142,31 @@ def test_resume_ends_with_the_uninterrupted_weights(setup, capsys):
     assert "no train_state.pt" in capsys.readouterr().err
 
 
+def test_init_draft_continues_from_a_saved_head(setup, trained, capsys):
+    """--init-draft starts from a saved draft: stopped before its first step, the run exports that draft's tensors
+    unchanged (its vocabulary, aux layers and config kept, --draft-vocab-size unused); one step moves them; a
+    fresh head from the same flags is another one; an --aux-layers that the draft does not read is refused."""
+    root, target, _ = setup
+    draft = trained[0]
+    init = ["--init-draft", str(draft), "--epochs", "1", "--save-every", "0"]
+    _train(target, root / "prompts.txt", root / "ft0", *init, "--stop-after-steps", "0", "--draft-vocab-size", "128")
+    _train(target, root / "prompts.txt", root / "ft1", *init, "--stop-after-steps", "1")
+    _train(target, root / "prompts.txt", root / "fresh0", "--epochs", "1", "--save-every", "0",
+           "--stop-after-steps", "0")
+    src, ft0, ft1, fresh = (load_file(str(d / "model.safetensors")) for d in
+                            (draft, root / "ft0", root / "ft1", root / "fresh0"))
+    assert sorted(ft0) == sorted(src)
+    for name in src:
+        assert torch.equal(ft0[name], src[name]), name
+    assert json.loads((root / "ft0" / "config.json").read_text())["draft_vocab_size"] == 256
+    assert torch.equal(ft1["d2t"], src["d2t"]) and not torch.equal(ft1["fc.weight"], src["fc.weight"])
+    assert not torch.equal(fresh["fc.weight"], src["fc.weight"])
+    capsys.readouterr()
+    _train(target, root / "prompts.txt", root / "ft_bad", "--init-draft", str(draft), "--aux-layers", "0", "1", "2",
+           rc=2)
+    assert "reads [1, 2, 3]" in capsys.readouterr().err
+
+
 def test_draft_vocab_is_the_most_frequent_tokens():
     ids = choose_draft_vocab([[5, 5, 5, 2, 2, 9], [9, 9, 9, 7]], 12, 3)
     assert ids.tolist() == [2, 5, 9]
