@@ -96,6 +96,9 @@ def test_hybrid_verify_graphs_equal_eager_and_no_speculation(target, k, b):
     path, refs = target
     graphed, replays, stats = _run(path, refs, k, b, enforce_eager=False)
     eager, _, _ = _run(path, refs, k, b, enforce_eager=True)
-    assert graphed == eager == refs[b]
+    # Separately, so that a failure says which path left the reference: the eager verify steps (the prefill
+    # kernels over 1 + k tokens, then the tracked one-by-one rollback) or the replayed graphs (the static scratch).
+    assert eager == refs[b], "eager verify steps differ from the run without speculation"
+    assert graphed == eager, "replayed verify graphs differ from the eager verify steps"
     assert replays, "no verify step replayed a graph"
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts partly rejected
