@@ -265,13 +265,14 @@ def train_draft(model: str, prompts_path: str, out: str, engine_kwargs: dict, *,
     if eval_prompts:
         import gc
 
-        from gyrfalcon.train.evaluate import mean_acceptance_length
+        from gyrfalcon.train.evaluate import held_out_acceptance
         held = D.encode_prompts(llm.get_tokenizer(), D.load_prompts(eval_prompts), raw_prompts)
         del trainer, llm, target  # the evaluation engine sizes its KV cache from the free device memory
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        mal = mean_acceptance_length(model, str(out_dir), held, num_speculative_tokens, max_tokens, **engine_kwargs)
+        mal, per_pos = held_out_acceptance(model, str(out_dir), held, num_speculative_tokens, max_tokens,
+                                           **engine_kwargs)
         print(f"held-out mean acceptance length (k={num_speculative_tokens}, greedy, {len(held)} prompts): "
-              f"{mal:.3f}")
+              f"{mal:.3f}; accepted per position {' / '.join(f'{a:.3f}' for a in per_pos)}")
     return out_dir

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_checkpoint, make_tokenizer
 from gyrfalcon.cli import main as cli_main
 from gyrfalcon.models.eagle3 import load_eagle3_draft
-from gyrfalcon.train.evaluate import mean_acceptance_length
+from gyrfalcon.train.evaluate import held_out_acceptance
 from gyrfalcon.train.vocab import choose_draft_vocab, d2t_t2d
 
 ENGINE = ["--device", "cpu", "--block-size", "16"]
@@ -86,13 +86,18 @@ def test_training_raises_acceptance(setup, trained):
     draft, printed = trained
     _train(target, root / "prompts.txt", root / "untrained", "--stop-after-steps", "0")
     kw = dict(device="cpu", block_size=16)
-    before = mean_acceptance_length(str(target), str(root / "untrained"), heldout, 3, 32, ignore_eos=True, **kw)
-    after = mean_acceptance_length(str(target), str(draft), heldout, 3, 32, ignore_eos=True, **kw)
+    before = held_out_acceptance(str(target), str(root / "untrained"), heldout, 3, 32, ignore_eos=True, **kw)[0]
+    after = held_out_acceptance(str(target), str(draft), heldout, 3, 32, ignore_eos=True, **kw)[0]
     assert before < 1.5, before
     assert after > 3.0, (before, after)
     # The run's own --eval-prompts report (the same prompts, stopping at eos).
-    reported = re.search(r"held-out mean acceptance length \(k=3, greedy, 4 prompts\): ([0-9.]+)", printed)
+    reported = re.search(r"held-out mean acceptance length \(k=3, greedy, 4 prompts\): ([0-9.]+); accepted per "
+                         r"position ([0-9.]+) / ([0-9.]+) / ([0-9.]+)", printed)
     assert reported and float(reported.group(1)) > 2.5, printed
+    # Each drafting step accepts a prefix of its chain: the positions' shares fall, and sum to the mean less one.
+    per_pos = [float(reported.group(i)) for i in (2, 3, 4)]
+    assert per_pos == sorted(per_pos, reverse=True), per_pos
+    assert sum(per_pos) == pytest.approx(float(reported.group(1)) - 1, abs=2e-3), printed
 
 
 def test_saved_draft_is_the_speculators_layout(setup, trained):
