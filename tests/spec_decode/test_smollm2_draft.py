@@ -4,9 +4,8 @@ mean acceptance length >= 2.5 at k = 3 on the whole held-out set: 42 prompts tha
 topics, tasks and paragraphs), greedy, up to 512 tokens each, in fp32 on the CPU. The draft is found without
 naming it: method eagle3 with no model on the default model takes the shipped one.
 
-Acceptance is a property of the draft and the target up to arithmetic: where a near-tie of the target breaks the
-other way its greedy text goes on differently. On this repository's CPU the set gives 2.54 in fp32 (0.67, 0.49 and
-0.38 accepted at positions 1-3) and 2.54 in bf16; on an H100 in bf16, 2.66."""
+On this repository's CPU the set gives 2.54 in fp32 (0.67, 0.49 and 0.38 accepted at positions 1-3) and 2.54 in
+bf16; on an H100 in bf16, 2.66 (a gap between the devices that docs/spec_decode.md lists as not explained yet)."""
 
 from __future__ import annotations
 
